@@ -1,0 +1,15 @@
+//! flashmoe-bench: the benchmark lab. Measurement (sampling loop), statistics, runners
+//! (CPU, GPU, Python baselines), reports and regression comparison.
+//!
+//! Data flows one way: presets/config → problems → runners produce outputs and raw
+//! samples → correctness gate → statistics → report. Runners know nothing of reports;
+//! statistics know nothing of CUDA.
+
+pub mod compare;
+pub mod config;
+pub mod manifest;
+pub mod measure;
+pub mod report;
+pub mod results;
+pub mod runner;
+pub mod stats;

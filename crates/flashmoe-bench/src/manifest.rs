@@ -1,0 +1,126 @@
+//! The environment manifest: where and with what a run was made.
+
+use serde::{Deserialize, Serialize};
+use std::process::Command;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub flashmoe_version: String,
+    pub timestamp_utc: String,
+    pub hostname: String,
+    pub os: String,
+    pub cpu_model: String,
+    pub cpu_cores: usize,
+    pub rustc: String,
+    pub git_commit: String,
+    pub git_dirty: bool,
+    pub command_line: String,
+    #[serde(default)]
+    pub gpu: Option<GpuManifest>,
+    #[serde(default)]
+    pub python: Option<PythonManifest>,
+}
+
+/// GPU fields, filled by the GPU runner.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuManifest {
+    pub name: String,
+    pub compute_capability: String,
+    pub sm_count: u32,
+    pub memory_bytes: u64,
+    pub l2_bytes: u64,
+    pub max_sm_clock_mhz: u32,
+    pub max_mem_clock_mhz: u32,
+    pub driver_version: String,
+    pub nvrtc_version: String,
+    /// Clock/throttle observations made during the run (e.g. from nvidia-smi).
+    #[serde(default)]
+    pub clock_observations: Vec<String>,
+}
+
+/// Python baseline worker fields (versions of torch, cuDNN, Triton...).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PythonManifest {
+    pub python: String,
+    pub torch: String,
+    pub cuda: String,
+    pub cudnn: String,
+    pub triton: String,
+    pub gpu_name: String,
+}
+
+fn run(cmd: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new(cmd).args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+fn os_name() -> String {
+    let pretty = std::fs::read_to_string("/etc/os-release").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("PRETTY_NAME="))
+            .map(|l| l.trim_start_matches("PRETTY_NAME=").trim_matches('"').to_string())
+    });
+    let kernel = run("uname", &["-r"]).unwrap_or_default();
+    match pretty {
+        Some(p) => format!("{p} (kernel {kernel})"),
+        None => format!("{} (kernel {kernel})", std::env::consts::OS),
+    }
+}
+
+impl Manifest {
+    /// Collect the host part of the manifest now.
+    pub fn collect() -> Manifest {
+        let git_commit = run("git", &["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
+        let git_dirty = run("git", &["status", "--porcelain", "--untracked-files=no"])
+            .map(|s| !s.is_empty())
+            .unwrap_or(false);
+        Manifest {
+            flashmoe_version: env!("CARGO_PKG_VERSION").to_string(),
+            timestamp_utc: chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            hostname: run("hostname", &[])
+                .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+                .map(|s| s.trim().to_string())
+                .unwrap_or_else(|| "unknown".into()),
+            os: os_name(),
+            cpu_model: cpu_model(),
+            cpu_cores: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            rustc: env!("FLASHMOE_RUSTC_VERSION").to_string(),
+            git_commit,
+            git_dirty,
+            command_line: std::env::args().collect::<Vec<_>>().join(" "),
+            gpu: None,
+            python: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collects_host_fields() {
+        let m = Manifest::collect();
+        assert!(m.cpu_cores >= 1);
+        assert!(m.rustc.starts_with("rustc"), "{}", m.rustc);
+        assert!(m.timestamp_utc.ends_with('Z'));
+        assert!(!m.os.is_empty());
+    }
+}

@@ -1,0 +1,1 @@
+//! Reports (in progress).

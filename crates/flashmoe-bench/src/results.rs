@@ -1,0 +1,203 @@
+//! The results data model: what a benchmark run produces and what every report and
+//! `compare` consume. Serialised as versioned JSON (see docs/results-schema.md); bump
+//! [`SCHEMA_VERSION`] on any incompatible change.
+
+use crate::manifest::Manifest;
+use crate::stats::{Comparison, Summary};
+use flashmoe::{AttentionProblem, MoeProblem};
+use serde::{Deserialize, Serialize};
+
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One whole run of `flashmoe bench`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunResults {
+    pub schema_version: u32,
+    /// "attention" or "moe".
+    pub suite: String,
+    /// Preset name or config file path that defined the configs.
+    pub source: String,
+    pub manifest: Manifest,
+    pub settings: MeasureSettings,
+    /// Measured hardware ceilings (GPU runs only).
+    #[serde(default)]
+    pub ceilings: Option<Ceilings>,
+    /// Name of the implementation whose speedups against every other are reported.
+    pub candidate: String,
+    pub configs: Vec<ConfigResult>,
+    /// True when the run was interrupted (Ctrl-C): the configs present are complete.
+    #[serde(default)]
+    pub interrupted: bool,
+}
+
+/// The sampling policy used for every implementation of the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MeasureSettings {
+    pub warmup_ms: f64,
+    /// Stop when the relative half-width of the median's CI falls under this (0.01 = 1%).
+    pub target_rel_ci: f64,
+    pub min_samples: usize,
+    pub max_samples: usize,
+    /// Per-config wall-time cap for sampling, in ms.
+    pub max_time_ms: f64,
+    pub confidence: f64,
+    pub bootstrap_resamples: usize,
+    pub seed: u64,
+    /// Practical threshold for verdicts (0.02 = 2%).
+    pub threshold: f64,
+    /// How caches were defeated between samples (e.g. "l2-flush 100 MB", "none (cpu)").
+    pub cache_policy: String,
+    pub timer: String,
+}
+
+/// Ceilings measured in the same session, used for "% of ceiling".
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Ceilings {
+    /// Dense bf16 GEMM throughput, TFLOP/s.
+    pub gemm_tflops: f64,
+    /// Description of the GEMM measured (e.g. "cuBLAS bf16 8192^3").
+    pub gemm_desc: String,
+    /// Device-to-device copy bandwidth counting read + write bytes, GB/s.
+    pub copy_gbps: f64,
+}
+
+/// The problem a config describes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum ProblemSpec {
+    Attention(AttentionProblem),
+    Moe(MoeProblem),
+}
+
+impl ProblemSpec {
+    pub fn id(&self) -> String {
+        match self {
+            ProblemSpec::Attention(p) => p.id(),
+            ProblemSpec::Moe(p) => p.id(),
+        }
+    }
+    pub fn label(&self) -> String {
+        match self {
+            ProblemSpec::Attention(p) => p.to_string(),
+            ProblemSpec::Moe(p) => p.to_string(),
+        }
+    }
+    /// The sweep axis used by plots: sequence length for attention, tokens for MoE.
+    pub fn x_value(&self) -> f64 {
+        match self {
+            ProblemSpec::Attention(p) => p.seqlen_k as f64,
+            ProblemSpec::Moe(p) => p.tokens as f64,
+        }
+    }
+    pub fn x_label(&self) -> &'static str {
+        match self {
+            ProblemSpec::Attention(_) => "sequence length",
+            ProblemSpec::Moe(_) => "tokens",
+        }
+    }
+    /// Plot series key: configs sharing it form one panel (e.g. head dim × causal).
+    pub fn panel(&self) -> String {
+        match self {
+            ProblemSpec::Attention(p) => format!(
+                "D={} {} {}",
+                p.head_dim,
+                if p.causal { "causal" } else { "non-causal" },
+                p.dtype
+            ),
+            ProblemSpec::Moe(p) => format!(
+                "H={} I={} E={} k={} {}",
+                p.hidden, p.intermediate, p.experts, p.top_k, p.dtype
+            ),
+        }
+    }
+}
+
+/// Everything measured for one config.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConfigResult {
+    pub id: String,
+    pub label: String,
+    pub problem: ProblemSpec,
+    /// Model FLOPs of the problem (see flashmoe::problem).
+    pub flops: f64,
+    /// Minimum bytes moved (each input read once, each output written once).
+    pub min_bytes: f64,
+    pub implementations: Vec<ImplResult>,
+    /// The candidate against every other implementation that produced samples.
+    pub comparisons: Vec<PairResult>,
+    /// Set when the config as a whole failed (e.g. invalid for every implementation).
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// Correctness of one implementation's output against the reference.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AccuracyResult {
+    pub max_abs: f64,
+    pub mean_abs: f64,
+    pub max_rel: f64,
+    pub rel_l2: f64,
+    pub non_finite: usize,
+    /// Relative-L2 tolerance applied.
+    pub tolerance_rel_l2: f64,
+    pub passed: bool,
+    /// What the implementation was checked against (e.g. "cpu-f64").
+    pub reference: String,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// One implementation on one config.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImplResult {
+    pub name: String,
+    /// Where it ran: "cpu", "cuda", "python".
+    pub backend: String,
+    /// Raw per-sample times in ms, in the order measured.
+    pub samples_ms: Vec<f64>,
+    #[serde(default)]
+    pub summary: Option<Summary>,
+    /// TFLOP/s at the median time.
+    #[serde(default)]
+    pub tflops: Option<f64>,
+    /// GB/s of the minimum bytes at the median time.
+    #[serde(default)]
+    pub gbps: Option<f64>,
+    /// Percent of the measured GEMM ceiling (GPU runs only).
+    #[serde(default)]
+    pub pct_of_gemm_ceiling: Option<f64>,
+    /// Peak extra device/host memory the implementation allocated, bytes.
+    #[serde(default)]
+    pub peak_extra_bytes: Option<u64>,
+    #[serde(default)]
+    pub accuracy: Option<AccuracyResult>,
+    /// Checksum of the inputs this implementation consumed (identical-input proof).
+    #[serde(default)]
+    pub input_checksum: Option<String>,
+    /// Set when the implementation could not run this config ("n/a: ..." or an error).
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Warnings such as implausible throughput.
+    #[serde(default)]
+    pub flags: Vec<String>,
+}
+
+impl ImplResult {
+    pub fn median_ms(&self) -> Option<f64> {
+        self.summary.as_ref().map(|s| s.median)
+    }
+    /// Usable for comparisons: has samples and did not fail correctness.
+    pub fn is_usable(&self) -> bool {
+        self.error.is_none()
+            && !self.samples_ms.is_empty()
+            && self.accuracy.as_ref().is_none_or(|a| a.passed)
+    }
+}
+
+/// Candidate vs one other implementation within a config.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PairResult {
+    pub candidate: String,
+    pub baseline: String,
+    pub comparison: Comparison,
+}
