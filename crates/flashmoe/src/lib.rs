@@ -10,6 +10,7 @@
 //! - [`gpu`]: the CUDA runtime (cudarc, NVRTC kernel cache, timing).
 
 pub mod accuracy;
+pub mod attention;
 pub mod dtype;
 pub mod error;
 pub mod gpu;

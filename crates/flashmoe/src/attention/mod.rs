@@ -1,0 +1,2 @@
+//! Attention forward on the GPU: kernel selection ([`config`]) and launch.
+pub mod config;
