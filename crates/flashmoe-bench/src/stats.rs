@@ -272,7 +272,7 @@ impl MedianResampler {
             return (0, 0);
         }
         // 1-based rank of the lower middle order statistic.
-        let k = (n + 1) / 2;
+        let k = n.div_ceil(2);
         let x = gamma_variate(k as f64, rng);
         let y = gamma_variate((n + 1 - k) as f64, rng);
         let u_k = x / (x + y);
