@@ -110,6 +110,12 @@ pub fn launch_config(problem: &AttentionProblem, variant: &KernelVariant) -> Res
     })
 }
 
+/// The kernel's `softmax_scale_log2` parameter: scale · log2(e), so the kernel can use
+/// exp2.
+pub fn softmax_scale_log2(problem: &AttentionProblem) -> f32 {
+    problem.scale() * std::f32::consts::LOG2_E
+}
+
 /// A kernel variant resolved for one problem on one device: function loaded, shared
 /// memory limit raised, geometry computed. Launching it is one driver call.
 pub struct AttentionLaunch {
@@ -164,7 +170,7 @@ impl AttentionLaunch {
             seqlen_k: problem.seqlen_k as i32,
             heads_q: problem.heads_q as i32,
             heads_kv: problem.heads_kv as i32,
-            scale_log2: problem.scale() * std::f32::consts::LOG2_E,
+            scale_log2: softmax_scale_log2(problem),
             variant,
         })
     }
@@ -458,7 +464,11 @@ mod tests {
     #[test]
     fn scale_is_passed_in_log2_units() {
         let p = problem();
-        let s = p.scale() * std::f32::consts::LOG2_E;
-        assert!((s - 0.125 * 1.442_695).abs() < 1e-6);
+        // D = 64: scale 1/8; exp(x·scale) = 2^(x·scale·log2 e).
+        let s = softmax_scale_log2(&p);
+        assert!((s - 0.125 / std::f32::consts::LN_2).abs() < 1e-6);
+        let mut q = p.clone();
+        q.softmax_scale = Some(0.5);
+        assert!((softmax_scale_log2(&q) - 0.5 / std::f32::consts::LN_2).abs() < 1e-6);
     }
 }

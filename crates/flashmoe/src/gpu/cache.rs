@@ -192,6 +192,25 @@ impl KernelCache {
         format!("{stem}-{arch}-{key}")
     }
 
+    fn key_for(
+        nv: &nvrtc::Nvrtc,
+        source_text: &str,
+        defines: &[(String, String)],
+        arch: &str,
+    ) -> (String, Vec<String>) {
+        let options = nvrtc::compile_options(arch, defines);
+        let headers = crate::gpu::kernels::headers();
+        let key = cache_key(
+            source_text,
+            &headers,
+            defines,
+            arch,
+            &options,
+            &nv.version_string(),
+        );
+        (key, options)
+    }
+
     /// Compile `source_text` for `arch` with `defines`, or read the result from the
     /// on-disk cache. Needs libnvrtc (for its version, part of the key) but no GPU.
     pub fn compile(
@@ -203,16 +222,7 @@ impl KernelCache {
         arch: &str,
     ) -> Result<CachedKernel> {
         let nv = nvrtc::nvrtc()?;
-        let options = nvrtc::compile_options(arch, defines);
-        let headers = crate::gpu::kernels::headers();
-        let key = cache_key(
-            source_text,
-            &headers,
-            defines,
-            arch,
-            &options,
-            &nv.version_string(),
-        );
+        let (key, options) = Self::key_for(nv, source_text, defines, arch);
         let kind = ImageKind::for_arch(arch);
         let paths = self.dir.as_ref().map(|d| {
             let stem = Self::file_stem(source_name, arch, &key);
@@ -275,8 +285,8 @@ impl KernelCache {
             .ctx
             .as_ref()
             .ok_or_else(|| Error::NoGpu("this kernel cache was created without a device".into()))?;
-        let cached = self.compile(source_name, source_text, entry, defines, arch)?;
-        let fkey = (cached.key.clone(), entry.to_string());
+        let (key, _) = Self::key_for(nvrtc::nvrtc()?, source_text, defines, arch);
+        let fkey = (key.clone(), entry.to_string());
         if let Some(f) = self
             .functions
             .lock()
@@ -290,11 +300,12 @@ impl KernelCache {
                 .modules
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .get(&cached.key)
+                .get(&key)
                 .cloned();
             match existing {
                 Some(m) => m,
                 None => {
+                    let cached = self.compile(source_name, source_text, entry, defines, arch)?;
                     let m = match load_image(ctx, &cached.compiled) {
                         Ok(m) => m,
                         Err(e) if cached.from_disk => {
@@ -321,7 +332,7 @@ impl KernelCache {
                     self.modules
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert(cached.key.clone(), m.clone());
+                        .insert(key.clone(), m.clone());
                     m
                 }
             }
@@ -394,7 +405,7 @@ mod tests {
         // format version.
         assert_eq!(
             key_of("", &[], &[], "sm_80", "13.0"),
-            key_of("", &[], &[], "sm_80", "13.0")
+            "607edd659edbc31b08535563559ab695c35c372b90ac145a4c2fcc3a4f7c5b3e"
         );
     }
 

@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::gpu::device::Device;
 use crate::gpu::libs;
-use crate::gpu::timing::EventTimer;
+use crate::gpu::timing::time_back_to_back;
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use serde::{Deserialize, Serialize};
@@ -60,7 +60,7 @@ const WARMUP: usize = 3;
 const SAMPLES: usize = 10;
 
 /// cuBLAS bf16 GEMM 8192³ (fp32 accumulation, bf16 output) on random data; median of 10
-/// timed runs after 3 warm-ups. TFLOP/s.
+/// back-to-back timed runs after 3 warm-ups. TFLOP/s.
 pub fn measure_gemm_ceiling(dev: &Device) -> Result<f64> {
     measure_gemm_ceiling_detailed(dev).map(|m| m.value)
 }
@@ -125,20 +125,16 @@ pub fn measure_gemm_ceiling_detailed(dev: &Device) -> Result<CeilingMeasurement>
         }
         .map_err(|e| Error::cuda("cublasGemmEx (bf16 8192^3)", e))
     };
-    let timer = EventTimer::new(dev)?;
     for _ in 0..WARMUP {
         gemm()?;
     }
     dev.synchronize()?;
-    let mut samples = Vec::with_capacity(SAMPLES);
-    for _ in 0..SAMPLES {
-        samples.push(timer.time(&mut gemm)?);
-    }
+    let samples = time_back_to_back(dev, SAMPLES, &mut gemm)?;
     let med = median(&samples);
     let flops = 2.0 * (n as f64).powi(3);
     Ok(CeilingMeasurement {
         description: format!(
-            "cuBLAS bf16 GEMM {n}x{n}x{n}, fp32 accumulate, random data, median of {SAMPLES}"
+            "cuBLAS bf16 GEMM {n}x{n}x{n}, fp32 accumulate, random data, median of {SAMPLES} back-to-back runs"
         ),
         value: flops / (med * 1e-3) / 1e12,
         unit: "TFLOP/s".into(),
@@ -150,7 +146,7 @@ pub fn measure_gemm_ceiling_detailed(dev: &Device) -> Result<CeilingMeasurement>
 const COPY_BYTES: usize = 1 << 30;
 
 /// Device-to-device copy of 1 GiB (cuMemcpyDtoDAsync); GB/s counting bytes read plus
-/// bytes written; median of 10 timed runs after 3 warm-ups.
+/// bytes written; median of 10 back-to-back timed runs after 3 warm-ups.
 pub fn measure_copy_ceiling(dev: &Device) -> Result<f64> {
     measure_copy_ceiling_detailed(dev).map(|m| m.value)
 }
@@ -179,19 +175,15 @@ pub fn measure_copy_ceiling_detailed(dev: &Device) -> Result<CeilingMeasurement>
         unsafe { cudarc::driver::result::memcpy_dtod_async(pd, ps, bytes, stream.cu_stream()) }
             .map_err(|e| Error::cuda("cuMemcpyDtoDAsync (1 GiB)", e))
     };
-    let timer = EventTimer::new(dev)?;
     for _ in 0..WARMUP {
         copy()?;
     }
     dev.synchronize()?;
-    let mut samples = Vec::with_capacity(SAMPLES);
-    for _ in 0..SAMPLES {
-        samples.push(timer.time(&mut copy)?);
-    }
+    let samples = time_back_to_back(dev, SAMPLES, &mut copy)?;
     let med = median(&samples);
     Ok(CeilingMeasurement {
         description: format!(
-            "device-to-device copy of {} MiB (read + write bytes counted), median of {SAMPLES}",
+            "device-to-device copy of {} MiB (read + write bytes counted), median of {SAMPLES} back-to-back runs",
             bytes >> 20
         ),
         value: 2.0 * bytes as f64 / (med * 1e-3) / 1e9,

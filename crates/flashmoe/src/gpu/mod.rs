@@ -31,7 +31,7 @@ pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
     parse_ptxas_report, CompiledKernel, ImageKind, KernelResources,
 };
-pub use timing::{EventTimer, L2Flusher};
+pub use timing::{time_back_to_back, EventTimer, L2Flusher};
 
 #[cfg(test)]
 mod tests {

@@ -166,10 +166,8 @@ fn load_from_path(path: &Path) -> std::result::Result<Nvrtc, String> {
 
 /// The checkout-local install made by `scripts/install-nvrtc.sh`.
 pub fn dev_checkout_nvrtc_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../.nvrtc/nvidia/cu13/lib")
-        .components()
-        .collect()
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.nvrtc/nvidia/cu13/lib");
+    std::fs::canonicalize(&p).unwrap_or(p)
 }
 
 fn search() -> std::result::Result<Nvrtc, String> {

@@ -108,3 +108,42 @@ impl L2Flusher {
             .map_err(|e| Error::cuda("cuMemsetD8Async (L2 flush)", e))
     }
 }
+
+/// Enqueue `op` `1 + n` times back-to-back with a timing event between consecutive runs,
+/// wait once, and return the `n` per-run times in ms. The first run is untimed and only
+/// keeps the GPU busy, so every start event is reached by the GPU while it is working:
+/// neither the host's launch latency nor a synchronisation gap is counted. Suited to
+/// operations long enough (≥ tens of µs) that the host keeps ahead of the GPU.
+pub fn time_back_to_back(
+    dev: &Device,
+    n: usize,
+    mut op: impl FnMut() -> Result<()>,
+) -> Result<Vec<f64>> {
+    let events = (0..=n)
+        .map(|_| {
+            dev.context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| Error::cuda("cuEventCreate", e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let stream = dev.stream();
+    op()?;
+    for (i, ev) in events.iter().enumerate() {
+        ev.record(stream)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        if i < n {
+            op()?;
+        }
+    }
+    events[n]
+        .synchronize()
+        .map_err(|e| Error::cuda("cuEventSynchronize (a timed operation failed)", e))?;
+    events
+        .windows(2)
+        .map(|w| {
+            w[0].elapsed_ms(&w[1])
+                .map(|ms| ms as f64)
+                .map_err(|e| Error::cuda("cuEventElapsedTime", e))
+        })
+        .collect()
+}
