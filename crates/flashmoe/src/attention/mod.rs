@@ -213,17 +213,16 @@ impl AttentionLaunch {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn validated_launch(
-    dev: &Device,
+/// Problem and buffer checks shared by [`forward`] and [`reference_forward`], done
+/// before a kernel is chosen so a wrong buffer is reported as such.
+fn check_call(
     problem: &AttentionProblem,
-    variant: KernelVariant,
     o_dtype: DType,
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
-    o: &mut DeviceTensor,
-    lse: &mut DeviceTensor,
+    o: &DeviceTensor,
+    lse: &DeviceTensor,
 ) -> Result<()> {
     problem.validate()?;
     check_buffer_lengths(problem, q.len(), k.len(), v.len(), o.len(), lse.len())?;
@@ -235,9 +234,7 @@ fn validated_launch(
         o.dtype(),
         o_dtype,
         lse.dtype(),
-    )?;
-    let launch = AttentionLaunch::prepare(dev, problem, variant)?;
-    launch.launch(dev, q, k, v, o, lse)
+    )
 }
 
 /// Attention forward with the v1 kernel (mma.sync; used on sm_80 and sm_90 for now):
@@ -253,9 +250,9 @@ pub fn forward(
     o: &mut DeviceTensor,
     lse: &mut DeviceTensor,
 ) -> Result<()> {
-    problem.validate()?;
+    check_call(problem, problem.dtype, q, k, v, o, lse)?;
     let variant = config::select_v1(problem)?;
-    validated_launch(dev, problem, variant, problem.dtype, q, k, v, o, lse)
+    AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
 }
 
 /// The GPU reference kernel (fp32 accumulation, simple and slow): same inputs as
@@ -269,9 +266,9 @@ pub fn reference_forward(
     o: &mut DeviceTensor,
     lse: &mut DeviceTensor,
 ) -> Result<()> {
-    problem.validate()?;
+    check_call(problem, DType::F32, q, k, v, o, lse)?;
     let variant = config::select_reference(problem)?;
-    validated_launch(dev, problem, variant, DType::F32, q, k, v, o, lse)
+    AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
 }
 
 /// Owns the device buffers of one attention problem and the resolved v1 kernel.

@@ -15,6 +15,8 @@ pub mod buffer;
 pub mod cache;
 pub mod ceiling;
 pub mod device;
+#[cfg(test)]
+mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
 pub mod nvrtc;
