@@ -8,7 +8,13 @@ fn main() {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR");
     let dir = Path::new(&manifest).join("kernels");
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed={}", dir.display());
+    if dir.is_dir() {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    } else {
+        // A missing path would make cargo rerun this script (and rebuild the crate) on
+        // every build; watch the crate directory instead, so creating kernels/ is seen.
+        println!("cargo:rerun-if-changed={manifest}");
+    }
 
     let mut files: Vec<(String, String)> = Vec::new();
     if let Ok(entries) = std::fs::read_dir(&dir) {

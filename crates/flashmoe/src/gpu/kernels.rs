@@ -80,7 +80,7 @@ mod tests {
             assert!(name.ends_with(".cuh"));
         }
         for name in n {
-            assert!(!source(name).unwrap().is_empty() || name.ends_with(".cuh"));
+            assert!(source(name).is_ok(), "{name}");
         }
     }
 }
