@@ -1,0 +1,46 @@
+// Embeds every CUDA source under `kernels/` (*.cu, *.cuh) into the library, so the
+// binary carries its kernels and NVRTC compiles them at run time. The table is generated
+// from whatever files exist, so adding a kernel needs no Rust change.
+use std::fmt::Write as _;
+use std::path::Path;
+
+fn main() {
+    let manifest = std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR");
+    let dir = Path::new(&manifest).join("kernels");
+    println!("cargo:rerun-if-changed=build.rs");
+    if dir.is_dir() {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    } else {
+        // A missing path would make cargo rerun this script (and rebuild the crate) on
+        // every build; watch the crate directory instead, so creating kernels/ is seen.
+        println!("cargo:rerun-if-changed={manifest}");
+    }
+
+    let mut files: Vec<(String, String)> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = match path.file_name().and_then(|n| n.to_str()) {
+                Some(n) => n.to_string(),
+                None => continue,
+            };
+            if !(name.ends_with(".cu") || name.ends_with(".cuh")) || !path.is_file() {
+                continue;
+            }
+            println!("cargo:rerun-if-changed={}", path.display());
+            files.push((name, path.display().to_string()));
+        }
+    }
+    files.sort();
+
+    let mut out = String::new();
+    out.push_str("/// (file name, contents) of every embedded kernel source, sorted by name.\n");
+    out.push_str("pub(crate) static EMBEDDED: &[(&str, &str)] = &[\n");
+    for (name, path) in &files {
+        writeln!(out, "    ({name:?}, include_str!({path:?})),").unwrap();
+    }
+    out.push_str("];\n");
+    let out_dir = std::env::var("OUT_DIR").expect("OUT_DIR");
+    std::fs::write(Path::new(&out_dir).join("kernel_sources.rs"), out)
+        .expect("write kernel_sources.rs");
+}

@@ -1,0 +1,290 @@
+//! Tests that need a GPU. On a machine without one each test prints "skipped: no GPU"
+//! and passes (the NoGpu path itself is asserted in `gpu::tests`). On the GPU machine:
+//! `cargo test -p flashmoe --release -- gpu_tests --nocapture --test-threads=1`.
+
+use super::*;
+use crate::attention::{self, AttentionRunner};
+use crate::dtype::DType;
+use crate::error::Error;
+use crate::problem::AttentionProblem;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
+    match Device::open(0) {
+        Ok(dev) => {
+            eprintln!("{name}: {}", dev.info());
+            f(&dev)
+        }
+        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
+        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
+    }
+}
+
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("flashmoe-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn selftest_kernel_runs() {
+    with_gpu("selftest", |dev| {
+        dev.selftest().unwrap();
+        let info = dev.info();
+        assert!(info.sm_count > 0 && info.l2_cache_bytes > 0);
+        assert!(info.max_shared_memory_per_block_optin >= 48 * 1024);
+        assert!(info.driver_version.contains('.'));
+        assert!(
+            info.compile_arch.is_some(),
+            "NVRTC not found on the GPU machine"
+        );
+    });
+}
+
+#[test]
+fn tensors_round_trip_and_poison() {
+    with_gpu("tensors", |dev| {
+        let xs: Vec<f32> = (0..1001).map(|i| (i as f32 - 500.0) / 37.0).collect();
+        for dt in [DType::F16, DType::Bf16, DType::F32] {
+            let mut t = DeviceTensor::from_f32(dev, dt, &xs).unwrap();
+            assert_eq!(t.len(), xs.len());
+            let back = t.to_f32(dev).unwrap();
+            let want: Vec<f32> = xs.iter().map(|&x| dt.round(x)).collect();
+            assert_eq!(back, want, "{dt}");
+            t.poison(dev).unwrap();
+            assert!(t.to_f32(dev).unwrap().iter().all(|x| x.is_nan()), "{dt}");
+            t.zero(dev).unwrap();
+            assert!(t.to_f32(dev).unwrap().iter().all(|&x| x == 0.0), "{dt}");
+            t.upload(dev, &xs).unwrap();
+            assert_eq!(t.to_f32(dev).unwrap(), want);
+            match t.upload(dev, &xs[1..]) {
+                Err(Error::BufferSize {
+                    expected, actual, ..
+                }) => assert_eq!((expected, actual), (1001, 1000)),
+                other => panic!("{other:?}"),
+            }
+            let a = DeviceTensor::alloc(dev, dt, 77).unwrap();
+            assert!(a.to_f32(dev).unwrap().iter().all(|x| x.is_nan()));
+        }
+        let t = DeviceTensor::alloc(dev, DType::F32, 4).unwrap();
+        assert!(t.as_u16("o").is_err());
+        assert!(t.as_f32("o").is_ok());
+    });
+}
+
+#[test]
+fn timer_and_flusher() {
+    with_gpu("timing", |dev| {
+        let mut fl = L2Flusher::new(dev).unwrap();
+        assert!(fl.size_bytes() as u64 >= 2 * dev.info().l2_cache_bytes);
+        let timer = EventTimer::new(dev).unwrap();
+        let ms = timer.time(|| fl.flush()).unwrap();
+        assert!(ms > 0.0 && ms < 1000.0, "{ms}");
+        let samples = time_back_to_back(dev, 5, || fl.flush()).unwrap();
+        assert_eq!(samples.len(), 5);
+        assert!(samples.iter().all(|&s| s > 0.0));
+        // Flush bandwidth, for the log: 2×L2 bytes written per flush.
+        let gbs = fl.size_bytes() as f64 / (ceiling::median(&samples) * 1e-3) / 1e9;
+        eprintln!("L2 flush: {:?} ms ({gbs:.0} GB/s)", samples);
+    });
+}
+
+const BIG_SMEM_SOURCE: &str = r#"
+extern "C" __global__ void big_smem(float* out, int n) {
+    extern __shared__ float s[];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = (float)i;
+    __syncthreads();
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += s[n - 1 - i];
+    atomicAdd(out, acc);
+}
+"#;
+
+#[test]
+fn dynamic_shared_memory_above_48k() {
+    with_gpu("smem", |dev| {
+        let f = dev
+            .load_kernel_source("big_smem.cu", BIG_SMEM_SOURCE, "big_smem", &[])
+            .unwrap();
+        let bytes: u32 = 100 * 1024;
+        let n = (bytes / 4) as i32;
+        dev.set_dynamic_shared_memory("big_smem", &f, bytes)
+            .unwrap();
+        let mut out = DeviceTensor::from_f32(dev, DType::F32, &[0.0]).unwrap();
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: bytes,
+        };
+        let slice = out.as_f32_mut("out").unwrap();
+        let mut b = dev.stream().launch_builder(&f);
+        b.arg(slice).arg(&n);
+        let r = unsafe { b.launch(cfg) };
+        dev.check_launch("big_smem", r).unwrap();
+        let got = out.to_f32(dev).unwrap()[0] as f64;
+        let want = (n as f64) * (n as f64 - 1.0) / 2.0;
+        assert!((got - want).abs() / want < 1e-5, "{got} vs {want}");
+        let too_much = dev.info().max_shared_memory_per_block_optin as u32 + 1;
+        assert!(matches!(
+            dev.set_dynamic_shared_memory("big_smem", &f, too_much),
+            Err(Error::Unsupported { .. })
+        ));
+    });
+}
+
+#[test]
+fn launch_errors_name_the_kernel() {
+    with_gpu("launch-error", |dev| {
+        let f = dev
+            .load_kernel_source("big_smem.cu", BIG_SMEM_SOURCE, "big_smem", &[])
+            .unwrap();
+        let mut out = DeviceTensor::from_f32(dev, DType::F32, &[0.0]).unwrap();
+        let n = 1i32;
+        // 2048 threads per block is invalid on every GPU.
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (2048, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let slice = out.as_f32_mut("out").unwrap();
+        let mut b = dev.stream().launch_builder(&f);
+        b.arg(slice).arg(&n);
+        let r = unsafe { b.launch(cfg) };
+        let e = dev.check_launch("big_smem", r).unwrap_err().to_string();
+        assert!(e.contains("big_smem"), "{e}");
+        dev.synchronize().unwrap();
+    });
+}
+
+#[test]
+fn kernel_cache_loads_from_disk_and_recovers_from_corruption() {
+    with_gpu("cache", |dev| {
+        let dir = temp_dir("gpu-cache");
+        let arch = dev.compile_arch().unwrap().to_string();
+        let src = kernels::SELFTEST_SOURCE;
+        let entry = kernels::SELFTEST_ENTRY;
+        {
+            let c = KernelCache::for_context(dev.context().clone(), Some(dir.clone()));
+            c.load("selftest.cu", src, entry, &[], &arch).unwrap();
+            c.load("selftest.cu", src, entry, &[], &arch).unwrap(); // memory hit
+        }
+        let cached = KernelCache::offline(Some(dir.clone()))
+            .compile("selftest.cu", src, entry, &[], &arch)
+            .unwrap();
+        assert!(cached.from_disk);
+        // Corrupt the image: a fresh cache must recompile and still load.
+        std::fs::write(cached.path.as_ref().unwrap(), b"not a cubin").unwrap();
+        let c = KernelCache::for_context(dev.context().clone(), Some(dir.clone()));
+        c.load("selftest.cu", src, entry, &[], &arch).unwrap();
+        let again = KernelCache::offline(Some(dir.clone()))
+            .compile("selftest.cu", src, entry, &[], &arch)
+            .unwrap();
+        assert!(again.from_disk);
+        assert!(again.compiled.image.starts_with(b"\x7fELF") || arch.starts_with("compute_"));
+        let _ = std::fs::remove_dir_all(&dir);
+    });
+}
+
+#[test]
+fn measured_ceilings_are_plausible() {
+    with_gpu("ceilings", |dev| {
+        let g = measure_gemm_ceiling_detailed(dev).unwrap();
+        let c = measure_copy_ceiling_detailed(dev).unwrap();
+        eprintln!(
+            "{}: {:.1} {} {:?}",
+            g.description, g.value, g.unit, g.samples_ms
+        );
+        eprintln!(
+            "{}: {:.1} {} {:?}",
+            c.description, c.value, c.unit, c.samples_ms
+        );
+        assert!(g.value > 10.0 && g.value < 5000.0, "{}", g.value);
+        assert!(c.value > 50.0 && c.value < 20000.0, "{}", c.value);
+    });
+}
+
+#[test]
+fn attention_api_rejects_bad_buffers_before_launching() {
+    with_gpu("attention-errors", |dev| {
+        let p = AttentionProblem::new(1, 2, 16, 64, false, DType::Bf16);
+        let q = DeviceTensor::alloc(dev, DType::Bf16, p.q_elems()).unwrap();
+        let k = DeviceTensor::alloc(dev, DType::Bf16, p.kv_elems()).unwrap();
+        let v_short = DeviceTensor::alloc(dev, DType::Bf16, p.kv_elems() - 1).unwrap();
+        let v = DeviceTensor::alloc(dev, DType::Bf16, p.kv_elems()).unwrap();
+        let mut o = DeviceTensor::alloc(dev, DType::Bf16, p.q_elems()).unwrap();
+        let mut lse = DeviceTensor::alloc(dev, DType::F32, p.lse_elems()).unwrap();
+        match attention::forward(dev, &p, &q, &k, &v_short, &mut o, &mut lse) {
+            Err(Error::BufferSize { name, .. }) => assert_eq!(name, "v"),
+            other => panic!("{other:?}"),
+        }
+        // The reference kernel writes f32: a bf16 o is rejected.
+        let e = attention::reference_forward(dev, &p, &q, &k, &v, &mut o, &mut lse)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("buffer o"), "{e}");
+    });
+}
+
+/// Runs the v1 kernel and the GPU reference on a small problem when the kernel
+/// engineer's variants exist; compares them and checks every output was written.
+#[test]
+fn attention_v1_matches_gpu_reference() {
+    with_gpu("attention", |dev| {
+        let problems = [
+            AttentionProblem::new(2, 4, 200, 64, false, DType::Bf16),
+            AttentionProblem::new(1, 2, 129, 128, true, DType::F16),
+            AttentionProblem {
+                heads_kv: 1,
+                seqlen_k: 77,
+                ..AttentionProblem::new(1, 4, 33, 64, true, DType::Bf16)
+            },
+        ];
+        for p in problems {
+            if let Err(e) = attention::config::select_v1(&p) {
+                eprintln!("attention: skipped {p}: {e}");
+                continue;
+            }
+            let gen = |n: usize, seed: u32| -> Vec<f32> {
+                (0..n)
+                    .map(|i| {
+                        let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                        (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+                    })
+                    .collect()
+            };
+            let (q, k, v) = (
+                gen(p.q_elems(), 1),
+                gen(p.kv_elems(), 2),
+                gen(p.kv_elems(), 3),
+            );
+            let mut r = AttentionRunner::new(dev, &p, &q, &k, &v).unwrap();
+            r.poison_outputs(dev).unwrap();
+            r.run(dev).unwrap();
+            let o = r.output(dev).unwrap();
+            let lse = r.lse(dev).unwrap();
+            assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
+            assert!(lse.iter().all(|x| !x.is_nan()), "{p}: unwritten lse");
+            match r.run_reference(dev) {
+                Ok((ro, rlse)) => {
+                    let max_err = o
+                        .iter()
+                        .zip(&ro)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    let max_lse = lse
+                        .iter()
+                        .zip(&rlse)
+                        .filter(|(a, b)| a.is_finite() || b.is_finite())
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    eprintln!(
+                        "attention {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}"
+                    );
+                    assert!(max_err < 2e-2, "{p}: max error {max_err}");
+                    assert!(max_lse < 1e-2, "{p}: lse error {max_lse}");
+                }
+                Err(e) => eprintln!("attention {p}: no GPU reference: {e}"),
+            }
+        }
+    });
+}
