@@ -168,6 +168,19 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
 
 /// Sequence-length pairs the CPU check covers: tiny, ragged, and Sq ≠ Sk both ways.
 pub const CPU_CHECK_SEQLENS: &[(usize, usize)] = &[(1, 1), (17, 17), (128, 128), (100, 37), (37, 100)];
+/// The GPU check adds long and ragged lengths (checked against the GPU fp32 reference
+/// where the CPU f64 reference would be too slow).
+pub const GPU_CHECK_SEQLENS: &[(usize, usize)] = &[
+    (1, 1),
+    (17, 17),
+    (128, 128),
+    (1000, 1000),
+    (4097, 4097),
+    (1, 4097),
+    (1000, 4097),
+    (4097, 1000),
+];
+pub const GPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (1000, 1000), (128, 1000), (1000, 128), (4097, 4097)];
 pub const CPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (100, 37), (37, 100)];
 
 // ---- TOML config files ----

@@ -1,26 +1,74 @@
 //! Where the work runs: the GPU when one is usable, otherwise the CPU implementations.
 //! Decides the implementations, the reference, the timer settings and the manifest.
 
+use flashmoe::gpu::DeviceInfo;
 use flashmoe_bench::config::Suite;
-use flashmoe_bench::manifest::Manifest;
+use flashmoe_bench::manifest::{GpuManifest, Manifest};
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
+use flashmoe_bench::runner::gpu::{GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
+use std::rc::Rc;
+
+/// Attention problems up to this many model FLOPs are checked against the CPU f64
+/// reference; larger ones against the GPU fp32 reference kernel.
+const CPU_REFERENCE_MAX_FLOPS: f64 = 5e9;
 
 /// The implementations and policies for one run.
 pub struct Lab {
-    pub on_gpu: bool,
+    pub session: Option<Rc<GpuSession>>,
     pub implementations: Vec<Box<dyn Implementation>>,
     pub reference: Box<dyn ReferenceProvider>,
     pub default_candidate: String,
     pub settings: MeasureSettings,
-    pub ceilings: Option<Ceilings>,
     pub manifest: Manifest,
+}
+
+impl Lab {
+    pub fn on_gpu(&self) -> bool {
+        self.session.is_some()
+    }
+}
+
+/// One observation of clocks, temperature, power and throttle reasons (nvidia-smi), if
+/// the tool is there.
+pub fn clock_observation(when: &str) -> Option<String> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active",
+            "--format=csv,noheader",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let line = String::from_utf8_lossy(&out.stdout).lines().next()?.trim().to_string();
+    Some(format!("{when}: sm clock, mem clock, temp, power, throttle reasons = {line}"))
+}
+
+fn gpu_manifest(info: &DeviceInfo) -> GpuManifest {
+    GpuManifest {
+        name: info.name.clone(),
+        compute_capability: format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
+        sm_count: info.sm_count,
+        memory_bytes: info.total_memory_bytes,
+        l2_bytes: info.l2_cache_bytes,
+        max_sm_clock_mhz: info.max_sm_clock_mhz,
+        max_mem_clock_mhz: info.memory_clock_mhz,
+        driver_version: info.driver_version.clone(),
+        nvrtc_version: info.nvrtc_version.clone().unwrap_or_else(|| "not found".into()),
+        clock_observations: clock_observation("start").into_iter().collect(),
+    }
 }
 
 /// Host manifest plus the GPU fields when a GPU is visible.
 pub fn manifest_with_gpu() -> Manifest {
-    Manifest::collect()
+    let mut m = Manifest::collect();
+    if let Ok(info) = flashmoe::gpu::probe() {
+        m.gpu = Some(gpu_manifest(&info));
+    }
+    m
 }
 
 fn cpu_settings(seed: u64) -> MeasureSettings {
@@ -37,7 +85,25 @@ fn cpu_settings(seed: u64) -> MeasureSettings {
     }
 }
 
-/// The CPU lab: the f64 reference and the tiled f32 algorithm.
+fn gpu_settings(seed: u64, flush_bytes: usize) -> MeasureSettings {
+    MeasureSettings {
+        warmup_ms: 100.0,
+        target_rel_ci: 0.01,
+        min_samples: 20,
+        max_samples: 1000,
+        max_time_ms: 3_000.0,
+        seed,
+        cache_policy: format!(
+            "L2 flush: memset of {:.0} MB queued before every start event",
+            flush_bytes as f64 / 1e6
+        ),
+        timer: "CUDA events (GPU busy with the flush when the start event is recorded)".into(),
+        ..MeasureSettings::default()
+    }
+}
+
+/// The CPU lab: the f64 reference and the tiled f32 algorithm (attention) or the grouped
+/// f32 algorithm (MoE).
 pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
     let implementations: Vec<Box<dyn Implementation>> = match suite {
         Suite::Attention => vec![
@@ -54,24 +120,76 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
         Suite::Moe => "cpu-grouped",
     };
     Lab {
-        on_gpu: false,
+        session: None,
         implementations,
         reference: Box::new(CpuReference),
         default_candidate: default_candidate.into(),
         settings: cpu_settings(seed),
-        ceilings: None,
         manifest: Manifest::collect(),
     }
 }
 
+fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) -> Lab {
+    let mut implementations: Vec<Box<dyn Implementation>> = vec![Box::new(GpuAttention {
+        kernel: GpuAttentionKernel::V1,
+        session: session.clone(),
+    })];
+    if for_check {
+        implementations.push(Box::new(GpuAttention {
+            kernel: GpuAttentionKernel::Reference,
+            session: session.clone(),
+        }));
+    }
+    let mut manifest = Manifest::collect();
+    manifest.gpu = Some(gpu_manifest(session.device.info()));
+    let _ = suite;
+    Lab {
+        implementations,
+        reference: Box::new(GpuReferenceProvider {
+            session: session.clone(),
+            cpu_max_flops: CPU_REFERENCE_MAX_FLOPS,
+        }),
+        default_candidate: "flashmoe-v1".into(),
+        settings: gpu_settings(seed, session.flush_bytes()),
+        manifest,
+        session: Some(session),
+    }
+}
+
 /// Pick the lab: the GPU unless `force_cpu` or none is usable (then one line says why).
-pub fn select(suite: Suite, force_cpu: bool, seed: u64) -> Lab {
+/// MoE has no GPU implementation yet, so it always runs on the CPU.
+pub fn select(suite: Suite, force_cpu: bool, seed: u64, for_check: bool) -> Lab {
     if force_cpu {
         eprintln!("CPU mode (--cpu): running the CPU implementations.");
-    } else {
-        eprintln!(
-            "No GPU support in this build path yet: running the CPU implementations (reference vs tiled)."
-        );
+        return cpu_lab(suite, seed);
     }
-    cpu_lab(suite, seed)
+    if suite == Suite::Moe {
+        eprintln!("MoE has no GPU implementation yet: running the CPU implementations (reference vs grouped).");
+        return cpu_lab(suite, seed);
+    }
+    match GpuSession::open(0) {
+        Ok(session) => {
+            let info = session.device.info();
+            eprintln!(
+                "GPU: {} (sm_{}, {} SMs, driver CUDA {}, NVRTC {})",
+                info.name,
+                info.arch(),
+                info.sm_count,
+                info.driver_version,
+                info.nvrtc_version.as_deref().unwrap_or("not found")
+            );
+            gpu_lab(suite, seed, session, for_check)
+        }
+        Err(e) => {
+            eprintln!("{e}: running the CPU implementations (reference vs tiled) instead.");
+            cpu_lab(suite, seed)
+        }
+    }
+}
+
+/// Measure the GEMM and copy ceilings on the session's GPU (start of a bench run).
+pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
+    let gemm = flashmoe::gpu::measure_gemm_ceiling_detailed(&session.device)?;
+    let copy = flashmoe::gpu::measure_copy_ceiling_detailed(&session.device)?;
+    Ok(Ceilings { gemm_tflops: gemm.value, gemm_desc: gemm.description, copy_gbps: copy.value })
 }

@@ -40,11 +40,11 @@ fn install_interrupt_handler() -> Arc<AtomicBool> {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let suite: Suite = args.suite.into();
-    let lab = backend::select(suite, args.cpu, args.seed);
+    let lab = backend::select(suite, args.cpu, args.seed, false);
     let (configs, source) = match (&args.preset, &args.config) {
         (_, Some(path)) => (config::load_config(path, suite)?, path.display().to_string()),
-        (Some(name), None) => (config::preset(suite, name, lab.on_gpu)?, format!("preset:{name}")),
-        (None, None) => (config::preset(suite, "quick", lab.on_gpu)?, "preset:quick".to_string()),
+        (Some(name), None) => (config::preset(suite, name, lab.on_gpu())?, format!("preset:{name}")),
+        (None, None) => (config::preset(suite, "quick", lab.on_gpu())?, "preset:quick".to_string()),
     };
     ensure_writable(&args.out)?;
 
@@ -81,12 +81,21 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         settings.max_time_ms = s * 1e3;
     }
 
+    let ceilings = match &lab.session {
+        Some(session) => {
+            eprintln!("measuring the bf16 GEMM and device-copy ceilings...");
+            let c = backend::measure_ceilings(session)?;
+            eprintln!("ceilings: {:.0} TFLOP/s ({}), copy {:.0} GB/s", c.gemm_tflops, c.gemm_desc, c.copy_gbps);
+            Some(c)
+        }
+        None => None,
+    };
     let pipeline = Pipeline {
         implementations,
         reference: lab.reference.as_ref(),
         candidate: candidate.clone(),
         settings: settings.clone(),
-        ceilings: lab.ceilings.clone(),
+        ceilings: ceilings.clone(),
     };
     let mut results = RunResults {
         schema_version: SCHEMA_VERSION,
@@ -94,7 +103,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         source,
         manifest: lab.manifest.clone(),
         settings,
-        ceilings: lab.ceilings.clone(),
+        ceilings,
         candidate,
         configs: Vec::new(),
         interrupted: false,
@@ -124,6 +133,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         report::write_all(&results, &args.out)?;
     }
     bar.finish_and_clear();
+    if let (Some(gpu), true) = (results.manifest.gpu.as_mut(), lab.on_gpu()) {
+        gpu.clock_observations.extend(backend::clock_observation("end"));
+    }
     let written = report::write_all(&results, &args.out)?;
     println!("{}", report::terminal_table(&results));
     for path in written {

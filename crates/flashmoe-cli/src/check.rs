@@ -21,7 +21,7 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     };
     let mut all: Vec<CheckRow> = Vec::new();
     for suite in suites {
-        let lab = backend::select(suite, args.cpu, seed);
+        let lab = backend::select(suite, args.cpu, seed, true);
         // The reference itself is not "checked" against itself.
         let under_test: Vec<&dyn Implementation> = lab
             .implementations
@@ -33,7 +33,12 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             println!("{}: no implementation besides the reference on this machine; nothing to check", suite.name());
             continue;
         }
-        let seqlens = if args.quick { config::CPU_CHECK_SEQLENS_QUICK } else { config::CPU_CHECK_SEQLENS };
+        let seqlens = match (lab.on_gpu(), args.quick) {
+            (true, true) => config::GPU_CHECK_SEQLENS_QUICK,
+            (true, false) => config::GPU_CHECK_SEQLENS,
+            (false, true) => config::CPU_CHECK_SEQLENS_QUICK,
+            (false, false) => config::CPU_CHECK_SEQLENS,
+        };
         let problems = config::check_matrix(suite, args.quick, seqlens);
         let rows = run_checks(&problems, &under_test, lab.reference.as_ref(), seed, |case| {
             for r in case.iter().filter(|r| !r.passed()) {

@@ -4,6 +4,7 @@
 
 pub mod check;
 pub mod cpu;
+pub mod gpu;
 pub mod pipeline;
 
 use crate::measure::Sampled;
@@ -68,6 +69,11 @@ pub trait ReferenceProvider {
     /// Name recorded in accuracy results (e.g. "cpu-f64").
     fn name(&self, problem: &ProblemSpec) -> String;
     fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs>;
+    /// The implementation that *is* the reference for this problem (not checked against
+    /// itself), if any.
+    fn serves_as(&self, _problem: &ProblemSpec) -> Option<&str> {
+        None
+    }
 }
 
 /// Host bytes a config needs for its f32 inputs and f64 reference outputs.

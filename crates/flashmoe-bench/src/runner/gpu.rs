@@ -1,0 +1,231 @@
+//! Native GPU implementations: our attention kernel and the GPU fp32 reference, timed with
+//! CUDA events. Before each start event an L2 flush (a memset of 2× L2) is queued, so the
+//! caches are cold and the GPU is already busy when the start event is recorded: host
+//! launch latency is never counted as kernel time.
+
+use super::cpu::CpuReference;
+use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use anyhow::Context;
+use flashmoe::attention::{self, config, AttentionRunner};
+use flashmoe::gpu::{Device, DeviceTensor, EventTimer, L2Flusher};
+use flashmoe::reference::attention::AttentionOutput;
+use flashmoe::DType;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// The opened GPU with the timing primitives every GPU implementation shares.
+pub struct GpuSession {
+    pub device: Device,
+    timer: EventTimer,
+    flusher: RefCell<L2Flusher>,
+}
+
+impl GpuSession {
+    pub fn open(ordinal: usize) -> flashmoe::Result<Rc<GpuSession>> {
+        let device = Device::open(ordinal)?;
+        let timer = EventTimer::new(&device)?;
+        let flusher = RefCell::new(L2Flusher::new(&device)?);
+        Ok(Rc::new(GpuSession { device, timer, flusher }))
+    }
+
+    pub fn flush_bytes(&self) -> usize {
+        self.flusher.borrow().size_bytes()
+    }
+
+    /// Flush L2, then time `work` between CUDA events.
+    pub fn timed(&self, work: impl FnOnce() -> flashmoe::Result<()>) -> anyhow::Result<f64> {
+        self.flusher.borrow_mut().flush()?;
+        Ok(self.timer.time(work)?)
+    }
+}
+
+/// Which GPU attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuAttentionKernel {
+    /// The v1 FlashAttention-2 kernel (mma.sync, sm_80+).
+    V1,
+    /// The simple fp32-accumulation reference kernel.
+    Reference,
+}
+
+pub struct GpuAttention {
+    pub kernel: GpuAttentionKernel,
+    pub session: Rc<GpuSession>,
+}
+
+impl Implementation for GpuAttention {
+    fn name(&self) -> &str {
+        match self.kernel {
+            GpuAttentionKernel::V1 => "flashmoe-v1",
+            GpuAttentionKernel::Reference => "gpu-reference",
+        }
+    }
+    fn backend(&self) -> &str {
+        "cuda"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        let ProblemSpec::Attention(p) = problem else {
+            return Err("attention kernel".into());
+        };
+        let variant = match self.kernel {
+            GpuAttentionKernel::V1 => config::select_v1(p),
+            GpuAttentionKernel::Reference => config::select_reference(p),
+        }
+        .map_err(|e| e.to_string())?;
+        let arch = self.session.device.arch();
+        if arch < variant.min_arch {
+            return Err(format!("needs sm_{} or newer, this GPU is sm_{arch}", variant.min_arch));
+        }
+        Ok(())
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
+            anyhow::bail!("GPU attention given a non-attention config");
+        };
+        let dev = &self.session.device;
+        Ok(match self.kernel {
+            GpuAttentionKernel::V1 => Box::new(V1Prepared {
+                runner: AttentionRunner::new(dev, p, &x.q, &x.k, &x.v)
+                    .context("preparing the v1 kernel")?,
+                session: self.session.clone(),
+            }),
+            GpuAttentionKernel::Reference => Box::new(ReferencePrepared::new(&self.session, p, x)?),
+        })
+    }
+}
+
+struct V1Prepared {
+    runner: AttentionRunner,
+    session: Rc<GpuSession>,
+}
+
+impl Sampled for V1Prepared {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let dev = &self.session.device;
+        let runner = &mut self.runner;
+        self.session.timed(|| runner.run(dev))
+    }
+}
+
+impl Prepared for V1Prepared {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let dev = &self.session.device;
+        self.runner.poison_outputs(dev)?;
+        self.runner.run(dev)?;
+        dev.synchronize()?;
+        Ok(Outputs::Attention { o: self.runner.output(dev)?, lse: self.runner.lse(dev)? })
+    }
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        // The kernel allocates nothing beyond its inputs, O and LSE.
+        Some(0)
+    }
+}
+
+/// Buffers for the GPU reference kernel (O in f32).
+struct ReferencePrepared {
+    problem: flashmoe::AttentionProblem,
+    q: DeviceTensor,
+    k: DeviceTensor,
+    v: DeviceTensor,
+    o: DeviceTensor,
+    lse: DeviceTensor,
+    session: Rc<GpuSession>,
+}
+
+impl ReferencePrepared {
+    fn new(
+        session: &Rc<GpuSession>,
+        p: &flashmoe::AttentionProblem,
+        x: &flashmoe::reference::attention::AttentionInputs,
+    ) -> anyhow::Result<ReferencePrepared> {
+        let dev = &session.device;
+        Ok(ReferencePrepared {
+            problem: p.clone(),
+            q: DeviceTensor::from_f32(dev, p.dtype, &x.q)?,
+            k: DeviceTensor::from_f32(dev, p.dtype, &x.k)?,
+            v: DeviceTensor::from_f32(dev, p.dtype, &x.v)?,
+            o: DeviceTensor::alloc(dev, DType::F32, p.q_elems())?,
+            lse: DeviceTensor::alloc(dev, DType::F32, p.lse_elems())?,
+            session: session.clone(),
+        })
+    }
+
+    fn launch(&mut self) -> flashmoe::Result<()> {
+        let dev = &self.session.device;
+        attention::reference_forward(dev, &self.problem, &self.q, &self.k, &self.v, &mut self.o, &mut self.lse)
+    }
+
+    fn outputs(&mut self) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
+        let dev = &self.session.device;
+        self.o.poison(dev)?;
+        self.lse.poison(dev)?;
+        self.launch()?;
+        dev.synchronize()?;
+        Ok((self.o.to_f32(dev)?, self.lse.to_f32(dev)?))
+    }
+}
+
+impl Sampled for ReferencePrepared {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let session = self.session.clone();
+        session.timed(|| self.launch())
+    }
+}
+
+impl Prepared for ReferencePrepared {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let (o, lse) = self.outputs()?;
+        Ok(Outputs::Attention { o, lse })
+    }
+}
+
+/// CPU f64 for problems small enough, the GPU fp32 reference kernel (itself validated
+/// against the CPU f64 reference by `flashmoe check`) above that.
+pub struct GpuReferenceProvider {
+    pub session: Rc<GpuSession>,
+    /// Largest problem (model FLOPs) checked against the CPU f64 reference.
+    pub cpu_max_flops: f64,
+}
+
+impl GpuReferenceProvider {
+    fn use_cpu(&self, problem: &ProblemSpec) -> bool {
+        match problem {
+            ProblemSpec::Attention(p) => p.flops() <= self.cpu_max_flops,
+            ProblemSpec::Moe(_) => true,
+        }
+    }
+}
+
+impl ReferenceProvider for GpuReferenceProvider {
+    fn name(&self, problem: &ProblemSpec) -> String {
+        if self.use_cpu(problem) {
+            CpuReference.name(problem)
+        } else {
+            "gpu-fp32".into()
+        }
+    }
+    fn serves_as(&self, problem: &ProblemSpec) -> Option<&str> {
+        (!self.use_cpu(problem)).then_some("gpu-reference")
+    }
+    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs> {
+        if self.use_cpu(problem) {
+            return CpuReference.compute(problem, inputs);
+        }
+        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
+            anyhow::bail!("no GPU reference for this config");
+        };
+        let (o, lse) = ReferencePrepared::new(&self.session, p, x)?
+            .outputs()
+            .context("GPU fp32 reference")?;
+        Ok(ReferenceOutputs::Attention(AttentionOutput {
+            o: o.into_iter().map(f64::from).collect(),
+            lse: lse.into_iter().map(f64::from).collect(),
+        }))
+    }
+}
