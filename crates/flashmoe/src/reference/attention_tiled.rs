@@ -52,6 +52,17 @@ pub fn attention_tiled(
     block_m: usize,
     block_n: usize,
 ) -> Result<AttentionOutput<f32>> {
+    tiled_with(p, x, block_m, block_n, Simd::detect())
+}
+
+/// [`attention_tiled`] compiled for a chosen instruction set (tests run every path).
+pub(crate) fn tiled_with(
+    p: &AttentionProblem,
+    x: &AttentionInputs,
+    block_m: usize,
+    block_n: usize,
+    simd: Simd,
+) -> Result<AttentionOutput<f32>> {
     validate_inputs(p, x)?;
     if block_m == 0 || block_n == 0 {
         return Err(Error::invalid(format!(
@@ -60,7 +71,6 @@ pub fn attention_tiled(
     }
     let (b, hq, sq, d) = (p.batch, p.heads_q, p.seqlen_q, p.head_dim);
     let geo = Geometry::new(p, block_m, block_n);
-    let simd = Simd::detect();
 
     let mut o_bh = vec![0f32; b * hq * sq * d];
     let mut lse = vec![0f32; b * hq * sq];
@@ -164,15 +174,15 @@ struct Unit {
 }
 
 /// Instruction set the unit is compiled for, chosen once per call.
-#[derive(Clone, Copy)]
-enum Simd {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Simd {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2Fma,
 }
 
 impl Simd {
-    fn detect() -> Self {
+    pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2")
@@ -239,7 +249,7 @@ fn lanes(s: &[f32]) -> &[f32; NR] {
 /// on [−½, ½] (truncation error < 6e-9 relative), then scale by 2^n through the exponent
 /// bits. Results below 2^−126 flush to 0 (irrelevant next to the row maximum's 1).
 #[inline(always)]
-fn exp2_fast<const FMA: bool>(x: f32) -> f32 {
+pub(crate) fn exp2_fast<const FMA: bool>(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5·2^23
     const C: [f32; 8] = [
         1.0,

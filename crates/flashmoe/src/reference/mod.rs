@@ -38,3 +38,8 @@ pub(crate) fn check_len(name: &str, expected: usize, actual: usize) -> Result<()
         })
     }
 }
+
+#[cfg(test)]
+mod tests_attention;
+#[cfg(test)]
+mod tests_moe;
