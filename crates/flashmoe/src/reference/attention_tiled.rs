@@ -14,15 +14,17 @@
 //! - at the end O = acc / l and LSE = m·scale + ln(l) (natural log); a row that sees no
 //!   key gets O = 0 and LSE = −inf.
 //!
-//! Extra memory is O(N): per worker a few tiles (Q, packed Kᵀ, V, S/P, accumulator), plus
-//! one output-sized buffer for the layout change (batch, head, seq, dim) →
-//! (batch, seq, head, dim). There is never an Sq×Sk buffer.
+//! Extra memory is O(N): K and V packed once per call (K as transposed tiles of
+//! head_dim × block_n, V with rows padded to a multiple of 16) — the CPU stand-in for the
+//! GPU's shared-memory tiles, shared by every Q tile and every query head of a KV group —
+//! per worker a few tiles (Q, S/P, accumulator), and one output-sized buffer for the
+//! layout change (batch, head, seq, dim) → (batch, seq, head, dim). There is never an
+//! Sq×Sk buffer.
 //!
-//! Speed: the K tile is packed transposed (head_dim × block_n) and the V tile row-major
-//! with padded rows, so both GEMMs run as 4×16 register-blocked micro-kernels whose
-//! inner loops are contiguous and vectorise; exp2 is a branch-free polynomial (relative
-//! error ≈ 1e-7) that vectorises too. On x86-64 with AVX2+FMA (detected at run time) the
-//! whole unit is compiled for those features.
+//! Speed: with K packed transposed and V row-padded, both GEMMs run as 4×16
+//! register-blocked micro-kernels whose inner loops are contiguous and vectorise; exp2 is
+//! a branch-free polynomial (relative error ≈ 1e-7) that vectorises too. On x86-64 with
+//! AVX2+FMA (detected at run time) the whole unit is compiled for those features.
 
 use super::attention::{bhsd_to_bshd, validate_inputs, AttentionInputs, AttentionOutput};
 use crate::error::{Error, Result};
@@ -71,6 +73,7 @@ pub(crate) fn tiled_with(
     }
     let (b, hq, sq, d) = (p.batch, p.heads_q, p.seqlen_q, p.head_dim);
     let geo = Geometry::new(p, block_m, block_n);
+    let kv = PackedKv::new(p, x, &geo);
 
     let mut o_bh = vec![0f32; b * hq * sq * d];
     let mut lse = vec![0f32; b * hq * sq];
@@ -90,7 +93,7 @@ pub(crate) fn tiled_with(
                             h,
                             r0: t * geo.bm,
                         };
-                        simd.run(p, x, &geo, unit, scr, o_tile, lse_tile);
+                        simd.run(p, x, &kv, &geo, unit, scr, o_tile, lse_tile);
                     },
                 );
         });
@@ -109,6 +112,8 @@ struct Geometry {
     bm_p: usize,
     bn_p: usize,
     d_p: usize,
+    /// K/V tiles per (batch, KV head).
+    n_tiles: usize,
     group: usize,
     /// scale·log2(e).
     scale_log2: f32,
@@ -125,6 +130,7 @@ impl Geometry {
             bm_p: round_up(bm, MR),
             bn_p: round_up(bn, NR),
             d_p: round_up(p.head_dim, NR),
+            n_tiles: p.seqlen_k.div_ceil(bn),
             group: p.group_size(),
             scale_log2: p.scale() * std::f32::consts::LOG2_E,
             scale: p.scale(),
@@ -136,10 +142,6 @@ impl Geometry {
 struct Scratch {
     /// Q tile, (bm_p, d), rows past the tile zero.
     q: Vec<f32>,
-    /// K tile transposed, (d, nk_p) for the current tile width nk_p ≤ bn_p.
-    kt: Vec<f32>,
-    /// V tile, (bn_p, d_p); columns past d stay zero.
-    v: Vec<f32>,
     /// S, then P in place, (bm_p, nk_p).
     s: Vec<f32>,
     /// Unnormalised output accumulator, (bm_p, d_p).
@@ -152,16 +154,56 @@ struct Scratch {
 
 impl Scratch {
     fn new(g: &Geometry) -> Self {
-        let d = g.d_p; // head_dim ≤ d_p; sizing with d_p is enough for q and kt.
         Scratch {
-            q: vec![0.0; g.bm_p * d],
-            kt: vec![0.0; d * g.bn_p],
-            v: vec![0.0; g.bn_p * g.d_p],
+            q: vec![0.0; g.bm_p * g.d_p],
             s: vec![0.0; g.bm_p * g.bn_p],
             acc: vec![0.0; g.bm_p * g.d_p],
             m: vec![0.0; g.bm],
             l: vec![0.0; g.bm],
         }
+    }
+}
+
+/// K and V of every (batch, KV head), packed once per call.
+struct PackedKv {
+    /// Per (batch, KV head, tile t): Kᵀ of keys [t·bn, t·bn + w), (d × w_p) with
+    /// w_p = w rounded up to NR (zero columns past w), at offset
+    /// ((b·Hkv + kvh)·n_tiles + t)·d·bn_p.
+    kt: Vec<f32>,
+    /// Per (batch, KV head): V rows (seqlen_k × d_p), zero columns past d.
+    v: Vec<f32>,
+}
+
+impl PackedKv {
+    fn new(p: &AttentionProblem, x: &AttentionInputs, g: &Geometry) -> Self {
+        let (hkv, sk, d) = (p.heads_kv, p.seqlen_k, p.head_dim);
+        let heads = p.batch * hkv;
+        let kt_head = g.n_tiles * d * g.bn_p;
+        let v_head = sk * g.d_p;
+        let mut kt = vec![0f32; heads * kt_head];
+        let mut v = vec![0f32; heads * v_head];
+        kt.par_chunks_mut(kt_head)
+            .zip(v.par_chunks_mut(v_head))
+            .enumerate()
+            .for_each(|(bk, (kt, v))| {
+                let (b, kvh) = (bk / hkv, bk % hkv);
+                for (t, tile) in kt.chunks_exact_mut(d * g.bn_p).enumerate() {
+                    let j0 = t * g.bn;
+                    let w = g.bn.min(sk - j0);
+                    let w_p = round_up(w, NR);
+                    for j in 0..w {
+                        let off = ((b * sk + j0 + j) * hkv + kvh) * d;
+                        for (dd, &kv) in x.k[off..off + d].iter().enumerate() {
+                            tile[dd * w_p + j] = kv;
+                        }
+                    }
+                }
+                for (j, row) in v.chunks_exact_mut(g.d_p).enumerate() {
+                    let off = ((b * sk + j) * hkv + kvh) * d;
+                    row[..d].copy_from_slice(&x.v[off..off + d]);
+                }
+            });
+        PackedKv { kt, v }
     }
 }
 
@@ -199,6 +241,7 @@ impl Simd {
         self,
         p: &AttentionProblem,
         x: &AttentionInputs,
+        kv: &PackedKv,
         g: &Geometry,
         u: Unit,
         scr: &mut Scratch,
@@ -206,10 +249,10 @@ impl Simd {
         lse: &mut [f32],
     ) {
         match self {
-            Simd::Portable => run_unit::<false>(p, x, g, u, scr, o, lse),
+            Simd::Portable => run_unit::<false>(p, x, kv, g, u, scr, o, lse),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Simd::Avx2Fma` is only chosen after run-time detection of AVX2 and FMA.
-            Simd::Avx2Fma => unsafe { run_unit_avx2_fma(p, x, g, u, scr, o, lse) },
+            Simd::Avx2Fma => unsafe { run_unit_avx2_fma(p, x, kv, g, u, scr, o, lse) },
         }
     }
 }
@@ -220,13 +263,14 @@ impl Simd {
 unsafe fn run_unit_avx2_fma(
     p: &AttentionProblem,
     x: &AttentionInputs,
+    kv: &PackedKv,
     g: &Geometry,
     u: Unit,
     scr: &mut Scratch,
     o: &mut [f32],
     lse: &mut [f32],
 ) {
-    run_unit::<true>(p, x, g, u, scr, o, lse)
+    run_unit::<true>(p, x, kv, g, u, scr, o, lse)
 }
 
 /// `a·b + c`, fused when the unit is compiled with FMA.
@@ -307,12 +351,15 @@ fn exp_row<const FMA: bool>(s: &mut [f32], scale_log2: f32, m_scaled: f32) -> f3
     sum.iter().sum()
 }
 
-/// S (rows_p × nk_p, stride nk_p) = Q (rows_p × d) · Kᵀ (d × nk_p), 4×16 blocks.
+/// S (rows_p × nk_p, stride nk_p) = Q (rows_p × d) · Kᵀ (d × nk_p, stride ldk ≥ nk_p),
+/// 4×16 blocks.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn qk_kernel<const FMA: bool>(
     q: &[f32],
     d: usize,
     kt: &[f32],
+    ldk: usize,
     nk_p: usize,
     s: &mut [f32],
     rows_p: usize,
@@ -322,7 +369,7 @@ fn qk_kernel<const FMA: bool>(
         for c in (0..nk_p).step_by(NR) {
             let mut acc = [[0f32; NR]; MR];
             for dd in 0..d {
-                let k = lanes(&kt[dd * nk_p + c..]);
+                let k = lanes(&kt[dd * ldk + c..]);
                 for (a, qrow) in acc.iter_mut().zip(&qr) {
                     let qv = qrow[dd];
                     for (ai, &kv) in a.iter_mut().zip(k) {
@@ -373,9 +420,11 @@ fn pv_kernel<const FMA: bool>(
 
 /// One (batch, head, Q tile) unit: writes its O rows (row-major, head_dim wide) and LSE.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn run_unit<const FMA: bool>(
     p: &AttentionProblem,
     x: &AttentionInputs,
+    kv: &PackedKv,
     g: &Geometry,
     u: Unit,
     scr: &mut Scratch,
@@ -407,22 +456,16 @@ fn run_unit<const FMA: bool>(
         let nk = g.bn.min(kv_end - j0);
         let nk_p = round_up(nk, NR);
 
-        // Pack Kᵀ (d × nk_p, zero columns past nk) and V (nk × d_p).
-        for j in 0..nk {
-            let off = ((u.b * sk + j0 + j) * hkv + kvh) * d;
-            let kr = &x.k[off..off + d];
-            for (dd, &kv) in kr.iter().enumerate() {
-                scr.kt[dd * nk_p + j] = kv;
-            }
-            scr.v[j * d_p..j * d_p + d].copy_from_slice(&x.v[off..off + d]);
-        }
-        if nk < nk_p {
-            for dd in 0..d {
-                scr.kt[dd * nk_p + nk..(dd + 1) * nk_p].fill(0.0);
-            }
-        }
+        // This tile's packed Kᵀ (stride = its full packed width) and V rows.
+        let t = j0 / g.bn;
+        let ldk = round_up(g.bn.min(sk - j0), NR);
+        let head = u.b * hkv + kvh;
+        let kt_off = (head * g.n_tiles + t) * d * g.bn_p;
+        let kt = &kv.kt[kt_off..kt_off + d * ldk];
+        let v_off = (head * sk + j0) * d_p;
+        let v = &kv.v[v_off..v_off + nk * d_p];
 
-        qk_kernel::<FMA>(&scr.q, d, &scr.kt, nk_p, &mut scr.s, rows_p);
+        qk_kernel::<FMA>(&scr.q, d, kt, ldk, nk_p, &mut scr.s, rows_p);
 
         // Mask, online softmax, rescale.
         for r in 0..rows {
@@ -452,7 +495,7 @@ fn run_unit<const FMA: bool>(
             scr.m[r] = m_new;
         }
 
-        pv_kernel::<FMA>(&scr.s, nk_p, nk, &scr.v, d_p, &mut scr.acc, rows_p);
+        pv_kernel::<FMA>(&scr.s, nk_p, nk, v, d_p, &mut scr.acc, rows_p);
         j0 += nk;
     }
 
