@@ -246,3 +246,145 @@ pub fn check_lse(out: &[f32], reference: &[f64]) -> Check {
     let acc = compare(out, reference, true);
     verdict(acc, LSE_TOLERANCE, out.len(), reference.len(), true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn perfect_match_passes_with_zero_error() {
+        let r = [0.5f64, -1.0, 0.25, 0.0];
+        let o = [0.5f32, -1.0, 0.25, 0.0];
+        for dt in [DType::Bf16, DType::F16, DType::F32] {
+            let c = check(&o, &r, dt);
+            assert!(c.passed && c.reason.is_none(), "{c:?}");
+            assert_eq!(
+                c.metrics,
+                ErrorMetrics {
+                    count: 4,
+                    ..ErrorMetrics::default()
+                }
+            );
+            assert_eq!(c.tolerance, tolerance(dt));
+        }
+        // Empty tensors compare equal.
+        assert!(check(&[], &[], DType::F32).passed);
+    }
+
+    #[test]
+    fn nan_and_inf_always_fail() {
+        let r = vec![0.5f64; 100];
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut o = vec![0.5f32; 100];
+            o[37] = bad;
+            let c = check(&o, &r, DType::Bf16);
+            assert!(!c.passed);
+            assert_eq!(c.metrics.non_finite, 1);
+            let why = c.reason.unwrap();
+            assert!(
+                why.contains("non-finite") && why.contains("index 37"),
+                "{why}"
+            );
+            // The other 99 elements are exact and still measured.
+            assert_eq!(c.metrics.max_abs, 0.0);
+            assert!(!check_lse(&o, &r).passed);
+        }
+        // A NaN reference is never a pass either.
+        let c = check(&[1.0], &[f64::NAN], DType::Bf16);
+        assert!(!c.passed && c.reason.unwrap().contains("reference"));
+    }
+
+    #[test]
+    fn perturbation_gives_the_expected_metrics() {
+        // ref (3, 4) has norm 5; error (0.03, 0.04) has norm 0.05 → rel_l2 = 0.01.
+        let r = [3.0f64, 4.0];
+        let o = [3.03f32, 4.04];
+        let m = error_metrics(&o, &r);
+        assert!((m.rel_l2 - 0.01).abs() < 1e-6, "{m:?}");
+        assert!((m.max_abs - 0.04).abs() < 1e-6);
+        assert!((m.mean_abs - 0.035).abs() < 1e-6);
+        assert!((m.max_rel - 0.01).abs() < 1e-6);
+        assert_eq!((m.count, m.non_finite), (2, 0));
+        // 1e-2 is inside the bf16 tolerance (1.6e-2), outside f16 (4e-3) and f32.
+        assert!(check(&o, &r, DType::Bf16).passed);
+        for dt in [DType::F16, DType::F32] {
+            let c = check(&o, &r, dt);
+            assert!(
+                !c.passed && c.reason.as_ref().unwrap().contains("rel_l2"),
+                "{c:?}"
+            );
+        }
+        // The f64 variant agrees.
+        let m64 = error_metrics_f64(&[3.03, 4.04], &r);
+        assert!((m64.rel_l2 - 0.01).abs() < 1e-12);
+        assert!(!check_f64(&[3.03, 4.04], &r, DType::F16).passed);
+        // One wild element fails on max_abs even when rel_l2 is small.
+        let r = vec![1.0f64; 10_000];
+        let mut o = vec![1.0f32; 10_000];
+        o[5] = 1.5;
+        let c = check(&o, &r, DType::Bf16);
+        assert!(c.metrics.rel_l2 < 1.6e-2);
+        assert!(!c.passed && c.reason.unwrap().contains("max_abs"));
+    }
+
+    #[test]
+    fn max_rel_uses_a_scale_aware_epsilon() {
+        // eps = 1e-3·max|ref| = 1: a 0.5 error on a zero reference is max_rel 0.5, not inf.
+        let m = error_metrics(&[1000.0, 0.5], &[1000.0, 0.0]);
+        assert_eq!(m.max_rel, 0.5);
+        // All-zero reference: rel_l2 falls back to the absolute L2 norm.
+        let m = error_metrics(&[3.0, 4.0], &[0.0, 0.0]);
+        assert_eq!((m.rel_l2, m.max_rel), (5.0, 4.0));
+    }
+
+    #[test]
+    fn length_mismatch_fails_without_panicking() {
+        let c = check(&[1.0, 2.0, 3.0], &[1.0, 2.0], DType::F32);
+        assert!(!c.passed);
+        assert!(c
+            .reason
+            .unwrap()
+            .contains("length mismatch: output has 3 elements, reference has 2"));
+        assert_eq!(c.metrics.count, 2);
+        assert!(!check(&[], &[1.0], DType::Bf16).passed);
+        assert!(!check_lse(&[1.0], &[]).passed);
+    }
+
+    #[test]
+    fn lse_neg_inf_rows_must_match() {
+        let ninf64 = f64::NEG_INFINITY;
+        let ninf = f32::NEG_INFINITY;
+        let r = [ninf64, 2.5, ninf64, 3.0];
+        let c = check_lse(&[ninf, 2.5, ninf, 3.001], &r);
+        assert!(c.passed, "{c:?}");
+        assert_eq!(c.metrics.non_finite, 0);
+        assert!((c.metrics.max_abs - 0.001).abs() < 1e-6);
+        assert_eq!(c.tolerance, LSE_TOLERANCE);
+        // A finite value where the reference says "no visible key".
+        let c = check_lse(&[0.0, 2.5, ninf, 3.0], &r);
+        assert!(!c.passed && c.reason.unwrap().contains("no visible key"));
+        // -inf where the reference is finite.
+        let c = check_lse(&[ninf, ninf, ninf, 3.0], &r);
+        assert!(!c.passed && c.metrics.non_finite == 1);
+        // NaN / +inf where the reference is -inf.
+        for bad in [f32::NAN, f32::INFINITY] {
+            assert!(!check_lse(&[bad, 2.5, ninf, 3.0], &r).passed);
+        }
+        // Beyond the LSE tolerance (max_abs 1e-2).
+        let c = check_lse(&[ninf, 2.52, ninf, 3.0], &r);
+        assert!(!c.passed && c.reason.unwrap().contains("max_abs"));
+        // In the O check, -inf is never accepted.
+        assert!(!check(&[ninf], &[ninf64], DType::F32).passed);
+    }
+
+    #[test]
+    fn tolerances_are_ordered_by_precision() {
+        let (b, h, f) = (
+            tolerance(DType::Bf16),
+            tolerance(DType::F16),
+            tolerance(DType::F32),
+        );
+        assert_eq!((b.rel_l2, h.rel_l2, f.rel_l2), (1.6e-2, 4e-3, 1e-4));
+        assert!(b.max_abs > h.max_abs && h.max_abs > f.max_abs);
+    }
+}
