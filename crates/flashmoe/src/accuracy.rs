@@ -204,14 +204,14 @@ fn verdict(acc: Acc, tol: Tolerance, out_len: usize, ref_len: usize, lse: bool) 
             if lse { " other than -inf" } else { "" }
         ));
     }
-    // `!(a <= b)` so that a NaN metric fails too.
-    if !(m.rel_l2 <= tol.rel_l2) {
+    // A NaN metric fails too.
+    if m.rel_l2.is_nan() || m.rel_l2 > tol.rel_l2 {
         reasons.push(format!(
             "rel_l2 {:.3e} exceeds tolerance {:.1e}",
             m.rel_l2, tol.rel_l2
         ));
     }
-    if !(m.max_abs <= tol.max_abs) {
+    if m.max_abs.is_nan() || m.max_abs > tol.max_abs {
         reasons.push(format!(
             "max_abs {:.3e} exceeds tolerance {:.1e}",
             m.max_abs, tol.max_abs

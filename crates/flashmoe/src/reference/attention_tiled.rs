@@ -295,15 +295,17 @@ fn lanes(s: &[f32]) -> &[f32; NR] {
 #[inline(always)]
 pub(crate) fn exp2_fast<const FMA: bool>(x: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5·2^23
+                                     // Taylor coefficients ln(2)^k / k! of 2^f = e^(f·ln 2).
+    const L: f64 = std::f64::consts::LN_2;
     const C: [f32; 8] = [
         1.0,
-        0.693_147_18,
-        0.240_226_5,
-        0.055_504_11,
-        0.009_618_129,
-        0.001_333_355_8,
-        0.000_154_035_3,
-        0.000_015_252_734,
+        L as f32,
+        (L * L / 2.0) as f32,
+        (L * L * L / 6.0) as f32,
+        (L * L * L * L / 24.0) as f32,
+        (L * L * L * L * L / 120.0) as f32,
+        (L * L * L * L * L * L / 720.0) as f32,
+        (L * L * L * L * L * L * L / 5040.0) as f32,
     ];
     let xc = if x < -126.0 { -126.0 } else { x };
     let t = xc + MAGIC;
