@@ -24,8 +24,9 @@
 //!   scorings).
 //!
 //! Weights are the problem's dtype-rounded values held in f32; everything after the
-//! inputs is computed in f64. Work is parallel over tokens, and every sum is taken in a
-//! fixed order, so results do not depend on the thread count.
+//! inputs is computed in f64. Routing is parallel over tokens, the experts over (expert,
+//! block of tokens), and every sum is taken in a fixed order, so results do not depend on
+//! the thread count.
 
 use super::{check_len, checked_product};
 use crate::error::{Error, Result};
@@ -260,36 +261,57 @@ pub fn route(p: &MoeProblem, x: &MoeInputs) -> Result<Routing> {
     })
 }
 
-/// One SwiGLU expert on one token: out += weight · (silu(x·Wg) ⊙ (x·Wu))·W2.
-/// `w13`: (hidden, 2I); `w2`: (I, hidden); `gu`: scratch of 2I.
-fn expert_accumulate(
-    xt: &[f64],
+/// Assignments per weight-streaming block: every weight row read is used for this many
+/// tokens before moving on (a CPU stand-in for the grouped GEMM's token tile).
+const TOKEN_BLOCK: usize = 16;
+
+/// SwiGLU expert on a block of tokens: for each token `t` of `tokens`,
+/// y_t = (silu(x_t·W_gate) ⊙ (x_t·W_up))·W2, written to consecutive rows of `y`.
+/// `w13`: (hidden, 2I); `w2`: (I, hidden); `gu`: scratch. Each element is summed in the
+/// same order (hidden index, then intermediate index ascending) whatever the block.
+fn expert_block(
+    x: &[f32],
+    tokens: &[usize],
     w13: &[f32],
     w2: &[f32],
     inter: usize,
-    weight: f64,
-    gu: &mut [f64],
-    out: &mut [f64],
+    gu: &mut Vec<f64>,
+    y: &mut [f64],
 ) {
-    gu.fill(0.0);
-    for (&xh, row) in xt.iter().zip(w13.chunks_exact(2 * inter)) {
-        for (g, &w) in gu.iter_mut().zip(row) {
-            *g += xh * w as f64;
+    let hidden = w13.len() / (2 * inter);
+    gu.clear();
+    gu.resize(tokens.len() * 2 * inter, 0.0);
+    for (hh, row) in w13.chunks_exact(2 * inter).enumerate() {
+        for (&t, g) in tokens.iter().zip(gu.chunks_exact_mut(2 * inter)) {
+            let xh = x[t * hidden + hh] as f64;
+            for (gj, &w) in g.iter_mut().zip(row) {
+                *gj += xh * w as f64;
+            }
         }
     }
-    let (gate, up) = gu.split_at_mut(inter);
-    for (g, &u) in gate.iter_mut().zip(up.iter()) {
-        *g = silu(*g) * u * weight;
+    for g in gu.chunks_exact_mut(2 * inter) {
+        let (gate, up) = g.split_at_mut(inter);
+        for (gj, &uj) in gate.iter_mut().zip(up.iter()) {
+            *gj = silu(*gj) * uj;
+        }
     }
-    let hidden = out.len();
-    for (&hj, row) in gate.iter().zip(w2.chunks_exact(hidden)) {
-        for (o, &w) in out.iter_mut().zip(row) {
-            *o += hj * w as f64;
+    y.fill(0.0);
+    for (j, row) in w2.chunks_exact(hidden).enumerate() {
+        for (g, yt) in gu.chunks_exact(2 * inter).zip(y.chunks_exact_mut(hidden)) {
+            let hj = g[j];
+            for (o, &w) in yt.iter_mut().zip(row) {
+                *o += hj * w as f64;
+            }
         }
     }
 }
 
-/// The MoE layer forward in f64 (see the module docs). Parallel over tokens.
+/// The MoE layer forward in f64 (see the module docs).
+///
+/// Like the GPU path, tokens are permuted by expert: every (expert, block of
+/// [`TOKEN_BLOCK`] assigned tokens) is one parallel work item that streams the expert's
+/// weights once; the combine then sums, per token and in top-k order, weight·y, plus the
+/// shared expert's y. The result does not depend on the thread count or on the blocking.
 ///
 /// `shared_w13`/`shared_w2` must be present when `p.shared_expert`; they are ignored
 /// otherwise.
@@ -311,30 +333,84 @@ pub fn moe_f64(p: &MoeProblem, x: &MoeInputs) -> Result<MoeOutput> {
     };
     let routing = route(p, x)?;
 
-    let (h, i, k) = (p.hidden, p.intermediate, p.top_k);
-    let per_expert_w13 = h * 2 * i;
-    let per_expert_w2 = i * h;
-    let mut out = vec![0f64; p.tokens * h];
-    out.par_chunks_mut(h)
-        .zip(x.x.par_chunks(h))
-        .enumerate()
-        .for_each_init(
-            || (vec![0f64; h], vec![0f64; 2 * i]),
-            |(xt, gu), (t, (ot, xs))| {
-                for (a, &b) in xt.iter_mut().zip(xs) {
-                    *a = b as f64;
-                }
-                for slot in 0..k {
-                    let e = routing.topk_ids[t * k + slot] as usize;
-                    let w = routing.topk_weights[t * k + slot];
-                    let w13 = &x.w13[e * per_expert_w13..(e + 1) * per_expert_w13];
-                    let w2 = &x.w2[e * per_expert_w2..(e + 1) * per_expert_w2];
-                    expert_accumulate(xt, w13, w2, i, w, gu, ot);
-                }
-                if let Some((sw13, sw2)) = shared {
-                    expert_accumulate(xt, sw13, sw2, i, 1.0, gu, ot);
-                }
-            },
-        );
+    let (tokens, h, i, k, e) = (p.tokens, p.hidden, p.intermediate, p.top_k, p.experts);
+    // Permutation: the tokens of each expert (the shared expert, index `e`, takes all),
+    // and the row of y holding each (token, slot) assignment.
+    let groups = e + usize::from(shared.is_some());
+    let mut lists: Vec<Vec<usize>> = (0..groups)
+        .map(|g| {
+            Vec::with_capacity(if g < e {
+                routing.expert_counts[g]
+            } else {
+                tokens
+            })
+        })
+        .collect();
+    for (a, &id) in routing.topk_ids.iter().enumerate() {
+        lists[id as usize].push(a / k);
+    }
+    if shared.is_some() {
+        lists[e].extend(0..tokens);
+    }
+    let mut first_row = Vec::with_capacity(groups);
+    let mut rows = 0;
+    for l in &lists {
+        first_row.push(rows);
+        rows += l.len();
+    }
+    let mut next = first_row.clone();
+    let row_of: Vec<usize> = routing
+        .topk_ids
+        .iter()
+        .map(|&id| {
+            let r = next[id as usize];
+            next[id as usize] += 1;
+            r
+        })
+        .collect();
+
+    // Expert outputs, one row of `hidden` per assignment, grouped by expert.
+    let mut y = vec![0f64; rows * h];
+    let mut items = Vec::new();
+    let mut rest: &mut [f64] = &mut y;
+    for (g, l) in lists.iter().enumerate() {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(l.len() * h);
+        rest = tail;
+        for (ys, ts) in mine.chunks_mut(TOKEN_BLOCK * h).zip(l.chunks(TOKEN_BLOCK)) {
+            items.push((g, ts, ys));
+        }
+    }
+    let (per_w13, per_w2) = (h * 2 * i, i * h);
+    items
+        .into_par_iter()
+        .for_each_init(Vec::new, |gu, (g, ts, ys)| {
+            let (w13, w2) = match shared {
+                Some(sw) if g == e => sw,
+                _ => (
+                    &x.w13[g * per_w13..(g + 1) * per_w13],
+                    &x.w2[g * per_w2..(g + 1) * per_w2],
+                ),
+            };
+            expert_block(&x.x, ts, w13, w2, i, gu, ys);
+        });
+
+    // Combine, per token in top-k order, then the shared expert with weight 1.
+    let mut out = vec![0f64; tokens * h];
+    out.par_chunks_mut(h).enumerate().for_each(|(t, ot)| {
+        for slot in 0..k {
+            let a = t * k + slot;
+            let w = routing.topk_weights[a];
+            let yr = &y[row_of[a] * h..(row_of[a] + 1) * h];
+            for (o, &v) in ot.iter_mut().zip(yr) {
+                *o += w * v;
+            }
+        }
+        if shared.is_some() {
+            let r = first_row[e] + t;
+            for (o, &v) in ot.iter_mut().zip(&y[r * h..(r + 1) * h]) {
+                *o += v;
+            }
+        }
+    });
     Ok(MoeOutput { out, routing })
 }
