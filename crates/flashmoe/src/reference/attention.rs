@@ -133,8 +133,37 @@ pub(crate) fn bhsd_to_bshd<T: Copy + Default + Send + Sync>(
     out
 }
 
+/// One query row: scores against the visible keys (`scores.len()` of them), softmax,
+/// weighted sum of V into `o`; returns the LSE (−inf and O = 0 when no key is visible).
+fn attend_row(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    scale: f64,
+    scores: &mut [f64],
+    o: &mut [f64],
+) -> f64 {
+    let d = q.len();
+    for (s, kr) in scores.iter_mut().zip(k.chunks_exact(d)) {
+        let dot: f64 = q.iter().zip(kr).map(|(a, b)| a * b).sum();
+        *s = scale * dot;
+    }
+    let lse = softmax_in_place(scores);
+    o.fill(0.0);
+    for (&w, vr) in scores.iter().zip(v.chunks_exact(d)) {
+        for (od, &vd) in o.iter_mut().zip(vr) {
+            *od += w * vd;
+        }
+    }
+    lse
+}
+
+/// Query rows per parallel work item of [`attention_f64`].
+const ROW_BLOCK: usize = 16;
+
 /// Ground-truth attention forward in f64 (see the module docs for layouts and masking).
-/// Parallel over (batch, head).
+/// Parallel over (batch, head) and blocks of query rows; each row is computed the same
+/// way whatever the thread count.
 pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<AttentionOutput<f64>> {
     validate_inputs(p, x)?;
     let (b, hq, hkv) = (p.batch, p.heads_q, p.heads_kv);
@@ -152,27 +181,25 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
             let kvh = h / group;
             let k = gather_head_f64(&x.k, bi, kvh, sk, hkv, d);
             let v = gather_head_f64(&x.v, bi, kvh, sk, hkv, d);
-            let mut scores = vec![0f64; sk];
-            let mut q = vec![0f64; d];
-            for (i, (orow, li)) in o.chunks_exact_mut(d).zip(l.iter_mut()).enumerate() {
-                let n = p.visible_keys(i);
-                let off = ((bi * sq + i) * hq + h) * d;
-                for (qd, &xq) in q.iter_mut().zip(&x.q[off..off + d]) {
-                    *qd = xq as f64;
-                }
-                let row = &mut scores[..n];
-                for (s, kr) in row.iter_mut().zip(k.chunks_exact(d)) {
-                    let dot: f64 = q.iter().zip(kr).map(|(a, b)| a * b).sum();
-                    *s = scale * dot;
-                }
-                *li = softmax_in_place(row);
-                orow.fill(0.0);
-                for (&w, vr) in row.iter().zip(v.chunks_exact(d)) {
-                    for (od, &vd) in orow.iter_mut().zip(vr) {
-                        *od += w * vd;
-                    }
-                }
-            }
+            // Query rows in parallel blocks too, so few (batch, head) pairs still use
+            // every core.
+            o.par_chunks_mut(ROW_BLOCK * d)
+                .zip(l.par_chunks_mut(ROW_BLOCK))
+                .enumerate()
+                .for_each_init(
+                    || (vec![0f64; sk], vec![0f64; d]),
+                    |(scores, q), (blk, (o, l))| {
+                        for (r, (orow, li)) in o.chunks_exact_mut(d).zip(l.iter_mut()).enumerate() {
+                            let i = blk * ROW_BLOCK + r;
+                            let off = ((bi * sq + i) * hq + h) * d;
+                            for (qd, &xq) in q.iter_mut().zip(&x.q[off..off + d]) {
+                                *qd = xq as f64;
+                            }
+                            let row = &mut scores[..p.visible_keys(i)];
+                            *li = attend_row(q, &k, &v, scale, row, orow);
+                        }
+                    },
+                );
         });
     Ok(AttentionOutput {
         o: bhsd_to_bshd(&o_bh, b, hq, sq, d),

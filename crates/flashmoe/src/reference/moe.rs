@@ -322,7 +322,8 @@ pub fn moe_f64(p: &MoeProblem, x: &MoeInputs) -> Result<MoeOutput> {
     let shared = if p.shared_expert {
         let (Some(sw13), Some(sw2)) = (&x.shared_w13, &x.shared_w2) else {
             return Err(Error::invalid(
-                "shared_expert is set but the shared expert weights (shared_w13, shared_w2) are missing",
+                "shared_expert is set but the shared expert weights \
+                 (shared_w13, shared_w2) are missing",
             ));
         };
         check_len("shared_w13", n.shared_w13, sw13.len())?;

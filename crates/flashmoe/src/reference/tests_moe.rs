@@ -238,8 +238,9 @@ fn shared_expert_adds_its_output_with_weight_one() {
         shared_expert: false,
         ..p.clone()
     };
-    let without = moe_f64(&plain_p, &x).unwrap(); // shared weights ignored
-                                                  // The shared expert alone: one expert, top-1, renormalised → weight exactly 1.
+    // Without the flag the shared weights are ignored.
+    let without = moe_f64(&plain_p, &x).unwrap();
+    // The shared expert alone: one expert, top-1, renormalised → weight exactly 1.
     let one = MoeProblem {
         experts: 1,
         top_k: 1,
