@@ -1,13 +1,13 @@
 //! CPU reference implementations.
 //!
 //! - [`attention`]: the f64 ground truth for attention forward (materialised softmax).
-//! - [`attention_tiled`]: FlashAttention-2 on the CPU in f32 (tiles, online softmax,
+//! - [`attention_tiled`](mod@attention_tiled): FlashAttention-2 on the CPU in f32 (tiles, online softmax,
 //!   O(N) extra memory): the CPU backend of the benchmark lab.
 //! - [`moe`]: the f64 ground truth for the MoE layer (router, top-k, SwiGLU experts,
 //!   weighted combine, auxiliary losses).
 //!
 //! All entry points validate the problem and the buffer lengths and return an
-//! [`Error`](crate::Error) instead of panicking on bad input.
+//! [`Error`] instead of panicking on bad input.
 
 pub mod attention;
 pub mod attention_tiled;

@@ -8,8 +8,8 @@
 //! 3. top-k experts by score, ids in descending score order, ties broken towards the lower
 //!    expert index (deterministic);
 //! 4. weights = the selected scores, divided by their sum when `renormalize`;
-//! 5. each selected expert `e`: h = silu(x_t·W13[e][:, :I]) ⊙ (x_t·W13[e][:, I:]),
-//!    y = h·W2[e]; out_t = Σ_k weight_k·y_k (in top-k order), plus the shared expert's
+//! 5. each selected expert `e`: h = silu(x_t·W13\[e\]\[:, :I\]) ⊙ (x_t·W13\[e\]\[:, I:\]),
+//!    y = h·W2\[e\]; out_t = Σ_k weight_k·y_k (in top-k order), plus the shared expert's
 //!    y with weight 1 when `shared_expert`.
 //!
 //! Losses (over the whole batch):
@@ -309,7 +309,7 @@ fn expert_block(
 /// The MoE layer forward in f64 (see the module docs).
 ///
 /// Like the GPU path, tokens are permuted by expert: every (expert, block of
-/// [`TOKEN_BLOCK`] assigned tokens) is one parallel work item that streams the expert's
+/// 16 assigned tokens) is one parallel work item that streams the expert's
 /// weights once; the combine then sums, per token and in top-k order, weight·y, plus the
 /// shared expert's y. The result does not depend on the thread count or on the blocking.
 ///
