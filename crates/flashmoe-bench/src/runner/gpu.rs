@@ -162,7 +162,8 @@ impl ReferencePrepared {
     }
 
     fn outputs(&mut self) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
-        let dev = &self.session.device;
+        let session = self.session.clone();
+        let dev = &session.device;
         self.o.poison(dev)?;
         self.lse.poison(dev)?;
         self.launch()?;
