@@ -118,3 +118,60 @@ pub fn moe_grouped(p: &MoeProblem, x: &MoeInputs) -> Result<(Vec<f32>, Routing)>
     });
     Ok((out, routing))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::accuracy;
+    use crate::reference::moe::moe_f64;
+    use crate::{DType, Scoring};
+
+    fn problem(tokens: usize, experts: usize, top_k: usize, shared: bool) -> MoeProblem {
+        MoeProblem {
+            tokens,
+            hidden: 48,
+            intermediate: 40,
+            experts,
+            top_k,
+            scoring: Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: shared,
+        }
+    }
+
+    #[test]
+    fn matches_the_f64_reference_with_identical_routing() {
+        for (t, e, k, shared) in [(1, 4, 1, false), (37, 8, 2, true), (64, 16, 8, false), (5, 32, 2, false)] {
+            let p = problem(t, e, k, shared);
+            let x = MoeInputs::generate(&p, 11);
+            let (out, routing) = moe_grouped(&p, &x).unwrap();
+            let r = moe_f64(&p, &x).unwrap();
+            assert_eq!(routing.topk_ids, r.routing.topk_ids);
+            let c = accuracy::check(&out, &r.out, DType::F32);
+            assert!(c.passed, "t={t} e={e} k={k}: {:?}", c);
+        }
+    }
+
+    #[test]
+    fn permutation_is_dropless_and_grouped() {
+        let p = problem(50, 32, 2, false);
+        let x = MoeInputs::generate(&p, 3);
+        let routing = route(&p, &x).unwrap();
+        let perm = permute(&p, &routing);
+        assert_eq!(perm.rows.len(), 100);
+        assert_eq!(*perm.offsets.last().unwrap(), 100);
+        // 50 tokens × 2 over 32 experts: some expert is empty, and its range is too.
+        let empty = (0..32).filter(|&e| perm.offsets[e] == perm.offsets[e + 1]).count();
+        assert_eq!(empty, routing.expert_counts.iter().filter(|&&c| c == 0).count());
+        for e in 0..32 {
+            for &(t, s) in &perm.rows[perm.offsets[e]..perm.offsets[e + 1]] {
+                assert_eq!(routing.topk_ids[t as usize * 2 + s as usize] as usize, e);
+            }
+        }
+        // Every (token, slot) appears exactly once.
+        let mut seen = perm.row_of_slot.clone();
+        seen.sort();
+        assert_eq!(seen, (0..100).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,126 @@
+//! The per-config pipeline on the CPU: the correctness gate, timing of the implementations
+//! that pass, speedups, and errors recorded per implementation.
+
+use flashmoe::{AttentionProblem, DType};
+use flashmoe_bench::measure::Sampled;
+use flashmoe_bench::results::{MeasureSettings, ProblemSpec};
+use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
+use flashmoe_bench::runner::pipeline::Pipeline;
+use flashmoe_bench::runner::{Implementation, Outputs, Prepared, SuiteInputs};
+use std::sync::atomic::AtomicBool;
+
+/// An implementation that returns the right shape but wrong values (scaled output).
+struct Broken;
+struct BrokenPrepared<'a>(&'a SuiteInputs, ProblemSpec);
+
+impl Implementation for Broken {
+    fn name(&self) -> &str {
+        "broken"
+    }
+    fn backend(&self) -> &str {
+        "cpu"
+    }
+    fn supports(&self, _: &ProblemSpec) -> Result<(), String> {
+        Ok(())
+    }
+    fn prepare<'a>(&'a self, p: &ProblemSpec, x: &'a SuiteInputs) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        Ok(Box::new(BrokenPrepared(x, p.clone())))
+    }
+}
+impl Sampled for BrokenPrepared<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        Ok(1.0)
+    }
+}
+impl Prepared for BrokenPrepared<'_> {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (&self.1, self.0) else { unreachable!() };
+        let r = flashmoe::reference::attention_f64(p, x)?;
+        Ok(Outputs::Attention {
+            o: r.o.iter().map(|&v| 1.1 * v as f32).collect(),
+            lse: r.lse.iter().map(|&v| v as f32).collect(),
+        })
+    }
+}
+
+/// An implementation that does not support anything.
+struct Unsupported;
+impl Implementation for Unsupported {
+    fn name(&self) -> &str {
+        "picky"
+    }
+    fn backend(&self) -> &str {
+        "cpu"
+    }
+    fn supports(&self, _: &ProblemSpec) -> Result<(), String> {
+        Err("head dim 64 not served".into())
+    }
+    fn prepare<'a>(&'a self, _: &ProblemSpec, _: &'a SuiteInputs) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        unreachable!("never prepared when unsupported")
+    }
+}
+
+fn settings() -> MeasureSettings {
+    MeasureSettings {
+        warmup_ms: 0.0,
+        min_samples: 5,
+        max_samples: 12,
+        max_time_ms: 2_000.0,
+        bootstrap_resamples: 200,
+        ..MeasureSettings::default()
+    }
+}
+
+#[test]
+fn gate_times_only_correct_implementations_and_compares_the_candidate() {
+    let reference = CpuImplementation::reference();
+    let tiled = CpuImplementation::tiled();
+    let pipeline = Pipeline {
+        implementations: vec![&reference, &tiled, &Broken, &Unsupported],
+        reference: &CpuReference,
+        candidate: "cpu-tiled".into(),
+        settings: settings(),
+        ceilings: None,
+    };
+    let p = ProblemSpec::Attention(AttentionProblem::new(1, 2, 33, 32, true, DType::Bf16));
+    let r = pipeline.run_config(&p, &AtomicBool::new(false), |_| {}).unwrap();
+    let get = |n: &str| r.implementations.iter().find(|i| i.name == n).unwrap();
+
+    let t = get("cpu-tiled");
+    assert!(t.accuracy.as_ref().unwrap().passed);
+    assert!(t.samples_ms.len() >= 5);
+    assert!(t.summary.is_some() && t.tflops.unwrap() > 0.0);
+    assert_eq!(t.input_checksum, get("cpu-reference").input_checksum);
+
+    let b = get("broken");
+    let acc = b.accuracy.as_ref().unwrap();
+    assert!(!acc.passed && acc.rel_l2 > 0.05, "{acc:?}");
+    assert!(b.samples_ms.is_empty(), "a failed gate must not be timed");
+    assert!(b.error.as_deref().unwrap().contains("correctness gate"));
+
+    assert!(get("picky").error.as_deref().unwrap().starts_with("n/a: head dim 64"));
+
+    // Only the one usable baseline is compared with the candidate.
+    assert_eq!(r.comparisons.len(), 1);
+    assert_eq!(r.comparisons[0].baseline, "cpu-reference");
+    assert!(r.comparisons[0].comparison.speedup.estimate > 0.0);
+}
+
+#[test]
+fn an_invalid_config_is_recorded_not_fatal() {
+    let tiled = CpuImplementation::tiled();
+    let pipeline = Pipeline {
+        implementations: vec![&tiled],
+        reference: &CpuReference,
+        candidate: "cpu-tiled".into(),
+        settings: settings(),
+        ceilings: None,
+    };
+    let mut bad = AttentionProblem::new(1, 6, 16, 32, false, DType::F16);
+    bad.heads_kv = 4;
+    let r = pipeline
+        .run_config(&ProblemSpec::Attention(bad), &AtomicBool::new(false), |_| {})
+        .unwrap();
+    assert!(r.error.as_deref().unwrap().contains("heads_q (6)"));
+    assert!(r.implementations.is_empty());
+}
