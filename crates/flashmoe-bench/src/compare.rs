@@ -251,7 +251,7 @@ impl CompareReport {
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED)
             .set_content_arrangement(ContentArrangement::Dynamic)
-            .set_width(150)
+            .set_width(160)
             .set_header(vec![
                 "config".to_string(),
                 "implementation".to_string(),
@@ -287,7 +287,7 @@ impl CompareReport {
             ]);
         }
         if let Some(col) = t.column_mut(0) {
-            col.set_constraint(ColumnConstraint::UpperBoundary(Width::Fixed(40)));
+            col.set_constraint(ColumnConstraint::UpperBoundary(Width::Fixed(50)));
         }
         let mut out = String::new();
         if self.changes.is_empty() {

@@ -1,16 +1,15 @@
 //! Realistic, deterministic [`RunResults`] for tests of reports, `compare` and the CLI.
 //!
-//! Nothing here calls [`crate::stats`]: summaries and comparisons are built with small,
-//! self-contained approximations (order-statistic CI of the median, exact Mann-Whitney
-//! with a normal approximation) so fixtures work whatever the state of the statistics
-//! code. The numbers are plausible, not measured; never print them as results.
+//! Samples are synthetic (seeded Gaussian noise around plausible times); summaries and
+//! comparisons are computed with [`crate::stats`] exactly as a run would. The numbers
+//! are plausible, not measured: never print them as results.
 
 use crate::manifest::{GpuManifest, Manifest, PythonManifest};
 use crate::results::{
     AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
     RunResults, SCHEMA_VERSION,
 };
-use crate::stats::{Comparison, Interval, MannWhitney, Outliers, Summary, Verdict};
+use crate::stats::{self, Comparison, Summary, VerdictOptions};
 use flashmoe::{AttentionProblem, DType, MoeProblem, Scoring};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -30,140 +29,19 @@ pub fn noisy_samples(median_ms: f64, rel_noise: f64, n: usize, seed: u64) -> Vec
         .collect()
 }
 
-fn sorted(xs: &[f64]) -> Vec<f64> {
-    let mut v = xs.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v
-}
-
-fn q7(sorted: &[f64], q: f64) -> f64 {
-    let n = sorted.len();
-    if n == 1 {
-        return sorted[0];
-    }
-    let h = (n - 1) as f64 * q;
-    let lo = h.floor() as usize;
-    let hi = (lo + 1).min(n - 1);
-    sorted[lo] + (h - lo as f64) * (sorted[hi] - sorted[lo])
-}
-
-/// A summary of `samples` (non-empty) computed without the bootstrap: the median CI
-/// uses the binomial order-statistic approximation at 95%.
+/// Summary as the runner computes it (95%, 2000 resamples, fixed seed).
 pub fn summary_of(samples: &[f64]) -> Summary {
-    let s = sorted(samples);
-    let n = s.len();
-    let mean = s.iter().sum::<f64>() / n as f64;
-    let var = if n > 1 {
-        s.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1) as f64
-    } else {
-        0.0
-    };
-    let median = q7(&s, 0.5);
-    let (q1, q3) = (q7(&s, 0.25), q7(&s, 0.75));
-    let dev = sorted(&s.iter().map(|x| (x - median).abs()).collect::<Vec<_>>());
-    let half = 1.96 * (n as f64).sqrt() / 2.0;
-    let lo = ((n as f64 / 2.0 - half).floor().max(0.0) as usize).min(n - 1);
-    let hi = ((n as f64 / 2.0 + half).ceil() as usize).min(n - 1);
-    let iqr = q3 - q1;
-    let mut outliers = Outliers::default();
-    for &x in &s {
-        if x < q1 - 3.0 * iqr {
-            outliers.low_severe += 1;
-        } else if x < q1 - 1.5 * iqr {
-            outliers.low_mild += 1;
-        } else if x > q3 + 3.0 * iqr {
-            outliers.high_severe += 1;
-        } else if x > q3 + 1.5 * iqr {
-            outliers.high_mild += 1;
-        }
-    }
-    Summary {
-        n,
-        mean,
-        std_dev: var.sqrt(),
-        min: s[0],
-        max: s[n - 1],
-        median,
-        q1,
-        q3,
-        p05: q7(&s, 0.05),
-        p95: q7(&s, 0.95),
-        mad: q7(&dev, 0.5),
-        median_ci: Interval {
-            estimate: median,
-            low: s[lo].min(median),
-            high: s[hi].max(median),
-            level: 0.95,
-        },
-        outliers,
-    }
+    stats::summarize(samples, 0.95, 2000, 0x5eed)
 }
 
-/// An approximate comparison of `candidate` against `baseline` (see module docs).
+/// Comparison of `candidate` against `baseline` with the default verdict options and
+/// the given practical threshold.
 pub fn comparison_of(baseline: &[f64], candidate: &[f64], threshold: f64) -> Comparison {
-    let (sb, sc) = (summary_of(baseline), summary_of(candidate));
-    let speedup = Interval {
-        estimate: sb.median / sc.median,
-        low: sb.median_ci.low / sc.median_ci.high,
-        high: sb.median_ci.high / sc.median_ci.low,
-        level: 0.95,
+    let opts = VerdictOptions {
+        threshold,
+        ..VerdictOptions::default()
     };
-    let (n1, n2) = (baseline.len() as f64, candidate.len() as f64);
-    let (mut greater, mut less) = (0usize, 0usize);
-    let mut diffs = Vec::with_capacity(baseline.len() * candidate.len());
-    for &a in baseline {
-        for &b in candidate {
-            if a > b {
-                greater += 1;
-            } else if a < b {
-                less += 1;
-            }
-            diffs.push(a - b);
-        }
-    }
-    let ties = n1 * n2 - greater as f64 - less as f64;
-    let u = greater as f64 + ties / 2.0;
-    let mu = n1 * n2 / 2.0;
-    let sigma = (n1 * n2 * (n1 + n2 + 1.0) / 12.0).sqrt();
-    let z = if sigma > 0.0 {
-        let d = u - mu;
-        (d - 0.5 * d.signum()) / sigma
-    } else {
-        0.0
-    };
-    let p_value = (2.0 * normal_sf(z.abs())).min(1.0);
-    let diffs = sorted(&diffs);
-    let cliffs = (greater as f64 - less as f64) / (n1 * n2);
-    let verdict = if speedup.low >= 1.0 - threshold && speedup.high <= 1.0 + threshold {
-        Verdict::Same
-    } else if p_value < 0.05 && (speedup.low > 1.0 || speedup.high < 1.0) {
-        if speedup.estimate > 1.0 + threshold {
-            Verdict::Faster
-        } else if speedup.estimate < 1.0 / (1.0 + threshold) {
-            Verdict::Slower
-        } else {
-            Verdict::Same
-        }
-    } else {
-        Verdict::Unclear
-    };
-    Comparison {
-        speedup,
-        mann_whitney: MannWhitney { u, z, p_value },
-        cliffs_delta: cliffs,
-        hodges_lehmann_ms: q7(&diffs, 0.5),
-        verdict,
-    }
-}
-
-/// Upper tail of the standard normal (Abramowitz-Stegun 7.1.26 erfc approximation).
-fn normal_sf(z: f64) -> f64 {
-    let x = z / std::f64::consts::SQRT_2;
-    let t = 1.0 / (1.0 + 0.3275911 * x);
-    let poly = t
-        * (0.254829592
-            + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
-    0.5 * poly * (-x * x).exp()
+    stats::compare_samples(baseline, candidate, &opts)
 }
 
 /// The problem's FLOPs and minimum bytes (MoE: every expert touched).
