@@ -152,6 +152,9 @@ fn html_renders_one_and_fifty_configs() {
     let cpu = report::to_html(&fixtures::cpu_moe_run());
     assert!(cpu.contains("GFLOP/s"));
     assert!(!cpu.contains("<title>Roofline"));
+    // The implementation that failed the accuracy gate is drawn hollow, with a key.
+    assert!(cpu.contains("FAILED the accuracy gate"));
+    assert!(cpu.contains(">accuracy FAIL<"));
 }
 
 #[test]

@@ -443,26 +443,39 @@ fn panels(results: &RunResults) -> Vec<(String, Vec<&ConfigResult>)> {
     out
 }
 
+/// A plotted point: x, y, tooltip, and whether the implementation failed the accuracy
+/// gate on that config (drawn hollow).
+type Point = (f64, f64, String, bool);
+
+fn failed_gate(i: &crate::results::ImplResult) -> bool {
+    i.accuracy.as_ref().is_some_and(|a| !a.passed)
+}
+
 /// One SVG per panel: throughput vs the sweep value, one line per implementation.
 fn throughput_panels(results: &RunResults, order: &[String]) -> Vec<String> {
     let (mult, unit) = format::run_flops_unit(results);
     let mut out = Vec::new();
     for (key, configs) in panels(results) {
         // Series: implementation → points (x, y, tooltip).
-        let mut series: Vec<(String, Vec<(f64, f64, String)>)> = Vec::new();
+        let mut series: Vec<(String, Vec<Point>)> = Vec::new();
         for c in &configs {
             for i in &c.implementations {
                 let Some(tf) = i.tflops.filter(|t| t.is_finite() && i.error.is_none()) else {
                     continue;
                 };
                 let tip = format!(
-                    "{} — {}: {} ({} ms)",
+                    "{} — {}: {} ({} ms){}",
                     c.label,
                     i.name,
                     format::fmt_throughput(tf),
-                    i.median_ms().map(format::fmt_ms).unwrap_or(DASH.into())
+                    i.median_ms().map(format::fmt_ms).unwrap_or(DASH.into()),
+                    if failed_gate(i) {
+                        ", FAILED the accuracy gate"
+                    } else {
+                        ""
+                    }
                 );
-                let pt = (c.problem.x_value(), tf * mult, tip);
+                let pt = (c.problem.x_value(), tf * mult, tip, failed_gate(i));
                 match series.iter_mut().find(|(n, _)| *n == i.name) {
                     Some((_, v)) => v.push(pt),
                     None => series.push((i.name.clone(), vec![pt])),
@@ -524,6 +537,7 @@ fn throughput_panels(results: &RunResults, order: &[String]) -> Vec<String> {
             ));
         }
         let mut legend = Vec::new();
+        let mut any_failed = false;
         for (name, pts) in &mut series {
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
             let col = impl_colour(order, name);
@@ -532,7 +546,12 @@ fn throughput_panels(results: &RunResults, order: &[String]) -> Vec<String> {
                 s.push_str(&svg::polyline(&px, col, ""));
             }
             for ((cx, cy), p) in px.iter().zip(pts.iter()) {
-                s.push_str(&svg::circle(*cx, *cy, 3.5, col, &p.2));
+                if p.3 {
+                    any_failed = true;
+                    s.push_str(&svg::ring(*cx, *cy, 4.0, col, &p.2));
+                } else {
+                    s.push_str(&svg::circle(*cx, *cy, 3.5, col, &p.2));
+                }
             }
             s.push('\n');
             legend.push((name.clone(), col));
@@ -543,6 +562,23 @@ fn throughput_panels(results: &RunResults, order: &[String]) -> Vec<String> {
             &legend,
             legend_chars,
         ));
+        if any_failed {
+            let ny = f.y1() + 12.0 + 18.0 * legend.len() as f64;
+            s.push_str(&svg::ring(
+                f.x1() + 20.0,
+                ny - 4.0,
+                4.0,
+                "#5b6478",
+                "hollow marker: failed the accuracy gate",
+            ));
+            s.push_str(&svg::text(
+                f.x1() + 31.0,
+                ny,
+                "accuracy FAIL",
+                "start",
+                "note",
+            ));
+        }
         s.push_str(svg::close());
         out.push(s);
     }
@@ -740,9 +776,9 @@ fn speedup_chart(results: &RunResults, order: &[String]) -> String {
                 s.push_str(&svg::line(wl, cy - 4.0, wl, cy + 4.0, st));
                 s.push_str(&svg::line(wh, cy - 4.0, wh, cy + 4.0, st));
             }
-            let _ = write!(
+            let _ = writeln!(
                 s,
-                "<text x=\"{:.1}\" y=\"{:.1}\" class=\"vlabel\">{}× <tspan class=\"v-{v}\">{v}</tspan></text>\n",
+                "<text x=\"{:.1}\" y=\"{:.1}\" class=\"vlabel\">{}× <tspan class=\"v-{v}\">{v}</tspan></text>",
                 f.x1() + 8.0,
                 cy + 4.0,
                 esc(&fmt_sig(b.est, 3)),
@@ -763,7 +799,7 @@ fn roofline(results: &RunResults, order: &[String]) -> Option<String> {
         return None;
     }
     let (mult, unit) = format::run_flops_unit(results);
-    let mut pts: Vec<(f64, f64, &str, String)> = Vec::new();
+    let mut pts: Vec<(f64, f64, &str, String, bool)> = Vec::new();
     for cfg in &results.configs {
         if !(cfg.min_bytes > 0.0 && cfg.flops > 0.0) {
             continue;
@@ -779,12 +815,18 @@ fn roofline(results: &RunResults, order: &[String]) -> Option<String> {
                     tf * mult,
                     i.name.as_str(),
                     format!(
-                        "{} — {}: {}, {} FLOP/byte",
+                        "{} — {}: {}, {} FLOP/byte{}",
                         cfg.label,
                         i.name,
                         format::fmt_throughput(tf),
-                        fmt_sig(ai, 3)
+                        fmt_sig(ai, 3),
+                        if failed_gate(i) {
+                            ", FAILED the accuracy gate"
+                        } else {
+                            ""
+                        }
                     ),
+                    failed_gate(i),
                 ));
             }
         }
@@ -865,9 +907,13 @@ fn roofline(results: &RunResults, order: &[String]) -> Option<String> {
         ));
     }
     let mut legend: Vec<(String, &str)> = Vec::new();
-    for (ai, v, name, tip) in &pts {
+    for (ai, v, name, tip, failed) in &pts {
         let col = impl_colour(order, name);
-        s.push_str(&svg::circle(x.map(*ai), y.map(*v), 4.0, col, tip));
+        if *failed {
+            s.push_str(&svg::ring(x.map(*ai), y.map(*v), 4.0, col, tip));
+        } else {
+            s.push_str(&svg::circle(x.map(*ai), y.map(*v), 4.0, col, tip));
+        }
         if !legend.iter().any(|(n, _)| n == name) {
             legend.push((name.to_string(), col));
         }

@@ -240,7 +240,7 @@ pub fn fmt_pow2(v: f64) -> String {
     } else if v >= 1024.0 && (v / 1024.0).fract() == 0.0 {
         format!("{}k", v / 1024.0)
     } else {
-        fmt_sig(v, 3)
+        fmt_plain(v)
     }
 }
 
@@ -326,10 +326,10 @@ pub fn axes(f: &Frame, x: &Scale, y: &Scale, x_title: &str, y_title: &str) -> St
         "axislabel",
     ));
     let (cx, cy) = (14.0, (f.y0() + f.y1()) / 2.0);
-    let _ = write!(
+    let _ = writeln!(
         s,
         "<text x=\"{cx:.1}\" y=\"{cy:.1}\" text-anchor=\"middle\" class=\"axislabel\" \
-         transform=\"rotate(-90 {cx:.1} {cy:.1})\">{}</text>\n",
+         transform=\"rotate(-90 {cx:.1} {cy:.1})\">{}</text>",
         esc(y_title)
     );
     s
@@ -367,6 +367,15 @@ pub fn polyline(points: &[(f64, f64)], colour: &str, extra: &str) -> String {
     format!(
         "<polyline points=\"{}\" fill=\"none\" stroke=\"{colour}\" stroke-width=\"2\" {extra}/>",
         pts.join(" ")
+    )
+}
+
+/// A hollow marker (white fill, coloured ring) with a hover tooltip.
+pub fn ring(x: f64, y: f64, r: f64, colour: &str, tooltip: &str) -> String {
+    format!(
+        "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"{r}\" fill=\"#fff\" stroke=\"{colour}\" \
+         stroke-width=\"2\"><title>{}</title></circle>",
+        esc(tooltip)
     )
 }
 
