@@ -20,7 +20,7 @@ use anyhow::{anyhow, bail, Context};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-pub use csv_out::to_csv;
+pub use csv_out::{to_csv, CSV_HEADER};
 pub use html::to_html;
 pub use markdown::to_markdown;
 pub use terminal::terminal_table;
