@@ -141,10 +141,10 @@ fn html_renders_one_and_fifty_configs() {
     let mut one = fixtures::gpu_attention_run();
     one.configs.truncate(1);
     let h1 = report::to_html(&one);
-    assert!(h1.contains("<svg") && !h1.contains("NaN") && !h1.contains("inf"));
+    assert!(h1.contains("<svg") && !h1.contains("NaN") && !h1.contains("\"inf"));
     let fifty = fixtures::large_sweep_run(50);
     let h50 = report::to_html(&fifty);
-    assert!(!h50.contains("NaN") && !h50.contains("inf\""));
+    assert!(!h50.contains("NaN") && !h50.contains("\"inf"));
     assert_eq!(h50.matches("<tr class=\"cfg\">").count(), 50);
     // Two panels (head dim 64 and 128).
     assert_eq!(h50.matches("<title>Throughput, ").count(), 2);
@@ -257,4 +257,35 @@ fn interrupted_runs_are_marked() {
     assert!(report::to_html(&run).contains("Interrupted"));
     assert!(report::terminal_table(&run).contains("interrupted"));
     let _ = Path::new("");
+}
+
+#[test]
+fn empty_and_degenerate_runs_render_without_panicking() {
+    let mut empty = fixtures::cpu_moe_run();
+    empty.configs.clear();
+    let dir = tempfile::tempdir().unwrap();
+    report::write_all(&empty, dir.path()).unwrap();
+    assert!(report::to_html(&empty).contains("No comparisons were made"));
+    assert_eq!(report::to_csv(&empty).unwrap().lines().count(), 1);
+
+    // Non-finite statistics (e.g. zero bootstrap resamples) and a failed config.
+    let mut odd = fixtures::gpu_attention_run();
+    let imp = &mut odd.configs[0].implementations[0];
+    if let Some(s) = imp.summary.as_mut() {
+        s.median_ci.low = f64::NAN;
+        s.median_ci.high = f64::NAN;
+    }
+    imp.tflops = Some(f64::INFINITY);
+    odd.configs[0].comparisons[0].comparison.speedup.low = f64::NAN;
+    odd.configs[1].error = Some("invalid for every implementation".into());
+    odd.configs[1].implementations.clear();
+    odd.configs[1].comparisons.clear();
+    let html = report::to_html(&odd);
+    assert!(html.contains("invalid for every implementation"));
+    assert!(!html.contains("=\"NaN") && !html.contains("=\"inf"));
+    assert!(report::to_markdown(&odd).contains("invalid for every implementation"));
+    assert!(report::terminal_table(&odd).contains("invalid for every implementation"));
+    let csv = report::to_csv(&odd).unwrap();
+    assert!(csv.contains("invalid for every implementation"));
+    report::write_all(&odd, dir.path()).unwrap();
 }
