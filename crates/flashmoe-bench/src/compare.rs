@@ -1,1 +1,340 @@
-//! (in progress)
+//! Regression comparison of two result files: per config × implementation, the change of
+//! the median time from the old run to the new one with a bootstrap CI, a Mann-Whitney
+//! p-value and a verdict. A SLOWER verdict (new significantly slower by more than the
+//! practical threshold) is a regression.
+
+use crate::report::format::{fmt_ms, fmt_p, fmt_sig, level_pct, truncate};
+use crate::results::{ImplResult, RunResults};
+use crate::stats::{self, Comparison, Verdict, VerdictOptions};
+use comfy_table::presets::UTF8_FULL_CONDENSED;
+use comfy_table::{Cell, CellAlignment, ColumnConstraint, ContentArrangement, Table, Width};
+
+/// Options of [`compare_runs`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CompareOptions {
+    /// Practical threshold as a fraction (0.02 = 2%): smaller changes are SAME.
+    pub threshold: f64,
+    /// Significance level (0.05); CIs are at 1 − alpha.
+    pub alpha: f64,
+    pub resamples: usize,
+    pub seed: u64,
+}
+
+impl Default for CompareOptions {
+    fn default() -> Self {
+        let v = VerdictOptions::default();
+        CompareOptions {
+            threshold: v.threshold,
+            alpha: v.alpha,
+            resamples: v.resamples,
+            seed: v.seed,
+        }
+    }
+}
+
+impl CompareOptions {
+    fn verdict_options(&self) -> VerdictOptions {
+        VerdictOptions {
+            threshold: self.threshold,
+            alpha: self.alpha,
+            resamples: self.resamples,
+            seed: self.seed,
+        }
+    }
+}
+
+/// One implementation on one config present in both runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigChange {
+    pub config_id: String,
+    pub label: String,
+    pub implementation: String,
+    pub old_median_ms: f64,
+    pub new_median_ms: f64,
+    /// baseline = old, candidate = new: speedup > 1 and FASTER mean the new run is faster.
+    pub comparison: Comparison,
+}
+
+impl ConfigChange {
+    /// Relative change of the median time, new / old − 1 (+0.10 = 10% slower).
+    pub fn change(&self) -> f64 {
+        1.0 / self.comparison.speedup.estimate - 1.0
+    }
+
+    /// CI of [`Self::change`] (from the speedup CI), as (low, high).
+    pub fn change_ci(&self) -> (f64, f64) {
+        let s = &self.comparison.speedup;
+        (1.0 / s.high - 1.0, 1.0 / s.low - 1.0)
+    }
+
+    pub fn is_regression(&self) -> bool {
+        self.comparison.verdict == Verdict::Slower
+    }
+}
+
+/// Result of [`compare_runs`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CompareReport {
+    pub changes: Vec<ConfigChange>,
+    /// Config ids present only in the old run.
+    pub only_in_old: Vec<String>,
+    /// Config ids present only in the new run.
+    pub only_in_new: Vec<String>,
+    /// Number of SLOWER verdicts.
+    pub regressions: usize,
+    /// Number of FASTER verdicts.
+    pub improvements: usize,
+    /// Implementations of shared configs that were not compared, with the reason
+    /// ("config_id / impl: reason"): missing from one run, or too few samples.
+    pub skipped: Vec<String>,
+    /// Differences between the runs that make the comparison less meaningful (suite,
+    /// GPU, schema...).
+    pub warnings: Vec<String>,
+    /// Options used (for rendering).
+    pub threshold: f64,
+    pub alpha: f64,
+}
+
+/// Minimum samples per side for a comparison.
+const MIN_SAMPLES: usize = 2;
+
+fn median_of(imp: &ImplResult) -> f64 {
+    imp.summary
+        .as_ref()
+        .map(|s| s.median)
+        .unwrap_or_else(|| stats::median(&imp.samples_ms))
+}
+
+/// Compare `new` against `old`: configs matched by id, implementations by name.
+pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -> CompareReport {
+    let vopts = opts.verdict_options();
+    let mut rep = CompareReport {
+        threshold: opts.threshold,
+        alpha: opts.alpha,
+        ..Default::default()
+    };
+    if old.suite != new.suite {
+        rep.warnings.push(format!(
+            "different suites: old '{}', new '{}'",
+            old.suite, new.suite
+        ));
+    }
+    let gpu = |r: &RunResults| {
+        r.manifest
+            .gpu
+            .as_ref()
+            .map(|g| g.name.clone())
+            .unwrap_or_else(|| format!("CPU {}", r.manifest.cpu_model))
+    };
+    if gpu(old) != gpu(new) {
+        rep.warnings.push(format!(
+            "different machines: old '{}', new '{}'",
+            gpu(old),
+            gpu(new)
+        ));
+    }
+    if old.settings.cache_policy != new.settings.cache_policy
+        || old.settings.timer != new.settings.timer
+    {
+        rep.warnings.push(format!(
+            "different timing method: old '{}' / '{}', new '{}' / '{}'",
+            old.settings.timer,
+            old.settings.cache_policy,
+            new.settings.timer,
+            new.settings.cache_policy
+        ));
+    }
+    for run in [old, new] {
+        if run.interrupted {
+            rep.warnings.push(format!(
+                "the {} run was interrupted: only its completed configs are compared",
+                if std::ptr::eq(run, old) { "old" } else { "new" }
+            ));
+        }
+    }
+
+    for oc in &old.configs {
+        let Some(nc) = new.configs.iter().find(|c| c.id == oc.id) else {
+            rep.only_in_old.push(oc.id.clone());
+            continue;
+        };
+        for oi in &oc.implementations {
+            let key = format!("{} / {}", oc.id, oi.name);
+            let Some(ni) = nc.implementations.iter().find(|i| i.name == oi.name) else {
+                rep.skipped.push(format!("{key}: only in the old run"));
+                continue;
+            };
+            let too_few = |imp: &ImplResult| {
+                imp.samples_ms.iter().filter(|x| x.is_finite()).count() < MIN_SAMPLES
+            };
+            if too_few(oi) || too_few(ni) {
+                let why = |imp: &ImplResult, which: &str| {
+                    imp.error
+                        .as_ref()
+                        .map(|e| format!("{which}: {}", truncate(e, 80)))
+                        .unwrap_or_else(|| format!("{which}: {} samples", imp.samples_ms.len()))
+                };
+                let mut reasons = Vec::new();
+                if too_few(oi) {
+                    reasons.push(why(oi, "old"));
+                }
+                if too_few(ni) {
+                    reasons.push(why(ni, "new"));
+                }
+                rep.skipped.push(format!(
+                    "{key}: no samples to compare ({})",
+                    reasons.join("; ")
+                ));
+                continue;
+            }
+            let clean = |xs: &[f64]| {
+                xs.iter()
+                    .copied()
+                    .filter(|x| x.is_finite())
+                    .collect::<Vec<_>>()
+            };
+            let comparison =
+                stats::compare_samples(&clean(&oi.samples_ms), &clean(&ni.samples_ms), &vopts);
+            match comparison.verdict {
+                Verdict::Slower => rep.regressions += 1,
+                Verdict::Faster => rep.improvements += 1,
+                _ => {}
+            }
+            rep.changes.push(ConfigChange {
+                config_id: oc.id.clone(),
+                label: oc.label.clone(),
+                implementation: oi.name.clone(),
+                old_median_ms: median_of(oi),
+                new_median_ms: median_of(ni),
+                comparison,
+            });
+        }
+        for ni in &nc.implementations {
+            if !oc.implementations.iter().any(|i| i.name == ni.name) {
+                rep.skipped
+                    .push(format!("{} / {}: only in the new run", nc.id, ni.name));
+            }
+        }
+    }
+    for nc in &new.configs {
+        if !old.configs.iter().any(|c| c.id == nc.id) {
+            rep.only_in_new.push(nc.id.clone());
+        }
+    }
+    rep
+}
+
+fn pct(x: f64) -> String {
+    if !x.is_finite() {
+        return "n/a".to_string();
+    }
+    format!(
+        "{}{}%",
+        if x > 0.0 { "+" } else { "" },
+        fmt_sig(x * 100.0, 3)
+    )
+}
+
+impl CompareReport {
+    /// True when any implementation got a SLOWER verdict.
+    pub fn has_regression(&self) -> bool {
+        self.changes.iter().any(|c| c.is_regression())
+    }
+
+    /// The report as a terminal table followed by a summary.
+    pub fn render(&self) -> String {
+        let level = self
+            .changes
+            .first()
+            .map(|c| c.comparison.speedup.level)
+            .unwrap_or(1.0 - self.alpha);
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED)
+            .set_content_arrangement(ContentArrangement::Dynamic)
+            .set_width(160)
+            .set_header(vec![
+                "config".to_string(),
+                "implementation".to_string(),
+                "old ms".to_string(),
+                "new ms".to_string(),
+                format!("change [{} CI]", level_pct(level)),
+                "p".to_string(),
+                "verdict".to_string(),
+            ]);
+        let mut last_cfg: Option<&str> = None;
+        for c in &self.changes {
+            let label = if last_cfg == Some(c.config_id.as_str()) {
+                String::new()
+            } else {
+                c.label.clone()
+            };
+            last_cfg = Some(&c.config_id);
+            let (lo, hi) = c.change_ci();
+            let verdict = match c.comparison.verdict {
+                Verdict::Slower => "SLOWER (regression)".to_string(),
+                Verdict::Faster => "FASTER (improvement)".to_string(),
+                v => v.to_string(),
+            };
+            let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
+            t.add_row(vec![
+                Cell::new(label),
+                Cell::new(&c.implementation),
+                right(fmt_ms(c.old_median_ms)),
+                right(fmt_ms(c.new_median_ms)),
+                right(format!("{} [{}, {}]", pct(c.change()), pct(lo), pct(hi))),
+                right(fmt_p(c.comparison.mann_whitney.p_value)),
+                Cell::new(verdict),
+            ]);
+        }
+        if let Some(col) = t.column_mut(0) {
+            col.set_constraint(ColumnConstraint::UpperBoundary(Width::Fixed(50)));
+        }
+        let mut out = String::new();
+        if self.changes.is_empty() {
+            out.push_str("No implementation was present with samples in both runs.\n");
+        } else {
+            out.push_str(&t.to_string());
+            out.push('\n');
+        }
+        out.push_str(&format!(
+            "change = new median / old median − 1 (negative = faster); threshold ±{}%, \
+             alpha {}.\n",
+            fmt_sig(self.threshold * 100.0, 3),
+            self.alpha
+        ));
+        let same = self
+            .changes
+            .iter()
+            .filter(|c| c.comparison.verdict == Verdict::Same)
+            .count();
+        let unclear = self
+            .changes
+            .iter()
+            .filter(|c| c.comparison.verdict == Verdict::Unclear)
+            .count();
+        out.push_str(&format!(
+            "{} compared: {} regression(s), {} improvement(s), {} same, {} unclear.\n",
+            self.changes.len(),
+            self.regressions,
+            self.improvements,
+            same,
+            unclear
+        ));
+        let list = |out: &mut String, title: &str, items: &[String]| {
+            if !items.is_empty() {
+                out.push_str(&format!("{title} ({}):\n", items.len()));
+                for i in items {
+                    out.push_str(&format!("  - {i}\n"));
+                }
+            }
+        };
+        list(&mut out, "Configs only in the old run", &self.only_in_old);
+        list(&mut out, "Configs only in the new run", &self.only_in_new);
+        list(&mut out, "Not compared", &self.skipped);
+        list(&mut out, "Warnings", &self.warnings);
+        if self.has_regression() {
+            out.push_str("REGRESSION: the new run is significantly slower.\n");
+        }
+        out
+    }
+}

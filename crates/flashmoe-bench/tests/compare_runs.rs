@@ -1,0 +1,177 @@
+//! `compare`: A/A is not a regression, 10% slower is, 10% faster is an improvement,
+//! configs and implementations present on one side only are listed.
+
+use flashmoe::{AttentionProblem, DType};
+use flashmoe_bench::compare::{compare_runs, CompareOptions};
+use flashmoe_bench::report::fixtures::{config_from_samples, noisy_samples, run_with};
+use flashmoe_bench::results::{ProblemSpec, RunResults};
+use flashmoe_bench::stats::Verdict;
+
+fn problem(seqlen: usize) -> ProblemSpec {
+    ProblemSpec::Attention(AttentionProblem::new(2, 8, seqlen, 64, false, DType::F16))
+}
+
+/// A run with one config per `(seqlen, median_ms)`, each with implementations
+/// `flashmoe` and `sdpa-flash` (the latter 1.3× slower), n = 100, 1% noise.
+fn run(configs: &[(usize, f64)], seed: u64) -> RunResults {
+    let cs = configs
+        .iter()
+        .enumerate()
+        .map(|(k, &(seqlen, ms))| {
+            let s = seed * 1000 + 10 * k as u64;
+            config_from_samples(
+                problem(seqlen),
+                "flashmoe",
+                vec![
+                    ("flashmoe", "cpu", noisy_samples(ms, 0.01, 100, s)),
+                    (
+                        "sdpa-flash",
+                        "cpu",
+                        noisy_samples(ms * 1.3, 0.01, 100, s + 1),
+                    ),
+                ],
+                None,
+            )
+        })
+        .collect();
+    run_with("attention", "flashmoe", cs, None)
+}
+
+fn opts() -> CompareOptions {
+    CompareOptions {
+        threshold: 0.02,
+        alpha: 0.05,
+        resamples: 2000,
+        seed: 7,
+    }
+}
+
+#[test]
+fn default_options_match_the_spec() {
+    let o = CompareOptions::default();
+    assert_eq!(o.threshold, 0.02);
+    assert_eq!(o.alpha, 0.05);
+}
+
+#[test]
+fn a_a_comparison_is_not_a_regression() {
+    // Independent draws of the same noise distribution, several seed pairs.
+    for seed in 1..=5 {
+        let old = run(&[(512, 1.0), (1024, 4.0)], seed);
+        let new = run(&[(512, 1.0), (1024, 4.0)], seed + 100);
+        let rep = compare_runs(&old, &new, &opts());
+        assert_eq!(rep.changes.len(), 4);
+        assert!(!rep.has_regression(), "{}", rep.render());
+        assert_eq!(rep.regressions, 0);
+        assert_eq!(rep.improvements, 0);
+        for c in &rep.changes {
+            assert_eq!(c.comparison.verdict, Verdict::Same, "{}", rep.render());
+            assert!(c.change().abs() < 0.01, "{}", c.change());
+        }
+        assert!(rep.only_in_old.is_empty() && rep.only_in_new.is_empty());
+        assert!(rep.skipped.is_empty() && rep.warnings.is_empty());
+    }
+}
+
+#[test]
+fn ten_percent_slower_is_a_regression() {
+    let old = run(&[(512, 1.0), (1024, 4.0)], 1);
+    let new = run(&[(512, 1.1), (1024, 4.0)], 2);
+    let rep = compare_runs(&old, &new, &opts());
+    assert!(rep.has_regression());
+    assert_eq!(rep.regressions, 2, "{}", rep.render()); // both impls of config 512
+    let c = rep
+        .changes
+        .iter()
+        .find(|c| c.implementation == "flashmoe" && c.config_id == problem(512).id())
+        .unwrap();
+    assert_eq!(c.comparison.verdict, Verdict::Slower);
+    assert!((c.change() - 0.10).abs() < 0.02, "{}", c.change());
+    let (lo, hi) = c.change_ci();
+    assert!(lo < c.change() && c.change() < hi && lo > 0.05, "{lo} {hi}");
+    assert!(c.new_median_ms > c.old_median_ms);
+    let text = rep.render();
+    assert!(text.contains("SLOWER"), "{text}");
+    assert!(text.contains("REGRESSION"), "{text}");
+    // The unchanged config stays SAME.
+    let same = rep
+        .changes
+        .iter()
+        .filter(|c| c.config_id == problem(1024).id())
+        .all(|c| c.comparison.verdict == Verdict::Same);
+    assert!(same, "{text}");
+}
+
+#[test]
+fn ten_percent_faster_is_an_improvement() {
+    let old = run(&[(512, 1.0)], 3);
+    let new = run(&[(512, 0.9)], 4);
+    let rep = compare_runs(&old, &new, &opts());
+    assert!(!rep.has_regression(), "{}", rep.render());
+    assert_eq!(rep.improvements, 2);
+    assert_eq!(rep.regressions, 0);
+    for c in &rep.changes {
+        assert_eq!(c.comparison.verdict, Verdict::Faster);
+        assert!(c.comparison.speedup.estimate > 1.05);
+        assert!(c.change() < -0.05);
+    }
+    assert!(rep.render().contains("FASTER"));
+}
+
+#[test]
+fn configs_and_implementations_on_one_side_are_listed() {
+    let old = run(&[(512, 1.0), (2048, 9.0)], 5);
+    let mut new = run(&[(512, 1.0), (4096, 30.0)], 6);
+    // An implementation missing from the new run, one without samples in the new run.
+    new.configs[0]
+        .implementations
+        .retain(|i| i.name == "flashmoe");
+    let mut na = old.configs[0].implementations[1].clone();
+    na.name = "naive".into();
+    let mut old = old;
+    old.configs[0].implementations.push(na.clone());
+    na.samples_ms.clear();
+    na.summary = None;
+    na.error = Some("n/a: head dim".into());
+    new.configs[0].implementations.push(na);
+
+    let rep = compare_runs(&old, &new, &opts());
+    assert_eq!(rep.only_in_old, vec![problem(2048).id()]);
+    assert_eq!(rep.only_in_new, vec![problem(4096).id()]);
+    assert_eq!(rep.changes.len(), 1);
+    assert_eq!(rep.changes[0].implementation, "flashmoe");
+    assert_eq!(rep.skipped.len(), 2, "{:?}", rep.skipped);
+    assert!(rep
+        .skipped
+        .iter()
+        .any(|s| s.contains("sdpa-flash") && s.contains("only in the old")));
+    assert!(rep
+        .skipped
+        .iter()
+        .any(|s| s.contains("naive") && s.contains("n/a: head dim")));
+    let text = rep.render();
+    assert!(text.contains(&problem(2048).id()) && text.contains(&problem(4096).id()));
+    assert!(text.contains("Configs only in the old run"));
+    assert!(!rep.has_regression());
+}
+
+#[test]
+fn different_machines_are_warned_about() {
+    let old = run(&[(512, 1.0)], 7);
+    let mut new = run(&[(512, 1.0)], 8);
+    new.manifest.cpu_model = "Some other CPU".into();
+    new.interrupted = true;
+    let rep = compare_runs(&old, &new, &opts());
+    assert_eq!(rep.warnings.len(), 2, "{:?}", rep.warnings);
+    assert!(rep.render().contains("different machines"));
+}
+
+#[test]
+fn empty_comparison_renders() {
+    let old = run(&[(512, 1.0)], 9);
+    let new = run(&[(1024, 1.0)], 10);
+    let rep = compare_runs(&old, &new, &opts());
+    assert!(rep.changes.is_empty());
+    assert!(!rep.has_regression());
+    assert!(rep.render().contains("No implementation was present"));
+}
