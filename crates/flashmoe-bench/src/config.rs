@@ -31,20 +31,40 @@ pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "
 
 /// The FlashAttention benchmark sweep: a fixed token budget and model dim, so batch and
 /// heads shrink as sequence length and head dim grow.
-fn token_sweep(tokens: usize, model_dim: usize, head_dims: &[usize], seqlens: &[usize], dtype: DType) -> Vec<ProblemSpec> {
+fn token_sweep(
+    tokens: usize,
+    model_dim: usize,
+    head_dims: &[usize],
+    seqlens: &[usize],
+    dtype: DType,
+) -> Vec<ProblemSpec> {
     let mut v = Vec::new();
     for &d in head_dims {
         for causal in [false, true] {
             for &s in seqlens {
                 let b = (tokens / s).max(1);
-                v.push(ProblemSpec::Attention(AttentionProblem::new(b, model_dim / d, s, d, causal, dtype)));
+                v.push(ProblemSpec::Attention(AttentionProblem::new(
+                    b,
+                    model_dim / d,
+                    s,
+                    d,
+                    causal,
+                    dtype,
+                )));
             }
         }
     }
     v
 }
 
-fn moe(tokens: &[usize], hidden: usize, inter: usize, experts: usize, k: usize, scoring: Scoring) -> Vec<ProblemSpec> {
+fn moe(
+    tokens: &[usize],
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    k: usize,
+    scoring: Scoring,
+) -> Vec<ProblemSpec> {
     tokens
         .iter()
         .map(|&t| {
@@ -66,7 +86,9 @@ fn moe(tokens: &[usize], hidden: usize, inter: usize, experts: usize, k: usize, 
 /// The configs of a named preset. `gpu` selects GPU-sized shapes for `quick`/`sweep`.
 pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<ProblemSpec>> {
     use DType::*;
-    let attn = |b, h, s, d, causal, dt| ProblemSpec::Attention(AttentionProblem::new(b, h, s, d, causal, dt));
+    let attn = |b, h, s, d, causal, dt| {
+        ProblemSpec::Attention(AttentionProblem::new(b, h, s, d, causal, dt))
+    };
     Ok(match (suite, name, gpu) {
         (Suite::Attention, "quick", true) => vec![
             attn(16, 16, 1024, 128, false, Bf16),
@@ -82,13 +104,20 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
             attn(2, 4, 512, 64, false, Bf16),
             attn(4, 2, 256, 128, false, F16),
         ],
-        (Suite::Attention, "sweep", true) => {
-            token_sweep(16384, 2048, &[64, 128], &[512, 1024, 2048, 4096, 8192, 16384], Bf16)
-        }
+        (Suite::Attention, "sweep", true) => token_sweep(
+            16384,
+            2048,
+            &[64, 128],
+            &[512, 1024, 2048, 4096, 8192, 16384],
+            Bf16,
+        ),
         (Suite::Attention, "sweep", false) => {
             token_sweep(2048, 256, &[64, 128], &[128, 256, 512, 1024, 2048], Bf16)
         }
-        (Suite::Attention, "seed002", _) => vec![attn(32, 8, 512, 64, false, F16), attn(32, 8, 512, 64, true, F16)],
+        (Suite::Attention, "seed002", _) => vec![
+            attn(32, 8, 512, 64, false, F16),
+            attn(32, 8, 512, 64, true, F16),
+        ],
         (Suite::Attention, "seed003", _) => vec![
             attn(16, 16, 2048, 64, false, F16),
             attn(16, 16, 2048, 64, true, F16),
@@ -97,7 +126,14 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
         ],
         (Suite::Moe, "quick", true) => moe(&[16, 2048], 4096, 11008, 32, 2, Scoring::Softmax),
         (Suite::Moe, "quick", false) => moe(&[16, 128, 512], 256, 512, 8, 2, Scoring::Softmax),
-        (Suite::Moe, "seed003", _) => moe(&[16, 128, 2048, 16384, 32768], 4096, 11008, 32, 2, Scoring::Softmax),
+        (Suite::Moe, "seed003", _) => moe(
+            &[16, 128, 2048, 16384, 32768],
+            4096,
+            11008,
+            32,
+            2,
+            Scoring::Softmax,
+        ),
         (Suite::Moe, "mixtral", _) => moe(&[1024, 8192], 4096, 14336, 8, 2, Scoring::Softmax),
         (Suite::Moe, "qwen3-30b", _) => moe(&[1024, 8192], 2048, 768, 128, 8, Scoring::Softmax),
         (Suite::Moe, "deepseek-v3", _) => moe(&[1024, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid),
@@ -106,7 +142,11 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
                 Suite::Attention => ATTENTION_PRESETS,
                 Suite::Moe => MOE_PRESETS,
             };
-            bail!("unknown {} preset '{other}': choose one of {}", suite.name(), names.join(", "))
+            bail!(
+                "unknown {} preset '{other}': choose one of {}",
+                suite.name(),
+                names.join(", ")
+            )
         }
     })
 }
@@ -118,7 +158,11 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
     match suite {
         Suite::Attention => {
             let dtypes = [DType::Bf16, DType::F16];
-            let dims: &[usize] = if quick { &[64, 128] } else { &[32, 64, 96, 128, 256] };
+            let dims: &[usize] = if quick {
+                &[64, 128]
+            } else {
+                &[32, 64, 96, 128, 256]
+            };
             let gqa: &[usize] = if quick { &[1, 4] } else { &[1, 4, 8] };
             for &dtype in &dtypes {
                 for &d in dims {
@@ -167,7 +211,8 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
 }
 
 /// Sequence-length pairs the CPU check covers: tiny, ragged, and Sq ≠ Sk both ways.
-pub const CPU_CHECK_SEQLENS: &[(usize, usize)] = &[(1, 1), (17, 17), (128, 128), (100, 37), (37, 100)];
+pub const CPU_CHECK_SEQLENS: &[(usize, usize)] =
+    &[(1, 1), (17, 17), (128, 128), (100, 37), (37, 100)];
 /// The GPU check adds long and ragged lengths (checked against the GPU fp32 reference
 /// where the CPU f64 reference would be too slow).
 pub const GPU_CHECK_SEQLENS: &[(usize, usize)] = &[
@@ -180,7 +225,13 @@ pub const GPU_CHECK_SEQLENS: &[(usize, usize)] = &[
     (1000, 4097),
     (4097, 1000),
 ];
-pub const GPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (1000, 1000), (128, 1000), (1000, 128), (4097, 4097)];
+pub const GPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[
+    (17, 17),
+    (1000, 1000),
+    (128, 1000),
+    (1000, 128),
+    (4097, 4097),
+];
 pub const CPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (100, 37), (37, 100)];
 
 // ---- TOML config files ----
@@ -280,13 +331,21 @@ pub struct MoeEntry {
 
 fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
     let ctx = |what: &str| format!("[[attention]] entry {}: {what}", index + 1);
-    let dtype: DType = e.dtype.parse().map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
-    let heads_q = e.heads_q.or(e.heads).with_context(|| ctx("needs `heads` or `heads_q`"))?;
+    let dtype: DType = e
+        .dtype
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
+    let heads_q = e
+        .heads_q
+        .or(e.heads)
+        .with_context(|| ctx("needs `heads` or `heads_q`"))?;
     let heads_kv = e.heads_kv.unwrap_or(heads_q);
     let seqlens: Vec<(usize, usize)> = match (&e.seqlen, e.seqlen_q, e.seqlen_k) {
         (Some(s), None, None) => s.values().into_iter().map(|s| (s, s)).collect(),
         (None, Some(q), Some(k)) => vec![(q, k)],
-        _ => bail!(ctx("give either `seqlen` or both `seqlen_q` and `seqlen_k`")),
+        _ => bail!(ctx(
+            "give either `seqlen` or both `seqlen_q` and `seqlen_k`"
+        )),
     };
     let mut v = Vec::new();
     for batch in e.batch.values() {
@@ -304,7 +363,8 @@ fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<Prob
                         dtype,
                         softmax_scale: e.softmax_scale,
                     };
-                    p.validate().map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
+                    p.validate()
+                        .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
                     v.push(ProblemSpec::Attention(p));
                 }
             }
@@ -315,8 +375,14 @@ fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<Prob
 
 fn expand_moe(e: &MoeEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
     let ctx = |what: &str| format!("[[moe]] entry {}: {what}", index + 1);
-    let dtype: DType = e.dtype.parse().map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
-    let scoring: Scoring = e.scoring.parse().map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
+    let dtype: DType = e
+        .dtype
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
+    let scoring: Scoring = e
+        .scoring
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
     e.tokens
         .values()
         .into_iter()
@@ -332,7 +398,8 @@ fn expand_moe(e: &MoeEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
                 dtype,
                 shared_expert: e.shared_expert,
             };
-            p.validate().map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
+            p.validate()
+                .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
             Ok(ProblemSpec::Moe(p))
         })
         .collect()
@@ -378,7 +445,9 @@ mod tests {
         let v = preset(Suite::Attention, "sweep", true).unwrap();
         assert_eq!(v.len(), 24);
         for c in &v {
-            let ProblemSpec::Attention(p) = c else { panic!() };
+            let ProblemSpec::Attention(p) = c else {
+                panic!()
+            };
             assert_eq!(p.batch * p.seqlen_q, 16384);
             assert_eq!(p.heads_q * p.head_dim, 2048);
         }
@@ -411,7 +480,10 @@ dtype = "f16"
         assert!(parse_config(&typo, Suite::Attention).is_err());
         let dt = text.replace("f16", "int4");
         assert!(format!("{:#}", parse_config(&dt, Suite::Attention).unwrap_err()).contains("int4"));
-        assert!(parse_config(text, Suite::Moe).unwrap_err().to_string().contains("[[moe]]"));
+        assert!(parse_config(text, Suite::Moe)
+            .unwrap_err()
+            .to_string()
+            .contains("[[moe]]"));
     }
 
     #[test]

@@ -101,7 +101,11 @@ pub fn measure_interleaved(
         let t0 = Instant::now();
         loop {
             if cancel.load(Ordering::Relaxed) {
-                return Measurement { sets, stop: StopReason::Cancelled, rounds: 0 };
+                return Measurement {
+                    sets,
+                    stop: StopReason::Cancelled,
+                    rounds: 0,
+                };
             }
             if let Err(e) = imp.sample() {
                 sets[i].error = Some(format!("{e:#}"));
@@ -187,7 +191,12 @@ mod tests {
         }
     }
 
-    fn fake(id: usize, base: f64, noise: f64, log: &std::rc::Rc<std::cell::RefCell<Vec<usize>>>) -> Fake {
+    fn fake(
+        id: usize,
+        base: f64,
+        noise: f64,
+        log: &std::rc::Rc<std::cell::RefCell<Vec<usize>>>,
+    ) -> Fake {
         Fake {
             id,
             base,
@@ -236,7 +245,11 @@ mod tests {
         let log = Default::default();
         let mut a = fake(0, 1.0, 0.9, &log);
         let cancel = AtomicBool::new(false);
-        let s = MeasureSettings { max_samples: 40, target_rel_ci: 0.0001, ..quick_settings() };
+        let s = MeasureSettings {
+            max_samples: 40,
+            target_rel_ci: 0.0001,
+            ..quick_settings()
+        };
         let m = measure_interleaved(&mut [&mut a], &s, &cancel, |_| {});
         assert_eq!(m.stop, StopReason::SampleCap);
         assert_eq!(m.sets[0].samples_ms.len(), 40);

@@ -23,7 +23,11 @@ impl Implementation for Broken {
     fn supports(&self, _: &ProblemSpec) -> Result<(), String> {
         Ok(())
     }
-    fn prepare<'a>(&'a self, p: &ProblemSpec, x: &'a SuiteInputs) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+    fn prepare<'a>(
+        &'a self,
+        p: &ProblemSpec,
+        x: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
         Ok(Box::new(BrokenPrepared(x, p.clone())))
     }
 }
@@ -34,7 +38,9 @@ impl Sampled for BrokenPrepared<'_> {
 }
 impl Prepared for BrokenPrepared<'_> {
     fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (&self.1, self.0) else { unreachable!() };
+        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (&self.1, self.0) else {
+            unreachable!()
+        };
         let r = flashmoe::reference::attention_f64(p, x)?;
         Ok(Outputs::Attention {
             o: r.o.iter().map(|&v| 1.1 * v as f32).collect(),
@@ -55,7 +61,11 @@ impl Implementation for Unsupported {
     fn supports(&self, _: &ProblemSpec) -> Result<(), String> {
         Err("head dim 64 not served".into())
     }
-    fn prepare<'a>(&'a self, _: &ProblemSpec, _: &'a SuiteInputs) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+    fn prepare<'a>(
+        &'a self,
+        _: &ProblemSpec,
+        _: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
         unreachable!("never prepared when unsupported")
     }
 }
@@ -83,7 +93,9 @@ fn gate_times_only_correct_implementations_and_compares_the_candidate() {
         ceilings: None,
     };
     let p = ProblemSpec::Attention(AttentionProblem::new(1, 2, 33, 32, true, DType::Bf16));
-    let r = pipeline.run_config(&p, &AtomicBool::new(false), |_| {}).unwrap();
+    let r = pipeline
+        .run_config(&p, &AtomicBool::new(false), |_| {})
+        .unwrap();
     let get = |n: &str| r.implementations.iter().find(|i| i.name == n).unwrap();
 
     let t = get("cpu-tiled");
@@ -98,7 +110,11 @@ fn gate_times_only_correct_implementations_and_compares_the_candidate() {
     assert!(b.samples_ms.is_empty(), "a failed gate must not be timed");
     assert!(b.error.as_deref().unwrap().contains("correctness gate"));
 
-    assert!(get("picky").error.as_deref().unwrap().starts_with("n/a: head dim 64"));
+    assert!(get("picky")
+        .error
+        .as_deref()
+        .unwrap()
+        .starts_with("n/a: head dim 64"));
 
     // Only the one usable baseline is compared with the candidate.
     assert_eq!(r.comparisons.len(), 1);
@@ -119,7 +135,11 @@ fn an_invalid_config_is_recorded_not_fatal() {
     let mut bad = AttentionProblem::new(1, 6, 16, 32, false, DType::F16);
     bad.heads_kv = 4;
     let r = pipeline
-        .run_config(&ProblemSpec::Attention(bad), &AtomicBool::new(false), |_| {})
+        .run_config(
+            &ProblemSpec::Attention(bad),
+            &AtomicBool::new(false),
+            |_| {},
+        )
         .unwrap();
     assert!(r.error.as_deref().unwrap().contains("heads_q (6)"));
     assert!(r.implementations.is_empty());

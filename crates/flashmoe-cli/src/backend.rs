@@ -6,7 +6,9 @@ use flashmoe_bench::config::Suite;
 use flashmoe_bench::manifest::{GpuManifest, Manifest};
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
-use flashmoe_bench::runner::gpu::{GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession};
+use flashmoe_bench::runner::gpu::{
+    GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
+};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
 use std::rc::Rc;
 
@@ -43,21 +45,33 @@ pub fn clock_observation(when: &str) -> Option<String> {
     if !out.status.success() {
         return None;
     }
-    let line = String::from_utf8_lossy(&out.stdout).lines().next()?.trim().to_string();
-    Some(format!("{when}: sm clock, mem clock, temp, power, throttle reasons = {line}"))
+    let line = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()?
+        .trim()
+        .to_string();
+    Some(format!(
+        "{when}: sm clock, mem clock, temp, power, throttle reasons = {line}"
+    ))
 }
 
 fn gpu_manifest(info: &DeviceInfo) -> GpuManifest {
     GpuManifest {
         name: info.name.clone(),
-        compute_capability: format!("{}.{}", info.compute_capability.0, info.compute_capability.1),
+        compute_capability: format!(
+            "{}.{}",
+            info.compute_capability.0, info.compute_capability.1
+        ),
         sm_count: info.sm_count,
         memory_bytes: info.total_memory_bytes,
         l2_bytes: info.l2_cache_bytes,
         max_sm_clock_mhz: info.max_sm_clock_mhz,
         max_mem_clock_mhz: info.memory_clock_mhz,
         driver_version: info.driver_version.clone(),
-        nvrtc_version: info.nvrtc_version.clone().unwrap_or_else(|| "not found".into()),
+        nvrtc_version: info
+            .nvrtc_version
+            .clone()
+            .unwrap_or_else(|| "not found".into()),
         clock_observations: clock_observation("start").into_iter().collect(),
     }
 }
@@ -191,5 +205,9 @@ pub fn select(suite: Suite, force_cpu: bool, seed: u64, for_check: bool) -> Lab 
 pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
     let gemm = flashmoe::gpu::measure_gemm_ceiling_detailed(&session.device)?;
     let copy = flashmoe::gpu::measure_copy_ceiling_detailed(&session.device)?;
-    Ok(Ceilings { gemm_tflops: gemm.value, gemm_desc: gemm.description, copy_gbps: copy.value })
+    Ok(Ceilings {
+        gemm_tflops: gemm.value,
+        gemm_desc: gemm.description,
+        copy_gbps: copy.value,
+    })
 }

@@ -42,9 +42,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let suite: Suite = args.suite.into();
     let lab = backend::select(suite, args.cpu, args.seed, false);
     let (configs, source) = match (&args.preset, &args.config) {
-        (_, Some(path)) => (config::load_config(path, suite)?, path.display().to_string()),
-        (Some(name), None) => (config::preset(suite, name, lab.on_gpu())?, format!("preset:{name}")),
-        (None, None) => (config::preset(suite, "quick", lab.on_gpu())?, "preset:quick".to_string()),
+        (_, Some(path)) => (
+            config::load_config(path, suite)?,
+            path.display().to_string(),
+        ),
+        (Some(name), None) => (
+            config::preset(suite, name, lab.on_gpu())?,
+            format!("preset:{name}"),
+        ),
+        (None, None) => (
+            config::preset(suite, "quick", lab.on_gpu())?,
+            "preset:quick".to_string(),
+        ),
     };
     ensure_writable(&args.out)?;
 
@@ -52,20 +61,32 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let available: Vec<&str> = lab.implementations.iter().map(|i| i.name()).collect();
     for want in &args.implementations {
         if !available.contains(&want.as_str()) {
-            bail!("unknown implementation '{want}': available here: {}", available.join(", "));
+            bail!(
+                "unknown implementation '{want}': available here: {}",
+                available.join(", ")
+            );
         }
     }
     let implementations: Vec<_> = lab
         .implementations
         .iter()
-        .filter(|i| args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name()))
+        .filter(|i| {
+            args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name())
+        })
         .map(|b| b.as_ref())
         .collect();
-    let candidate = args.candidate.clone().unwrap_or_else(|| lab.default_candidate.clone());
+    let candidate = args
+        .candidate
+        .clone()
+        .unwrap_or_else(|| lab.default_candidate.clone());
     if !implementations.iter().any(|i| i.name() == candidate) {
         bail!(
             "candidate '{candidate}' is not among the implementations run ({})",
-            implementations.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+            implementations
+                .iter()
+                .map(|i| i.name())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
 
@@ -85,7 +106,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         Some(session) => {
             eprintln!("measuring the bf16 GEMM and device-copy ceilings...");
             let c = backend::measure_ceilings(session)?;
-            eprintln!("ceilings: {:.0} TFLOP/s ({}), copy {:.0} GB/s", c.gemm_tflops, c.gemm_desc, c.copy_gbps);
+            eprintln!(
+                "ceilings: {:.0} TFLOP/s ({}), copy {:.0} GB/s",
+                c.gemm_tflops, c.gemm_desc, c.copy_gbps
+            );
             Some(c)
         }
         None => None,
@@ -134,7 +158,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     }
     bar.finish_and_clear();
     if let (Some(gpu), true) = (results.manifest.gpu.as_mut(), lab.on_gpu()) {
-        gpu.clock_observations.extend(backend::clock_observation("end"));
+        gpu.clock_observations
+            .extend(backend::clock_observation("end"));
     }
     let written = report::write_all(&results, &args.out)?;
     println!("{}", report::terminal_table(&results));
@@ -142,7 +167,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         println!("wrote {}", path.display());
     }
     if results.interrupted {
-        println!("interrupted: {} of {} configs finished and kept", results.configs.len(), configs.len());
+        println!(
+            "interrupted: {} of {} configs finished and kept",
+            results.configs.len(),
+            configs.len()
+        );
         return Ok(ExitCode::from(130));
     }
     Ok(ExitCode::SUCCESS)

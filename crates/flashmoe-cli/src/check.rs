@@ -30,7 +30,10 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             .map(|b| b.as_ref())
             .collect();
         if under_test.is_empty() {
-            println!("{}: no implementation besides the reference on this machine; nothing to check", suite.name());
+            println!(
+                "{}: no implementation besides the reference on this machine; nothing to check",
+                suite.name()
+            );
             continue;
         }
         let seqlens = match (lab.on_gpu(), args.quick) {
@@ -40,11 +43,24 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             (false, false) => config::CPU_CHECK_SEQLENS,
         };
         let problems = config::check_matrix(suite, args.quick, seqlens);
-        let rows = run_checks(&problems, &under_test, lab.reference.as_ref(), seed, |case| {
-            for r in case.iter().filter(|r| !r.passed()) {
-                eprintln!("FAIL {} / {}: {:?}", r.config, r.implementation, r.error.clone().or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone())));
-            }
-        });
+        let rows = run_checks(
+            &problems,
+            &under_test,
+            lab.reference.as_ref(),
+            seed,
+            |case| {
+                for r in case.iter().filter(|r| !r.passed()) {
+                    eprintln!(
+                        "FAIL {} / {}: {:?}",
+                        r.config,
+                        r.implementation,
+                        r.error
+                            .clone()
+                            .or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone()))
+                    );
+                }
+            },
+        );
         all.extend(rows);
     }
     println!("{}", render(&all));
@@ -52,5 +68,9 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     let skipped = all.iter().filter(|r| r.is_skip()).count();
     let passed = all.len() - failed - skipped;
     println!("{passed} passed, {failed} failed, {skipped} skipped");
-    Ok(if failed > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

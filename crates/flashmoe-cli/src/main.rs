@@ -11,7 +11,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "flashmoe", version, about = "FlashAttention and MoE kernels, benchmarked honestly")]
+#[command(
+    name = "flashmoe",
+    version,
+    about = "FlashAttention and MoE kernels, benchmarked honestly"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -147,7 +151,10 @@ fn compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
         );
         Ok(ExitCode::from(1))
     } else {
-        println!("no significant regression beyond {:.1}%", args.threshold * 100.0);
+        println!(
+            "no significant regression beyond {:.1}%",
+            args.threshold * 100.0
+        );
         Ok(ExitCode::SUCCESS)
     }
 }

@@ -42,8 +42,14 @@ impl DType {
     /// f16/bf16), as uploaded to a device buffer.
     pub fn encode_u16(self, xs: &[f32]) -> Vec<u16> {
         match self {
-            DType::F16 => xs.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect(),
-            DType::Bf16 => xs.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect(),
+            DType::F16 => xs
+                .iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect(),
+            DType::Bf16 => xs
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect(),
             DType::F32 => panic!("encode_u16 called for f32"),
         }
     }
@@ -51,8 +57,14 @@ impl DType {
     /// Decode 16-bit values of this type back to f32.
     pub fn decode_u16(self, bits: &[u16]) -> Vec<f32> {
         match self {
-            DType::F16 => bits.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
-            DType::Bf16 => bits.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+            DType::F16 => bits
+                .iter()
+                .map(|&b| half::f16::from_bits(b).to_f32())
+                .collect(),
+            DType::Bf16 => bits
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect(),
             DType::F32 => panic!("decode_u16 called for f32"),
         }
     }

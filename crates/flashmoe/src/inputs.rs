@@ -75,7 +75,9 @@ pub fn checksum(values: &[f32], dtype: DType) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01B3);
     };
     match dtype {
-        DType::F32 => values.iter().for_each(|v| v.to_le_bytes().into_iter().for_each(&mut eat)),
+        DType::F32 => values
+            .iter()
+            .for_each(|v| v.to_le_bytes().into_iter().for_each(&mut eat)),
         _ => dtype
             .encode_u16(values)
             .into_iter()

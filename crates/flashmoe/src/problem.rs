@@ -61,7 +61,7 @@ impl AttentionProblem {
                 return Err(Error::invalid(format!("{name} must be at least 1, got 0")));
             }
         }
-        if self.heads_q % self.heads_kv != 0 {
+        if !self.heads_q.is_multiple_of(self.heads_kv) {
             return Err(Error::invalid(format!(
                 "heads_q ({}) must be a multiple of heads_kv ({})",
                 self.heads_q, self.heads_kv
@@ -118,7 +118,9 @@ impl AttentionProblem {
         if !self.causal {
             return self.seqlen_q as u64 * self.seqlen_k as u64;
         }
-        (0..self.seqlen_q).map(|i| self.visible_keys(i) as u64).sum()
+        (0..self.seqlen_q)
+            .map(|i| self.visible_keys(i) as u64)
+            .sum()
     }
 
     /// FlashAttention convention: 4·B·Hq·(unmasked pairs)·D (two GEMMs, 2 flops per MAC).
@@ -186,7 +188,9 @@ impl std::str::FromStr for Scoring {
         match s.to_ascii_lowercase().as_str() {
             "softmax" => Ok(Scoring::Softmax),
             "sigmoid" => Ok(Scoring::Sigmoid),
-            o => Err(format!("unknown scoring '{o}': expected softmax or sigmoid")),
+            o => Err(format!(
+                "unknown scoring '{o}': expected softmax or sigmoid"
+            )),
         }
     }
 }
@@ -235,7 +239,11 @@ impl MoeProblem {
     /// Router GEMM plus 6·H·I flops per (token, expert) assignment (gate+up: 4·H·I,
     /// down: 2·H·I), plus the shared expert if any. Elementwise work is not counted.
     pub fn flops(&self) -> f64 {
-        let (t, h, i) = (self.tokens as f64, self.hidden as f64, self.intermediate as f64);
+        let (t, h, i) = (
+            self.tokens as f64,
+            self.hidden as f64,
+            self.intermediate as f64,
+        );
         let router = 2.0 * t * h * self.experts as f64;
         let per_assignment = 6.0 * h * i;
         let assignments = t * (self.top_k as f64 + if self.shared_expert { 1.0 } else { 0.0 });
@@ -305,7 +313,10 @@ mod tests {
     fn attention_flops_full_and_causal() {
         let p = AttentionProblem::new(2, 3, 4, 8, false, DType::F16);
         assert_eq!(p.flops(), 4.0 * 2.0 * 3.0 * 16.0 * 8.0);
-        let c = AttentionProblem { causal: true, ..p.clone() };
+        let c = AttentionProblem {
+            causal: true,
+            ..p.clone()
+        };
         // 1 + 2 + 3 + 4 = 10 visible pairs
         assert_eq!(c.unmasked_pairs(), 10);
         assert_eq!(c.flops(), 4.0 * 2.0 * 3.0 * 10.0 * 8.0);
@@ -322,8 +333,15 @@ mod tests {
         assert_eq!(p.visible_keys(0), 4);
         assert_eq!(p.visible_keys(1), 5);
         // Sq=5, Sk=2: the first 3 queries see nothing.
-        let q = AttentionProblem { seqlen_q: 5, seqlen_k: 2, ..p };
-        assert_eq!((0..5).map(|i| q.visible_keys(i)).collect::<Vec<_>>(), vec![0, 0, 0, 1, 2]);
+        let q = AttentionProblem {
+            seqlen_q: 5,
+            seqlen_k: 2,
+            ..p
+        };
+        assert_eq!(
+            (0..5).map(|i| q.visible_keys(i)).collect::<Vec<_>>(),
+            vec![0, 0, 0, 1, 2]
+        );
         assert_eq!(q.unmasked_pairs(), 3);
     }
 
@@ -332,7 +350,10 @@ mod tests {
         let mut p = AttentionProblem::new(1, 8, 16, 64, false, DType::Bf16);
         p.heads_kv = 3;
         let e = p.validate().unwrap_err().to_string();
-        assert!(e.contains("heads_q (8)") && e.contains("heads_kv (3)"), "{e}");
+        assert!(
+            e.contains("heads_q (8)") && e.contains("heads_kv (3)"),
+            "{e}"
+        );
         p.heads_kv = 2;
         assert!(p.validate().is_ok());
         p.seqlen_k = 0;

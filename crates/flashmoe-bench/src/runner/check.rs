@@ -56,7 +56,8 @@ pub fn run_checks(
         // Fresh inputs per case, reproducible from (seed, case).
         let inputs = SuiteInputs::generate(problem, seed.wrapping_add(case as u64));
         let ref_name = reference.name(problem);
-        let reference_provider_is = |name: &str, p: &ProblemSpec| reference.serves_as(p) == Some(name);
+        let reference_provider_is =
+            |name: &str, p: &ProblemSpec| reference.serves_as(p) == Some(name);
         let reference = match reference.compute(problem, &inputs) {
             Ok(r) => r,
             Err(e) => {
@@ -67,16 +68,26 @@ pub fn run_checks(
         };
         for imp in implementations {
             if reference_provider_is(imp.name(), problem) {
-                rows.push(row(imp.name(), None, Some(format!("n/a: is the reference ({ref_name}) for this shape"))));
+                rows.push(row(
+                    imp.name(),
+                    None,
+                    Some(format!("n/a: is the reference ({ref_name}) for this shape")),
+                ));
                 continue;
             }
             if let Err(why) = imp.supports(problem) {
                 rows.push(row(imp.name(), None, Some(format!("n/a: {why}"))));
                 continue;
             }
-            let outputs = imp.prepare(problem, &inputs).and_then(|mut p| p.run_for_check());
+            let outputs = imp
+                .prepare(problem, &inputs)
+                .and_then(|mut p| p.run_for_check());
             rows.push(match outputs {
-                Ok(out) => row(imp.name(), Some(gate(problem, &out, &reference, &ref_name)), None),
+                Ok(out) => row(
+                    imp.name(),
+                    Some(gate(problem, &out, &reference, &ref_name)),
+                    None,
+                ),
                 Err(e) => row(imp.name(), None, Some(format!("{e:#}"))),
             });
         }
@@ -89,7 +100,15 @@ pub fn run_checks(
 pub fn render(rows: &[CheckRow]) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
-    t.set_header(vec!["config", "implementation", "rel-L2", "max abs", "max rel", "tol rel-L2", "result"]);
+    t.set_header(vec![
+        "config",
+        "implementation",
+        "rel-L2",
+        "max abs",
+        "max rel",
+        "tol rel-L2",
+        "result",
+    ]);
     for r in rows {
         let (l2, ma, mr, tol) = match &r.accuracy {
             Some(a) => (
@@ -107,10 +126,22 @@ pub fn render(rows: &[CheckRow]) -> String {
         } else if r.passed() {
             "PASS".to_string()
         } else {
-            let note = r.accuracy.as_ref().and_then(|a| a.note.clone()).unwrap_or_default();
+            let note = r
+                .accuracy
+                .as_ref()
+                .and_then(|a| a.note.clone())
+                .unwrap_or_default();
             format!("FAIL {note}")
         };
-        t.add_row(vec![r.config.clone(), r.implementation.clone(), l2, ma, mr, tol, result]);
+        t.add_row(vec![
+            r.config.clone(),
+            r.implementation.clone(),
+            l2,
+            ma,
+            mr,
+            tol,
+            result,
+        ]);
     }
     t.to_string()
 }

@@ -25,18 +25,28 @@ pub struct CpuImplementation {
 
 impl CpuImplementation {
     pub fn reference() -> Self {
-        CpuImplementation { algorithm: CpuAlgorithm::Reference }
+        CpuImplementation {
+            algorithm: CpuAlgorithm::Reference,
+        }
     }
     pub fn tiled() -> Self {
-        CpuImplementation { algorithm: CpuAlgorithm::Tiled }
+        CpuImplementation {
+            algorithm: CpuAlgorithm::Tiled,
+        }
     }
     pub fn grouped() -> Self {
-        CpuImplementation { algorithm: CpuAlgorithm::Grouped }
+        CpuImplementation {
+            algorithm: CpuAlgorithm::Grouped,
+        }
     }
 }
 
 /// Runs the algorithm once on the given problem and inputs.
-fn run(algorithm: CpuAlgorithm, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<Outputs> {
+fn run(
+    algorithm: CpuAlgorithm,
+    problem: &ProblemSpec,
+    inputs: &SuiteInputs,
+) -> anyhow::Result<Outputs> {
     Ok(match (problem, inputs, algorithm) {
         (ProblemSpec::Attention(p), SuiteInputs::Attention(x), CpuAlgorithm::Reference) => {
             let r = attention::attention_f64(p, x)?;
@@ -63,7 +73,10 @@ fn run(algorithm: CpuAlgorithm, problem: &ProblemSpec, inputs: &SuiteInputs) -> 
         }
         (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Grouped) => {
             let (out, routing) = moe_grouped::moe_grouped(p, x)?;
-            Outputs::Moe { out, topk_ids: Some(routing.topk_ids) }
+            Outputs::Moe {
+                out,
+                topk_ids: Some(routing.topk_ids),
+            }
         }
         _ => anyhow::bail!("CPU {algorithm:?} does not implement {}", problem.label()),
     })
@@ -134,7 +147,11 @@ impl ReferenceProvider for CpuReference {
     fn name(&self, _problem: &ProblemSpec) -> String {
         "cpu-f64".into()
     }
-    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs> {
+    fn compute(
+        &self,
+        problem: &ProblemSpec,
+        inputs: &SuiteInputs,
+    ) -> anyhow::Result<ReferenceOutputs> {
         Ok(match (problem, inputs) {
             (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
                 attention::attention_f64(p, x).context("CPU f64 attention reference")?,

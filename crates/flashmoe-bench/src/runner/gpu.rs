@@ -27,7 +27,11 @@ impl GpuSession {
         let device = Device::open(ordinal)?;
         let timer = EventTimer::new(&device)?;
         let flusher = RefCell::new(L2Flusher::new(&device)?);
-        Ok(Rc::new(GpuSession { device, timer, flusher }))
+        Ok(Rc::new(GpuSession {
+            device,
+            timer,
+            flusher,
+        }))
     }
 
     pub fn flush_bytes(&self) -> usize {
@@ -76,7 +80,10 @@ impl Implementation for GpuAttention {
         .map_err(|e| e.to_string())?;
         let arch = self.session.device.arch();
         if arch < variant.min_arch {
-            return Err(format!("needs sm_{} or newer, this GPU is sm_{arch}", variant.min_arch));
+            return Err(format!(
+                "needs sm_{} or newer, this GPU is sm_{arch}",
+                variant.min_arch
+            ));
         }
         Ok(())
     }
@@ -119,7 +126,10 @@ impl Prepared for V1Prepared {
         self.runner.poison_outputs(dev)?;
         self.runner.run(dev)?;
         dev.synchronize()?;
-        Ok(Outputs::Attention { o: self.runner.output(dev)?, lse: self.runner.lse(dev)? })
+        Ok(Outputs::Attention {
+            o: self.runner.output(dev)?,
+            lse: self.runner.lse(dev)?,
+        })
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         // The kernel allocates nothing beyond its inputs, O and LSE.
@@ -158,7 +168,15 @@ impl ReferencePrepared {
 
     fn launch(&mut self) -> flashmoe::Result<()> {
         let dev = &self.session.device;
-        attention::reference_forward(dev, &self.problem, &self.q, &self.k, &self.v, &mut self.o, &mut self.lse)
+        attention::reference_forward(
+            dev,
+            &self.problem,
+            &self.q,
+            &self.k,
+            &self.v,
+            &mut self.o,
+            &mut self.lse,
+        )
     }
 
     fn outputs(&mut self) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
@@ -214,7 +232,11 @@ impl ReferenceProvider for GpuReferenceProvider {
     fn serves_as(&self, problem: &ProblemSpec) -> Option<&str> {
         (!self.use_cpu(problem)).then_some("gpu-reference")
     }
-    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs> {
+    fn compute(
+        &self,
+        problem: &ProblemSpec,
+        inputs: &SuiteInputs,
+    ) -> anyhow::Result<ReferenceOutputs> {
         if self.use_cpu(problem) {
             return CpuReference.compute(problem, inputs);
         }

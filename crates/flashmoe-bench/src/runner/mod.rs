@@ -29,8 +29,14 @@ impl SuiteInputs {
 
 /// What an implementation computed, as f32 on the host, for the correctness gate.
 pub enum Outputs {
-    Attention { o: Vec<f32>, lse: Vec<f32> },
-    Moe { out: Vec<f32>, topk_ids: Option<Vec<u32>> },
+    Attention {
+        o: Vec<f32>,
+        lse: Vec<f32>,
+    },
+    Moe {
+        out: Vec<f32>,
+        topk_ids: Option<Vec<u32>>,
+    },
 }
 
 /// The high-precision reference a config is checked against.
@@ -68,7 +74,11 @@ pub trait Implementation {
 pub trait ReferenceProvider {
     /// Name recorded in accuracy results (e.g. "cpu-f64").
     fn name(&self, problem: &ProblemSpec) -> String;
-    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs>;
+    fn compute(
+        &self,
+        problem: &ProblemSpec,
+        inputs: &SuiteInputs,
+    ) -> anyhow::Result<ReferenceOutputs>;
     /// The implementation that *is* the reference for this problem (not checked against
     /// itself), if any.
     fn serves_as(&self, _problem: &ProblemSpec) -> Option<&str> {
@@ -86,7 +96,11 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
         ProblemSpec::Moe(p) => {
             let weights = p.experts * 3 * p.hidden * p.intermediate
                 + p.hidden * p.experts
-                + if p.shared_expert { 3 * p.hidden * p.intermediate } else { 0 };
+                + if p.shared_expert {
+                    3 * p.hidden * p.intermediate
+                } else {
+                    0
+                };
             (weights * 4 + p.tokens * p.hidden * 32) as u64
         }
     }
@@ -106,7 +120,9 @@ pub fn host_memory_limit() -> u64 {
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse::<u64>().ok())
     });
-    available_kb.map(|kb| kb * 1024 * 6 / 10).unwrap_or(8_000_000_000)
+    available_kb
+        .map(|kb| kb * 1024 * 6 / 10)
+        .unwrap_or(8_000_000_000)
 }
 
 /// `Err(reason)` when a config's host-side inputs would not fit in memory.

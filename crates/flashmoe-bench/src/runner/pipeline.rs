@@ -51,9 +51,9 @@ pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
             v
         }
     };
-    let folded = parts
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, p| (h ^ p).wrapping_mul(0x0000_0100_0000_01B3));
+    let folded = parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
+        (h ^ p).wrapping_mul(0x0000_0100_0000_01B3)
+    });
     format!("{folded:016x}")
 }
 
@@ -250,8 +250,10 @@ impl Pipeline<'_> {
         }
 
         let measurement = {
-            let mut handles: Vec<&mut dyn Sampled> =
-                timed.iter_mut().map(|(_, p)| p.as_mut() as &mut dyn Sampled).collect();
+            let mut handles: Vec<&mut dyn Sampled> = timed
+                .iter_mut()
+                .map(|(_, p)| p.as_mut() as &mut dyn Sampled)
+                .collect();
             measure_interleaved(&mut handles, &self.settings, cancel, on_round)
         };
         if measurement.stop == StopReason::Cancelled {
@@ -287,9 +289,15 @@ impl Pipeline<'_> {
         }
 
         // Speedup of the candidate against every other usable implementation.
-        if let Some(cand) = rows.iter().find(|r| r.name == self.candidate && r.is_usable()) {
+        if let Some(cand) = rows
+            .iter()
+            .find(|r| r.name == self.candidate && r.is_usable())
+        {
             let opts = self.verdict_options();
-            for other in rows.iter().filter(|r| r.name != self.candidate && r.is_usable()) {
+            for other in rows
+                .iter()
+                .filter(|r| r.name != self.candidate && r.is_usable())
+            {
                 result.comparisons.push(PairResult {
                     candidate: cand.name.clone(),
                     baseline: other.name.clone(),

@@ -37,7 +37,11 @@ pub fn permute(p: &MoeProblem, routing: &Routing) -> Permutation {
         rows[r] = ((i / p.top_k) as u32, (i % p.top_k) as u32);
         row_of_slot[i] = r;
     }
-    Permutation { offsets, rows, row_of_slot }
+    Permutation {
+        offsets,
+        rows,
+        row_of_slot,
+    }
 }
 
 /// c[m×n] = a[m×k] · b[k×n], row-major, f32 accumulation (i-k-j order vectorises).
@@ -142,7 +146,12 @@ mod tests {
 
     #[test]
     fn matches_the_f64_reference_with_identical_routing() {
-        for (t, e, k, shared) in [(1, 4, 1, false), (37, 8, 2, true), (64, 16, 8, false), (5, 32, 2, false)] {
+        for (t, e, k, shared) in [
+            (1, 4, 1, false),
+            (37, 8, 2, true),
+            (64, 16, 8, false),
+            (5, 32, 2, false),
+        ] {
             let p = problem(t, e, k, shared);
             let x = MoeInputs::generate(&p, 11);
             let (out, routing) = moe_grouped(&p, &x).unwrap();
@@ -162,8 +171,13 @@ mod tests {
         assert_eq!(perm.rows.len(), 100);
         assert_eq!(*perm.offsets.last().unwrap(), 100);
         // 50 tokens × 2 over 32 experts: some expert is empty, and its range is too.
-        let empty = (0..32).filter(|&e| perm.offsets[e] == perm.offsets[e + 1]).count();
-        assert_eq!(empty, routing.expert_counts.iter().filter(|&&c| c == 0).count());
+        let empty = (0..32)
+            .filter(|&e| perm.offsets[e] == perm.offsets[e + 1])
+            .count();
+        assert_eq!(
+            empty,
+            routing.expert_counts.iter().filter(|&&c| c == 0).count()
+        );
         for e in 0..32 {
             for &(t, s) in &perm.rows[perm.offsets[e]..perm.offsets[e + 1]] {
                 assert_eq!(routing.topk_ids[t as usize * 2 + s as usize] as usize, e);
