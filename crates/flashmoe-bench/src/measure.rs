@@ -1,1 +1,271 @@
-//! (in progress)
+//! The sampling loop: warm-up by time, then implementations measured interleaved
+//! round-robin (shuffled order each round) until every median's bootstrap CI is tight,
+//! or a sample / time cap is hit. Backend-agnostic: each implementation supplies its own
+//! timer (host clock on CPU, CUDA events on GPU) through [`Sampled::sample`].
+
+use crate::results::MeasureSettings;
+use crate::stats;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+/// Something that can be timed once.
+pub trait Sampled {
+    /// Run the timed region once and return its duration in milliseconds.
+    fn sample(&mut self) -> anyhow::Result<f64>;
+}
+
+/// Why sampling stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StopReason {
+    /// Every median CI half-width fell under the target.
+    Converged,
+    SampleCap,
+    TimeCap,
+    /// The user interrupted (Ctrl-C); the samples are incomplete.
+    Cancelled,
+}
+
+/// Samples for one implementation, in measurement order.
+#[derive(Debug, Clone, Default)]
+pub struct SampleSet {
+    pub samples_ms: Vec<f64>,
+    /// First error raised by the implementation; it is not sampled after that.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Measurement {
+    pub sets: Vec<SampleSet>,
+    pub stop: StopReason,
+    pub rounds: usize,
+}
+
+impl Default for MeasureSettings {
+    fn default() -> Self {
+        MeasureSettings {
+            warmup_ms: 200.0,
+            target_rel_ci: 0.01,
+            min_samples: 10,
+            max_samples: 500,
+            max_time_ms: 10_000.0,
+            confidence: 0.95,
+            bootstrap_resamples: 2000,
+            seed: 0x5eed,
+            threshold: 0.02,
+            cache_policy: "none".into(),
+            timer: "host clock".into(),
+        }
+    }
+}
+
+/// Resamples used by the stopping rule (the final report uses the full count).
+const STOP_RULE_RESAMPLES: usize = 500;
+
+fn converged(set: &SampleSet, settings: &MeasureSettings, seed: u64) -> bool {
+    if set.error.is_some() {
+        return true; // nothing more to learn from a failed implementation
+    }
+    let n = set.samples_ms.len();
+    if n < settings.min_samples.max(2) {
+        return false;
+    }
+    let ci = stats::bootstrap_median_ci(
+        &set.samples_ms,
+        settings.confidence,
+        STOP_RULE_RESAMPLES,
+        seed,
+    );
+    ci.relative_half_width() <= settings.target_rel_ci
+}
+
+/// Measure `impls` interleaved. `cancel` is polled between samples; `on_round` is called
+/// after each round with the number of rounds done (for progress display).
+pub fn measure_interleaved(
+    impls: &mut [&mut dyn Sampled],
+    settings: &MeasureSettings,
+    cancel: &AtomicBool,
+    mut on_round: impl FnMut(usize),
+) -> Measurement {
+    let k = impls.len();
+    let mut sets = vec![SampleSet::default(); k];
+    let start = Instant::now();
+    let elapsed_ms = |start: &Instant| start.elapsed().as_secs_f64() * 1e3;
+
+    // Warm-up by time, each implementation in turn (at least one call each), so compile,
+    // module load, allocation and clock ramp-up stay out of the samples.
+    for (i, imp) in impls.iter_mut().enumerate() {
+        let t0 = Instant::now();
+        loop {
+            if cancel.load(Ordering::Relaxed) {
+                return Measurement { sets, stop: StopReason::Cancelled, rounds: 0 };
+            }
+            if let Err(e) = imp.sample() {
+                sets[i].error = Some(format!("{e:#}"));
+                break;
+            }
+            if elapsed_ms(&t0) >= settings.warmup_ms {
+                break;
+            }
+        }
+    }
+
+    let sampling_start = Instant::now();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(settings.seed);
+    let mut order: Vec<usize> = (0..k).collect();
+    let mut rounds = 0;
+    let mut next_check = settings.min_samples.max(2);
+    let stop = loop {
+        if cancel.load(Ordering::Relaxed) {
+            break StopReason::Cancelled;
+        }
+        if sets.iter().all(|s| s.error.is_some()) {
+            break StopReason::Converged;
+        }
+        order.shuffle(&mut rng);
+        for &i in &order {
+            if sets[i].error.is_some() {
+                continue;
+            }
+            match impls[i].sample() {
+                Ok(ms) if ms.is_finite() && ms >= 0.0 => sets[i].samples_ms.push(ms),
+                Ok(ms) => sets[i].error = Some(format!("timer returned an invalid time {ms}")),
+                Err(e) => sets[i].error = Some(format!("{e:#}")),
+            }
+        }
+        rounds += 1;
+        on_round(rounds);
+        if rounds >= settings.max_samples {
+            break StopReason::SampleCap;
+        }
+        if elapsed_ms(&sampling_start) >= settings.max_time_ms {
+            break StopReason::TimeCap;
+        }
+        // Check convergence at geometrically spaced rounds: the bootstrap is not free.
+        if rounds >= next_check {
+            next_check = rounds + (rounds / 8).max(5);
+            let seed = settings.seed ^ rounds as u64;
+            if sets.iter().all(|s| converged(s, settings, seed)) {
+                break StopReason::Converged;
+            }
+        }
+    };
+    let _ = start;
+    Measurement { sets, stop, rounds }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// A fake implementation whose "time" is drawn from a distribution; it also records
+    /// the global call order so interleaving can be checked.
+    struct Fake {
+        id: usize,
+        base: f64,
+        noise: f64,
+        rng: rand_chacha::ChaCha8Rng,
+        log: std::rc::Rc<std::cell::RefCell<Vec<usize>>>,
+        fail_after: Option<usize>,
+        calls: usize,
+    }
+
+    impl Sampled for Fake {
+        fn sample(&mut self) -> anyhow::Result<f64> {
+            self.calls += 1;
+            if let Some(n) = self.fail_after {
+                if self.calls > n {
+                    anyhow::bail!("device lost");
+                }
+            }
+            self.log.borrow_mut().push(self.id);
+            Ok(self.base * (1.0 + self.noise * self.rng.gen_range(-1.0..1.0)))
+        }
+    }
+
+    fn fake(id: usize, base: f64, noise: f64, log: &std::rc::Rc<std::cell::RefCell<Vec<usize>>>) -> Fake {
+        Fake {
+            id,
+            base,
+            noise,
+            rng: rand_chacha::ChaCha8Rng::seed_from_u64(id as u64 + 1),
+            log: log.clone(),
+            fail_after: None,
+            calls: 0,
+        }
+    }
+
+    fn quick_settings() -> MeasureSettings {
+        MeasureSettings {
+            warmup_ms: 0.0,
+            min_samples: 10,
+            max_samples: 300,
+            max_time_ms: 5_000.0,
+            ..MeasureSettings::default()
+        }
+    }
+
+    #[test]
+    fn interleaves_every_round_and_converges_on_tight_noise() {
+        let log = Default::default();
+        let mut a = fake(0, 1.0, 0.001, &log);
+        let mut b = fake(1, 2.0, 0.001, &log);
+        let cancel = AtomicBool::new(false);
+        let m = measure_interleaved(&mut [&mut a, &mut b], &quick_settings(), &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::Converged);
+        assert_eq!(m.sets[0].samples_ms.len(), m.rounds);
+        assert_eq!(m.sets[1].samples_ms.len(), m.rounds);
+        // After warm-up (one call each), every round holds each implementation once.
+        let calls = log.borrow();
+        for round in calls[2..].chunks(2) {
+            let mut r = round.to_vec();
+            r.sort();
+            assert_eq!(r, vec![0, 1]);
+        }
+        // The order is shuffled, not fixed.
+        let firsts: std::collections::HashSet<usize> = calls[2..].chunks(2).map(|r| r[0]).collect();
+        assert_eq!(firsts.len(), 2);
+    }
+
+    #[test]
+    fn noisy_samples_hit_the_sample_cap() {
+        let log = Default::default();
+        let mut a = fake(0, 1.0, 0.9, &log);
+        let cancel = AtomicBool::new(false);
+        let s = MeasureSettings { max_samples: 40, target_rel_ci: 0.0001, ..quick_settings() };
+        let m = measure_interleaved(&mut [&mut a], &s, &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::SampleCap);
+        assert_eq!(m.sets[0].samples_ms.len(), 40);
+    }
+
+    #[test]
+    fn a_failing_implementation_is_recorded_and_the_others_go_on() {
+        let log = Default::default();
+        let mut a = fake(0, 1.0, 0.001, &log);
+        let mut b = fake(1, 1.0, 0.001, &log);
+        b.fail_after = Some(5);
+        let cancel = AtomicBool::new(false);
+        let m = measure_interleaved(&mut [&mut a, &mut b], &quick_settings(), &cancel, |_| {});
+        assert!(m.sets[1].error.as_deref().unwrap().contains("device lost"));
+        assert!(m.sets[0].samples_ms.len() >= 10);
+        assert!(m.sets[1].samples_ms.len() <= 5);
+    }
+
+    #[test]
+    fn cancel_stops_sampling() {
+        let log = Default::default();
+        let mut a = fake(0, 1.0, 0.5, &log);
+        let cancel = AtomicBool::new(false);
+        let m = measure_interleaved(&mut [&mut a], &quick_settings(), &cancel, |r| {
+            if r == 3 {
+                cancel.store(true, Ordering::Relaxed);
+            }
+        });
+        assert_eq!(m.stop, StopReason::Cancelled);
+        assert_eq!(m.rounds, 3);
+    }
+}

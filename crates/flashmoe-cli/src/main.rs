@@ -1,1 +1,200 @@
-fn main() {}
+//! `flashmoe`: benchmark and check attention / MoE kernels against the best alternatives.
+
+mod backend;
+mod bench;
+mod check;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use flashmoe_bench::config::Suite;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "flashmoe", version, about = "FlashAttention and MoE kernels, benchmarked honestly")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure implementations side by side and write a report.
+    Bench(BenchArgs),
+    /// Check every implementation against the high-precision reference.
+    Check(CheckArgs),
+    /// Compare two result files; exit 1 on a significant regression.
+    Compare(CompareArgs),
+    /// Print the environment manifest.
+    Env {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SuiteArg {
+    Attention,
+    Moe,
+}
+
+impl From<SuiteArg> for Suite {
+    fn from(s: SuiteArg) -> Suite {
+        match s {
+            SuiteArg::Attention => Suite::Attention,
+            SuiteArg::Moe => Suite::Moe,
+        }
+    }
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// What to benchmark.
+    #[arg(value_enum)]
+    suite: SuiteArg,
+    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3.
+    #[arg(long, conflicts_with = "config")]
+    preset: Option<String>,
+    /// TOML file listing the configs (see README).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Comma-separated implementation names to run (default: all available).
+    #[arg(long = "impl", value_delimiter = ',')]
+    implementations: Vec<String>,
+    /// Implementation whose speedup against the others is reported.
+    #[arg(long)]
+    candidate: Option<String>,
+    /// Output directory for results.json/.csv/.md and report.html.
+    #[arg(long, default_value = "out")]
+    out: PathBuf,
+    /// Seed of the input generator and the bootstrap.
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u64,
+    /// Target relative half-width of the median's 95% CI (e.g. 1% or 0.01).
+    #[arg(long, value_parser = parse_fraction)]
+    target_ci: Option<f64>,
+    /// Sampling time cap per config, seconds.
+    #[arg(long)]
+    max_time: Option<f64>,
+    /// Practical threshold for verdicts (e.g. 2% or 0.02).
+    #[arg(long, value_parser = parse_fraction, default_value = "2%")]
+    threshold: f64,
+    /// Run the CPU implementations even when a GPU is present.
+    #[arg(long)]
+    cpu: bool,
+}
+
+#[derive(Args)]
+pub struct CheckArgs {
+    /// Which suite to check.
+    #[arg(long, value_enum)]
+    suite: Option<SuiteArg>,
+    /// A smaller matrix (one representative per feature).
+    #[arg(long)]
+    quick: bool,
+    /// Seed for the inputs (default: fresh each run, printed so a failure can be replayed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Check the CPU implementations even when a GPU is present.
+    #[arg(long)]
+    cpu: bool,
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    old: PathBuf,
+    new: PathBuf,
+    /// Practical threshold (e.g. 2% or 0.02): smaller changes never count as regressions.
+    #[arg(long, value_parser = parse_fraction, default_value = "2%")]
+    threshold: f64,
+}
+
+/// "2%" → 0.02, "0.02" → 0.02.
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let (num, scale) = match s.strip_suffix('%') {
+        Some(n) => (n, 0.01),
+        None => (s, 1.0),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number or percentage"))?;
+    let v = v * scale;
+    if !(0.0..1.0).contains(&v) {
+        return Err(format!("'{s}' must be between 0% and 100%"));
+    }
+    Ok(v)
+}
+
+fn compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
+    use flashmoe_bench::compare::{compare_runs, CompareOptions};
+    let old = flashmoe_bench::report::read_json(&args.old)
+        .with_context(|| format!("reading {}", args.old.display()))?;
+    let new = flashmoe_bench::report::read_json(&args.new)
+        .with_context(|| format!("reading {}", args.new.display()))?;
+    let opts = CompareOptions {
+        threshold: args.threshold,
+        ..CompareOptions::default()
+    };
+    let report = compare_runs(&old, &new, &opts);
+    println!("{}", report.render());
+    if report.has_regression() {
+        println!(
+            "REGRESSION: {} significant slowdown(s) beyond {:.1}%",
+            report.regressions,
+            args.threshold * 100.0
+        );
+        Ok(ExitCode::from(1))
+    } else {
+        println!("no significant regression beyond {:.1}%", args.threshold * 100.0);
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+fn env(json: bool) -> anyhow::Result<ExitCode> {
+    let manifest = backend::manifest_with_gpu();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&manifest)?);
+    } else {
+        let v = serde_json::to_value(&manifest)?;
+        for (k, val) in v.as_object().into_iter().flatten() {
+            match val {
+                serde_json::Value::Object(_) => println!("{k}: {val}"),
+                serde_json::Value::String(s) => println!("{k}: {s}"),
+                other => println!("{k}: {other}"),
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::Bench(args) => bench::run(args),
+        Command::Check(args) => check::run(args),
+        Command::Compare(args) => compare(args),
+        Command::Env { json } => env(*json),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fractions() {
+        assert_eq!(parse_fraction("2%").unwrap(), 0.02);
+        assert_eq!(parse_fraction("0.05").unwrap(), 0.05);
+        assert!(parse_fraction("abc").is_err());
+        assert!(parse_fraction("150%").is_err());
+    }
+}

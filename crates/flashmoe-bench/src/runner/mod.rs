@@ -1,1 +1,118 @@
-//! Runners (in progress).
+//! Runners: one trait, many implementations (CPU reference/tiled, native GPU kernels,
+//! Python baselines). A runner produces outputs (for the correctness gate) and timed
+//! samples; it knows nothing of statistics or reports.
+
+pub mod check;
+pub mod cpu;
+pub mod pipeline;
+
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use flashmoe::reference::attention::{AttentionInputs, AttentionOutput};
+use flashmoe::reference::moe::{MoeInputs, MoeOutput};
+
+/// Inputs of one config, generated once and shared by every implementation.
+pub enum SuiteInputs {
+    Attention(AttentionInputs),
+    Moe(MoeInputs),
+}
+
+impl SuiteInputs {
+    pub fn generate(problem: &ProblemSpec, seed: u64) -> SuiteInputs {
+        match problem {
+            ProblemSpec::Attention(p) => SuiteInputs::Attention(AttentionInputs::generate(p, seed)),
+            ProblemSpec::Moe(p) => SuiteInputs::Moe(MoeInputs::generate(p, seed)),
+        }
+    }
+}
+
+/// What an implementation computed, as f32 on the host, for the correctness gate.
+pub enum Outputs {
+    Attention { o: Vec<f32>, lse: Vec<f32> },
+    Moe { out: Vec<f32>, topk_ids: Option<Vec<u32>> },
+}
+
+/// The high-precision reference a config is checked against.
+pub enum ReferenceOutputs {
+    Attention(AttentionOutput<f64>),
+    Moe(MoeOutput),
+}
+
+/// An implementation bound to one config, with its buffers allocated and inputs loaded.
+pub trait Prepared: Sampled {
+    /// Poison the outputs, run once, and return what was computed.
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs>;
+    /// Peak extra memory the implementation allocated beyond inputs and outputs, bytes.
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// A named implementation that can be prepared for a config.
+pub trait Implementation {
+    fn name(&self) -> &str;
+    /// "cpu", "cuda" or "python".
+    fn backend(&self) -> &str;
+    /// Whether it can run `problem` at all; `Err(reason)` is reported as "n/a: reason".
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String>;
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>>;
+}
+
+/// Turns a config into its reference outputs (CPU f64 for small problems, a GPU reference
+/// for large ones when a GPU is present).
+pub trait ReferenceProvider {
+    /// Name recorded in accuracy results (e.g. "cpu-f64").
+    fn name(&self, problem: &ProblemSpec) -> String;
+    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs>;
+}
+
+/// Host bytes a config needs for its f32 inputs and f64 reference outputs.
+pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
+    match problem {
+        ProblemSpec::Attention(p) => {
+            // q, k, v, and a few output copies (f32 and f64) of q's size.
+            ((p.q_elems() + 2 * p.kv_elems()) * 4 + p.q_elems() * 24) as u64
+        }
+        ProblemSpec::Moe(p) => {
+            let weights = p.experts * 3 * p.hidden * p.intermediate
+                + p.hidden * p.experts
+                + if p.shared_expert { 3 * p.hidden * p.intermediate } else { 0 };
+            (weights * 4 + p.tokens * p.hidden * 32) as u64
+        }
+    }
+}
+
+/// Host memory a run may use: $FLASHMOE_HOST_MEM_LIMIT_GB, else 60% of MemAvailable.
+pub fn host_memory_limit() -> u64 {
+    if let Some(gb) = std::env::var("FLASHMOE_HOST_MEM_LIMIT_GB")
+        .ok()
+        .and_then(|v| v.parse::<f64>().ok())
+    {
+        return (gb * 1e9) as u64;
+    }
+    let available_kb = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+    });
+    available_kb.map(|kb| kb * 1024 * 6 / 10).unwrap_or(8_000_000_000)
+}
+
+/// `Err(reason)` when a config's host-side inputs would not fit in memory.
+pub fn check_host_memory(problem: &ProblemSpec) -> Result<(), String> {
+    let need = host_bytes_needed(problem);
+    let limit = host_memory_limit();
+    if need > limit {
+        return Err(format!(
+            "needs about {:.1} GB of host memory for inputs and reference outputs, above the limit of {:.1} GB (set FLASHMOE_HOST_MEM_LIMIT_GB to change it)",
+            need as f64 / 1e9,
+            limit as f64 / 1e9
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,148 @@
+//! CPU implementations: the f64 ground truth and the tiled f32 FlashAttention algorithm
+//! (attention), the f64 reference (MoE). Timed with the host clock.
+
+use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use anyhow::Context;
+use flashmoe::reference::{attention, attention_tiled, moe, moe_grouped};
+use std::time::Instant;
+
+/// Which CPU algorithm an implementation runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuAlgorithm {
+    /// f64 accumulation, materialised softmax (attention) / f64 MoE reference.
+    Reference,
+    /// Tiled online softmax in f32, multi-threaded (attention only).
+    Tiled,
+    /// Dropless permutation + per-expert f32 GEMMs with SwiGLU (MoE only).
+    Grouped,
+}
+
+pub struct CpuImplementation {
+    pub algorithm: CpuAlgorithm,
+}
+
+impl CpuImplementation {
+    pub fn reference() -> Self {
+        CpuImplementation { algorithm: CpuAlgorithm::Reference }
+    }
+    pub fn tiled() -> Self {
+        CpuImplementation { algorithm: CpuAlgorithm::Tiled }
+    }
+    pub fn grouped() -> Self {
+        CpuImplementation { algorithm: CpuAlgorithm::Grouped }
+    }
+}
+
+/// Runs the algorithm once on the given problem and inputs.
+fn run(algorithm: CpuAlgorithm, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<Outputs> {
+    Ok(match (problem, inputs, algorithm) {
+        (ProblemSpec::Attention(p), SuiteInputs::Attention(x), CpuAlgorithm::Reference) => {
+            let r = attention::attention_f64(p, x)?;
+            Outputs::Attention {
+                o: r.o.iter().map(|&v| v as f32).collect(),
+                lse: r.lse.iter().map(|&v| v as f32).collect(),
+            }
+        }
+        (ProblemSpec::Attention(p), SuiteInputs::Attention(x), CpuAlgorithm::Tiled) => {
+            let r = attention_tiled::attention_tiled(
+                p,
+                x,
+                attention_tiled::DEFAULT_BLOCK_M,
+                attention_tiled::DEFAULT_BLOCK_N,
+            )?;
+            Outputs::Attention { o: r.o, lse: r.lse }
+        }
+        (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Reference) => {
+            let r = moe::moe_f64(p, x)?;
+            Outputs::Moe {
+                out: r.out.iter().map(|&v| v as f32).collect(),
+                topk_ids: Some(r.routing.topk_ids),
+            }
+        }
+        (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Grouped) => {
+            let (out, routing) = moe_grouped::moe_grouped(p, x)?;
+            Outputs::Moe { out, topk_ids: Some(routing.topk_ids) }
+        }
+        _ => anyhow::bail!("CPU {algorithm:?} does not implement {}", problem.label()),
+    })
+}
+
+impl Implementation for CpuImplementation {
+    fn name(&self) -> &str {
+        match self.algorithm {
+            CpuAlgorithm::Reference => "cpu-reference",
+            CpuAlgorithm::Tiled => "cpu-tiled",
+            CpuAlgorithm::Grouped => "cpu-grouped",
+        }
+    }
+    fn backend(&self) -> &str {
+        "cpu"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        match (problem, self.algorithm) {
+            (ProblemSpec::Moe(_), CpuAlgorithm::Tiled) => {
+                Err("the tiled CPU algorithm is attention-only".into())
+            }
+            (ProblemSpec::Attention(_), CpuAlgorithm::Grouped) => {
+                Err("the grouped CPU algorithm is MoE-only".into())
+            }
+            _ => Ok(()),
+        }
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        Ok(Box::new(CpuPrepared {
+            algorithm: self.algorithm,
+            problem: problem.clone(),
+            inputs,
+        }))
+    }
+}
+
+struct CpuPrepared<'a> {
+    algorithm: CpuAlgorithm,
+    problem: ProblemSpec,
+    inputs: &'a SuiteInputs,
+}
+
+impl Sampled for CpuPrepared<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let t0 = Instant::now();
+        let out = run(self.algorithm, &self.problem, self.inputs)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        drop(out); // freed outside the timed region
+        Ok(ms)
+    }
+}
+
+impl Prepared for CpuPrepared<'_> {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        // Each call allocates fresh outputs: nothing stale can be read back.
+        run(self.algorithm, &self.problem, self.inputs)
+    }
+}
+
+/// The CPU f64 reference.
+pub struct CpuReference;
+
+impl ReferenceProvider for CpuReference {
+    fn name(&self, _problem: &ProblemSpec) -> String {
+        "cpu-f64".into()
+    }
+    fn compute(&self, problem: &ProblemSpec, inputs: &SuiteInputs) -> anyhow::Result<ReferenceOutputs> {
+        Ok(match (problem, inputs) {
+            (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
+                attention::attention_f64(p, x).context("CPU f64 attention reference")?,
+            ),
+            (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) => {
+                ReferenceOutputs::Moe(moe::moe_f64(p, x).context("CPU f64 MoE reference")?)
+            }
+            _ => anyhow::bail!("inputs do not match the problem kind"),
+        })
+    }
+}

@@ -1,0 +1,303 @@
+//! One config from problem to result: inputs → reference → correctness gate for every
+//! implementation → interleaved measurement of those that passed → statistics.
+
+use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use crate::measure::{measure_interleaved, Sampled, StopReason};
+use crate::results::{
+    AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
+};
+use crate::stats::{self, VerdictOptions};
+use flashmoe::accuracy;
+use flashmoe::inputs::checksum;
+use flashmoe::DType;
+use std::sync::atomic::AtomicBool;
+
+/// Everything needed to run configs: implementations, the reference, the sampling policy.
+pub struct Pipeline<'a> {
+    pub implementations: Vec<&'a dyn Implementation>,
+    pub reference: &'a dyn ReferenceProvider,
+    /// Name of the implementation whose speedups are reported.
+    pub candidate: String,
+    pub settings: MeasureSettings,
+    pub ceilings: Option<Ceilings>,
+}
+
+fn dtype_of(problem: &ProblemSpec) -> DType {
+    match problem {
+        ProblemSpec::Attention(p) => p.dtype,
+        ProblemSpec::Moe(p) => p.dtype,
+    }
+}
+
+/// Checksum over every input tensor, as `dtype`-encoded bytes.
+pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
+    let parts: Vec<u64> = match inputs {
+        SuiteInputs::Attention(x) => vec![
+            checksum(&x.q, dtype),
+            checksum(&x.k, dtype),
+            checksum(&x.v, dtype),
+        ],
+        SuiteInputs::Moe(x) => {
+            let mut v = vec![
+                checksum(&x.x, dtype),
+                checksum(&x.router, dtype),
+                checksum(&x.w13, dtype),
+                checksum(&x.w2, dtype),
+            ];
+            if let (Some(a), Some(b)) = (&x.shared_w13, &x.shared_w2) {
+                v.push(checksum(a, dtype));
+                v.push(checksum(b, dtype));
+            }
+            v
+        }
+    };
+    let folded = parts
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, p| (h ^ p).wrapping_mul(0x0000_0100_0000_01B3));
+    format!("{folded:016x}")
+}
+
+fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> AccuracyResult {
+    AccuracyResult {
+        max_abs: c.metrics.max_abs,
+        mean_abs: c.metrics.mean_abs,
+        max_rel: c.metrics.max_rel,
+        rel_l2: c.metrics.rel_l2,
+        non_finite: c.metrics.non_finite,
+        tolerance_rel_l2: c.tolerance.rel_l2,
+        passed: c.passed,
+        reference: reference.to_string(),
+        note,
+    }
+}
+
+/// Compare an implementation's outputs with the reference.
+pub fn gate(
+    problem: &ProblemSpec,
+    outputs: &Outputs,
+    reference: &ReferenceOutputs,
+    reference_name: &str,
+) -> AccuracyResult {
+    let dtype = dtype_of(problem);
+    match (outputs, reference) {
+        (Outputs::Attention { o, lse }, ReferenceOutputs::Attention(r)) => {
+            let co = accuracy::check(o, &r.o, dtype);
+            let cl = accuracy::check_lse(lse, &r.lse);
+            let mut res = to_result(&co, reference_name, None);
+            let mut notes = vec![format!("lse max_abs {:.2e}", cl.metrics.max_abs)];
+            if let Some(why) = &co.reason {
+                notes.push(format!("O: {why}"));
+            }
+            if !cl.passed {
+                res.passed = false;
+                notes.push(format!("LSE: {}", cl.reason.clone().unwrap_or_default()));
+            }
+            res.note = Some(notes.join("; "));
+            res
+        }
+        (Outputs::Moe { out, topk_ids }, ReferenceOutputs::Moe(r)) => {
+            let c = accuracy::check(out, &r.out, dtype);
+            let mut res = to_result(&c, reference_name, c.reason.clone());
+            if let Some(ids) = topk_ids {
+                let mismatched = ids
+                    .iter()
+                    .zip(&r.routing.topk_ids)
+                    .filter(|(a, b)| a != b)
+                    .count()
+                    + ids.len().abs_diff(r.routing.topk_ids.len());
+                if mismatched > 0 {
+                    res.passed = false;
+                    res.note = Some(format!(
+                        "routing differs from the reference in {mismatched} of {} top-k slots",
+                        r.routing.topk_ids.len()
+                    ));
+                }
+            }
+            res
+        }
+        _ => AccuracyResult {
+            max_abs: f64::NAN,
+            mean_abs: f64::NAN,
+            max_rel: f64::NAN,
+            rel_l2: f64::NAN,
+            non_finite: 0,
+            tolerance_rel_l2: 0.0,
+            passed: false,
+            reference: reference_name.to_string(),
+            note: Some("output kind does not match the problem".into()),
+        },
+    }
+}
+
+fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64 {
+    match problem {
+        ProblemSpec::Attention(p) => p.min_bytes(),
+        ProblemSpec::Moe(p) => {
+            let touched = match reference {
+                Some(ReferenceOutputs::Moe(r)) => {
+                    r.routing.expert_counts.iter().filter(|&&c| c > 0).count()
+                }
+                _ => p.experts.min(p.tokens * p.top_k),
+            };
+            p.min_bytes(touched)
+        }
+    }
+}
+
+fn empty_impl(imp: &dyn Implementation) -> ImplResult {
+    ImplResult {
+        name: imp.name().to_string(),
+        backend: imp.backend().to_string(),
+        samples_ms: Vec::new(),
+        summary: None,
+        tflops: None,
+        gbps: None,
+        pct_of_gemm_ceiling: None,
+        peak_extra_bytes: None,
+        accuracy: None,
+        input_checksum: None,
+        error: None,
+        flags: Vec::new(),
+    }
+}
+
+impl Pipeline<'_> {
+    fn verdict_options(&self) -> VerdictOptions {
+        VerdictOptions {
+            threshold: self.settings.threshold,
+            alpha: 1.0 - self.settings.confidence,
+            resamples: self.settings.bootstrap_resamples,
+            seed: self.settings.seed,
+        }
+    }
+
+    /// Run one config. Returns `None` when cancelled before it finished.
+    pub fn run_config(
+        &self,
+        problem: &ProblemSpec,
+        cancel: &AtomicBool,
+        on_round: impl FnMut(usize),
+    ) -> Option<ConfigResult> {
+        let mut result = ConfigResult {
+            id: problem.id(),
+            label: problem.label(),
+            problem: problem.clone(),
+            flops: match problem {
+                ProblemSpec::Attention(p) => p.flops(),
+                ProblemSpec::Moe(p) => p.flops(),
+            },
+            min_bytes: min_bytes(problem, None),
+            implementations: Vec::new(),
+            comparisons: Vec::new(),
+            error: None,
+        };
+        let valid = match problem {
+            ProblemSpec::Attention(p) => p.validate(),
+            ProblemSpec::Moe(p) => p.validate(),
+        };
+        if let Err(e) = valid {
+            result.error = Some(e.to_string());
+            return Some(result);
+        }
+        if let Err(why) = super::check_host_memory(problem) {
+            result.error = Some(why);
+            return Some(result);
+        }
+
+        let inputs = SuiteInputs::generate(problem, self.settings.seed);
+        let input_sum = inputs_checksum(&inputs, dtype_of(problem));
+        let ref_name = self.reference.name(problem);
+        let reference = match self.reference.compute(problem, &inputs) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                result.error = Some(format!("reference failed, nothing could be checked: {e:#}"));
+                None
+            }
+        };
+        result.min_bytes = min_bytes(problem, reference.as_ref());
+
+        // Prepare and gate each implementation; only those that pass are timed.
+        let mut rows: Vec<ImplResult> = Vec::new();
+        let mut timed: Vec<(usize, Box<dyn Prepared + '_>)> = Vec::new();
+        for imp in &self.implementations {
+            let mut row = empty_impl(*imp);
+            if let Err(why) = imp.supports(problem) {
+                row.error = Some(format!("n/a: {why}"));
+                rows.push(row);
+                continue;
+            }
+            row.input_checksum = Some(input_sum.clone());
+            let prepared = imp.prepare(problem, &inputs).and_then(|mut p| {
+                let out = p.run_for_check()?;
+                Ok((p, out))
+            });
+            match (prepared, &reference) {
+                (Err(e), _) => row.error = Some(format!("{e:#}")),
+                (Ok(_), None) => row.error = Some("not run: no reference to check against".into()),
+                (Ok((p, out)), Some(r)) => {
+                    let acc = gate(problem, &out, r, &ref_name);
+                    let passed = acc.passed;
+                    row.peak_extra_bytes = p.peak_extra_bytes();
+                    row.accuracy = Some(acc);
+                    if passed {
+                        timed.push((rows.len(), p));
+                    } else {
+                        row.error = Some("correctness gate failed: not timed".into());
+                    }
+                }
+            }
+            rows.push(row);
+        }
+
+        let measurement = {
+            let mut handles: Vec<&mut dyn Sampled> =
+                timed.iter_mut().map(|(_, p)| p.as_mut() as &mut dyn Sampled).collect();
+            measure_interleaved(&mut handles, &self.settings, cancel, on_round)
+        };
+        if measurement.stop == StopReason::Cancelled {
+            return None;
+        }
+        for ((row_index, _), set) in timed.iter().zip(measurement.sets) {
+            let row = &mut rows[*row_index];
+            row.error = set.error.or(row.error.take());
+            row.samples_ms = set.samples_ms;
+            if row.samples_ms.is_empty() {
+                continue;
+            }
+            let s = stats::summarize(
+                &row.samples_ms,
+                self.settings.confidence,
+                self.settings.bootstrap_resamples,
+                self.settings.seed,
+            );
+            let secs = s.median * 1e-3;
+            let tflops = result.flops / secs / 1e12;
+            row.tflops = Some(tflops);
+            row.gbps = Some(result.min_bytes / secs / 1e9);
+            if let Some(c) = &self.ceilings {
+                row.pct_of_gemm_ceiling = Some(100.0 * tflops / c.gemm_tflops);
+                if tflops > c.gemm_tflops * 1.02 {
+                    row.flags.push(format!(
+                        "implausible: {tflops:.0} TFLOP/s is above the measured GEMM ceiling {:.0}",
+                        c.gemm_tflops
+                    ));
+                }
+            }
+            row.summary = Some(s);
+        }
+
+        // Speedup of the candidate against every other usable implementation.
+        if let Some(cand) = rows.iter().find(|r| r.name == self.candidate && r.is_usable()) {
+            let opts = self.verdict_options();
+            for other in rows.iter().filter(|r| r.name != self.candidate && r.is_usable()) {
+                result.comparisons.push(PairResult {
+                    candidate: cand.name.clone(),
+                    baseline: other.name.clone(),
+                    comparison: stats::compare_samples(&other.samples_ms, &cand.samples_ms, &opts),
+                });
+            }
+        }
+        result.implementations = rows;
+        Some(result)
+    }
+}

@@ -1,0 +1,137 @@
+//! `flashmoe bench`: configs → pipeline → results written after every config.
+
+use crate::backend;
+use crate::BenchArgs;
+use anyhow::{bail, Context};
+use flashmoe_bench::config::{self, Suite};
+use flashmoe_bench::report;
+use flashmoe_bench::results::{RunResults, SCHEMA_VERSION};
+use flashmoe_bench::runner::pipeline::Pipeline;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Fail early, before any measurement, if results could not be written.
+fn ensure_writable(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create output directory {}", dir.display()))?;
+    let probe = dir.join(".flashmoe-write-test");
+    std::fs::write(&probe, b"ok")
+        .with_context(|| format!("output directory {} is not writable", dir.display()))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// Ctrl-C sets the flag; finished configs are kept and written.
+fn install_interrupt_handler() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = flag.clone();
+    // A second handler install (tests calling run twice) is harmless to ignore.
+    let _ = ctrlc::set_handler(move || {
+        if f.swap(true, Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: finishing up and keeping the configs already measured (Ctrl-C again to abort)");
+    });
+    flag
+}
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let suite: Suite = args.suite.into();
+    let lab = backend::select(suite, args.cpu, args.seed);
+    let (configs, source) = match (&args.preset, &args.config) {
+        (_, Some(path)) => (config::load_config(path, suite)?, path.display().to_string()),
+        (Some(name), None) => (config::preset(suite, name, lab.on_gpu)?, format!("preset:{name}")),
+        (None, None) => (config::preset(suite, "quick", lab.on_gpu)?, "preset:quick".to_string()),
+    };
+    ensure_writable(&args.out)?;
+
+    // Implementations: all available, or those named by --impl (unknown names are errors).
+    let available: Vec<&str> = lab.implementations.iter().map(|i| i.name()).collect();
+    for want in &args.implementations {
+        if !available.contains(&want.as_str()) {
+            bail!("unknown implementation '{want}': available here: {}", available.join(", "));
+        }
+    }
+    let implementations: Vec<_> = lab
+        .implementations
+        .iter()
+        .filter(|i| args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name()))
+        .map(|b| b.as_ref())
+        .collect();
+    let candidate = args.candidate.clone().unwrap_or_else(|| lab.default_candidate.clone());
+    if !implementations.iter().any(|i| i.name() == candidate) {
+        bail!(
+            "candidate '{candidate}' is not among the implementations run ({})",
+            implementations.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
+        );
+    }
+
+    let mut settings = lab.settings.clone();
+    settings.threshold = args.threshold;
+    if let Some(t) = args.target_ci {
+        settings.target_rel_ci = t;
+    }
+    if let Some(s) = args.max_time {
+        if !(s > 0.0 && s.is_finite()) {
+            bail!("--max-time must be a positive number of seconds, got {s}");
+        }
+        settings.max_time_ms = s * 1e3;
+    }
+
+    let pipeline = Pipeline {
+        implementations,
+        reference: lab.reference.as_ref(),
+        candidate: candidate.clone(),
+        settings: settings.clone(),
+        ceilings: lab.ceilings.clone(),
+    };
+    let mut results = RunResults {
+        schema_version: SCHEMA_VERSION,
+        suite: suite.name().to_string(),
+        source,
+        manifest: lab.manifest.clone(),
+        settings,
+        ceilings: lab.ceilings.clone(),
+        candidate,
+        configs: Vec::new(),
+        interrupted: false,
+    };
+
+    let cancel = install_interrupt_handler();
+    let bar = ProgressBar::new(configs.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} configs  {elapsed_precise}  {msg}")
+            .expect("static template"),
+    );
+    for problem in &configs {
+        bar.set_message(problem.label());
+        let label = problem.label();
+        let done = pipeline.run_config(problem, &cancel, |round| {
+            bar.set_message(format!("{label}  round {round}"));
+        });
+        match done {
+            Some(r) => results.configs.push(r),
+            None => {
+                results.interrupted = true;
+                break;
+            }
+        }
+        bar.inc(1);
+        // Written after every config so an interrupt or crash keeps what was measured.
+        report::write_all(&results, &args.out)?;
+    }
+    bar.finish_and_clear();
+    let written = report::write_all(&results, &args.out)?;
+    println!("{}", report::terminal_table(&results));
+    for path in written {
+        println!("wrote {}", path.display());
+    }
+    if results.interrupted {
+        println!("interrupted: {} of {} configs finished and kept", results.configs.len(), configs.len());
+        return Ok(ExitCode::from(130));
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,51 @@
+//! `flashmoe check`: correctness of every implementation over the shape matrix.
+
+use crate::backend;
+use crate::CheckArgs;
+use flashmoe_bench::config::{self, Suite};
+use flashmoe_bench::runner::check::{render, run_checks, CheckRow};
+use flashmoe_bench::runner::Implementation;
+use std::process::ExitCode;
+
+pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    println!("check seed {seed} (replay with --seed {seed})");
+    let suites: Vec<Suite> = match args.suite {
+        Some(s) => vec![s.into()],
+        None => vec![Suite::Attention, Suite::Moe],
+    };
+    let mut all: Vec<CheckRow> = Vec::new();
+    for suite in suites {
+        let lab = backend::select(suite, args.cpu, seed);
+        // The reference itself is not "checked" against itself.
+        let under_test: Vec<&dyn Implementation> = lab
+            .implementations
+            .iter()
+            .filter(|i| i.name() != "cpu-reference")
+            .map(|b| b.as_ref())
+            .collect();
+        if under_test.is_empty() {
+            println!("{}: no implementation besides the reference on this machine; nothing to check", suite.name());
+            continue;
+        }
+        let seqlens = if args.quick { config::CPU_CHECK_SEQLENS_QUICK } else { config::CPU_CHECK_SEQLENS };
+        let problems = config::check_matrix(suite, args.quick, seqlens);
+        let rows = run_checks(&problems, &under_test, lab.reference.as_ref(), seed, |case| {
+            for r in case.iter().filter(|r| !r.passed()) {
+                eprintln!("FAIL {} / {}: {:?}", r.config, r.implementation, r.error.clone().or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone())));
+            }
+        });
+        all.extend(rows);
+    }
+    println!("{}", render(&all));
+    let failed = all.iter().filter(|r| !r.passed()).count();
+    let skipped = all.iter().filter(|r| r.is_skip()).count();
+    let passed = all.len() - failed - skipped;
+    println!("{passed} passed, {failed} failed, {skipped} skipped");
+    Ok(if failed > 0 { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}

@@ -1,0 +1,120 @@
+//! The MoE layer the way the GPU does it, on the CPU in f32: dropless permutation of
+//! tokens by expert, one GEMM pair per expert with SwiGLU fused, deterministic weighted
+//! combine in token order. Routing comes from [`super::moe::route`], so it is identical to
+//! the reference's.
+
+use super::moe::{route, MoeInputs, Routing};
+use crate::error::Result;
+use crate::problem::MoeProblem;
+use rayon::prelude::*;
+
+/// Tokens grouped by expert: `rows[offsets[e]..offsets[e+1]]` are the (token, slot) pairs
+/// routed to expert `e`, in token order. No token is dropped; empty experts have empty
+/// ranges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Permutation {
+    pub offsets: Vec<usize>,
+    /// For each permuted row: the token and which of its top-k slots it is.
+    pub rows: Vec<(u32, u32)>,
+    /// For each (token, slot) in token-major order: its permuted row.
+    pub row_of_slot: Vec<usize>,
+}
+
+pub fn permute(p: &MoeProblem, routing: &Routing) -> Permutation {
+    let mut offsets = vec![0usize; p.experts + 1];
+    for &e in &routing.topk_ids {
+        offsets[e as usize + 1] += 1;
+    }
+    for e in 0..p.experts {
+        offsets[e + 1] += offsets[e];
+    }
+    let mut cursor = offsets.clone();
+    let mut rows = vec![(0u32, 0u32); routing.topk_ids.len()];
+    let mut row_of_slot = vec![0usize; routing.topk_ids.len()];
+    for (i, &e) in routing.topk_ids.iter().enumerate() {
+        let r = cursor[e as usize];
+        cursor[e as usize] += 1;
+        rows[r] = ((i / p.top_k) as u32, (i % p.top_k) as u32);
+        row_of_slot[i] = r;
+    }
+    Permutation { offsets, rows, row_of_slot }
+}
+
+/// c[m×n] = a[m×k] · b[k×n], row-major, f32 accumulation (i-k-j order vectorises).
+fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    for i in 0..m {
+        let row = &mut c[i * n..(i + 1) * n];
+        for (kk, &aik) in a[i * k..(i + 1) * k].iter().enumerate() {
+            let brow = &b[kk * n..(kk + 1) * n];
+            for (cv, &bv) in row.iter_mut().zip(brow) {
+                *cv += aik * bv;
+            }
+        }
+    }
+    c
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// One SwiGLU expert on `m` gathered rows: silu(x·Wg) ⊙ (x·Wu) · W2.
+fn expert_mlp(x: &[f32], w13: &[f32], w2: &[f32], m: usize, h: usize, i: usize) -> Vec<f32> {
+    let gu = matmul(x, w13, m, h, 2 * i);
+    let mut act = vec![0f32; m * i];
+    for r in 0..m {
+        for c in 0..i {
+            act[r * i + c] = silu(gu[r * 2 * i + c]) * gu[r * 2 * i + i + c];
+        }
+    }
+    matmul(&act, w2, m, i, h)
+}
+
+/// Output (tokens × hidden, f32) and the routing used.
+pub fn moe_grouped(p: &MoeProblem, x: &MoeInputs) -> Result<(Vec<f32>, Routing)> {
+    let routing = route(p, x)?; // validates the problem and input sizes
+    let (h, i) = (p.hidden, p.intermediate);
+    let perm = permute(p, &routing);
+    // Per expert: gather its rows, run the MLP. Experts with no rows read no weights.
+    let per_expert: Vec<Vec<f32>> = (0..p.experts)
+        .into_par_iter()
+        .map(|e| {
+            let rows = &perm.rows[perm.offsets[e]..perm.offsets[e + 1]];
+            if rows.is_empty() {
+                return Vec::new();
+            }
+            let mut gathered = Vec::with_capacity(rows.len() * h);
+            for &(t, _) in rows {
+                gathered.extend_from_slice(&x.x[t as usize * h..(t as usize + 1) * h]);
+            }
+            let w13 = &x.w13[e * h * 2 * i..(e + 1) * h * 2 * i];
+            let w2 = &x.w2[e * i * h..(e + 1) * i * h];
+            expert_mlp(&gathered, w13, w2, rows.len(), h, i)
+        })
+        .collect();
+    let shared = match (&x.shared_w13, &x.shared_w2) {
+        (Some(a), Some(b)) if p.shared_expert => Some(expert_mlp(&x.x, a, b, p.tokens, h, i)),
+        _ => None,
+    };
+    // Deterministic combine: each token sums its k slots in slot order.
+    let mut out = vec![0f32; p.tokens * h];
+    out.par_chunks_mut(h).enumerate().for_each(|(t, dst)| {
+        for s in 0..p.top_k {
+            let slot = t * p.top_k + s;
+            let e = routing.topk_ids[slot] as usize;
+            let local = perm.row_of_slot[slot] - perm.offsets[e];
+            let w = routing.topk_weights[slot] as f32;
+            let y = &per_expert[e][local * h..(local + 1) * h];
+            for (d, &v) in dst.iter_mut().zip(y) {
+                *d += w * v;
+            }
+        }
+        if let Some(sh) = &shared {
+            for (d, &v) in dst.iter_mut().zip(&sh[t * h..(t + 1) * h]) {
+                *d += v;
+            }
+        }
+    });
+    Ok((out, routing))
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The test command: formatting, lints, every test, and a CPU smoke run of the main job.
+# Works on a fresh machine with only the Rust toolchain and python3/pip: it installs the
+# NVRTC 13.0 compiler library (a PyPI wheel) that the kernel-compile test needs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n== %s ==\n' "$*"; }
+
+step "NVRTC for the GPU-less kernel-compile test"
+if [ -x scripts/install-nvrtc.sh ]; then
+  NVRTC_LIB=$(scripts/install-nvrtc.sh)
+  export FLASHMOE_NVRTC_LIB="$NVRTC_LIB"
+  export LD_LIBRARY_PATH="$(dirname "$NVRTC_LIB")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "NVRTC: $NVRTC_LIB"
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (warnings are errors)"
+cargo clippy --workspace --all-targets --release -- -D warnings
+
+step "cargo test"
+cargo test --workspace --release
+
+step "CPU smoke run of the main job"
+smoke=$(mktemp -d)
+trap 'rm -rf "$smoke"' EXIT
+cargo run --release -q -- bench attention --preset quick --out "$smoke/a" --max-time 1
+for f in results.json results.csv results.md report.html; do
+  test -s "$smoke/a/$f" || { echo "missing $smoke/a/$f"; exit 1; }
+done
+# An A/A comparison of a result file with itself must not report a regression.
+cargo run --release -q -- compare "$smoke/a/results.json" "$smoke/a/results.json"
+cargo run --release -q -- check --quick --cpu
+echo "smoke run OK"
