@@ -1,0 +1,181 @@
+//! Attention forward ground truth: f64 accumulation with a materialised, max-subtracted
+//! softmax per query row.
+//!
+//! Layouts (all contiguous, row-major): Q and O are (batch, seqlen_q, heads_q, head_dim);
+//! K and V are (batch, seqlen_k, heads_kv, head_dim); LSE is (batch, heads_q, seqlen_q)
+//! in natural log. With GQA/MQA, query head `h` reads KV head `h / (heads_q / heads_kv)`.
+//! Causal masking is bottom-right aligned ([`AttentionProblem::visible_keys`]); a query
+//! row that sees no key at all gets O = 0 and LSE = −inf.
+//!
+//! The softmax scale is [`AttentionProblem::scale`] — the f32 value every kernel uses —
+//! widened to f64, so the reference and the kernels apply the very same scale.
+
+use super::{check_len, checked_product};
+use crate::error::Result;
+use crate::inputs::{generate, TensorId};
+use crate::problem::AttentionProblem;
+use rayon::prelude::*;
+
+/// Attention inputs as f32 values already rounded to the problem's dtype, so every backend
+/// (f64 reference, tiled CPU, GPU kernels, Python baselines) consumes identical numbers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionInputs {
+    /// (batch, seqlen_q, heads_q, head_dim)
+    pub q: Vec<f32>,
+    /// (batch, seqlen_k, heads_kv, head_dim)
+    pub k: Vec<f32>,
+    /// (batch, seqlen_k, heads_kv, head_dim)
+    pub v: Vec<f32>,
+}
+
+impl AttentionInputs {
+    /// The deterministic inputs of `p` for `seed`: [`generate`] with tensor ids Q, K, V,
+    /// scale 1.0 (uniform in [-1, 1)), rounded to `p.dtype`.
+    ///
+    /// A problem whose sizes overflow `usize` yields empty tensors (every consumer then
+    /// reports the problem instead of trying to allocate).
+    pub fn generate(p: &AttentionProblem, seed: u64) -> AttentionInputs {
+        let (q_len, kv_len) = tensor_lens(p).unwrap_or((0, 0));
+        AttentionInputs {
+            q: generate(seed, TensorId::Q, q_len, 1.0, p.dtype),
+            k: generate(seed, TensorId::K, kv_len, 1.0, p.dtype),
+            v: generate(seed, TensorId::V, kv_len, 1.0, p.dtype),
+        }
+    }
+}
+
+/// Attention outputs. `o`: (batch, seqlen_q, heads_q, head_dim); `lse`: (batch, heads_q,
+/// seqlen_q), natural-log log-sum-exp of the scaled scores (−inf for a row with no key).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionOutput<T> {
+    pub o: Vec<T>,
+    pub lse: Vec<T>,
+}
+
+/// Element counts of Q and of K (= V), checked for overflow.
+fn tensor_lens(p: &AttentionProblem) -> Result<(usize, usize)> {
+    let q = checked_product("Q", &[p.batch, p.seqlen_q, p.heads_q, p.head_dim])?;
+    let kv = checked_product("K/V", &[p.batch, p.seqlen_k, p.heads_kv, p.head_dim])?;
+    Ok((q, kv))
+}
+
+/// Validate the problem and the input lengths (shared by every CPU attention path).
+pub(crate) fn validate_inputs(p: &AttentionProblem, x: &AttentionInputs) -> Result<()> {
+    // Check for overflow before `validate`, which multiplies the sizes unchecked.
+    let (q_len, kv_len) = tensor_lens(p)?;
+    checked_product("LSE", &[p.batch, p.heads_q, p.seqlen_q])?;
+    p.validate()?;
+    check_len("q", q_len, x.q.len())?;
+    check_len("k", kv_len, x.k.len())?;
+    check_len("v", kv_len, x.v.len())?;
+    Ok(())
+}
+
+/// Softmax of one row in place (max-subtracted, f64); returns the row's log-sum-exp.
+/// An empty row or a row of −inf returns −inf and leaves zeros.
+pub(crate) fn softmax_in_place(row: &mut [f64]) -> f64 {
+    let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if m == f64::NEG_INFINITY {
+        row.fill(0.0);
+        return f64::NEG_INFINITY;
+    }
+    let mut sum = 0.0;
+    for s in row.iter_mut() {
+        *s = (*s - m).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    for s in row.iter_mut() {
+        *s *= inv;
+    }
+    m + sum.ln()
+}
+
+/// Copy head `head` of a (batch, seqlen, heads, dim) tensor, batch `b`, into a contiguous
+/// (seqlen, dim) buffer of f64.
+fn gather_head_f64(
+    t: &[f32],
+    b: usize,
+    head: usize,
+    seqlen: usize,
+    heads: usize,
+    dim: usize,
+) -> Vec<f64> {
+    let mut out = Vec::with_capacity(seqlen * dim);
+    for s in 0..seqlen {
+        let off = ((b * seqlen + s) * heads + head) * dim;
+        out.extend(t[off..off + dim].iter().map(|&v| v as f64));
+    }
+    out
+}
+
+/// (batch, heads, seqlen, dim) → (batch, seqlen, heads, dim).
+pub(crate) fn bhsd_to_bshd<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    batch: usize,
+    heads: usize,
+    seqlen: usize,
+    dim: usize,
+) -> Vec<T> {
+    let mut out = vec![T::default(); batch * seqlen * heads * dim];
+    if out.is_empty() {
+        return out;
+    }
+    out.par_chunks_mut(heads * dim)
+        .enumerate()
+        .for_each(|(row, dst)| {
+            let (b, s) = (row / seqlen, row % seqlen);
+            for (h, d) in dst.chunks_exact_mut(dim).enumerate() {
+                let off = ((b * heads + h) * seqlen + s) * dim;
+                d.copy_from_slice(&src[off..off + dim]);
+            }
+        });
+    out
+}
+
+/// Ground-truth attention forward in f64 (see the module docs for layouts and masking).
+/// Parallel over (batch, head).
+pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<AttentionOutput<f64>> {
+    validate_inputs(p, x)?;
+    let (b, hq, hkv) = (p.batch, p.heads_q, p.heads_kv);
+    let (sq, sk, d) = (p.seqlen_q, p.seqlen_k, p.head_dim);
+    let group = p.group_size();
+    let scale = p.scale() as f64;
+
+    let mut o_bh = vec![0f64; b * hq * sq * d];
+    let mut lse = vec![0f64; b * hq * sq];
+    o_bh.par_chunks_mut(sq * d)
+        .zip(lse.par_chunks_mut(sq))
+        .enumerate()
+        .for_each(|(bh, (o, l))| {
+            let (bi, h) = (bh / hq, bh % hq);
+            let kvh = h / group;
+            let k = gather_head_f64(&x.k, bi, kvh, sk, hkv, d);
+            let v = gather_head_f64(&x.v, bi, kvh, sk, hkv, d);
+            let mut scores = vec![0f64; sk];
+            let mut q = vec![0f64; d];
+            for (i, (orow, li)) in o.chunks_exact_mut(d).zip(l.iter_mut()).enumerate() {
+                let n = p.visible_keys(i);
+                let off = ((bi * sq + i) * hq + h) * d;
+                for (qd, &xq) in q.iter_mut().zip(&x.q[off..off + d]) {
+                    *qd = xq as f64;
+                }
+                let row = &mut scores[..n];
+                for (s, kr) in row.iter_mut().zip(k.chunks_exact(d)) {
+                    let dot: f64 = q.iter().zip(kr).map(|(a, b)| a * b).sum();
+                    *s = scale * dot;
+                }
+                *li = softmax_in_place(row);
+                orow.fill(0.0);
+                for (&w, vr) in row.iter().zip(v.chunks_exact(d)) {
+                    for (od, &vd) in orow.iter_mut().zip(vr) {
+                        *od += w * vd;
+                    }
+                }
+            }
+        });
+    Ok(AttentionOutput {
+        o: bhsd_to_bshd(&o_bh, b, hq, sq, d),
+        lse,
+    })
+}
