@@ -12,6 +12,7 @@
 pub mod attention;
 pub mod attention_tiled;
 pub mod moe;
+pub mod moe_grouped;
 
 pub use attention::{attention_f64, AttentionInputs, AttentionOutput};
 pub use attention_tiled::{attention_tiled, DEFAULT_BLOCK_M, DEFAULT_BLOCK_N};
