@@ -5,6 +5,7 @@
 pub mod check;
 pub mod cpu;
 pub mod pipeline;
+pub mod python;
 
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
