@@ -23,10 +23,14 @@ Only the standard library and numpy are used. Run alone::
     python3 flashmoe_inputs.py --selftest
     python3 flashmoe_inputs.py --dump SEED TENSOR_ID LEN SCALE DTYPE [OUT.bin]
     python3 flashmoe_inputs.py --round DTYPE HEXBITS...
+    python3 flashmoe_inputs.py --problem-checksum PROBLEM_JSON SEED
 
 ``--dump`` prints one JSON line ``{"checksum": "<16 hex>", "len": N, "dtype": ...}`` and,
 with OUT.bin, writes the values as raw little-endian f32 (already rounded to the dtype).
-``--round`` prints, for each f32 bit pattern, the f32 bits of the value rounded to DTYPE.
+SCALE is a decimal number or exact f32 bits (``0x3c800000``). ``--round`` prints, for each
+f32 bit pattern, the f32 bits of the value rounded to DTYPE. ``--problem-checksum`` prints
+the folded input checksum of a problem (the JSON of flashmoe's ProblemSpec), as
+``runner/pipeline.rs``'s ``inputs_checksum``.
 """
 
 import json
@@ -426,12 +430,19 @@ def selftest():
     return 0 if ok else 1
 
 
+def parse_scale(text):
+    """A scale given as a decimal number or as f32 bits ``0x3c800000`` (exact)."""
+    if text.lower().startswith("0x"):
+        return float(np.array([int(text, 16)], dtype=np.uint32).view(np.float32)[0])
+    return float(np.float32(float(text)))
+
+
 def main(argv):
     if len(argv) >= 1 and argv[0] == "--selftest":
         return selftest()
     if len(argv) >= 6 and argv[0] == "--dump":
         seed, tid, length = int(argv[1], 0), int(argv[2], 0), int(argv[3])
-        scale, dtype = float(argv[4]), argv[5]
+        scale, dtype = parse_scale(argv[4]), argv[5]
         storage = generate(seed, tid, length, scale, dtype)
         if len(argv) >= 7:
             decode(storage, dtype).astype("<f4").tofile(argv[6])
@@ -442,6 +453,11 @@ def main(argv):
         bits = np.array([int(x, 16) for x in argv[2:]], dtype=np.uint32)
         vals = decode(encode(bits.view(np.float32), dtype), dtype).astype(np.float32)
         print(" ".join(f"{int(x):08x}" for x in vals.view(np.uint32)))
+        return 0
+    if len(argv) >= 3 and argv[0] == "--problem-checksum":
+        problem, seed = json.loads(argv[1]), int(argv[2], 0)
+        _, folded = generate_problem(problem, seed)
+        print(json.dumps({"input_checksum": folded}))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

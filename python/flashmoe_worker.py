@@ -62,7 +62,7 @@ class NotApplicable(Exception):
 def first_line(e):
     s = str(e).strip()
     line = s.splitlines()[0] if s else type(e).__name__
-    return line if len(line) <= 400 else line[:400] + "..."
+    return line if len(line) <= 300 else line[:300] + "..."
 
 
 def is_oom(e):
