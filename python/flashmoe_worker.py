@@ -328,6 +328,7 @@ class Prepared:
         self.dispatch_us = None
         self.peak_extra_bytes = None
         self.output_nbytes = []
+        self.events = None        # (start, end) CUDA events, made by probe()
 
     def ctx(self):
         if self.context is None:
