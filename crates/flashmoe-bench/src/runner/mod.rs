@@ -6,6 +6,7 @@ pub mod check;
 pub mod cpu;
 pub mod gpu;
 pub mod pipeline;
+pub mod python;
 
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;

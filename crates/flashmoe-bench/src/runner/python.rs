@@ -1,0 +1,1032 @@
+//! Python baselines: PyTorch SDPA with each backend forced, FlexAttention, naive PyTorch,
+//! and the MoE baselines (per-expert loop, `torch._grouped_mm`, dense GEMM chain), run by
+//! `python/flashmoe_worker.py` and spoken to over versioned JSON lines (protocol in
+//! `docs/baselines.md`).
+//!
+//! One worker process serves every baseline of a run. It generates the inputs itself with
+//! the same counter-based generator (`python/flashmoe_inputs.py`) and reports their
+//! checksum, which [`PythonImplementation::prepare`] compares with the checksum of the
+//! inputs flashmoe generated: a baseline whose inputs differ is never run. Timing happens
+//! in the worker with CUDA events, an L2 flush and a spin queued before the start event,
+//! like the native runner; one [`Sampled::sample`] is one timed call.
+//!
+//! Failure behaviour: no `python3`, no torch or no CUDA in torch → [`baselines`] returns
+//! `Err` with one line; a request that takes longer than its timeout kills the worker; a
+//! worker that died or was killed is restarted at the next `prepare` (up to
+//! [`WorkerOptions::max_restarts`] times); handles of the old worker then fail with a clear
+//! error instead of hanging. Out-of-memory is reported as that cell's error.
+
+use super::pipeline::inputs_checksum;
+use super::{Implementation, Outputs, Prepared, SuiteInputs};
+use crate::config::Suite;
+use crate::manifest::PythonManifest;
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use anyhow::{anyhow, bail, Context};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::fmt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Version of the JSON-lines protocol; the worker's hello must carry the same.
+pub const PROTOCOL_VERSION: u64 = 1;
+
+/// Attention baselines, in report order.
+pub const ATTENTION_BASELINES: &[&str] = &[
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "sdpa-math",
+    "flex",
+    "torch-naive",
+];
+
+/// MoE baselines, in report order.
+pub const MOE_BASELINES: &[&str] = &["moe-naive-loop", "moe-grouped-mm", "moe-dense-chain"];
+
+/// Baselines whose timed call is a throughput ceiling, not the layer: their output is not
+/// comparable with the reference (run_for_check returns an empty output for them).
+pub const CEILING_ONLY: &[&str] = &["moe-dense-chain"];
+
+/// Lines of the worker's stderr kept for error messages.
+const STDERR_TAIL_LINES: usize = 40;
+
+/// How to start the worker and how long to wait for it.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// The Python interpreter (`python3`, or the `--python` path).
+    pub python: PathBuf,
+    /// The worker script; `None` → [`locate_worker_script`].
+    pub script: Option<PathBuf>,
+    /// `Some("cpu")` runs the worker's development mode (host clock, no GPU); `None` → CUDA.
+    pub device: Option<String>,
+    /// Extra environment variables for the worker process.
+    pub env: Vec<(String, String)>,
+    /// Wait for the hello (importing torch and initialising CUDA take seconds).
+    pub start_timeout: Duration,
+    /// Per-request limit for run_for_check, sample, release.
+    pub request_timeout: Duration,
+    /// Per-request limit for prepare (input generation, probing, torch.compile).
+    pub prepare_timeout: Duration,
+    /// L2-flush buffer size to use; `None` keeps the worker's default (2 × L2, ≥ 100 MiB).
+    pub flush_bytes: Option<u64>,
+    /// Restarts allowed after crashes, hangs or kills, for the whole run.
+    pub max_restarts: usize,
+}
+
+impl WorkerOptions {
+    pub fn new(python: impl Into<PathBuf>) -> Self {
+        WorkerOptions {
+            python: python.into(),
+            script: None,
+            device: None,
+            env: Vec::new(),
+            start_timeout: Duration::from_secs(180),
+            request_timeout: Duration::from_secs(120),
+            prepare_timeout: Duration::from_secs(600),
+            flush_bytes: None,
+            max_restarts: 8,
+        }
+    }
+}
+
+/// Versions the worker reports.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct WorkerVersions {
+    #[serde(default)]
+    pub python: String,
+    #[serde(default)]
+    pub numpy: String,
+    #[serde(default)]
+    pub torch: String,
+    #[serde(default)]
+    pub cuda: String,
+    #[serde(default)]
+    pub cudnn: String,
+    #[serde(default)]
+    pub triton: String,
+}
+
+/// The device the worker runs on.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct WorkerGpu {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub compute_capability: String,
+    #[serde(default)]
+    pub memory_bytes: u64,
+    #[serde(default)]
+    pub l2_bytes: u64,
+    #[serde(default)]
+    pub sm_count: u64,
+}
+
+/// The worker's first line.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Hello {
+    pub protocol: u64,
+    pub ok: bool,
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub versions: WorkerVersions,
+    #[serde(default)]
+    pub gpu: Option<WorkerGpu>,
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub timer: Option<String>,
+    #[serde(default)]
+    pub flush_bytes: Option<u64>,
+    #[serde(default)]
+    pub implementations: Vec<String>,
+    #[serde(default)]
+    pub pid: Option<u32>,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkerError {
+    /// The implementation cannot run this config ("n/a: reason").
+    NotApplicable(String),
+    /// The device ran out of memory; the worker freed what it could and goes on.
+    OutOfMemory(String),
+    /// The request failed inside the worker (Python exception); the worker goes on.
+    Failed(String),
+    /// No reply within the limit: the worker was killed.
+    Timeout { op: String, secs: f64 },
+    /// The worker is gone (crashed, exited, killed earlier).
+    Died(String),
+    /// The worker said something that is not the protocol: it was killed.
+    Protocol(String),
+}
+
+impl fmt::Display for WorkerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WorkerError::NotApplicable(why) => write!(f, "n/a: {why}"),
+            WorkerError::OutOfMemory(why) => write!(f, "out of memory in the Python worker: {why}"),
+            WorkerError::Failed(why) => write!(f, "the Python worker failed: {why}"),
+            WorkerError::Timeout { op, secs } => write!(
+                f,
+                "the Python worker did not answer '{op}' within {secs:.0} s: killed (restarted at the next config)"
+            ),
+            WorkerError::Died(why) => write!(f, "the Python worker is gone: {why}"),
+            WorkerError::Protocol(why) => write!(f, "the Python worker broke the protocol: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for WorkerError {}
+
+enum LineMsg {
+    Line(String),
+    Eof,
+    Failed(String),
+}
+
+/// A running `flashmoe_worker.py` process.
+pub struct PythonWorker {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<LineMsg>,
+    stderr_tail: Arc<Mutex<VecDeque<String>>>,
+    hello: Hello,
+    next_id: u64,
+    dead: Option<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where the worker script is: `$FLASHMOE_WORKER`, else `python/flashmoe_worker.py` next to
+/// the running binary or one of its ancestors (a `target/release/flashmoe` inside the
+/// repository finds the repository's), else in the current directory, else in the source
+/// tree this crate was built from.
+pub fn locate_worker_script() -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os("FLASHMOE_WORKER") {
+        let p = PathBuf::from(p);
+        return if p.is_file() {
+            Ok(p)
+        } else {
+            Err(format!("FLASHMOE_WORKER={} is not a file", p.display()))
+        };
+    }
+    let rel = Path::new("python").join("flashmoe_worker.py");
+    let mut candidates = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        candidates.extend(exe.ancestors().skip(1).take(5).map(|d| d.join(&rel)));
+    }
+    if let Ok(cwd) = std::env::current_dir() {
+        candidates.push(cwd.join(&rel));
+    }
+    candidates.push(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(&rel),
+    );
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            "python/flashmoe_worker.py not found (looked next to the binary, in the current \
+             directory and in the source tree): set FLASHMOE_WORKER to its path"
+                .to_string()
+        })
+}
+
+fn status_text(status: Option<ExitStatus>) -> String {
+    match status {
+        Some(s) => match s.code() {
+            Some(c) => format!("exit status {c}"),
+            None => format!("{s}"),
+        },
+        None => "still running".into(),
+    }
+}
+
+impl PythonWorker {
+    /// Start the worker and read its hello. `Err` is one line saying why baselines cannot
+    /// run (no interpreter, no torch, no CUDA in torch, protocol mismatch, ...).
+    pub fn start(options: &WorkerOptions) -> Result<PythonWorker, String> {
+        let script = match &options.script {
+            Some(s) => s.clone(),
+            None => locate_worker_script()?,
+        };
+        let mut cmd = Command::new(&options.python);
+        cmd.arg(&script);
+        if let Some(dev) = &options.device {
+            cmd.arg("--device").arg(dev);
+        }
+        cmd.envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                format!(
+                    "no Python interpreter at '{}' ({e}): install python3 with torch, or pass --python PATH",
+                    options.python.display()
+                )
+            } else {
+                format!("cannot start the Python worker with '{}': {e}", options.python.display())
+            }
+        })?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let stderr = child.stderr.take().expect("piped stderr");
+
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("flashmoe-worker-stdout".into())
+            .spawn(move || {
+                let mut r = BufReader::new(stdout);
+                loop {
+                    let mut line = String::new();
+                    match r.read_line(&mut line) {
+                        Ok(0) => {
+                            let _ = tx.send(LineMsg::Eof);
+                            return;
+                        }
+                        Ok(_) => {
+                            if tx.send(LineMsg::Line(line)).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            let _ = tx.send(LineMsg::Failed(e.to_string()));
+                            return;
+                        }
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start a reader thread: {e}"))?;
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        let tail2 = Arc::clone(&tail);
+        let echo = std::env::var_os("FLASHMOE_WORKER_LOG").is_some();
+        std::thread::Builder::new()
+            .name("flashmoe-worker-stderr".into())
+            .spawn(move || {
+                let mut r = BufReader::new(stderr);
+                let mut buf = Vec::new();
+                loop {
+                    buf.clear();
+                    match r.by_ref().take(64 * 1024).read_until(b'\n', &mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {
+                            let line = String::from_utf8_lossy(&buf).trim_end().to_string();
+                            if echo {
+                                eprintln!("[python worker] {line}");
+                            }
+                            let mut t = lock(&tail2);
+                            if t.len() == STDERR_TAIL_LINES {
+                                t.pop_front();
+                            }
+                            t.push_back(line);
+                        }
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start a reader thread: {e}"))?;
+
+        let mut worker = PythonWorker {
+            child,
+            stdin,
+            lines: rx,
+            stderr_tail: tail,
+            hello: Hello::default(),
+            next_id: 1,
+            dead: None,
+        };
+        let first = match worker.lines.recv_timeout(options.start_timeout) {
+            Ok(LineMsg::Line(l)) => l,
+            Ok(LineMsg::Eof) | Ok(LineMsg::Failed(_)) | Err(RecvTimeoutError::Disconnected) => {
+                let status = worker.wait_briefly();
+                worker.dead = Some("it exited".into());
+                return Err(format!(
+                    "the Python worker ({} {}) exited before its hello ({}){}",
+                    options.python.display(),
+                    script.display(),
+                    status_text(status),
+                    worker.tail_suffix()
+                ));
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                worker.kill();
+                return Err(format!(
+                    "the Python worker sent no hello within {:.0} s: killed{}",
+                    options.start_timeout.as_secs_f64(),
+                    worker.tail_suffix()
+                ));
+            }
+        };
+        let hello: Hello = match serde_json::from_str(first.trim()) {
+            Ok(h) => h,
+            Err(e) => {
+                worker.kill();
+                return Err(format!(
+                    "the Python worker's first line is not its hello ({e}): {:?}{}",
+                    truncate(first.trim(), 200),
+                    worker.tail_suffix()
+                ));
+            }
+        };
+        if hello.protocol != PROTOCOL_VERSION {
+            worker.kill();
+            return Err(format!(
+                "the Python worker speaks protocol {} but flashmoe speaks {PROTOCOL_VERSION}: use the worker from the same checkout",
+                hello.protocol
+            ));
+        }
+        if !hello.ok {
+            let reason = hello.reason.clone().unwrap_or_else(|| {
+                "the Python worker cannot run baselines (no reason given)".into()
+            });
+            worker.dead = Some(reason.clone());
+            worker.wait_briefly();
+            return Err(reason);
+        }
+        worker.hello = hello;
+        if let Some(b) = options.flush_bytes {
+            worker
+                .configure(Some(b))
+                .map_err(|e| format!("configuring the Python worker failed: {e}"))?;
+        }
+        Ok(worker)
+    }
+
+    pub fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The manifest fields of this worker.
+    pub fn manifest(&self) -> PythonManifest {
+        let v = &self.hello.versions;
+        PythonManifest {
+            python: v.python.clone(),
+            torch: v.torch.clone(),
+            cuda: v.cuda.clone(),
+            cudnn: v.cudnn.clone(),
+            triton: v.triton.clone(),
+            gpu_name: self
+                .hello
+                .gpu
+                .as_ref()
+                .map(|g| g.name.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether the worker can still take requests.
+    pub fn is_alive(&mut self) -> bool {
+        if self.dead.is_some() {
+            return false;
+        }
+        match self.child.try_wait() {
+            Ok(None) => true,
+            Ok(Some(s)) => {
+                self.dead = Some(format!("it exited ({})", status_text(Some(s))));
+                false
+            }
+            Err(e) => {
+                self.dead = Some(format!("its status cannot be read: {e}"));
+                false
+            }
+        }
+    }
+
+    /// The last lines the worker wrote to stderr.
+    pub fn stderr_tail(&self) -> Vec<String> {
+        lock(&self.stderr_tail).iter().cloned().collect()
+    }
+
+    fn tail_suffix(&self) -> String {
+        // Give the reader thread a moment to collect a traceback printed just before exit.
+        std::thread::sleep(Duration::from_millis(50));
+        let t = self.stderr_tail();
+        let interesting: Vec<&String> = t.iter().filter(|l| !l.trim().is_empty()).collect();
+        match interesting.len() {
+            0 => String::new(),
+            n => {
+                let last: Vec<&str> = interesting[n.saturating_sub(3)..]
+                    .iter()
+                    .map(|s| s.trim())
+                    .collect();
+                format!("; its stderr ends: {}", truncate(&last.join(" | "), 600))
+            }
+        }
+    }
+
+    fn wait_briefly(&mut self) -> Option<ExitStatus> {
+        let deadline = Instant::now() + Duration::from_millis(2000);
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(s)) => return Some(s),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
+                _ => {
+                    let _ = self.child.kill();
+                    return self.child.wait().ok();
+                }
+            }
+        }
+    }
+
+    /// Kill the process now (after a timeout or a protocol violation).
+    pub fn kill(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if self.dead.is_none() {
+            self.dead = Some("it was killed".into());
+        }
+    }
+
+    /// Send one request and wait up to `timeout` for its reply (`fields` must be an object).
+    pub fn request(
+        &mut self,
+        op: &str,
+        fields: Value,
+        timeout: Duration,
+    ) -> Result<Value, WorkerError> {
+        if let Some(why) = &self.dead {
+            return Err(WorkerError::Died(why.clone()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut obj = match fields {
+            Value::Object(m) => m,
+            Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(WorkerError::Protocol(format!(
+                    "request fields must be an object, got {other}"
+                )))
+            }
+        };
+        obj.insert("id".into(), json!(id));
+        obj.insert("op".into(), json!(op));
+        let line = Value::Object(obj).to_string() + "\n";
+        let written = match self.stdin.as_mut() {
+            Some(w) => w.write_all(line.as_bytes()).and_then(|_| w.flush()),
+            None => Err(std::io::Error::other("stdin closed")),
+        };
+        if let Err(e) = written {
+            let status = self.wait_briefly();
+            let why = format!(
+                "it stopped reading requests ({e}; {}){}",
+                status_text(status),
+                self.tail_suffix()
+            );
+            self.dead = Some(why.clone());
+            return Err(WorkerError::Died(why));
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(LineMsg::Line(l)) => {
+                    let v: Value = match serde_json::from_str(l.trim()) {
+                        Ok(v) => v,
+                        Err(_) => {
+                            let why = format!(
+                                "unexpected output {:?} while waiting for '{op}'",
+                                truncate(l.trim(), 200)
+                            );
+                            self.kill();
+                            self.dead = Some(why.clone());
+                            return Err(WorkerError::Protocol(why));
+                        }
+                    };
+                    if v.get("id").and_then(Value::as_u64) != Some(id) {
+                        if v.get("id").is_none_or(Value::is_null)
+                            && v.get("kind").and_then(Value::as_str) == Some("protocol")
+                        {
+                            let why = v
+                                .get("error")
+                                .and_then(Value::as_str)
+                                .unwrap_or("?")
+                                .to_string();
+                            return Err(WorkerError::Protocol(why));
+                        }
+                        continue; // a reply to an earlier request: skip it
+                    }
+                    if v.get("ok").and_then(Value::as_bool) == Some(true) {
+                        return Ok(v);
+                    }
+                    let why = v
+                        .get("error")
+                        .and_then(Value::as_str)
+                        .unwrap_or("no error message")
+                        .to_string();
+                    return Err(match v.get("kind").and_then(Value::as_str) {
+                        Some("na") => WorkerError::NotApplicable(why),
+                        Some("oom") => WorkerError::OutOfMemory(why),
+                        Some("protocol") => WorkerError::Protocol(why),
+                        _ => WorkerError::Failed(why),
+                    });
+                }
+                Ok(LineMsg::Eof) | Err(RecvTimeoutError::Disconnected) => {
+                    let status = self.wait_briefly();
+                    let why = format!(
+                        "it exited during '{op}' ({}){}",
+                        status_text(status),
+                        self.tail_suffix()
+                    );
+                    self.dead = Some(why.clone());
+                    return Err(WorkerError::Died(why));
+                }
+                Ok(LineMsg::Failed(e)) => {
+                    let status = self.wait_briefly();
+                    let why = format!(
+                        "its output could not be read during '{op}' ({e}; {}){}",
+                        status_text(status),
+                        self.tail_suffix()
+                    );
+                    self.dead = Some(why.clone());
+                    return Err(WorkerError::Died(why));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    self.kill();
+                    self.dead = Some(format!("it was killed after '{op}' timed out"));
+                    return Err(WorkerError::Timeout {
+                        op: op.to_string(),
+                        secs: timeout.as_secs_f64(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Set the L2-flush buffer size (bytes) the worker writes before each sample.
+    pub fn configure(&mut self, flush_bytes: Option<u64>) -> Result<Value, WorkerError> {
+        self.request(
+            "configure",
+            json!({ "flush_bytes": flush_bytes }),
+            Duration::from_secs(60),
+        )
+    }
+}
+
+impl Drop for PythonWorker {
+    fn drop(&mut self) {
+        if self.dead.is_none() {
+            if let Some(w) = self.stdin.as_mut() {
+                let _ = w
+                    .write_all(format!("{{\"id\":{},\"op\":\"quit\"}}\n", self.next_id).as_bytes())
+                    .and_then(|_| w.flush());
+            }
+        }
+        self.stdin = None;
+        self.wait_briefly();
+    }
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        s.chars().take(n).collect::<String>() + "..."
+    }
+}
+
+/// The worker shared by every baseline of a run, restarted after a failure.
+struct Shared {
+    options: WorkerOptions,
+    seed: u64,
+    worker: Option<PythonWorker>,
+    /// Bumped at every (re)start: handles of an older worker are gone.
+    incarnation: u64,
+    restarts: usize,
+    /// (problem id, address of the inputs, checksum) of the last inputs checked.
+    checksum_cache: Option<(String, usize, String)>,
+}
+
+impl Shared {
+    fn expected_checksum(&mut self, problem: &ProblemSpec, inputs: &SuiteInputs) -> String {
+        let key = (problem.id(), inputs as *const SuiteInputs as usize);
+        if let Some((id, addr, sum)) = &self.checksum_cache {
+            if *id == key.0 && *addr == key.1 {
+                return sum.clone();
+            }
+        }
+        let dtype = match problem {
+            ProblemSpec::Attention(p) => p.dtype,
+            ProblemSpec::Moe(p) => p.dtype,
+        };
+        let sum = inputs_checksum(inputs, dtype);
+        self.checksum_cache = Some((key.0, key.1, sum.clone()));
+        sum
+    }
+
+    /// The live worker, restarting it if it died; with its incarnation.
+    fn live_worker(&mut self) -> anyhow::Result<(&mut PythonWorker, u64)> {
+        let alive = self.worker.as_mut().is_some_and(|w| w.is_alive());
+        if !alive {
+            let why = self
+                .worker
+                .as_ref()
+                .and_then(|w| w.dead.clone())
+                .unwrap_or_else(|| "it is not running".into());
+            if self.restarts >= self.options.max_restarts {
+                bail!(
+                    "the Python worker is gone ({why}) and was already restarted {} times: baselines skipped",
+                    self.restarts
+                );
+            }
+            self.worker = None;
+            self.restarts += 1;
+            let w = PythonWorker::start(&self.options)
+                .map_err(|e| anyhow!("the Python worker could not be restarted: {e}"))?;
+            self.worker = Some(w);
+            self.incarnation += 1;
+        }
+        let inc = self.incarnation;
+        Ok((self.worker.as_mut().expect("worker just ensured"), inc))
+    }
+}
+
+/// One Python baseline (e.g. `sdpa-flash`), sharing the run's worker.
+pub struct PythonImplementation {
+    name: String,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl PythonImplementation {
+    /// Whether its timed call is a ceiling whose output is not checked (`moe-dense-chain`).
+    pub fn ceiling_only(&self) -> bool {
+        CEILING_ONLY.contains(&self.name.as_str())
+    }
+}
+
+fn is_attention(name: &str) -> bool {
+    ATTENTION_BASELINES.contains(&name)
+}
+
+impl Implementation for PythonImplementation {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn backend(&self) -> &str {
+        "python"
+    }
+
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        match (problem, is_attention(&self.name)) {
+            (ProblemSpec::Attention(_), true) | (ProblemSpec::Moe(_), false) => Ok(()),
+            (ProblemSpec::Attention(_), false) => Err(format!("{} is a MoE baseline", self.name)),
+            (ProblemSpec::Moe(_), true) => Err(format!("{} is an attention baseline", self.name)),
+        }
+    }
+
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        self.supports(problem).map_err(|e| anyhow!("n/a: {e}"))?;
+        let mut sh = lock(&self.shared);
+        let expected = sh.expected_checksum(problem, inputs);
+        let seed = sh.seed;
+        let (prepare_timeout, request_timeout) =
+            (sh.options.prepare_timeout, sh.options.request_timeout);
+        let (worker, incarnation) = sh.live_worker()?;
+        let req = json!({ "impl": self.name, "problem": problem, "seed": seed });
+        let v = worker.request("prepare", req, prepare_timeout)?;
+        let handle = v
+            .get("handle")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| anyhow!("the Python worker's prepare reply has no handle"))?;
+        let got = v
+            .get("input_checksum")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        if got != expected {
+            let _ = worker.request("release", json!({ "handle": handle }), request_timeout);
+            bail!(
+                "inputs differ: the Python worker generated inputs with checksum {got}, flashmoe's are {expected} \
+                 (different generator or seed): not run"
+            );
+        }
+        let notes = v
+            .get("notes")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| n.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(Box::new(PythonPrepared {
+            shared: Arc::clone(&self.shared),
+            name: self.name.clone(),
+            problem: problem.clone(),
+            handle,
+            incarnation,
+            ceiling_only: v
+                .get("ceiling_only")
+                .and_then(Value::as_bool)
+                .unwrap_or(false)
+                || self.ceiling_only(),
+            compile_ms: v.get("compile_ms").and_then(Value::as_f64),
+            notes,
+            peak_extra: None,
+            request_timeout,
+        }))
+    }
+}
+
+/// A baseline prepared in the worker for one config.
+pub struct PythonPrepared {
+    shared: Arc<Mutex<Shared>>,
+    name: String,
+    problem: ProblemSpec,
+    handle: u64,
+    incarnation: u64,
+    ceiling_only: bool,
+    compile_ms: Option<f64>,
+    notes: Vec<String>,
+    peak_extra: Option<u64>,
+    request_timeout: Duration,
+}
+
+impl PythonPrepared {
+    /// What the worker noted about this baseline (layout copies, LSE availability, compile
+    /// time...), for the report.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+    /// torch.compile time of the config (flex), excluded from the samples.
+    pub fn compile_ms(&self) -> Option<f64> {
+        self.compile_ms
+    }
+    pub fn ceiling_only(&self) -> bool {
+        self.ceiling_only
+    }
+
+    fn call(&self, op: &str, fields: Value) -> anyhow::Result<Value> {
+        let mut sh = lock(&self.shared);
+        if sh.incarnation != self.incarnation {
+            bail!(
+                "the Python worker was restarted after a failure: prepared '{}' is gone",
+                self.name
+            );
+        }
+        let w = sh
+            .worker
+            .as_mut()
+            .ok_or_else(|| anyhow!("the Python worker is not running"))?;
+        Ok(w.request(op, fields, self.request_timeout)?)
+    }
+}
+
+fn file_field(files: &Value, name: &str) -> Option<PathBuf> {
+    files.get(name)?.get("path")?.as_str().map(PathBuf::from)
+}
+
+fn read_le<T>(
+    path: &Path,
+    expected: usize,
+    what: &str,
+    conv: fn([u8; 4]) -> T,
+) -> anyhow::Result<Vec<T>> {
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading {what} from {}", path.display()))?;
+    if bytes.len() != expected * 4 {
+        bail!(
+            "the Python worker wrote {} values of {what}, expected {expected}",
+            bytes.len() / 4
+        );
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| conv([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+impl Sampled for PythonPrepared {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let v = self.call("sample", json!({ "handle": self.handle, "n": 1 }))?;
+        v.get("ms")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_f64)
+            .ok_or_else(|| anyhow!("the Python worker's sample reply has no time"))
+    }
+}
+
+impl Prepared for PythonPrepared {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let dir = tempfile::Builder::new()
+            .prefix("flashmoe-python-")
+            .tempdir()
+            .context("creating a temporary directory for the Python worker's outputs")?;
+        let v = self.call(
+            "run_for_check",
+            json!({ "handle": self.handle, "dir": dir.path().to_string_lossy() }),
+        )?;
+        self.peak_extra = v.get("peak_extra_bytes").and_then(Value::as_u64);
+        if let Some(n) = v.get("notes").and_then(Value::as_array) {
+            self.notes = n
+                .iter()
+                .filter_map(|x| x.as_str().map(String::from))
+                .collect();
+        }
+        let files = v.get("files").cloned().unwrap_or(Value::Null);
+        let missing = |n: &str| anyhow!("the Python worker wrote no '{n}' output");
+        let f32_of = |b: [u8; 4]| f32::from_le_bytes(b);
+        let out = match &self.problem {
+            ProblemSpec::Attention(p) => {
+                let o = read_le(
+                    &file_field(&files, "o").ok_or_else(|| missing("o"))?,
+                    p.q_elems(),
+                    "O",
+                    f32_of,
+                )?;
+                // No LSE (the public SDPA API returns none): an empty vector; the gate then
+                // checks O only.
+                let lse = match file_field(&files, "lse") {
+                    Some(path) => read_le(&path, p.lse_elems(), "LSE", f32_of)?,
+                    None => Vec::new(),
+                };
+                Outputs::Attention { o, lse }
+            }
+            ProblemSpec::Moe(p) => {
+                if self.ceiling_only {
+                    // Timing-only ceiling: its output is not the layer's (see CEILING_ONLY).
+                    Outputs::Moe {
+                        out: Vec::new(),
+                        topk_ids: None,
+                    }
+                } else {
+                    let out = read_le(
+                        &file_field(&files, "out").ok_or_else(|| missing("out"))?,
+                        p.tokens * p.hidden,
+                        "the MoE output",
+                        f32_of,
+                    )?;
+                    let ids = read_le(
+                        &file_field(&files, "topk_ids").ok_or_else(|| missing("topk_ids"))?,
+                        p.tokens * p.top_k,
+                        "top-k ids",
+                        u32::from_le_bytes,
+                    )?;
+                    Outputs::Moe {
+                        out,
+                        topk_ids: Some(ids),
+                    }
+                }
+            }
+        };
+        drop(dir);
+        Ok(out)
+    }
+
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        self.peak_extra
+    }
+}
+
+impl Drop for PythonPrepared {
+    fn drop(&mut self) {
+        let mut sh = lock(&self.shared);
+        if sh.incarnation == self.incarnation {
+            if let Some(w) = sh.worker.as_mut() {
+                if w.dead.is_none() {
+                    let _ = w.request(
+                        "release",
+                        json!({ "handle": self.handle }),
+                        self.request_timeout,
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Start the worker and return one implementation per baseline of `suite`, with the
+/// worker's versions for the manifest. `Err` is one line saying why no baseline can run
+/// (e.g. "torch not installed for /usr/bin/python3 (No module named 'torch')").
+///
+/// `seed` must be the seed the run generates its inputs with
+/// (`MeasureSettings::seed`): the worker generates the same inputs from it, and each
+/// `prepare` checks that the checksums agree.
+pub fn baselines(
+    suite: Suite,
+    python: &Path,
+    seed: u64,
+) -> Result<(Vec<Box<dyn Implementation>>, PythonManifest), String> {
+    baselines_with(suite, WorkerOptions::new(python), seed)
+}
+
+/// [`baselines`] with explicit worker options (script path, timeouts, flush size...).
+pub fn baselines_with(
+    suite: Suite,
+    options: WorkerOptions,
+    seed: u64,
+) -> Result<(Vec<Box<dyn Implementation>>, PythonManifest), String> {
+    let worker = PythonWorker::start(&options)?;
+    let manifest = worker.manifest();
+    let names = match suite {
+        Suite::Attention => ATTENTION_BASELINES,
+        Suite::Moe => MOE_BASELINES,
+    };
+    let shared = Arc::new(Mutex::new(Shared {
+        options,
+        seed,
+        worker: Some(worker),
+        incarnation: 0,
+        restarts: 0,
+        checksum_cache: None,
+    }));
+    let impls = names
+        .iter()
+        .map(|n| {
+            Box::new(PythonImplementation {
+                name: (*n).to_string(),
+                shared: Arc::clone(&shared),
+            }) as Box<dyn Implementation>
+        })
+        .collect();
+    Ok((impls, manifest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn baseline_lists_match_the_worker() {
+        let src = include_str!("../../../../python/flashmoe_worker.py");
+        for n in ATTENTION_BASELINES.iter().chain(MOE_BASELINES) {
+            assert!(
+                src.contains(&format!("\"{n}\"")),
+                "{n} missing from the worker"
+            );
+        }
+        assert!(src.contains(&format!("PROTOCOL_VERSION = {PROTOCOL_VERSION}")));
+    }
+
+    #[test]
+    fn errors_read_as_one_line() {
+        let e = WorkerError::Timeout {
+            op: "sample".into(),
+            secs: 2.0,
+        };
+        assert!(e.to_string().contains("'sample' within 2 s"), "{e}");
+        assert_eq!(WorkerError::NotApplicable("x".into()).to_string(), "n/a: x");
+        assert!(!WorkerError::Died("a".into()).to_string().contains('\n'));
+    }
+}
