@@ -9,7 +9,9 @@ use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
 };
+use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
+use std::path::Path;
 use std::rc::Rc;
 
 /// Attention problems up to this many model FLOPs are checked against the CPU f64
@@ -143,6 +145,29 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
     }
 }
 
+/// Add the Python baselines (PyTorch SDPA backends, FlexAttention, naive...) to a GPU lab,
+/// or say in one line why there are none.
+fn add_baselines(lab: &mut Lab, suite: Suite, python: &Path, seed: u64) {
+    let Some(session) = &lab.session else { return };
+    let mut options = WorkerOptions::new(python);
+    options.flush_bytes = Some(session.flush_bytes() as u64);
+    match python::baselines_with(suite, options, seed) {
+        Ok((implementations, manifest)) => {
+            eprintln!(
+                "baselines: torch {} (CUDA {}, cuDNN {}, Triton {}) via {}",
+                manifest.torch,
+                manifest.cuda,
+                manifest.cudnn,
+                manifest.triton,
+                python.display()
+            );
+            lab.implementations.extend(implementations);
+            lab.manifest.python = Some(manifest);
+        }
+        Err(why) => eprintln!("no PyTorch baselines: {why} (our own results are still reported)"),
+    }
+}
+
 fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) -> Lab {
     let mut implementations: Vec<Box<dyn Implementation>> = vec![Box::new(GpuAttention {
         kernel: GpuAttentionKernel::V1,
@@ -172,7 +197,15 @@ fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) ->
 
 /// Pick the lab: the GPU unless `force_cpu` or none is usable (then one line says why).
 /// MoE has no GPU implementation yet, so it always runs on the CPU.
-pub fn select(suite: Suite, force_cpu: bool, seed: u64, for_check: bool) -> Lab {
+/// `python`: the interpreter for the baseline worker (bench on a GPU only); `None` skips
+/// the baselines.
+pub fn select(
+    suite: Suite,
+    force_cpu: bool,
+    seed: u64,
+    for_check: bool,
+    python: Option<&Path>,
+) -> Lab {
     if force_cpu {
         eprintln!("CPU mode (--cpu): running the CPU implementations.");
         return cpu_lab(suite, seed);
@@ -192,7 +225,11 @@ pub fn select(suite: Suite, force_cpu: bool, seed: u64, for_check: bool) -> Lab 
                 info.driver_version,
                 info.nvrtc_version.as_deref().unwrap_or("not found")
             );
-            gpu_lab(suite, seed, session, for_check)
+            let mut lab = gpu_lab(suite, seed, session, for_check);
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            lab
         }
         Err(e) => {
             eprintln!("{e}: running the CPU implementations (reference vs tiled) instead.");

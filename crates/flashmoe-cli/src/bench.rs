@@ -40,7 +40,8 @@ fn install_interrupt_handler() -> Arc<AtomicBool> {
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let suite: Suite = args.suite.into();
-    let lab = backend::select(suite, args.cpu, args.seed, false);
+    let python = (!args.no_baselines).then_some(args.python.as_path());
+    let lab = backend::select(suite, args.cpu, args.seed, false, python);
     let (configs, source) = match (&args.preset, &args.config) {
         (_, Some(path)) => (
             config::load_config(path, suite)?,

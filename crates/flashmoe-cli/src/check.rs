@@ -21,7 +21,7 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     };
     let mut all: Vec<CheckRow> = Vec::new();
     for suite in suites {
-        let lab = backend::select(suite, args.cpu, seed, true);
+        let lab = backend::select(suite, args.cpu, seed, true, None);
         // The reference itself is not "checked" against itself.
         let under_test: Vec<&dyn Implementation> = lab
             .implementations

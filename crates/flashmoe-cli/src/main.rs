@@ -87,6 +87,12 @@ pub struct BenchArgs {
     /// Run the CPU implementations even when a GPU is present.
     #[arg(long)]
     cpu: bool,
+    /// Python interpreter with PyTorch for the baselines (GPU runs).
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+    /// Skip the PyTorch baselines.
+    #[arg(long)]
+    no_baselines: bool,
 }
 
 #[derive(Args)]

@@ -54,6 +54,15 @@ pub trait Prepared: Sampled {
     fn peak_extra_bytes(&self) -> Option<u64> {
         None
     }
+    /// Remarks for the report (compile time, backend caveats), after `run_for_check`.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// A throughput ceiling whose output is not the problem's (e.g. a dense GEMM chain of
+    /// the same FLOPs): timed, flagged, never gated.
+    fn ceiling_only(&self) -> bool {
+        false
+    }
 }
 
 /// A named implementation that can be prepared for a config.

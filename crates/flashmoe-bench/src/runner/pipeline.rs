@@ -84,7 +84,8 @@ pub fn gate(
             let co = accuracy::check(o, &r.o, dtype);
             // An empty LSE means "not provided" (e.g. the public SDPA API returns none):
             // O is checked alone.
-            let cl = (!lse.is_empty() || r.lse.is_empty()).then(|| accuracy::check_lse(lse, &r.lse));
+            let cl =
+                (!lse.is_empty() || r.lse.is_empty()).then(|| accuracy::check_lse(lse, &r.lse));
             let mut res = to_result(&co, reference_name, None);
             let mut notes = vec![match &cl {
                 Some(cl) => format!("lse max_abs {:.2e}", cl.metrics.max_abs),
@@ -239,7 +240,13 @@ impl Pipeline<'_> {
             match (prepared, &reference) {
                 (Err(e), _) => row.error = Some(format!("{e:#}")),
                 (Ok(_), None) => row.error = Some("not run: no reference to check against".into()),
+                (Ok((p, _)), Some(_)) if p.ceiling_only() => {
+                    row.flags.push("ceiling only: its output is not the layer's, so it is timed but not checked".into());
+                    row.flags.extend(p.notes());
+                    timed.push((rows.len(), p));
+                }
                 (Ok((p, out)), Some(r)) => {
+                    row.flags.extend(p.notes());
                     let acc = gate(problem, &out, r, &ref_name);
                     let passed = acc.passed;
                     row.peak_extra_bytes = p.peak_extra_bytes();

@@ -868,6 +868,16 @@ impl Sampled for PythonPrepared {
 }
 
 impl Prepared for PythonPrepared {
+    fn notes(&self) -> Vec<String> {
+        let mut notes = PythonPrepared::notes(self).to_vec();
+        if let Some(ms) = self.compile_ms() {
+            notes.push(format!("compile {ms:.0} ms (excluded from timing)"));
+        }
+        notes
+    }
+    fn ceiling_only(&self) -> bool {
+        PythonPrepared::ceiling_only(self)
+    }
     fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
         let dir = tempfile::Builder::new()
             .prefix("flashmoe-python-")
