@@ -12,9 +12,9 @@ libnvrtc is found from $NVRTC_LIB, /work/nvrtc13 (pip install --target /work/nvr
 nvidia-cuda-nvrtc==13.0.88), the nvidia-cuda-nvrtc wheel in site-packages, or
 /usr/local/cuda/lib64.
 
-The variant table lives in crates/flashmoe/src/attention/config.rs; this script asks
-`cargo test` for it? No: it keeps its own copy in VARIANTS below (kept in sync by
-hand and by the Rust test `variant_table_matches_python`, which reads this file).
+The variant table lives in crates/flashmoe/src/attention/config.rs (`v1_tile`); this
+script keeps a copy in V1_TILES below, and the Rust test `python_tile_table_matches`
+fails when the two differ. kernel_probe.py imports V1_TILES from here.
 """
 import argparse
 import ctypes
@@ -29,14 +29,14 @@ KDIR = os.path.join(ROOT, "crates", "flashmoe", "kernels")
 
 # --- v1 tile table (mirror of config.rs `v1_tile`): D -> (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS)
 V1_TILES = {
-    32: (128, 128, 4, 2, 1, 2),
+    32: (128, 64, 4, 3, 1, 2),
     64: (128, 64, 4, 2, 1, 2),
-    96: (128, 64, 4, 2, 0, 2),
-    128: (128, 64, 4, 2, 0, 2),
+    96: (128, 32, 4, 3, 0, 2),
+    128: (128, 32, 4, 3, 0, 2),
     256: (128, 64, 8, 2, 0, 1),
 }
-REFERENCE_WARPS = 4
-REFERENCE_HEAD_DIMS = [8, 32, 40, 64, 80, 96, 100, 128, 192, 256]
+REFERENCE_WARPS = 1
+REFERENCE_HEAD_DIMS = [8, 32, 40, 64, 80, 96, 100, 128, 192, 256]  # config.rs REFERENCE_TEST_HEAD_DIMS
 
 
 def flash_defines(d, bf16, causal, tile=None):

@@ -246,10 +246,10 @@ __device__ __forceinline__ void load_tile(u32 dst0, const u16* __restrict__ g0, 
 // ----------------------------------------------------------------------------------------
 // One K/V tile: S = Q K^T, (mask), online softmax, O += P V.
 // ----------------------------------------------------------------------------------------
-template <bool MASK>
-__device__ __forceinline__ void tile_step(float (&o)[MT][DT][4], float (&m_i)[MT][2],
+__device__ __forceinline__ void tile_step(bool mask, float (&o)[MT][DT][4], float (&m_i)[MT][2],
                                           float (&l_i)[MT][2], const u32 (&qf)[MT][KD][4],
-                                          const u32 (&lb)[4], u32 sQw, u32 sK, u32 sV,
+                                          const u32 (&lb)[4], const u32 (&kb)[4], u32 sQw,
+                                          u32 sK, u32 sV,
                                           int lane, int n0,
                                           int row_base, int seqlen_k, int diag,
                                           float scale_log2) {
@@ -278,18 +278,18 @@ __device__ __forceinline__ void tile_step(float (&o)[MT][DT][4], float (&m_i)[MT
 #pragma unroll
         for (int np = 0; np < KN; ++np) {
             u32 b0, b1, b2, b3;
-            // b0: keys 0-7 / d lo, b1: keys 8-15 / d lo, b2: keys 0-7 / d hi, b3: keys 8-15 / d hi
-            ldsm_x4(sK + lb[kk & 3] + (kk >> 2) * 128 + np * 16 * PITCH_B, b0, b1, b2, b3);
+            // b0,b1: keys 0-7 (n-tile 2np), d lo/hi; b2,b3: keys 8-15 (n-tile 2np+1)
+            ldsm_x4(sK + kb[kk & 3] + (kk >> 2) * 128 + np * 16 * PITCH_B, b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma16816(s[mt][2 * np], a[mt], b0, b2);
-                mma16816(s[mt][2 * np + 1], a[mt], b1, b3);
+                mma16816(s[mt][2 * np], a[mt], b0, b1);
+                mma16816(s[mt][2 * np + 1], a[mt], b2, b3);
             }
         }
     }
 
     // ---- mask (ragged key tail, causal diagonal) ----
-    if (MASK) {
+    if (mask) {  // block-uniform branch
         const int col0 = n0 + 2 * (lane & 3);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -428,21 +428,24 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
         l_i[mt][0] = l_i[mt][1] = 0.f;
     }
 
-    // Lane-dependent ldmatrix base offsets. Every ldmatrix.x4 here addresses its four 8x8
-    // matrices the same way: matrix i = lane>>3 covers rows (i&1)*8 + (lane&7) and 16-byte
-    // chunk 2j + (i>>1) of the tile (rows = query rows for Q, keys for K and V; chunks along
-    // D, except for V where the chunk pair spans the d columns of two n8 tiles). In a
-    // swizzled tile chunk 2j+b of a row r with r & 7 == lr sits at chunk (2j+b) ^ lr =
-    // 8*(j>>2) + ((2*(j&3)) ^ (b ^ lr)): four lane bases (j&3) plus compile-time immediates
-    // for j>>2, the m/n tile and the key block; region bases are warp-uniform.
-    //   Q (A, x4):        regs = a0 (rows 0-7, k lo) a1 (rows 8-15, k lo) a2 (0-7, k hi) a3
-    //   K (B, x4):        regs = b0/b1 of n-tile 0 are r0/r2, of n-tile 1 are r1/r3
-    //   V (B, x4.trans):  regs = b0/b1 of n-tile (d lo) are r0/r1, of n-tile (d hi) r2/r3
+    // Lane-dependent ldmatrix base offsets. ldmatrix.x4 lane l gives the row address of
+    // matrix i = l >> 3, row l & 7 (= lr). In a swizzled tile, chunk 2j+b of a row r with
+    // r & 7 == lr sits at chunk (2j+b) ^ lr = 8*(j>>2) + ((2*(j&3)) ^ (b ^ lr)), so four
+    // lane bases (j&3) cover every k step; j>>2, the m/n tile and the key block become
+    // compile-time immediates, and region bases are uniform. The four result registers
+    // must come out in the order the mma operands need them (B pairs are consecutive):
+    //   Q (A, x4):        matrix i -> rows (i&1)*8 + lr, chunk 2kk + (i>>1)  (a0 a1 a2 a3)
+    //   V (B, x4.trans):  matrix i -> keys (i&1)*8 + lr, chunk 2dp + (i>>1)  (b0 b1 of the
+    //                     lower n8 tile of d, then b0 b1 of the upper one)
+    //   K (B, x4):        matrix i -> keys (i>>1)*8 + lr, chunk 2kk + (i&1)  (b0 b1 of keys
+    //                     0-7, then b0 b1 of keys 8-15)
     const int li = lane >> 3, lr = lane & 7;
-    u32 lb[4];
+    u32 lb[4], kb[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j) {
         lb[j] = ((li & 1) * 8 + lr) * PITCH_B + (((2 * j) ^ (lr ^ (li >> 1))) << 4);
+        kb[j] = ((li >> 1) * 8 + lr) * PITCH_B + (((2 * j) ^ (lr ^ (li & 1))) << 4);
+    }
 
     u32 qf[MT][KD][4];
     if (Q_IN_REGS) {
@@ -480,12 +483,8 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
         const int n0 = (n_tiles - 1 - i) * BN;
         const u32 sK = sK0 + slot * KV_TILE_BYTES;
         const u32 sV = sV0 + slot * KV_TILE_BYTES;
-        if (i < n_masked)
-            tile_step<true>(oacc, m_i, l_i, qf, lb, sQw, sK, sV, lane, n0, row_base, seqlen_k,
-                            diag, softmax_scale_log2);
-        else
-            tile_step<false>(oacc, m_i, l_i, qf, lb, sQw, sK, sV, lane, n0, row_base, seqlen_k,
-                             diag, softmax_scale_log2);
+        tile_step(i < n_masked, oacc, m_i, l_i, qf, lb, kb, sQw, sK, sV, lane, n0, row_base,
+                  seqlen_k, diag, softmax_scale_log2);
         if (++slot == STAGES) slot = 0;
     }
 
@@ -501,7 +500,8 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
             float l = l_i[mt][h];
             l += __shfl_xor_sync(0xffffffffu, l, 1);
             l += __shfl_xor_sync(0xffffffffu, l, 2);
-            const float inv = l > 0.f ? 1.f / l : 0.f;
+            float inv = 0.f;  // 1/l: rcp.approx (<= 1 ulp) inline, not the IEEE subroutine
+            if (l > 0.f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
 #pragma unroll
             for (int dt = 0; dt < DT; ++dt) {
                 oacc[mt][dt][2 * h] *= inv;
