@@ -200,7 +200,7 @@ def main():
     ap.add_argument("--log", action="store_true", help="print the full NVRTC log of every job")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
-    archs = args.arch or ["sm_80", "sm_90a"]
+    archs = args.arch or ["sm_80", "sm_90", "sm_90a"]
     nv = Nvrtc()
     print(f"NVRTC {nv.version} ({nv.path})")
     if args.sass:
