@@ -39,7 +39,7 @@ def round_dtype(x, bf16):
 class Cfg:
     def __init__(self, D, tile, causal, bf16):
         self.D = D
-        self.BM, self.BN, self.WARPS, self.STAGES, self.Q_IN_REGS, _ = tile
+        self.BM, self.BN, self.WARPS, self.STAGES, self.Q_IN_REGS, _, self.SN = tile
         self.THREADS = self.WARPS * 32
         self.RPW = self.BM // self.WARPS
         self.MT = self.RPW // 16
@@ -48,8 +48,9 @@ class Cfg:
         self.CPR = D // 8
         self.DT = D // 8
         self.KD = D // 16
-        self.NT = self.BN // 8
-        self.KN = self.BN // 16
+        self.NSUB = self.BN // self.SN
+        self.NT = self.SN // 8
+        self.KN = self.SN // 16
         self.Q_BYTES = self.BM * self.PITCH_B
         self.KV_TILE_BYTES = self.BN * self.PITCH_B
         self.SMEM_BYTES = 2 * self.PITCH * (self.BM + 2 * self.STAGES * self.BN)
@@ -214,63 +215,67 @@ def run_cta(c, q, k, v, o, lse, b, head, bx, Sq, Sk, Hq, Hkv, scale_log2, grid_x
             n0n = (n_tiles - 1 - nx) * c.BN
             w_ = load_tile(c, sm, c.BN, sK0 + ns * c.KV_TILE_BYTES, kg, sV0 + ns * c.KV_TILE_BYTES, vg, n0n, Sk, tids)
         commit(sm, w_, nx)
-        n0 = (n_tiles - 1 - i) * c.BN
-        sK = sK0 + slot * c.KV_TILE_BYTES
-        sV = sV0 + slot * c.KV_TILE_BYTES
+        n0t = (n_tiles - 1 - i) * c.BN
+        sKt = sK0 + slot * c.KV_TILE_BYTES
+        sVt = sV0 + slot * c.KV_TILE_BYTES
         mask = i < n_masked
-        for w in range(W):
-            row_base = m0 + w * c.RPW
-            s = np.zeros((c.MT, c.NT, 32, 4), np.float32)
-            for kk in range(c.KD):
-                a = [qf[w][mt][kk] if c.Q_IN_REGS else
-                     ldsm(sm, sQw[w] + lb[kk & 3] + (kk >> 2) * 128 + mt * 16 * c.PITCH_B)
-                     for mt in range(c.MT)]
-                for np_ in range(c.KN):
-                    bb = ldsm(sm, sK + kb[kk & 3] + (kk >> 2) * 128 + np_ * 16 * c.PITCH_B)
-                    for mt in range(c.MT):
-                        s[mt, 2 * np_] = mma(s[mt, 2 * np_], a[mt], bb[0], bb[1])
-                        s[mt, 2 * np_ + 1] = mma(s[mt, 2 * np_ + 1], a[mt], bb[2], bb[3])
-            if mask:
-                col0 = n0 + 2 * (LANE & 3)
-                for mt in range(c.MT):
-                    for h in range(2):
-                        row = row_base + mt * 16 + (LANE >> 2) + h * 8
-                        limit = np.full(32, Sk)
-                        if c.causal:
-                            limit = np.minimum(limit, row + diag + 1)
-                        for nt in range(c.NT):
-                            for e in range(2):
-                                sel = col0 + nt * 8 + e >= limit
-                                s[mt, nt, sel, 2 * h + e] = NEG
-            pa = np.zeros((c.MT, c.KN, 4, 32, 2), np.float32)
-            for mt in range(c.MT):
-                for h in range(2):
-                    mx = np.full(32, NEG, np.float32)
-                    for nt in range(c.NT):
-                        mx = np.maximum(mx, np.maximum(s[mt, nt, :, 2 * h], s[mt, nt, :, 2 * h + 1]))
-                    mx = np.maximum(mx, mx[LANE ^ 1])
-                    mx = np.maximum(mx, mx[LANE ^ 2])
-                    with np.errstate(invalid="ignore"):
-                        m_new = np.maximum(m_i[w, mt, h], mx * np.float32(scale_log2))
-                    m_use = np.where(m_new == NEG, np.float32(0), m_new)
-                    alpha = np.exp2(m_i[w, mt, h] - m_use)
-                    m_i[w, mt, h] = m_new
-                    ssum = np.zeros(32, np.float32)
-                    for nt in range(c.NT):
-                        p0 = np.exp2(s[mt, nt, :, 2 * h] * np.float32(scale_log2) - m_use)
-                        p1 = np.exp2(s[mt, nt, :, 2 * h + 1] * np.float32(scale_log2) - m_use)
-                        ssum += p0 + p1
-                        pa[mt, nt >> 1, (nt & 1) * 2 + h] = np.stack(
-                            [round_dtype(p0, c.bf16), round_dtype(p1, c.bf16)], axis=1)
-                    l_i[w, mt, h] = l_i[w, mt, h] * alpha + ssum
-                    oacc[w, mt, :, :, 2 * h] *= alpha
-                    oacc[w, mt, :, :, 2 * h + 1] *= alpha
-            for kk in range(c.KN):
-                for dp in range(c.DT // 2):
-                    bb = ldsm(sm, sV + lb[dp & 3] + (dp >> 2) * 128 + kk * 16 * c.PITCH_B, trans=True)
-                    for mt in range(c.MT):
-                        oacc[w, mt, 2 * dp] = mma(oacc[w, mt, 2 * dp], pa[mt, kk], bb[0], bb[1])
-                        oacc[w, mt, 2 * dp + 1] = mma(oacc[w, mt, 2 * dp + 1], pa[mt, kk], bb[2], bb[3])
+        for sub in range(c.NSUB):
+          n0 = n0t + sub * c.SN
+          sK = sKt + sub * c.SN * c.PITCH_B
+          sV = sVt + sub * c.SN * c.PITCH_B
+          for w in range(W):
+              row_base = m0 + w * c.RPW
+              s = np.zeros((c.MT, c.NT, 32, 4), np.float32)
+              for kk in range(c.KD):
+                  a = [qf[w][mt][kk] if c.Q_IN_REGS else
+                       ldsm(sm, sQw[w] + lb[kk & 3] + (kk >> 2) * 128 + mt * 16 * c.PITCH_B)
+                       for mt in range(c.MT)]
+                  for np_ in range(c.KN):
+                      bb = ldsm(sm, sK + kb[kk & 3] + (kk >> 2) * 128 + np_ * 16 * c.PITCH_B)
+                      for mt in range(c.MT):
+                          s[mt, 2 * np_] = mma(s[mt, 2 * np_], a[mt], bb[0], bb[1])
+                          s[mt, 2 * np_ + 1] = mma(s[mt, 2 * np_ + 1], a[mt], bb[2], bb[3])
+              if mask:
+                  col0 = n0 + 2 * (LANE & 3)
+                  for mt in range(c.MT):
+                      for h in range(2):
+                          row = row_base + mt * 16 + (LANE >> 2) + h * 8
+                          limit = np.full(32, Sk)
+                          if c.causal:
+                              limit = np.minimum(limit, row + diag + 1)
+                          for nt in range(c.NT):
+                              for e in range(2):
+                                  sel = col0 + nt * 8 + e >= limit
+                                  s[mt, nt, sel, 2 * h + e] = NEG
+              pa = np.zeros((c.MT, c.KN, 4, 32, 2), np.float32)
+              for mt in range(c.MT):
+                  for h in range(2):
+                      mx = np.full(32, NEG, np.float32)
+                      for nt in range(c.NT):
+                          mx = np.maximum(mx, np.maximum(s[mt, nt, :, 2 * h], s[mt, nt, :, 2 * h + 1]))
+                      mx = np.maximum(mx, mx[LANE ^ 1])
+                      mx = np.maximum(mx, mx[LANE ^ 2])
+                      with np.errstate(invalid="ignore"):
+                          m_new = np.maximum(m_i[w, mt, h], mx * np.float32(scale_log2))
+                      m_use = np.where(m_new == NEG, np.float32(0), m_new)
+                      alpha = np.exp2(m_i[w, mt, h] - m_use)
+                      m_i[w, mt, h] = m_new
+                      ssum = np.zeros(32, np.float32)
+                      for nt in range(c.NT):
+                          p0 = np.exp2(s[mt, nt, :, 2 * h] * np.float32(scale_log2) - m_use)
+                          p1 = np.exp2(s[mt, nt, :, 2 * h + 1] * np.float32(scale_log2) - m_use)
+                          ssum += p0 + p1
+                          pa[mt, nt >> 1, (nt & 1) * 2 + h] = np.stack(
+                              [round_dtype(p0, c.bf16), round_dtype(p1, c.bf16)], axis=1)
+                      l_i[w, mt, h] = l_i[w, mt, h] * alpha + ssum
+                      oacc[w, mt, :, :, 2 * h] *= alpha
+                      oacc[w, mt, :, :, 2 * h + 1] *= alpha
+              for kk in range(c.KN):
+                  for dp in range(c.DT // 2):
+                      bb = ldsm(sm, sV + lb[dp & 3] + (dp >> 2) * 128 + kk * 16 * c.PITCH_B, trans=True)
+                      for mt in range(c.MT):
+                          oacc[w, mt, 2 * dp] = mma(oacc[w, mt, 2 * dp], pa[mt, kk], bb[0], bb[1])
+                          oacc[w, mt, 2 * dp + 1] = mma(oacc[w, mt, 2 * dp + 1], pa[mt, kk], bb[2], bb[3])
         slot += 1
         if slot == c.STAGES:
             slot = 0
@@ -357,12 +362,14 @@ def main():
         (32, None, True, False, 1, 1, 1, 17, 200),
         (96, None, False, True, 1, 1, 1, 40, 45),
         (256, None, True, True, 1, 1, 1, 20, 70),
-        (128, (128, 64, 8, 2, 1, 1), True, True, 1, 1, 1, 100, 130),   # MT=1, Q in regs
-        (128, (128, 64, 4, 2, 0, 2), False, False, 1, 1, 1, 1, 1),
-        # causal boundary: (m0 + diag + 2) % BN == 0, the first tile still needs its mask
-        (128, None, True, True, 1, 1, 1, 30, 60),
-        (64, None, True, False, 1, 8, 2, 62, 124),
-        (128, None, True, False, 1, 1, 1, 158, 188),
+        (128, (128, 64, 8, 2, 1, 1, 64), True, True, 1, 1, 1, 100, 130),   # MT=1, Q in regs
+        (128, (128, 128, 8, 2, 1, 1, 32), False, True, 1, 2, 1, 100, 300),  # 4 sub-tiles
+        (128, (128, 64, 4, 2, 0, 2, 64), False, False, 1, 1, 1, 1, 1),
+        # causal boundary: thr = m0 + diag - BN + 2 is a positive multiple of BN, so tile
+        # thr/BN is the first one that needs its mask (tiles: D=128 BN=64, D=64 BN=128)
+        (128, None, True, True, 1, 1, 1, 10, 136),
+        (64, None, True, False, 1, 8, 2, 10, 264),
+        (128, None, True, False, 1, 1, 1, 138, 264),
     ]
     fails = 0
     for D, tile, causal, bf16, B, Hq, Hkv, Sq, Sk in cases:

@@ -27,24 +27,25 @@ from concurrent.futures import ThreadPoolExecutor
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 KDIR = os.path.join(ROOT, "crates", "flashmoe", "kernels")
 
-# --- v1 tile table (mirror of config.rs `v1_tile`): D -> (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS)
+# --- v1 tile table (mirror of config.rs `v1_tile`):
+# D -> (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N)
 V1_TILES = {
-    32: (128, 64, 4, 3, 1, 2),
-    64: (128, 64, 4, 2, 1, 2),
-    96: (128, 32, 4, 3, 0, 2),
-    128: (128, 32, 4, 3, 0, 2),
-    256: (128, 64, 8, 2, 0, 1),
+    32: (128, 128, 4, 2, 1, 2, 64),
+    64: (128, 128, 4, 2, 1, 2, 64),
+    96: (128, 64, 4, 2, 0, 2, 32),
+    128: (128, 64, 4, 2, 0, 2, 32),
+    256: (128, 64, 8, 2, 0, 1, 64),
 }
 REFERENCE_WARPS = 1
 REFERENCE_HEAD_DIMS = [8, 32, 40, 64, 80, 96, 100, 128, 192, 256]  # config.rs REFERENCE_TEST_HEAD_DIMS
 
 
 def flash_defines(d, bf16, causal, tile=None):
-    bm, bn, w, st, qr, mb = tile if tile is not None else V1_TILES[d]
+    bm, bn, w, st, qr, mb, sn = tile if tile is not None else V1_TILES[d]
     return {
         "FM_HEAD_DIM": d, "FM_DTYPE_BF16": int(bf16), "FM_CAUSAL": int(causal),
         "FM_BLOCK_M": bm, "FM_BLOCK_N": bn, "FM_WARPS": w, "FM_STAGES": st,
-        "FM_Q_IN_REGS": qr, "FM_MIN_BLOCKS": mb,
+        "FM_Q_IN_REGS": qr, "FM_MIN_BLOCKS": mb, "FM_SUB_N": sn,
     }
 
 
@@ -55,7 +56,7 @@ def reference_defines(d, bf16, causal):
 
 def smem_bytes(d, tile=None):
     """Same formula as the .cu and config.rs: 2*PITCH*(BM + 2*STAGES*BN)."""
-    bm, bn, _w, st, _q, _m = tile if tile is not None else V1_TILES[d]
+    bm, bn, _w, st, _q, _m, _s = tile if tile is not None else V1_TILES[d]
     pitch = 64 if d <= 64 else (128 if d <= 128 else 256)
     return 2 * pitch * (bm + 2 * st * bn)
 

@@ -13,6 +13,10 @@
 //   FM_STAGES      K/V shared-memory ring depth (2 or 3); tile i+STAGES-1 loads while i runs
 //   FM_Q_IN_REGS   1: Q A-fragments loaded once into registers; 0: re-read by ldmatrix
 //   FM_MIN_BLOCKS  second __launch_bounds__ argument (CTAs per SM the compiler must allow)
+//   FM_SUB_N       keys per compute step (default FM_BLOCK_N): a loaded K/V tile of
+//                  BLOCK_N keys is processed as BLOCK_N/SUB_N sub-tiles (a rolled loop), so
+//                  S needs only SUB_N columns of registers while barriers, cp.async groups
+//                  and load bookkeeping happen once per BLOCK_N keys
 //
 // ABI (extern "C" flash_attn_fwd):
 //   (const u16* q, const u16* k, const u16* v, u16* o, float* lse,
@@ -67,6 +71,9 @@ typedef long long i64;
 #ifndef FM_MIN_BLOCKS
 #define FM_MIN_BLOCKS 1
 #endif
+#ifndef FM_SUB_N
+#define FM_SUB_N FM_BLOCK_N
+#endif
 
 namespace fm {
 
@@ -85,8 +92,10 @@ constexpr int PITCH_B = PITCH * 2;        // bytes per smem row
 constexpr int CPR = D / 8;                // 16-byte chunks per row (global)
 constexpr int DT = D / 8;                 // n8 tiles of O
 constexpr int KD = D / 16;                // k16 steps over D (S = Q K^T)
-constexpr int NT = BN / 8;                // n8 tiles of S
-constexpr int KN = BN / 16;               // k16 steps over keys (O += P V)
+constexpr int SN = FM_SUB_N;              // keys per compute sub-tile (S registers)
+constexpr int NSUB = BN / SN;             // sub-tiles per loaded K/V tile
+constexpr int NT = SN / 8;                // n8 tiles of S
+constexpr int KN = SN / 16;               // k16 steps over keys (O += P V)
 constexpr int Q_BYTES = BM * PITCH_B;
 constexpr int KV_TILE_BYTES = BN * PITCH_B;
 constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);
@@ -94,6 +103,7 @@ constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);
 static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head dim must be a multiple of 16, <= 256");
 static_assert(BM % WARPS == 0 && (RPW == 16 || RPW == 32), "rows per warp must be 16 or 32");
 static_assert(BN % 16 == 0 && BN >= 16, "BLOCK_N must be a multiple of 16");
+static_assert(SN % 16 == 0 && SN >= 16 && BN % SN == 0, "SUB_N must be a multiple of 16 dividing BLOCK_N");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(SMEM_BYTES == Q_BYTES + 2 * STAGES * KV_TILE_BYTES, "smem formula");
 
@@ -483,8 +493,11 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
         const int n0 = (n_tiles - 1 - i) * BN;
         const u32 sK = sK0 + slot * KV_TILE_BYTES;
         const u32 sV = sV0 + slot * KV_TILE_BYTES;
-        tile_step(i < n_masked, oacc, m_i, l_i, qf, lb, kb, sQw, sK, sV, lane, n0, row_base,
-                  seqlen_k, diag, softmax_scale_log2);
+#pragma unroll 1
+        for (int sub = 0; sub < NSUB; ++sub)
+            tile_step(i < n_masked, oacc, m_i, l_i, qf, lb, kb, sQw, sK + sub * SN * PITCH_B,
+                      sV + sub * SN * PITCH_B, lane, n0 + sub * SN, row_base, seqlen_k, diag,
+                      softmax_scale_log2);
         if (++slot == STAGES) slot = 0;
     }
 

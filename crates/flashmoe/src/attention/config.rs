@@ -66,7 +66,7 @@ pub const MAX_SEQLEN: usize = (i32::MAX as usize) - 1024;
 
 /// Tile configuration of one v1 flash variant: the compile-time constants of
 /// `flash_attn_fwd.cu` (FM_BLOCK_M, FM_BLOCK_N, FM_WARPS, FM_STAGES, FM_Q_IN_REGS,
-/// FM_MIN_BLOCKS) for one head dim.
+/// FM_MIN_BLOCKS, FM_SUB_N) for one head dim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TileConfig {
     pub head_dim: u32,
@@ -82,6 +82,10 @@ pub struct TileConfig {
     pub q_in_regs: bool,
     /// CTAs per SM the compiler must allow (`__launch_bounds__` second argument).
     pub min_blocks: u32,
+    /// Keys per compute step: a loaded tile of block_n keys is processed as
+    /// block_n / sub_n sub-tiles, so S needs registers for sub_n keys only while barriers
+    /// and load bookkeeping happen once per block_n keys.
+    pub sub_n: u32,
 }
 
 impl TileConfig {
@@ -131,6 +135,12 @@ impl TileConfig {
         if self.block_n == 0 || self.block_n % 16 != 0 {
             return Err(format!("block_n {} must be a positive multiple of 16", self.block_n));
         }
+        if self.sub_n == 0 || self.sub_n % 16 != 0 || self.block_n % self.sub_n != 0 {
+            return Err(format!(
+                "sub_n {} must be a multiple of 16 dividing block_n {}",
+                self.sub_n, self.block_n
+            ));
+        }
         if !(2..=4).contains(&self.stages) {
             return Err(format!("stages {} must be 2..=4", self.stages));
         }
@@ -168,6 +178,7 @@ impl TileConfig {
             kv("FM_STAGES", self.stages),
             kv("FM_Q_IN_REGS", self.q_in_regs as u32),
             kv("FM_MIN_BLOCKS", self.min_blocks),
+            kv("FM_SUB_N", self.sub_n),
         ]
     }
 }
@@ -177,21 +188,25 @@ impl TileConfig {
 /// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
 /// reasoned about in docs/perf-notes.md.
 pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
-    let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks| TileConfig {
-        head_dim,
-        block_m,
-        block_n,
-        warps,
-        stages,
-        q_in_regs,
-        min_blocks,
+    let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| {
+        TileConfig {
+            head_dim,
+            block_m,
+            block_n,
+            warps,
+            stages,
+            q_in_regs,
+            min_blocks,
+            sub_n,
+        }
     };
+    //                 D   BM   BN  W  ST  Q regs MIN SUB
     Some(match head_dim {
-        32 => t(32, 128, 64, 4, 3, true, 2),
-        64 => t(64, 128, 64, 4, 2, true, 2),
-        96 => t(96, 128, 32, 4, 3, false, 2),
-        128 => t(128, 128, 32, 4, 3, false, 2),
-        256 => t(256, 128, 64, 8, 2, false, 1),
+        32 => t(32, 128, 128, 4, 2, true, 2, 64),
+        64 => t(64, 128, 128, 4, 2, true, 2, 64),
+        96 => t(96, 128, 64, 4, 2, false, 2, 32),
+        128 => t(128, 128, 64, 4, 2, false, 2, 32),
+        256 => t(256, 128, 64, 8, 2, false, 1, 64),
         _ => return None,
     })
 }
@@ -379,6 +394,7 @@ mod tests {
             stages: def_u32(v, "FM_STAGES"),
             q_in_regs: def_u32(v, "FM_Q_IN_REGS") != 0,
             min_blocks: def_u32(v, "FM_MIN_BLOCKS"),
+            sub_n: def_u32(v, "FM_SUB_N"),
         }
     }
 
@@ -398,7 +414,7 @@ mod tests {
             assert!(v.shared_mem_bytes * t.min_blocks <= 228 * 1024, "{v:?}");
             assert!(v.min_arch == 80 || v.min_arch == 90);
             assert!(def_u32(v, "FM_DTYPE_BF16") <= 1 && def_u32(v, "FM_CAUSAL") <= 1);
-            assert_eq!(v.defines.len(), 9);
+            assert_eq!(v.defines.len(), 10);
         }
         // dtype and causal flags reach the defines
         let p = AttentionProblem::new(1, 2, 10, 128, true, DType::Bf16);
@@ -414,10 +430,10 @@ mod tests {
 
     #[test]
     fn smem_formula_known_values() {
-        // D=128, 128x32, 3 stages: Q 128x128x2 = 32 KB, K+V 3x2x32x128x2 = 48 KB.
+        // D=128, 128x64, 2 stages: Q 128x128x2 = 32 KB, K+V 2x2x64x128x2 = 64 KB.
         let t = v1_tile(128).unwrap();
-        assert_eq!(t.shared_mem_bytes(), 2 * 128 * (128 + 2 * 3 * 32));
-        assert_eq!(t.shared_mem_bytes(), 80 * 1024);
+        assert_eq!(t.shared_mem_bytes(), 2 * 128 * (128 + 2 * 2 * 64));
+        assert_eq!(t.shared_mem_bytes(), 96 * 1024);
         // D=96 and D=32 rows are padded to 128 and 64 elements.
         assert_eq!(v1_tile(96).unwrap().smem_pitch(), 128);
         assert_eq!(v1_tile(32).unwrap().smem_pitch(), 64);
@@ -431,7 +447,7 @@ mod tests {
         assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
         assert!(src.contains("constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);"));
         for name in ["FM_HEAD_DIM", "FM_DTYPE_BF16", "FM_CAUSAL", "FM_BLOCK_M", "FM_BLOCK_N",
-                     "FM_WARPS", "FM_STAGES", "FM_Q_IN_REGS", "FM_MIN_BLOCKS"] {
+                     "FM_WARPS", "FM_STAGES", "FM_Q_IN_REGS", "FM_MIN_BLOCKS", "FM_SUB_N"] {
             assert!(src.contains(name), "{name} not used by the .cu");
         }
         assert!(src.contains("flash_attn_fwd("));
@@ -441,7 +457,7 @@ mod tests {
 
     #[test]
     fn python_tile_table_matches() {
-        // python/dev/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS),`
+        // python/dev/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
         let py = include_str!("../../../../python/dev/nvrtc_check.py");
         let start = py.find("V1_TILES = {").expect("V1_TILES in nvrtc_check.py");
         let table = &py[start..start + py[start..].find('}').unwrap()];
@@ -452,7 +468,7 @@ mod tests {
                 .filter(|s| !s.is_empty())
                 .map(|s| s.parse().unwrap())
                 .collect();
-            if nums.len() != 7 {
+            if nums.len() != 8 {
                 continue;
             }
             let t = v1_tile(nums[0] as usize).expect("python head dim served by config.rs");
@@ -464,6 +480,7 @@ mod tests {
                 stages: nums[4],
                 q_in_regs: nums[5] != 0,
                 min_blocks: nums[6],
+                sub_n: nums[7],
             };
             assert_eq!(t, want, "python V1_TILES row for D={}", nums[0]);
             seen += 1;
