@@ -14,10 +14,17 @@
 //! dynamic shared memory: shared_mem_bytes. Causal masking is bottom-right aligned
 //! (query i sees keys j <= i + seqlen_k − seqlen_q). A query row with no visible key
 //! writes O = 0 and LSE = −inf.
+//! (Added by the kernel: q, k, v and o must be 16-byte aligned — the kernel moves 16-byte
+//! chunks with cp.async and st.global.v4; buffers from cuMemAlloc are 256-byte aligned.
+//! Dynamic shared memory above 48 KB needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+//! set to shared_mem_bytes before the launch.)
 //!
 //! `kernels/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
 //! same parameter list but o is f32 (`float* o`), same layouts and masking.
+
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
