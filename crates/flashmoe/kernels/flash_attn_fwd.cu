@@ -180,11 +180,6 @@ __device__ __forceinline__ float lg2(float x) {
     asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
     return r;
 }
-template <bool B>
-struct BoolTag {
-    static constexpr bool value = B;
-};
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
 __device__ __forceinline__ void st_global_v4(void* p, u32 a, u32 b, u32 c, u32 d) {
