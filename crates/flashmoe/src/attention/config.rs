@@ -14,12 +14,20 @@
 //! dynamic shared memory: shared_mem_bytes. Causal masking is bottom-right aligned
 //! (query i sees keys j <= i + seqlen_k − seqlen_q). A query row with no visible key
 //! writes O = 0 and LSE = −inf.
+//! (Added by the kernel: q, k, v and o must be 16-byte aligned — the kernel moves 16-byte
+//! chunks with cp.async and st.global.v4; buffers from cuMemAlloc are 256-byte aligned.
+//! Dynamic shared memory above 48 KB needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+//! set to shared_mem_bytes before the launch.)
 //!
 //! `kernels/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
 //! same parameter list but o is f32 (`float* o`), same layouts and masking.
 
-use crate::error::Result;
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::problem::AttentionProblem;
 
 /// One compiled kernel and how to launch it.
@@ -39,29 +47,498 @@ pub struct KernelVariant {
     pub min_arch: u32,
 }
 
+/// File and entry point of the v1 (portable, mma.sync) flash kernel.
+pub const FLASH_SOURCE: &str = "flash_attn_fwd.cu";
+pub const FLASH_ENTRY: &str = "flash_attn_fwd";
+/// File and entry point of the fp32 GPU reference kernel.
+pub const REFERENCE_SOURCE: &str = "attention_reference.cu";
+pub const REFERENCE_ENTRY: &str = "attention_reference";
+
+/// Head dims the v1 kernel serves (one tile configuration each, see [`v1_tile`]).
+pub const V1_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+/// The reference kernel serves every head dim from 1 to this.
+pub const REFERENCE_MAX_HEAD_DIM: usize = 256;
+/// Rows per block of the reference kernel (one warp per query row; 1 keeps the key loop
+/// block-uniform, see the .cu).
+pub const REFERENCE_BLOCK_M: u32 = 1;
+/// Largest dynamic shared memory a block may opt into on sm_80 (A100: 163 KB) is smaller
+/// than on sm_90 (227 KB = 232448 bytes); every v1 variant must fit the sm_90 limit, and
+/// [`KernelVariant::min_arch`] is raised to 90 for a variant that does not fit sm_80's.
+pub const MAX_SMEM_SM90: u32 = 227 * 1024;
+pub const MAX_SMEM_SM80: u32 = 163 * 1024;
+/// CUDA limit on grid.y (heads_q) and grid.z (batch).
+pub const MAX_GRID_YZ: usize = 65_535;
+/// Sequence lengths are passed to the kernels as `int`; keep a margin for `m0 + BLOCK_M`.
+pub const MAX_SEQLEN: usize = (i32::MAX as usize) - 1024;
+
+/// Tile configuration of one v1 flash variant: the compile-time constants of
+/// `flash_attn_fwd.cu` (FM_BLOCK_M, FM_BLOCK_N, FM_WARPS, FM_STAGES, FM_Q_IN_REGS,
+/// FM_MIN_BLOCKS, FM_SUB_N) for one head dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileConfig {
+    pub head_dim: u32,
+    /// Query rows per CTA.
+    pub block_m: u32,
+    /// Keys per K/V tile.
+    pub block_n: u32,
+    /// Warps per CTA; each owns block_m / warps query rows (16 or 32).
+    pub warps: u32,
+    /// Depth of the K/V shared-memory ring.
+    pub stages: u32,
+    /// Q A-fragments kept in registers (else re-read from shared memory per tile).
+    pub q_in_regs: bool,
+    /// CTAs per SM the compiler must allow (`__launch_bounds__` second argument).
+    pub min_blocks: u32,
+    /// Keys per compute step: a loaded tile of block_n keys is processed as
+    /// block_n / sub_n sub-tiles, so S needs registers for sub_n keys only while barriers
+    /// and load bookkeeping happen once per block_n keys.
+    pub sub_n: u32,
+}
+
+impl TileConfig {
+    /// Elements per shared-memory row: D rounded up to a power of two >= 64, so that each
+    /// row is >= 128 bytes and the XOR swizzle (chunk c of row r at c ^ (r & 7)) is
+    /// conflict-free. Same rule as `PITCH` in the .cu.
+    pub const fn smem_pitch(&self) -> u32 {
+        if self.head_dim <= 64 {
+            64
+        } else if self.head_dim <= 128 {
+            128
+        } else {
+            256
+        }
+    }
+
+    /// Dynamic shared memory of the kernel, THE formula (mirrored by `SMEM_BYTES` in
+    /// flash_attn_fwd.cu, which static_asserts the same layout):
+    /// `2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)` bytes = a Q tile of BLOCK_M rows plus
+    /// STAGES K tiles and STAGES V tiles of BLOCK_N rows, 16-bit elements.
+    pub const fn shared_mem_bytes(&self) -> u32 {
+        2 * self.smem_pitch() * (self.block_m + 2 * self.stages * self.block_n)
+    }
+
+    pub const fn threads(&self) -> u32 {
+        self.warps * 32
+    }
+
+    pub const fn rows_per_warp(&self) -> u32 {
+        self.block_m / self.warps
+    }
+
+    /// The constraints the .cu static_asserts, plus the shared-memory and register-file
+    /// limits; Err names the violated rule.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let d = self.head_dim;
+        if d == 0 || d % 16 != 0 || d > 256 {
+            return Err(format!("head dim {d} must be a multiple of 16 in 16..=256"));
+        }
+        if self.warps == 0 || self.block_m % self.warps != 0 {
+            return Err(format!("block_m {} not divisible by warps {}", self.block_m, self.warps));
+        }
+        let rpw = self.rows_per_warp();
+        if rpw != 16 && rpw != 32 {
+            return Err(format!("rows per warp {rpw} must be 16 or 32"));
+        }
+        if self.block_n == 0 || self.block_n % 16 != 0 {
+            return Err(format!("block_n {} must be a positive multiple of 16", self.block_n));
+        }
+        if self.sub_n == 0 || self.sub_n % 16 != 0 || self.block_n % self.sub_n != 0 {
+            return Err(format!(
+                "sub_n {} must be a multiple of 16 dividing block_n {}",
+                self.sub_n, self.block_n
+            ));
+        }
+        if !(2..=4).contains(&self.stages) {
+            return Err(format!("stages {} must be 2..=4", self.stages));
+        }
+        if self.min_blocks == 0 {
+            return Err("min_blocks must be >= 1".into());
+        }
+        let smem = self.shared_mem_bytes();
+        if smem * self.min_blocks > 228 * 1024 || smem > MAX_SMEM_SM90 {
+            return Err(format!(
+                "{} CTA(s) x {smem} bytes of shared memory exceed the SM (228 KB, 227 KB per block)",
+                self.min_blocks
+            ));
+        }
+        // 64K 32-bit registers per SM, at most 255 per thread.
+        if self.threads() * self.min_blocks * 255 > 65_536 + self.threads() * self.min_blocks {
+            return Err(format!(
+                "{} CTA(s) x {} threads cannot each have 255 registers",
+                self.min_blocks,
+                self.threads()
+            ));
+        }
+        Ok(())
+    }
+
+    /// NVRTC defines for this tile, dtype and masking.
+    pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
+        let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
+        vec![
+            kv("FM_HEAD_DIM", self.head_dim),
+            kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
+            kv("FM_CAUSAL", causal as u32),
+            kv("FM_BLOCK_M", self.block_m),
+            kv("FM_BLOCK_N", self.block_n),
+            kv("FM_WARPS", self.warps),
+            kv("FM_STAGES", self.stages),
+            kv("FM_Q_IN_REGS", self.q_in_regs as u32),
+            kv("FM_MIN_BLOCKS", self.min_blocks),
+            kv("FM_SUB_N", self.sub_n),
+        ]
+    }
+}
+
+/// The v1 tile table: one configuration per served head dim. Chosen for zero register
+/// spills under NVRTC 13.0 (checked by python/dev/nvrtc_check.py, which keeps a copy of
+/// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
+/// reasoned about in docs/perf-notes.md.
+pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
+    let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| {
+        TileConfig {
+            head_dim,
+            block_m,
+            block_n,
+            warps,
+            stages,
+            q_in_regs,
+            min_blocks,
+            sub_n,
+        }
+    };
+    //                 D   BM   BN  W  ST  Q regs MIN SUB
+    Some(match head_dim {
+        32 => t(32, 128, 128, 4, 2, true, 2, 64),
+        64 => t(64, 128, 128, 4, 2, true, 2, 64),
+        96 => t(96, 128, 64, 4, 2, false, 2, 32),
+        128 => t(128, 128, 64, 4, 2, false, 2, 32),
+        256 => t(256, 128, 64, 8, 2, false, 1, 64),
+        _ => return None,
+    })
+}
+
+/// The v1 variant of a tile for a dtype and masking (no problem-size checks).
+pub fn v1_variant_for(tile: &TileConfig, dtype: DType, causal: bool) -> Result<KernelVariant> {
+    if dtype == DType::F32 {
+        return Err(Error::unsupported(
+            "flash-v1",
+            "dtype f32 is not supported (the v1 kernel takes f16 or bf16 inputs)",
+        ));
+    }
+    tile.check()
+        .map_err(|e| Error::unsupported("flash-v1", format!("invalid tile {tile:?}: {e}")))?;
+    let smem = tile.shared_mem_bytes();
+    Ok(KernelVariant {
+        source_file: FLASH_SOURCE,
+        entry: FLASH_ENTRY,
+        defines: tile.defines(dtype, causal),
+        block_m: tile.block_m,
+        block_threads: tile.threads(),
+        shared_mem_bytes: smem,
+        min_arch: if smem <= MAX_SMEM_SM80 { 80 } else { 90 },
+    })
+}
+
+/// Launch limits shared by both kernels: grid.y/z and int sequence lengths.
+fn check_launch_limits(backend: &str, p: &AttentionProblem) -> Result<()> {
+    if p.heads_q > MAX_GRID_YZ {
+        return Err(Error::unsupported(
+            backend,
+            format!("heads_q {} exceeds the grid limit {MAX_GRID_YZ}", p.heads_q),
+        ));
+    }
+    if p.batch > MAX_GRID_YZ {
+        return Err(Error::unsupported(
+            backend,
+            format!("batch {} exceeds the grid limit {MAX_GRID_YZ}", p.batch),
+        ));
+    }
+    for (name, v) in [("seqlen_q", p.seqlen_q), ("seqlen_k", p.seqlen_k)] {
+        if v > MAX_SEQLEN {
+            return Err(Error::unsupported(
+                backend,
+                format!("{name} {v} exceeds the kernel limit {MAX_SEQLEN}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The v1 (mma.sync, sm_80+) kernel variant for a problem, or `Error::Unsupported`
 /// naming the head dim / dtype that is not served.
-pub fn select_v1(_problem: &AttentionProblem) -> Result<KernelVariant> {
-    Err(crate::error::Error::unsupported(
-        "flash-v1",
-        "kernel variants not defined yet",
-    ))
+pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
+    problem.validate()?;
+    if problem.dtype == DType::F32 {
+        return Err(Error::unsupported(
+            "flash-v1",
+            "dtype f32 is not supported (the v1 kernel takes f16 or bf16 inputs)",
+        ));
+    }
+    let tile = v1_tile(problem.head_dim).ok_or_else(|| {
+        Error::unsupported(
+            "flash-v1",
+            format!(
+                "head dim {} is not supported (supported head dims: {})",
+                problem.head_dim,
+                V1_HEAD_DIMS.map(|d| d.to_string()).join(", ")
+            ),
+        )
+    })?;
+    check_launch_limits("flash-v1", problem)?;
+    v1_variant_for(&tile, problem.dtype, problem.causal)
 }
 
 /// Every v1 variant that can be selected (for the compile-everything test).
 pub fn all_v1_variants() -> Vec<KernelVariant> {
-    Vec::new()
+    let mut out = Vec::new();
+    for &d in V1_HEAD_DIMS.iter() {
+        let tile = v1_tile(d).expect("table covers V1_HEAD_DIMS");
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                out.push(v1_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+            }
+        }
+    }
+    out
+}
+
+/// The reference variant for a head dim, dtype and masking (no problem-size checks).
+pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Result<KernelVariant> {
+    if dtype == DType::F32 {
+        return Err(Error::unsupported(
+            "gpu-reference",
+            "dtype f32 is not supported (the reference kernel takes f16 or bf16 inputs)",
+        ));
+    }
+    if head_dim == 0 || head_dim > REFERENCE_MAX_HEAD_DIM {
+        return Err(Error::unsupported(
+            "gpu-reference",
+            format!("head dim {head_dim} is not supported (1..={REFERENCE_MAX_HEAD_DIM})"),
+        ));
+    }
+    Ok(KernelVariant {
+        source_file: REFERENCE_SOURCE,
+        entry: REFERENCE_ENTRY,
+        defines: vec![
+            ("FM_HEAD_DIM".to_string(), head_dim.to_string()),
+            ("FM_DTYPE_BF16".to_string(), ((dtype == DType::Bf16) as u32).to_string()),
+            ("FM_CAUSAL".to_string(), (causal as u32).to_string()),
+            ("FM_BLOCK_M".to_string(), REFERENCE_BLOCK_M.to_string()),
+        ],
+        block_m: REFERENCE_BLOCK_M,
+        block_threads: REFERENCE_BLOCK_M * 32,
+        shared_mem_bytes: 0,
+        min_arch: 80,
+    })
 }
 
 /// The GPU reference kernel variant for a problem.
-pub fn select_reference(_problem: &AttentionProblem) -> Result<KernelVariant> {
-    Err(crate::error::Error::unsupported(
-        "gpu-reference",
-        "kernel variants not defined yet",
-    ))
+pub fn select_reference(problem: &AttentionProblem) -> Result<KernelVariant> {
+    problem.validate()?;
+    check_launch_limits("gpu-reference", problem)?;
+    reference_variant_for(problem.head_dim, problem.dtype, problem.causal)
 }
+
+/// Head dims of [`all_reference_variants`]: every served v1 head dim plus odd ones
+/// (the kernel is generic in D; these exercise partial lanes).
+pub const REFERENCE_TEST_HEAD_DIMS: [usize; 10] = [8, 32, 40, 64, 80, 96, 100, 128, 192, 256];
 
 /// Every reference variant (for the compile test).
 pub fn all_reference_variants() -> Vec<KernelVariant> {
-    Vec::new()
+    let mut out = Vec::new();
+    for &d in REFERENCE_TEST_HEAD_DIMS.iter() {
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                out.push(reference_variant_for(d, dtype, causal).expect("valid reference"));
+            }
+        }
+    }
+    out
+}
+
+impl KernelVariant {
+    /// Value of a define, if present.
+    pub fn define(&self, name: &str) -> Option<&str> {
+        self.defines
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// NVRTC options `-DNAME=VALUE` for the defines.
+    pub fn define_options(&self) -> Vec<String> {
+        self.defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect()
+    }
+
+    /// Grid for a problem: (ceil(seqlen_q / block_m), heads_q, batch).
+    pub fn grid(&self, problem: &AttentionProblem) -> (u32, u32, u32) {
+        (
+            problem.seqlen_q.div_ceil(self.block_m as usize) as u32,
+            problem.heads_q as u32,
+            problem.batch as u32,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn def_u32(v: &KernelVariant, name: &str) -> u32 {
+        v.define(name)
+            .unwrap_or_else(|| panic!("{} lacks {name}", v.entry))
+            .parse()
+            .unwrap()
+    }
+
+    fn tile_of(v: &KernelVariant) -> TileConfig {
+        TileConfig {
+            head_dim: def_u32(v, "FM_HEAD_DIM"),
+            block_m: def_u32(v, "FM_BLOCK_M"),
+            block_n: def_u32(v, "FM_BLOCK_N"),
+            warps: def_u32(v, "FM_WARPS"),
+            stages: def_u32(v, "FM_STAGES"),
+            q_in_regs: def_u32(v, "FM_Q_IN_REGS") != 0,
+            min_blocks: def_u32(v, "FM_MIN_BLOCKS"),
+            sub_n: def_u32(v, "FM_SUB_N"),
+        }
+    }
+
+    #[test]
+    fn v1_variants_are_consistent() {
+        let all = all_v1_variants();
+        assert_eq!(all.len(), V1_HEAD_DIMS.len() * 4);
+        for v in &all {
+            assert_eq!(v.source_file, FLASH_SOURCE);
+            assert_eq!(v.entry, FLASH_ENTRY);
+            let t = tile_of(v);
+            t.check().unwrap();
+            assert_eq!(v.block_m, t.block_m, "block_m define vs field");
+            assert_eq!(v.block_threads, t.warps * 32, "threads vs warps");
+            assert_eq!(v.shared_mem_bytes, t.shared_mem_bytes());
+            assert!(v.shared_mem_bytes <= MAX_SMEM_SM90, "{v:?}");
+            assert!(v.shared_mem_bytes * t.min_blocks <= 228 * 1024, "{v:?}");
+            assert!(v.min_arch == 80 || v.min_arch == 90);
+            assert!(def_u32(v, "FM_DTYPE_BF16") <= 1 && def_u32(v, "FM_CAUSAL") <= 1);
+            assert_eq!(v.defines.len(), 10);
+        }
+        // dtype and causal flags reach the defines
+        let p = AttentionProblem::new(1, 2, 10, 128, true, DType::Bf16);
+        let v = select_v1(&p).unwrap();
+        assert_eq!(v.define("FM_DTYPE_BF16"), Some("1"));
+        assert_eq!(v.define("FM_CAUSAL"), Some("1"));
+        let p = AttentionProblem::new(1, 2, 10, 64, false, DType::F16);
+        let v = select_v1(&p).unwrap();
+        assert_eq!(v.define("FM_DTYPE_BF16"), Some("0"));
+        assert_eq!(v.define("FM_CAUSAL"), Some("0"));
+        assert_eq!(v.define("FM_HEAD_DIM"), Some("64"));
+    }
+
+    #[test]
+    fn smem_formula_known_values() {
+        // D=128, 128x64, 2 stages: Q 128x128x2 = 32 KB, K+V 2x2x64x128x2 = 64 KB.
+        let t = v1_tile(128).unwrap();
+        assert_eq!(t.shared_mem_bytes(), 2 * 128 * (128 + 2 * 2 * 64));
+        assert_eq!(t.shared_mem_bytes(), 96 * 1024);
+        // D=96 and D=32 rows are padded to 128 and 64 elements.
+        assert_eq!(v1_tile(96).unwrap().smem_pitch(), 128);
+        assert_eq!(v1_tile(32).unwrap().smem_pitch(), 64);
+        assert_eq!(v1_tile(256).unwrap().shared_mem_bytes(), 2 * 256 * (128 + 2 * 2 * 64));
+    }
+
+    #[test]
+    fn cu_source_states_the_same_formula() {
+        let src = include_str!("../../kernels/flash_attn_fwd.cu");
+        assert!(src.contains("bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)"));
+        assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
+        assert!(src.contains("constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);"));
+        for name in ["FM_HEAD_DIM", "FM_DTYPE_BF16", "FM_CAUSAL", "FM_BLOCK_M", "FM_BLOCK_N",
+                     "FM_WARPS", "FM_STAGES", "FM_Q_IN_REGS", "FM_MIN_BLOCKS", "FM_SUB_N"] {
+            assert!(src.contains(name), "{name} not used by the .cu");
+        }
+        assert!(src.contains("flash_attn_fwd("));
+        let r = include_str!("../../kernels/attention_reference.cu");
+        assert!(r.contains("attention_reference("));
+    }
+
+    #[test]
+    fn python_tile_table_matches() {
+        // python/dev/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
+        let py = include_str!("../../../../python/dev/nvrtc_check.py");
+        let start = py.find("V1_TILES = {").expect("V1_TILES in nvrtc_check.py");
+        let table = &py[start..start + py[start..].find('}').unwrap()];
+        let mut seen = 0;
+        for line in table.lines().skip(1) {
+            let nums: Vec<u32> = line
+                .split(|c: char| !c.is_ascii_digit())
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().unwrap())
+                .collect();
+            if nums.len() != 8 {
+                continue;
+            }
+            let t = v1_tile(nums[0] as usize).expect("python head dim served by config.rs");
+            let want = TileConfig {
+                head_dim: nums[0],
+                block_m: nums[1],
+                block_n: nums[2],
+                warps: nums[3],
+                stages: nums[4],
+                q_in_regs: nums[5] != 0,
+                min_blocks: nums[6],
+                sub_n: nums[7],
+            };
+            assert_eq!(t, want, "python V1_TILES row for D={}", nums[0]);
+            seen += 1;
+        }
+        assert_eq!(seen, V1_HEAD_DIMS.len());
+    }
+
+    #[test]
+    fn select_errors_name_the_problem() {
+        let mut p = AttentionProblem::new(1, 2, 16, 80, false, DType::Bf16);
+        let e = select_v1(&p).unwrap_err().to_string();
+        assert!(e.contains("head dim 80") && e.contains("flash-v1"), "{e}");
+        p.head_dim = 128;
+        p.dtype = DType::F32;
+        let e = select_v1(&p).unwrap_err().to_string();
+        assert!(e.contains("f32"), "{e}");
+        let e = select_reference(&p).unwrap_err().to_string();
+        assert!(e.contains("f32") && e.contains("gpu-reference"), "{e}");
+        p.dtype = DType::F16;
+        p.head_dim = 300;
+        let e = select_reference(&p).unwrap_err().to_string();
+        assert!(e.contains("head dim 300"), "{e}");
+        p.head_dim = 64;
+        p.batch = 70_000;
+        let e = select_v1(&p).unwrap_err().to_string();
+        assert!(e.contains("batch 70000"), "{e}");
+        p.batch = 1;
+        p.heads_kv = 3;
+        let e = select_v1(&p).unwrap_err().to_string();
+        assert!(e.contains("heads_kv (3)"), "{e}");
+    }
+
+    #[test]
+    fn selection_covers_served_dims() {
+        for &d in V1_HEAD_DIMS.iter() {
+            for dtype in [DType::F16, DType::Bf16] {
+                let p = AttentionProblem::new(2, 4, 100, d, d % 64 == 0, dtype);
+                let v = select_v1(&p).unwrap();
+                assert!(all_v1_variants().contains(&v));
+                assert_eq!(v.grid(&p), (1, 4, 2));
+            }
+        }
+        for d in 1..=256 {
+            let p = AttentionProblem::new(1, 1, 5, d, false, DType::F16);
+            let v = select_reference(&p).unwrap();
+            assert_eq!(v.shared_mem_bytes, 0);
+            assert_eq!(v.grid(&p), (5, 1, 1));
+        }
+        for v in all_reference_variants() {
+            assert_eq!(v.block_threads, v.block_m * 32);
+            assert_eq!(v.define("FM_BLOCK_M"), Some("1"));
+        }
+    }
 }
