@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (see docs/gpu.md): runs the named stages in order, each
+# with its own time limit, appending to $OUT/run.log and copying result JSON to $OUT.
+# Builds nothing: carry target/release/flashmoe (and target/release/flashmoe-gpu-tests).
+#   scripts/device-run.sh probe unit check-quick bench-quick
+set -uo pipefail
+OUT=${OUT:-/tmp/flashmoe-out}
+mkdir -p "$OUT"
+BIN=./target/release/flashmoe
+LOG="$OUT/run.log"
+export PYTHONUNBUFFERED=1
+export FLASHMOE_CACHE_DIR=${FLASHMOE_CACHE_DIR:-/tmp/flashmoe-cache}
+
+stage() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date -u +%H:%M:%S)) ===" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s ===" | tee -a "$LOG"
+  SUMMARY+="$name rc=$rc $((SECONDS - t0))s; "
+}
+
+SUMMARY=""
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
+for s in "$@"; do
+  case $s in
+    probe)        stage probe 300 python3 python/dev/kernel_probe.py --quick --out /tmp/probe
+                  cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
+    probe-full)   stage probe-full 400 python3 python/dev/kernel_probe.py --out /tmp/probe
+                  cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
+    unit)         stage unit 300 ./target/release/flashmoe-gpu-tests gpu_tests --test-threads=1 --nocapture ;;
+    env)          stage env 60 $BIN env ;;
+    check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
+    check)        stage check 580 $BIN check --suite attention ;;
+    bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
+                  cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
+    sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
+                  for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
+    worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
+    *) echo "unknown stage $s" | tee -a "$LOG" ;;
+  esac
+done
+nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw,clocks_event_reasons.active --format=csv >>"$LOG" 2>&1
+echo "SUMMARY: $SUMMARY"
