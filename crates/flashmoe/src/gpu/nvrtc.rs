@@ -508,7 +508,9 @@ impl CompiledKernel {
         let kind = ImageKind::for_arch(arch);
         let all = parse_ptxas_report(&log);
         let resources = all.iter().find(|r| r.is_entry && r.name == entry).cloned();
-        if kind == ImageKind::Cubin && resources.is_none() {
+        // Without a ptxas report (NVRTC builds differ in what they log) the module load
+        // still checks that the entry exists.
+        if kind == ImageKind::Cubin && resources.is_none() && !all.is_empty() {
             let entries: Vec<&str> = all
                 .iter()
                 .filter(|r| r.is_entry)
