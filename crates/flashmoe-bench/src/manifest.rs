@@ -89,10 +89,22 @@ fn os_name() -> String {
 impl Manifest {
     /// Collect the host part of the manifest now.
     pub fn collect() -> Manifest {
-        let git_commit = run("git", &["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
-        let git_dirty = run("git", &["status", "--porcelain", "--untracked-files=no"])
-            .map(|s| !s.is_empty())
-            .unwrap_or(false);
+        // The checkout we run in, else the commit the binary was built from.
+        let build = env!("FLASHMOE_BUILD_COMMIT");
+        let (git_commit, git_dirty) = match run("git", &["rev-parse", "HEAD"]) {
+            Some(c) => {
+                let dirty = run("git", &["status", "--porcelain", "--untracked-files=no"])
+                    .is_some_and(|s| !s.is_empty());
+                (c, dirty)
+            }
+            None => (
+                format!(
+                    "{} (built from; no git checkout here)",
+                    build.trim_end_matches("-dirty")
+                ),
+                build.ends_with("-dirty"),
+            ),
+        };
         Manifest {
             flashmoe_version: env!("CARGO_PKG_VERSION").to_string(),
             timestamp_utc: chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string(),

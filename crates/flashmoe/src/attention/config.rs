@@ -133,14 +133,20 @@ impl TileConfig {
             return Err(format!("head dim {d} must be a multiple of 16 in 16..=256"));
         }
         if self.warps == 0 || self.block_m % self.warps != 0 {
-            return Err(format!("block_m {} not divisible by warps {}", self.block_m, self.warps));
+            return Err(format!(
+                "block_m {} not divisible by warps {}",
+                self.block_m, self.warps
+            ));
         }
         let rpw = self.rows_per_warp();
         if rpw != 16 && rpw != 32 {
             return Err(format!("rows per warp {rpw} must be 16 or 32"));
         }
         if self.block_n == 0 || self.block_n % 16 != 0 {
-            return Err(format!("block_n {} must be a positive multiple of 16", self.block_n));
+            return Err(format!(
+                "block_n {} must be a positive multiple of 16",
+                self.block_n
+            ));
         }
         if self.sub_n == 0 || self.sub_n % 16 != 0 || self.block_n % self.sub_n != 0 {
             return Err(format!(
@@ -195,17 +201,15 @@ impl TileConfig {
 /// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
 /// reasoned about in docs/perf-notes.md.
 pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
-    let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| {
-        TileConfig {
-            head_dim,
-            block_m,
-            block_n,
-            warps,
-            stages,
-            q_in_regs,
-            min_blocks,
-            sub_n,
-        }
+    let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| TileConfig {
+        head_dim,
+        block_m,
+        block_n,
+        warps,
+        stages,
+        q_in_regs,
+        min_blocks,
+        sub_n,
     };
     //                 D   BM   BN  W  ST  Q regs MIN SUB
     Some(match head_dim {
@@ -322,7 +326,10 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Res
         entry: REFERENCE_ENTRY,
         defines: vec![
             ("FM_HEAD_DIM".to_string(), head_dim.to_string()),
-            ("FM_DTYPE_BF16".to_string(), ((dtype == DType::Bf16) as u32).to_string()),
+            (
+                "FM_DTYPE_BF16".to_string(),
+                ((dtype == DType::Bf16) as u32).to_string(),
+            ),
             ("FM_CAUSAL".to_string(), (causal as u32).to_string()),
             ("FM_BLOCK_M".to_string(), REFERENCE_BLOCK_M.to_string()),
         ],
@@ -368,7 +375,10 @@ impl KernelVariant {
 
     /// NVRTC options `-DNAME=VALUE` for the defines.
     pub fn define_options(&self) -> Vec<String> {
-        self.defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect()
+        self.defines
+            .iter()
+            .map(|(k, v)| format!("-D{k}={v}"))
+            .collect()
     }
 
     /// Grid for a problem: (ceil(seqlen_q / block_m), heads_q, batch).
@@ -444,7 +454,10 @@ mod tests {
         // D=96 and D=32 rows are padded to 128 and 64 elements.
         assert_eq!(v1_tile(96).unwrap().smem_pitch(), 128);
         assert_eq!(v1_tile(32).unwrap().smem_pitch(), 64);
-        assert_eq!(v1_tile(256).unwrap().shared_mem_bytes(), 2 * 256 * (128 + 2 * 2 * 64));
+        assert_eq!(
+            v1_tile(256).unwrap().shared_mem_bytes(),
+            2 * 256 * (128 + 2 * 2 * 64)
+        );
     }
 
     #[test]
@@ -453,8 +466,18 @@ mod tests {
         assert!(src.contains("bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)"));
         assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
         assert!(src.contains("constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);"));
-        for name in ["FM_HEAD_DIM", "FM_DTYPE_BF16", "FM_CAUSAL", "FM_BLOCK_M", "FM_BLOCK_N",
-                     "FM_WARPS", "FM_STAGES", "FM_Q_IN_REGS", "FM_MIN_BLOCKS", "FM_SUB_N"] {
+        for name in [
+            "FM_HEAD_DIM",
+            "FM_DTYPE_BF16",
+            "FM_CAUSAL",
+            "FM_BLOCK_M",
+            "FM_BLOCK_N",
+            "FM_WARPS",
+            "FM_STAGES",
+            "FM_Q_IN_REGS",
+            "FM_MIN_BLOCKS",
+            "FM_SUB_N",
+        ] {
             assert!(src.contains(name), "{name} not used by the .cu");
         }
         assert!(src.contains("flash_attn_fwd("));
