@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// Start of the flag the pipeline puts on ceiling-only implementations.
+pub const CEILING_ONLY_FLAG: &str = "ceiling only";
+
 /// One whole run of `flashmoe bench`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RunResults {
@@ -130,6 +133,19 @@ pub struct ConfigResult {
     pub error: Option<String>,
 }
 
+impl ConfigResult {
+    /// The fastest implementation other than `candidate` that passed the gate and is not a
+    /// ceiling-only measurement: what a user would otherwise pick.
+    pub fn best_baseline(&self, candidate: &str) -> Option<&ImplResult> {
+        self.implementations
+            .iter()
+            .filter(|i| i.name != candidate && i.is_usable() && !i.is_ceiling_only())
+            .filter_map(|i| i.median_ms().map(|m| (i, m)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(i, _)| i)
+    }
+}
+
 /// Correctness of one implementation's output against the reference.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AccuracyResult {
@@ -185,6 +201,10 @@ pub struct ImplResult {
 impl ImplResult {
     pub fn median_ms(&self) -> Option<f64> {
         self.summary.as_ref().map(|s| s.median)
+    }
+    /// A throughput ceiling whose output is not the problem's (flagged by the pipeline).
+    pub fn is_ceiling_only(&self) -> bool {
+        self.flags.iter().any(|f| f.starts_with(CEILING_ONLY_FLAG))
     }
     /// Usable for comparisons: has samples and did not fail correctness.
     pub fn is_usable(&self) -> bool {

@@ -116,6 +116,9 @@ fn gate_times_only_correct_implementations_and_compares_the_candidate() {
         .unwrap()
         .starts_with("n/a: head dim 64"));
 
+    // The broken and unsupported implementations can never be the best baseline.
+    assert_eq!(r.best_baseline("cpu-tiled").unwrap().name, "cpu-reference");
+
     // Only the one usable baseline is compared with the candidate.
     assert_eq!(r.comparisons.len(), 1);
     assert_eq!(r.comparisons[0].baseline, "cpu-reference");

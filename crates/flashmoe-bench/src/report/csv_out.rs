@@ -18,6 +18,7 @@ pub const CSV_HEADER: &[&str] = &[
     "implementation",
     "backend",
     "is_candidate",
+    "is_best_baseline",
     "error",
     "n",
     "mean_ms",
@@ -84,9 +85,7 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
         num(c.min_bytes),
     ];
     let Some(imp) = imp else {
-        r.push(String::new());
-        r.push(String::new());
-        r.push(String::new());
+        r.extend(std::iter::repeat_n(String::new(), 4)); // implementation .. is_best_baseline
         r.push(c.error.clone().unwrap_or_default());
         r.resize(CSV_HEADER.len(), String::new());
         return r;
@@ -95,6 +94,11 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
     r.push(imp.name.clone());
     r.push(imp.backend.clone());
     r.push(is_candidate.to_string());
+    r.push(
+        c.best_baseline(&results.candidate)
+            .is_some_and(|b| b.name == imp.name)
+            .to_string(),
+    );
     r.push(
         imp.error
             .clone()

@@ -142,6 +142,8 @@ pub struct RowView {
     pub impl_name: String,
     pub backend: String,
     pub is_candidate: bool,
+    /// The fastest other implementation that passed the gate (see `best_baseline`).
+    pub is_best_baseline: bool,
     /// "n/a: ..." or an error message; when set most other cells are "—".
     pub error: Option<String>,
     pub median: String,
@@ -190,6 +192,9 @@ pub fn row_view(results: &RunResults, config: &ConfigResult, imp: &ImplResult) -
         impl_name: imp.name.clone(),
         backend: imp.backend.clone(),
         is_candidate,
+        is_best_baseline: config
+            .best_baseline(&results.candidate)
+            .is_some_and(|b| b.name == imp.name),
         error,
         median: opt(s.map(|s| s.median), &fmt_ms),
         ci: s

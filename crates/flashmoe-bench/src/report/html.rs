@@ -318,7 +318,11 @@ fn results_table(results: &RunResults) -> String {
                     ""
                 },
                 esc(&r.impl_name),
-                if r.backend.is_empty() {
+                if r.is_best_baseline {
+                    " <strong>(best baseline)</strong>".to_string()
+                } else {
+                    String::new()
+                } + &if r.backend.is_empty() {
                     String::new()
                 } else {
                     format!(" <span class=\"id\">({})</span>", esc(&r.backend))

@@ -206,7 +206,13 @@ pub fn to_markdown(results: &RunResults) -> String {
             let name = format!(
                 "{}{}",
                 md_escape(&r.impl_name),
-                if r.is_candidate { " \\*" } else { "" }
+                if r.is_candidate {
+                    " \\*"
+                } else if r.is_best_baseline {
+                    " † (best baseline)"
+                } else {
+                    ""
+                }
             );
             let mut cells = vec![name];
             if let Some(e) = &r.error {

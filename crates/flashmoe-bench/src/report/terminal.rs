@@ -70,6 +70,8 @@ pub fn terminal_table(results: &RunResults) -> String {
             let r = row_view(results, config, imp);
             let name = if r.is_candidate {
                 format!("{} *", r.impl_name)
+            } else if r.is_best_baseline {
+                format!("{} †", r.impl_name)
             } else {
                 r.impl_name.clone()
             };
@@ -117,7 +119,8 @@ pub fn terminal_table(results: &RunResults) -> String {
     out.push('\n');
     out.push_str(&format!(
         "* candidate. Speedup = median(other) / median({}) with its {sp_ci} bootstrap CI: \
-         > 1 means {} is faster; verdict threshold {}%.\n",
+         > 1 means {} is faster; verdict threshold {}%.\n\
+         † best baseline: the fastest other implementation that passed the correctness gate.\n",
         results.candidate,
         results.candidate,
         format::fmt_sig(results.settings.threshold * 100.0, 3)

@@ -5,6 +5,7 @@ use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvid
 use crate::measure::{measure_interleaved, Sampled, StopReason};
 use crate::results::{
     AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
+    CEILING_ONLY_FLAG,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -241,7 +242,9 @@ impl Pipeline<'_> {
                 (Err(e), _) => row.error = Some(format!("{e:#}")),
                 (Ok(_), None) => row.error = Some("not run: no reference to check against".into()),
                 (Ok((p, _)), Some(_)) if p.ceiling_only() => {
-                    row.flags.push("ceiling only: its output is not the layer's, so it is timed but not checked".into());
+                    row.flags.push(format!(
+                        "{CEILING_ONLY_FLAG}: its output is not the layer's, so it is timed but not checked"
+                    ));
                     row.flags.extend(p.notes());
                     timed.push((rows.len(), p));
                 }

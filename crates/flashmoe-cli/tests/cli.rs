@@ -1,0 +1,189 @@
+//! The `flashmoe` binary as a user runs it: exit codes, one-line errors, files written.
+
+use flashmoe_bench::report::{self, fixtures};
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn flashmoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_flashmoe"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("the binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).to_string()
+}
+
+/// Bad input: exit 2, exactly one `error:` line that mentions `needle`, no panic.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "stderr: {err}");
+    assert!(
+        lines[0].contains(needle),
+        "expected '{needle}' in: {}",
+        lines[0]
+    );
+    assert!(!err.contains("panicked"), "stderr: {err}");
+}
+
+#[test]
+fn compare_exits_0_for_a_a_and_1_for_a_real_slowdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = fixtures::gpu_attention_run();
+    let a = dir.path().join("a.json");
+    std::fs::write(&a, report::to_json(&run).unwrap()).unwrap();
+    // A/A: the same code measured twice (independent noise, same distribution).
+    let mut again = run.clone();
+    for (ci, c) in again.configs.iter_mut().enumerate() {
+        for (ii, imp) in c.implementations.iter_mut().enumerate() {
+            if let Some(s) = &imp.summary {
+                let n = imp.samples_ms.len().max(50);
+                let seed = 1000 + (ci * 10 + ii) as u64;
+                imp.samples_ms = fixtures::noisy_samples(s.median, 0.01, n, seed);
+            }
+        }
+    }
+    let b = dir.path().join("b.json");
+    std::fs::write(&b, report::to_json(&again).unwrap()).unwrap();
+    let o = flashmoe(&["compare", a.to_str().unwrap(), b.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+
+    // Every sample 10% slower: a regression.
+    let mut slow = again.clone();
+    for c in &mut slow.configs {
+        for imp in &mut c.implementations {
+            imp.samples_ms.iter_mut().for_each(|t| *t *= 1.10);
+        }
+    }
+    let s = dir.path().join("slow.json");
+    std::fs::write(&s, report::to_json(&slow).unwrap()).unwrap();
+    let o = flashmoe(&["compare", a.to_str().unwrap(), s.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("SLOWER") && out.contains("REGRESSION"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_input_gives_one_clear_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out = out.to_str().unwrap();
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench"];
+        args.extend_from_slice(extra);
+        flashmoe(&args)
+    };
+    assert_clean_error(
+        &bench(&["attention", "--cpu", "--preset", "nope", "--out", out]),
+        "nope",
+    );
+    assert_clean_error(
+        &bench(&[
+            "attention",
+            "--cpu",
+            "--config",
+            "/no/such/file.toml",
+            "--out",
+            out,
+        ]),
+        "/no/such/file.toml",
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[attention]]\nbatch = 1\nheads_q = 6\nheads_kv = 4\nseqlen = 8\nhead_dim = 16\n",
+    )
+    .unwrap();
+    let bad = bad.to_str().unwrap();
+    assert_clean_error(
+        &bench(&["attention", "--cpu", "--config", bad, "--out", out]),
+        "heads_kv (4)",
+    );
+    let moe = dir.path().join("moe.toml");
+    std::fs::write(
+        &moe,
+        "[[moe]]\ntokens = 4\nhidden = 8\nintermediate = 8\nexperts = 2\ntop_k = 3\n",
+    )
+    .unwrap();
+    let moe = moe.to_str().unwrap();
+    assert_clean_error(
+        &bench(&["moe", "--cpu", "--config", moe, "--out", out]),
+        "top_k (3)",
+    );
+    // An output directory that cannot be created (its parent is a regular file).
+    let file = dir.path().join("plain-file");
+    std::fs::write(&file, "x").unwrap();
+    let unwritable = file.join("sub");
+    assert_clean_error(
+        &bench(&["attention", "--cpu", "--out", unwritable.to_str().unwrap()]),
+        "plain-file",
+    );
+    assert_clean_error(
+        &bench(&["attention", "--cpu", "--impl", "warp-drive", "--out", out]),
+        "warp-drive",
+    );
+    let not_results = dir.path().join("x.json");
+    std::fs::write(&not_results, "{\"hello\": 1}").unwrap();
+    let nr = not_results.to_str().unwrap();
+    assert_clean_error(&flashmoe(&["compare", nr, nr]), "x.json");
+    assert!(
+        !Path::new(out).join("results.json").exists(),
+        "nothing measured, nothing written"
+    );
+}
+
+#[test]
+fn cpu_bench_from_a_config_file_writes_every_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tiny.toml");
+    std::fs::write(
+        &cfg,
+        "[[attention]]\nbatch = 1\nheads_q = 4\nheads_kv = 2\nseqlen = [32, 64]\n\
+         head_dim = 32\ncausal = [false, true]\ndtype = \"f16\"\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let o = flashmoe(&[
+        "bench",
+        "attention",
+        "--cpu",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-time",
+        "0.3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("cpu-tiled") && stdout.contains("GFLOP/s"),
+        "{stdout}"
+    );
+    for f in ["results.json", "results.csv", "results.md", "report.html"] {
+        assert!(out.join(f).metadata().unwrap().len() > 100, "{f}");
+    }
+    let r = report::read_json(&out.join("results.json")).unwrap();
+    assert_eq!(r.configs.len(), 4);
+    assert!(!r.manifest.git_commit.is_empty() && r.manifest.cpu_cores >= 1);
+    for c in &r.configs {
+        assert_eq!(c.comparisons.len(), 1, "tiled vs reference in {}", c.id);
+        for imp in &c.implementations {
+            assert!(
+                imp.samples_ms.len() >= 2,
+                "raw samples kept for {} / {}",
+                c.id,
+                imp.name
+            );
+            assert!(imp.accuracy.as_ref().is_none_or(|a| a.passed));
+        }
+    }
+}
