@@ -37,6 +37,14 @@ for s in "$@"; do
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
                   for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
+    moe-small)    stage moe-small 300 $BIN bench moe --config configs/moe-small.toml --out /tmp/moe-small
+                  cp /tmp/moe-small/results.json "$OUT/moe-small.json" 2>/dev/null ;;
+    seeds)        stage seed002 200 $BIN bench attention --preset seed002 --out /tmp/seed002
+                  cp /tmp/seed002/results.json "$OUT/seed002.json" 2>/dev/null
+                  stage seed003 300 $BIN bench attention --preset seed003 --out /tmp/seed003
+                  cp /tmp/seed003/results.json "$OUT/seed003.json" 2>/dev/null ;;
+    gqa)          stage gqa 200 $BIN bench attention --config configs/attention-gqa.toml --out /tmp/gqa
+                  cp /tmp/gqa/results.json "$OUT/gqa.json" 2>/dev/null ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac

@@ -196,7 +196,6 @@ fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) ->
 }
 
 /// Pick the lab: the GPU unless `force_cpu` or none is usable (then one line says why).
-/// MoE has no GPU implementation yet, so it always runs on the CPU.
 /// `python`: the interpreter for the baseline worker (bench on a GPU only); `None` skips
 /// the baselines.
 pub fn select(
@@ -210,11 +209,22 @@ pub fn select(
         eprintln!("CPU mode (--cpu): running the CPU implementations.");
         return cpu_lab(suite, seed);
     }
-    if suite == Suite::Moe {
-        eprintln!("MoE has no GPU implementation yet: running the CPU implementations (reference vs grouped).");
-        return cpu_lab(suite, seed);
-    }
     match GpuSession::open(0) {
+        // No flashmoe MoE kernel yet (issue 5): on a GPU the MoE suite measures the PyTorch
+        // baselines against each other, the grouped-GEMM path as the candidate.
+        Ok(session) if suite == Suite::Moe => {
+            let mut lab = gpu_lab(suite, seed, session, for_check);
+            lab.implementations.clear();
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            if lab.implementations.is_empty() {
+                eprintln!("MoE has no GPU implementation of ours yet and no baselines ran: running the CPU implementations.");
+                return cpu_lab(suite, seed);
+            }
+            lab.default_candidate = "moe-grouped-mm".into();
+            lab
+        }
         Ok(session) => {
             let info = session.device.info();
             eprintln!(
