@@ -15,6 +15,10 @@ if [ -x scripts/install-nvrtc.sh ]; then
   echo "NVRTC: $NVRTC_LIB"
 fi
 
+step "numpy for the Python input-generator tests"
+python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
+python3 -c "import numpy; print('numpy', numpy.__version__)"
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
