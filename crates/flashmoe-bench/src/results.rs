@@ -199,6 +199,23 @@ pub struct ImplResult {
 }
 
 impl ImplResult {
+    /// A row with nothing measured yet.
+    pub fn new(name: &str, backend: &str) -> ImplResult {
+        ImplResult {
+            name: name.to_string(),
+            backend: backend.to_string(),
+            samples_ms: Vec::new(),
+            summary: None,
+            tflops: None,
+            gbps: None,
+            pct_of_gemm_ceiling: None,
+            peak_extra_bytes: None,
+            accuracy: None,
+            input_checksum: None,
+            error: None,
+            flags: Vec::new(),
+        }
+    }
     pub fn median_ms(&self) -> Option<f64> {
         self.summary.as_ref().map(|s| s.median)
     }

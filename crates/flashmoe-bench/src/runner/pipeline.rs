@@ -151,23 +151,6 @@ fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64
     }
 }
 
-fn empty_impl(imp: &dyn Implementation) -> ImplResult {
-    ImplResult {
-        name: imp.name().to_string(),
-        backend: imp.backend().to_string(),
-        samples_ms: Vec::new(),
-        summary: None,
-        tflops: None,
-        gbps: None,
-        pct_of_gemm_ceiling: None,
-        peak_extra_bytes: None,
-        accuracy: None,
-        input_checksum: None,
-        error: None,
-        flags: Vec::new(),
-    }
-}
-
 impl Pipeline<'_> {
     fn verdict_options(&self) -> VerdictOptions {
         VerdictOptions {
@@ -227,7 +210,7 @@ impl Pipeline<'_> {
         let mut rows: Vec<ImplResult> = Vec::new();
         let mut timed: Vec<(usize, Box<dyn Prepared + '_>)> = Vec::new();
         for imp in &self.implementations {
-            let mut row = empty_impl(*imp);
+            let mut row = ImplResult::new(imp.name(), imp.backend());
             if let Err(why) = imp.supports(problem) {
                 row.error = Some(format!("n/a: {why}"));
                 rows.push(row);
