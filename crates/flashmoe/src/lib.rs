@@ -15,6 +15,7 @@ pub mod dtype;
 pub mod error;
 pub mod gpu;
 pub mod inputs;
+pub mod moe;
 pub mod problem;
 pub mod reference;
 
