@@ -233,8 +233,13 @@ impl KernelCache {
         });
         if let Some((img_path, log_path)) = &paths {
             if let (Ok(image), Ok(log)) = (std::fs::read(img_path), std::fs::read(log_path)) {
-                if !image.is_empty() {
-                    let log = String::from_utf8_lossy(&log).into_owned();
+                let log = String::from_utf8_lossy(&log).into_owned();
+                // Trust an entry only when its log ends with the completion marker written
+                // after the image: a truncated or foreign log means recompile.
+                if let (false, Some(log)) =
+                    (image.is_empty(), log.strip_suffix(&complete_marker(entry)))
+                {
+                    let log = log.to_string();
                     if let Ok(compiled) = CompiledKernel::from_parts(
                         entry,
                         arch,
@@ -256,8 +261,10 @@ impl KernelCache {
         }
         let compiled = nvrtc::compile_with(nv, source_name, source_text, entry, &options, arch)?;
         if let Some((img_path, log_path)) = &paths {
-            let res = write_atomic(img_path, &compiled.image)
-                .and_then(|_| write_atomic(log_path, compiled.log.as_bytes()));
+            let res = write_atomic(img_path, &compiled.image).and_then(|_| {
+                let stored = format!("{}{}", compiled.log, complete_marker(entry));
+                write_atomic(log_path, stored.as_bytes())
+            });
             if let Err(e) = res {
                 self.warn(format!("cannot write {}: {e}", img_path.display()));
             }
@@ -368,6 +375,11 @@ fn load_image(ctx: &Arc<CudaContext>, compiled: &CompiledKernel) -> Result<Arc<C
             )
         })?;
     Ok(module)
+}
+
+/// Last line of every cached log: proves the entry was written completely.
+fn complete_marker(entry: &str) -> String {
+    format!("\n// flashmoe kernel cache: {entry} complete\n")
 }
 
 #[cfg(test)]

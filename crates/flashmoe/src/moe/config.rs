@@ -61,7 +61,10 @@ pub struct MoeKernel {
 /// `Error::Unsupported` naming the shape constraint that fails (e.g. intermediate not a
 /// multiple of the GEMM tile).
 pub fn select(_problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
-    Err(Error::unsupported("flashmoe-moe", "MoE kernels are not defined yet"))
+    Err(Error::unsupported(
+        "flashmoe-moe",
+        "MoE kernels are not defined yet",
+    ))
 }
 
 /// Every variant that can be selected (for the compile-everything test).
