@@ -105,9 +105,13 @@ moe_router_logits(const u16* __restrict__ x, const u16* __restrict__ router,
 #pragma unroll
     for (int j = 0; j < LOGITS_TOK_PER_THREAD; ++j) acc[j] = 0.f;
 
+    const bool active = tl < tpb;
+    const int tl_c = active ? tl : 0;
     for (int h0 = 0; h0 < hidden; h0 += LOGITS_HCHUNK) {
+        // Stage x[t0 .. t0 + bt, h0 .. h0 + 32] and router[h0 .. h0 + 32, :] (zero-filled
+        // past the ends: fmaf(0, 0, acc) == acc, the chain is unchanged).
         for (int i = tid; i < bt * LOGITS_HCHUNK; i += LOGITS_THREADS) {
-            const int r = i / LOGITS_HCHUNK, c = i - r * LOGITS_HCHUNK;
+            const int r = i >> 5, c = i & (LOGITS_HCHUNK - 1);
             const i64 t = t0 + r;
             xs[r][c] = (t < tokens && h0 + c < hidden) ? fm::load16(x[t * hidden + h0 + c]) : 0.f;
         }
@@ -118,14 +122,12 @@ moe_router_logits(const u16* __restrict__ x, const u16* __restrict__ router,
                            : 0.f;
         }
         __syncthreads();
-        const int hn = min(LOGITS_HCHUNK, hidden - h0);
-        if (tl < tpb) {
-            for (int hh = 0; hh < hn; ++hh) {
-                const float w = rs[hh][e];
+#pragma unroll 8
+        for (int hh = 0; hh < LOGITS_HCHUNK; ++hh) {
+            const float w = rs[hh][e];
 #pragma unroll
-                for (int j = 0; j < LOGITS_TOK_PER_THREAD; ++j) {
-                    acc[j] = fmaf(xs[tl + j * tpb][hh], w, acc[j]);
-                }
+            for (int j = 0; j < LOGITS_TOK_PER_THREAD; ++j) {
+                acc[j] = fmaf(xs[tl_c + j * tpb][hh], w, acc[j]);
             }
         }
         __syncthreads();
