@@ -275,3 +275,111 @@ pub struct MoeKernel {
     pub shared_mem_bytes: u32,
     pub min_arch: u32,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn problem() -> MoeProblem {
+        MoeProblem {
+            tokens: 7,
+            hidden: 64,
+            intermediate: 32,
+            experts: 8,
+            top_k: 2,
+            scoring: Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        }
+    }
+
+    fn unsupported_reason(r: Result<Vec<MoeKernel>>) -> String {
+        match r {
+            Err(Error::Unsupported { backend, reason }) => {
+                assert_eq!(backend, BACKEND);
+                reason
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn limits_name_the_value() {
+        let mut p = problem();
+        p.experts = 300;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("experts = 300") && r.contains("256"), "{r}");
+        let mut p = problem();
+        p.top_k = 9;
+        p.experts = 16;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("top_k = 9") && r.contains('8'), "{r}");
+        let mut p = problem();
+        p.dtype = DType::F32;
+        assert!(unsupported_reason(select(&p)).contains("f32"));
+        let mut p = problem();
+        p.tokens = usize::MAX / 2;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("tokens × top_k"), "{r}");
+    }
+
+    #[test]
+    fn invalid_problems_are_invalid_not_unsupported() {
+        let mut p = problem();
+        p.tokens = 0;
+        let e = select(&p).unwrap_err();
+        assert!(matches!(e, Error::InvalidProblem(_)), "{e}");
+        assert!(e.to_string().contains("tokens must be at least 1"), "{e}");
+        let mut p = problem();
+        p.top_k = 9;
+        let e = select(&p).unwrap_err();
+        assert!(e.to_string().contains("top_k (9) must not exceed experts (8)"), "{e}");
+    }
+
+    #[test]
+    fn select_uses_gemm_config() {
+        // With the stub gemm_config the whole pipeline is Unsupported, for a clear reason;
+        // with the real one it is the seven kernels in pipeline order.
+        match select(&problem()) {
+            Ok(v) => {
+                let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+                assert_eq!(
+                    entries,
+                    [LOGITS_ENTRY, TOPK_ENTRY, STATS_ENTRY, PERMUTE_ENTRY, GEMM13_ENTRY, GEMM2_ENTRY, COMBINE_ENTRY]
+                );
+            }
+            Err(Error::Unsupported { reason, .. }) => assert!(!reason.is_empty()),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn non_gemm_defines_follow_the_problem() {
+        let v = non_gemm_variants(DType::F16, Scoring::Sigmoid, false, true).unwrap();
+        let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+        assert_eq!(entries, [LOGITS_ENTRY, TOPK_ENTRY, STATS_ENTRY, PERMUTE_ENTRY, COMBINE_ENTRY]);
+        let def = |k: &MoeKernel, n: &str| {
+            k.defines.iter().find(|(a, _)| a == n).map(|(_, b)| b.clone())
+        };
+        assert_eq!(def(&v[0], "FM_DTYPE_BF16").as_deref(), Some("0"));
+        assert_eq!(def(&v[1], "FM_SIGMOID").as_deref(), Some("1"));
+        assert_eq!(def(&v[1], "FM_RENORM").as_deref(), Some("0"));
+        assert_eq!(def(&v[4], "FM_SHARED").as_deref(), Some("1"));
+        assert!(non_gemm_variants(DType::F32, Scoring::Softmax, true, false).is_err());
+    }
+
+    #[test]
+    fn all_variants_cover_every_combination_once() {
+        let v = all_variants();
+        let count = |e: &str| v.iter().filter(|k| k.entry == e).count();
+        assert_eq!(count(LOGITS_ENTRY), 2);
+        assert_eq!(count(TOPK_ENTRY), 4);
+        assert_eq!(count(STATS_ENTRY), 1);
+        assert_eq!(count(PERMUTE_ENTRY), 1);
+        assert_eq!(count(COMBINE_ENTRY), 4);
+        for (i, a) in v.iter().enumerate() {
+            assert!(!v[i + 1..].contains(a), "duplicate {a:?}");
+        }
+    }
+}

@@ -621,3 +621,123 @@ fn launch_gemms(
     let r = unsafe { b.launch(cfgs.1) };
     dev.check_launch(kernels[config::K_GEMM2].entry, r)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::Scoring;
+
+    fn problem() -> MoeProblem {
+        MoeProblem {
+            tokens: 100,
+            hidden: 256,
+            intermediate: 128,
+            experts: 40,
+            top_k: 2,
+            scoring: Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        }
+    }
+
+    fn gemm(entry: &'static str) -> MoeKernel {
+        MoeKernel {
+            source_file: "moe_grouped_gemm.cu",
+            entry,
+            defines: vec![],
+            block_m: 64,
+            block_n: 64,
+            block_threads: 128,
+            shared_mem_bytes: 64 * 1024,
+            min_arch: 80,
+        }
+    }
+
+    fn kernels(p: &MoeProblem) -> Vec<MoeKernel> {
+        let mut v = config::non_gemm_variants(p.dtype, p.scoring, p.renormalize, false).unwrap();
+        let c = v.pop().unwrap();
+        v.extend([gemm(config::GEMM13_ENTRY), gemm(config::GEMM2_ENTRY), c]);
+        v
+    }
+
+    #[test]
+    fn launch_geometry_follows_the_contract() {
+        let p = problem();
+        let c = launch_configs(&p, &kernels(&p)).unwrap();
+        // E = 40 → EPAD 64 → 4 token groups × 4 tokens = 16 tokens per block.
+        assert_eq!(c[config::K_LOGITS].grid_dim, (7, 1, 1));
+        assert_eq!(c[config::K_LOGITS].block_dim, (256, 1, 1));
+        assert_eq!(c[config::K_TOPK].grid_dim, (25, 1, 1));
+        assert_eq!(c[config::K_TOPK].block_dim, (128, 1, 1));
+        assert_eq!(c[config::K_STATS].grid_dim, (41, 1, 1));
+        assert_eq!(c[config::K_PERMUTE].grid_dim, (40, 1, 1));
+        // 200 rows / 64 → 4, + 40 experts; N / 64.
+        assert_eq!(c[config::K_GEMM13].grid_dim, (44, 2, 1));
+        assert_eq!(c[config::K_GEMM2].grid_dim, (44, 4, 1));
+        assert_eq!(c[config::K_GEMM2].shared_mem_bytes, 64 * 1024);
+        assert_eq!(c[config::K_COMBINE].grid_dim, (100, 1, 1));
+        // A 1-token problem with 256 experts: one token per thread group.
+        let q = MoeProblem { tokens: 1, experts: 256, top_k: 8, ..p.clone() };
+        let c = launch_configs(&q, &kernels(&q)).unwrap();
+        assert_eq!(c[config::K_LOGITS].grid_dim, (1, 1, 1));
+        assert_eq!(c[config::K_GEMM13].grid_dim, (257, 2, 1));
+    }
+
+    #[test]
+    fn gemm_tile_mismatch_is_unsupported() {
+        let p = MoeProblem { intermediate: 100, ..problem() };
+        let e = launch_configs(&p, &kernels(&p)).unwrap_err().to_string();
+        assert!(e.contains("moe_gemm13") && e.contains("100 output columns"), "{e}");
+        let mut k = kernels(&problem());
+        k[config::K_GEMM2].block_m = 0;
+        assert!(launch_configs(&problem(), &k).is_err());
+        assert!(launch_configs(&problem(), &k[..3]).is_err());
+    }
+
+    #[test]
+    fn input_lengths_name_the_tensor() {
+        let p = MoeProblem { tokens: 3, hidden: 8, intermediate: 4, experts: 4, ..problem() };
+        let good = MoeInputs::generate(&p, 1);
+        check_inputs(&p, &good).unwrap();
+        for name in ["x", "router", "w13", "w2"] {
+            let mut bad = good.clone();
+            match name {
+                "x" => bad.x.pop(),
+                "router" => bad.router.pop(),
+                "w13" => bad.w13.pop(),
+                _ => bad.w2.pop(),
+            };
+            match check_inputs(&p, &bad) {
+                Err(Error::BufferSize { name: n, expected, actual }) => {
+                    assert_eq!(n, name);
+                    assert_eq!(actual + 1, expected);
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        let s = MoeProblem { shared_expert: true, ..p.clone() };
+        let e = check_inputs(&s, &good).unwrap_err().to_string();
+        assert!(e.contains("shared expert weights"), "{e}");
+        check_inputs(&s, &MoeInputs::generate(&s, 1)).unwrap();
+        let z = MoeProblem { tokens: 0, ..p };
+        assert!(matches!(check_inputs(&z, &good), Err(Error::InvalidProblem(_))));
+    }
+
+    #[test]
+    fn routing_mismatch_names_tokens() {
+        assert_eq!(routing_mismatch(&[1, 2, 3, 4], &[1, 2, 3, 4], 2), None);
+        let m = routing_mismatch(&[1, 2, 4, 3], &[1, 2, 3, 4], 2).unwrap();
+        assert!(m.contains("1 of 2 tokens") && m.contains("token 1: GPU [4, 3] vs reference [3, 4]"), "{m}");
+        assert!(routing_mismatch(&[1], &[1, 2], 1).unwrap().contains("1 ids"));
+    }
+
+    #[test]
+    fn load_stats_of_counts() {
+        assert_eq!(load_stats(&[2, 2, 2, 2]), (2, 2.0, 0.0));
+        let (max, mean, cv) = load_stats(&[4, 0, 0, 0]);
+        assert_eq!((max, mean), (4, 1.0));
+        assert!((cv - 3f64.sqrt()).abs() < 1e-12);
+        assert_eq!(load_stats(&[]), (0, 0.0, 0.0));
+    }
+}
