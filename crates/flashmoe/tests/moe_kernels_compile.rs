@@ -130,7 +130,9 @@ fn every_moe_variant_compiles_without_spills() {
                 ));
             }
             if smem > smem_limit {
-                failures.push(format!("{what}: needs {smem} B shared memory, {arch} allows {smem_limit}"));
+                failures.push(format!(
+                    "{what}: needs {smem} B shared memory, {arch} allows {smem_limit}"
+                ));
             }
             if r.registers as u64 * v.block_threads as u64 > regs_per_sm {
                 failures.push(format!(
@@ -141,5 +143,10 @@ fn every_moe_variant_compiles_without_spills() {
         }
     }
     eprintln!("{n} compilations");
-    assert!(failures.is_empty(), "{} problem(s):\n{}", failures.len(), failures.join("\n\n"));
+    assert!(
+        failures.is_empty(),
+        "{} problem(s):\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
 }

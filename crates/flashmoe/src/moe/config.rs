@@ -116,7 +116,12 @@ fn kv(k: &str, v: u32) -> (String, String) {
     (k.to_string(), v.to_string())
 }
 
-fn simple(source: &'static str, entry: &'static str, defines: Vec<(String, String)>, threads: u32) -> MoeKernel {
+fn simple(
+    source: &'static str,
+    entry: &'static str,
+    defines: Vec<(String, String)>,
+    threads: u32,
+) -> MoeKernel {
     MoeKernel {
         source_file: source,
         entry,
@@ -145,7 +150,12 @@ pub fn non_gemm_variants(
     }
     let bf16 = (dtype == DType::Bf16) as u32;
     Ok(vec![
-        simple(ROUTER_SOURCE, LOGITS_ENTRY, vec![kv("FM_DTYPE_BF16", bf16)], LOGITS_THREADS),
+        simple(
+            ROUTER_SOURCE,
+            LOGITS_ENTRY,
+            vec![kv("FM_DTYPE_BF16", bf16)],
+            LOGITS_THREADS,
+        ),
         simple(
             ROUTER_SOURCE,
             TOPK_ENTRY,
@@ -160,7 +170,10 @@ pub fn non_gemm_variants(
         simple(
             COMBINE_SOURCE,
             COMBINE_ENTRY,
-            vec![kv("FM_DTYPE_BF16", bf16), kv("FM_SHARED", shared_expert as u32)],
+            vec![
+                kv("FM_DTYPE_BF16", bf16),
+                kv("FM_SHARED", shared_expert as u32),
+            ],
             COMBINE_THREADS,
         ),
     ])
@@ -173,13 +186,19 @@ pub fn check_limits(p: &MoeProblem) -> Result<()> {
     if p.experts > MAX_EXPERTS {
         return Err(Error::unsupported(
             BACKEND,
-            format!("experts = {} exceeds the router limit of {MAX_EXPERTS}", p.experts),
+            format!(
+                "experts = {} exceeds the router limit of {MAX_EXPERTS}",
+                p.experts
+            ),
         ));
     }
     if p.top_k > MAX_TOP_K {
         return Err(Error::unsupported(
             BACKEND,
-            format!("top_k = {} exceeds the router limit of {MAX_TOP_K}", p.top_k),
+            format!(
+                "top_k = {} exceeds the router limit of {MAX_TOP_K}",
+                p.top_k
+            ),
         ));
     }
     let slots = p.tokens.checked_mul(p.top_k);
@@ -228,7 +247,10 @@ pub fn select(problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
         if k.entry != entry || k.block_m == 0 || k.block_n == 0 || k.block_threads == 0 {
             return Err(Error::unsupported(
                 BACKEND,
-                format!("grouped GEMM variant {}:{} is malformed (want entry {entry}, non-zero tiles)", k.source_file, k.entry),
+                format!(
+                    "grouped GEMM variant {}:{} is malformed (want entry {entry}, non-zero tiles)",
+                    k.source_file, k.entry
+                ),
             ));
         }
     }
@@ -334,7 +356,11 @@ mod tests {
         let mut p = problem();
         p.top_k = 9;
         let e = select(&p).unwrap_err();
-        assert!(e.to_string().contains("top_k (9) must not exceed experts (8)"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("top_k (9) must not exceed experts (8)"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -346,7 +372,15 @@ mod tests {
                 let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
                 assert_eq!(
                     entries,
-                    [LOGITS_ENTRY, TOPK_ENTRY, STATS_ENTRY, PERMUTE_ENTRY, GEMM13_ENTRY, GEMM2_ENTRY, COMBINE_ENTRY]
+                    [
+                        LOGITS_ENTRY,
+                        TOPK_ENTRY,
+                        STATS_ENTRY,
+                        PERMUTE_ENTRY,
+                        GEMM13_ENTRY,
+                        GEMM2_ENTRY,
+                        COMBINE_ENTRY
+                    ]
                 );
             }
             Err(Error::Unsupported { reason, .. }) => assert!(!reason.is_empty()),
@@ -358,9 +392,21 @@ mod tests {
     fn non_gemm_defines_follow_the_problem() {
         let v = non_gemm_variants(DType::F16, Scoring::Sigmoid, false, true).unwrap();
         let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
-        assert_eq!(entries, [LOGITS_ENTRY, TOPK_ENTRY, STATS_ENTRY, PERMUTE_ENTRY, COMBINE_ENTRY]);
+        assert_eq!(
+            entries,
+            [
+                LOGITS_ENTRY,
+                TOPK_ENTRY,
+                STATS_ENTRY,
+                PERMUTE_ENTRY,
+                COMBINE_ENTRY
+            ]
+        );
         let def = |k: &MoeKernel, n: &str| {
-            k.defines.iter().find(|(a, _)| a == n).map(|(_, b)| b.clone())
+            k.defines
+                .iter()
+                .find(|(a, _)| a == n)
+                .map(|(_, b)| b.clone())
         };
         assert_eq!(def(&v[0], "FM_DTYPE_BF16").as_deref(), Some("0"));
         assert_eq!(def(&v[1], "FM_SIGMOID").as_deref(), Some("1"));

@@ -56,6 +56,7 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 /// Run the pipeline once and compare everything with the CPU reference.
+#[allow(clippy::needless_range_loop)]
 fn check_case(dev: &Device, p: &MoeProblem) {
     let x = inputs(p);
     let reference = moe_f64(p, &x).unwrap();
@@ -67,16 +68,39 @@ fn check_case(dev: &Device, p: &MoeProblem) {
     if let Some(m) = routing_mismatch(&g.topk_ids, &reference.routing.topk_ids, p.top_k) {
         panic!("{p}: {m}");
     }
-    let want_counts: Vec<u32> = reference.routing.expert_counts.iter().map(|&c| c as u32).collect();
+    let want_counts: Vec<u32> = reference
+        .routing
+        .expert_counts
+        .iter()
+        .map(|&c| c as u32)
+        .collect();
     assert_eq!(g.counts, want_counts, "{p}: per-expert counts");
     if p.top_k == 1 {
         assert_eq!(g.counts[TIED_HIGH], 0, "{p}: tied expert must get no token");
     }
-    for (i, (&w, &rw)) in g.topk_w.iter().zip(&reference.routing.topk_weights).enumerate() {
-        assert!((w as f64 - rw).abs() <= 1e-5 + 1e-4 * rw.abs(), "{p}: weight {i}: {w} vs {rw}");
+    for (i, (&w, &rw)) in g
+        .topk_w
+        .iter()
+        .zip(&reference.routing.topk_weights)
+        .enumerate()
+    {
+        assert!(
+            (w as f64 - rw).abs() <= 1e-5 + 1e-4 * rw.abs(),
+            "{p}: weight {i}: {w} vs {rw}"
+        );
     }
-    assert!(rel(g.aux_loss, reference.routing.aux_loss) <= 1e-4, "{p}: aux {} vs {}", g.aux_loss, reference.routing.aux_loss);
-    assert!(rel(g.z_loss, reference.routing.z_loss) <= 1e-4, "{p}: z {} vs {}", g.z_loss, reference.routing.z_loss);
+    assert!(
+        rel(g.aux_loss, reference.routing.aux_loss) <= 1e-4,
+        "{p}: aux {} vs {}",
+        g.aux_loss,
+        reference.routing.aux_loss
+    );
+    assert!(
+        rel(g.z_loss, reference.routing.z_loss) <= 1e-4,
+        "{p}: z {} vs {}",
+        g.z_loss,
+        reference.routing.z_loss
+    );
 
     // Permutation: offsets = scan of counts; rows grouped by expert in token order;
     // slot_row the inverse of row_slot.
@@ -91,7 +115,10 @@ fn check_case(dev: &Device, p: &MoeProblem) {
             assert_eq!(row_token[row as usize] as usize, s / p.top_k);
             assert_eq!(slot_row[s], row);
             if row > offsets[e] {
-                assert!(row_token[row as usize - 1] < row_token[row as usize], "{p}: stable");
+                assert!(
+                    row_token[row as usize - 1] < row_token[row as usize],
+                    "{p}: stable"
+                );
             }
         }
     }
@@ -101,7 +128,10 @@ fn check_case(dev: &Device, p: &MoeProblem) {
     assert!(out.iter().all(|v| v.is_finite()), "{p}: non-finite output");
     let m = error_metrics(&out, &reference.out);
     let tol = if p.dtype == DType::Bf16 { 1.6e-2 } else { 4e-3 };
-    eprintln!("  {p}: rel_l2 {:.2e} max_abs {:.2e} aux {:.6} z {:.6} counts {:?}", m.rel_l2, m.max_abs, g.aux_loss, g.z_loss, g.counts);
+    eprintln!(
+        "  {p}: rel_l2 {:.2e} max_abs {:.2e} aux {:.6} z {:.6} counts {:?}",
+        m.rel_l2, m.max_abs, g.aux_loss, g.z_loss, g.counts
+    );
     assert!(m.rel_l2 <= tol, "{p}: rel_l2 {} > {tol}", m.rel_l2);
 
     // Deterministic: a second run is bit-identical.
@@ -131,7 +161,11 @@ fn moe_fp16_no_renorm_and_shared_expert() {
         p.renormalize = false;
         p.scoring = Scoring::Sigmoid;
         check_case(dev, &p);
-        let s = MoeProblem { shared_expert: true, dtype: DType::Bf16, ..problem(128, 2, Scoring::Softmax, DType::Bf16) };
+        let s = MoeProblem {
+            shared_expert: true,
+            dtype: DType::Bf16,
+            ..problem(128, 2, Scoring::Softmax, DType::Bf16)
+        };
         check_case(dev, &s);
     });
 }
@@ -146,10 +180,16 @@ fn moe_bad_input_is_a_clear_error() {
             Err(Error::BufferSize { name, .. }) => assert_eq!(name, "w13"),
             other => panic!("{other:?}"),
         }
-        let big = MoeProblem { experts: 300, ..p.clone() };
+        let big = MoeProblem {
+            experts: 300,
+            ..p.clone()
+        };
         let e = MoeRunner::new(dev, &big, &MoeInputs::generate(&big, 1)).unwrap_err();
         assert!(e.to_string().contains("experts = 300"), "{e}");
         let zero = MoeProblem { tokens: 0, ..p };
-        assert!(matches!(MoeRunner::new(dev, &zero, &inputs(&zero)), Err(Error::InvalidProblem(_))));
+        assert!(matches!(
+            MoeRunner::new(dev, &zero, &inputs(&zero)),
+            Err(Error::InvalidProblem(_))
+        ));
     });
 }

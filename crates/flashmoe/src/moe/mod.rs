@@ -12,6 +12,9 @@
 //!
 //! Shared expert: supported, as a one-expert group of all tokens through the same grouped
 //! GEMM kernels (see the contract); its output is added by the combine with weight 1.
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
 pub mod config;
 pub mod gemm_config;
 #[cfg(test)]
@@ -31,9 +34,13 @@ const MAX_GRID_Y: u64 = 65_535;
 
 /// Element counts of the MoE inputs of `p`, overflow checked (InvalidProblem).
 fn elems(name: &str, dims: &[usize]) -> Result<usize> {
-    dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| {
-        Error::invalid(format!("{name} of shape {dims:?} has too many elements for usize"))
-    })
+    dims.iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "{name} of shape {dims:?} has too many elements for usize"
+            ))
+        })
 }
 
 /// Check `inputs` against `p`: every tensor's length (BufferSize naming it), and the
@@ -59,12 +66,17 @@ pub fn check_inputs(p: &MoeProblem, x: &MoeInputs) -> Result<()> {
 
 fn grid_1d(kernel: &MoeKernel, blocks: u64, gy: u64) -> Result<LaunchConfig> {
     if kernel.block_threads == 0 {
-        return Err(Error::unsupported(kernel.entry, "kernel variant has zero block_threads"));
+        return Err(Error::unsupported(
+            kernel.entry,
+            "kernel variant has zero block_threads",
+        ));
     }
     if blocks > MAX_GRID_X || gy > MAX_GRID_Y {
         return Err(Error::unsupported(
             kernel.entry,
-            format!("grid ({blocks}, {gy}) exceeds the CUDA grid limit ({MAX_GRID_X}, {MAX_GRID_Y})"),
+            format!(
+                "grid ({blocks}, {gy}) exceeds the CUDA grid limit ({MAX_GRID_X}, {MAX_GRID_Y})"
+            ),
         ));
     }
     Ok(LaunchConfig {
@@ -77,14 +89,25 @@ fn grid_1d(kernel: &MoeKernel, blocks: u64, gy: u64) -> Result<LaunchConfig> {
 /// Launch geometry of a grouped GEMM over `rows` permuted rows of `experts` groups with
 /// `n` output columns (contract step 5/6): grid.x = ceil(rows / block_m) + experts,
 /// grid.y = n / block_n (n must be a multiple of block_n).
-pub fn gemm_launch_config(k: &MoeKernel, rows: usize, experts: usize, n: usize) -> Result<LaunchConfig> {
+pub fn gemm_launch_config(
+    k: &MoeKernel,
+    rows: usize,
+    experts: usize,
+    n: usize,
+) -> Result<LaunchConfig> {
     if k.block_m == 0 || k.block_n == 0 {
-        return Err(Error::unsupported(k.entry, "kernel variant has a zero block_m or block_n"));
+        return Err(Error::unsupported(
+            k.entry,
+            "kernel variant has a zero block_m or block_n",
+        ));
     }
     if n % k.block_n as usize != 0 {
         return Err(Error::unsupported(
             k.entry,
-            format!("{n} output columns are not a multiple of the tile width {}", k.block_n),
+            format!(
+                "{n} output columns are not a multiple of the tile width {}",
+                k.block_n
+            ),
         ));
     }
     let gx = (rows as u64).div_ceil(k.block_m as u64) + experts as u64;
@@ -125,9 +148,12 @@ fn alloc_u32(dev: &Device, name: &str, len: usize) -> Result<CudaSlice<u32>> {
 }
 
 fn upload_u32(dev: &Device, name: &str, v: &[u32]) -> Result<CudaSlice<u32>> {
-    dev.stream()
-        .clone_htod(v)
-        .map_err(|e| Error::cuda(format!("uploading {name} ({} × u32) to the GPU", v.len()), e))
+    dev.stream().clone_htod(v).map_err(|e| {
+        Error::cuda(
+            format!("uploading {name} ({} × u32) to the GPU", v.len()),
+            e,
+        )
+    })
 }
 
 fn download_u32(dev: &Device, name: &str, s: &CudaSlice<u32>, len: usize) -> Result<Vec<u32>> {
@@ -177,7 +203,11 @@ pub fn load_stats(counts: &[u32]) -> (u32, f64, f64) {
     }
     let n = counts.len() as f64;
     let mean = counts.iter().map(|&c| c as f64).sum::<f64>() / n;
-    let var = counts.iter().map(|&c| (c as f64 - mean).powi(2)).sum::<f64>() / n;
+    let var = counts
+        .iter()
+        .map(|&c| (c as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n;
     let cv = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
     (counts.iter().copied().max().unwrap_or(0), mean, cv)
 }
@@ -223,6 +253,11 @@ pub fn routing_mismatch(gpu: &[u32], reference: &[u32], top_k: usize) -> Option<
     ))
 }
 
+/// (topk_ids, topk_w, counts, aux_loss, z_loss), see [`MoeRunner::routing`].
+pub type RoutingTuple = (Vec<u32>, Vec<f32>, Vec<u32>, f64, f64);
+/// (offsets, row_token, row_slot, slot_row), see [`MoeRunner::permutation`].
+pub type Permutation = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>);
+
 /// Shared-expert buffers: a one-expert group of all tokens.
 struct SharedExpert {
     w13: DeviceTensor,
@@ -267,7 +302,10 @@ impl std::fmt::Debug for MoeRunner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MoeRunner")
             .field("problem", &self.problem)
-            .field("kernels", &self.kernels.iter().map(|k| k.entry).collect::<Vec<_>>())
+            .field(
+                "kernels",
+                &self.kernels.iter().map(|k| k.entry).collect::<Vec<_>>(),
+            )
             .finish()
     }
 }
@@ -361,12 +399,26 @@ impl MoeRunner {
 
     /// Device bytes of the intermediate buffers (everything but inputs and `out`).
     pub fn workspace_bytes(&self) -> u64 {
-        let mut b = [&self.logits, &self.probs, &self.lse, &self.topk_w, &self.prob_sum, &self.lse_sq_sum, &self.h, &self.y]
-            .iter()
-            .map(|t| t.size_bytes() as u64)
-            .sum::<u64>();
-        b += 4 * (self.topk_ids.len() + self.counts.len() + self.offsets.len()
-            + self.row_token.len() + self.row_slot.len() + self.slot_row.len()) as u64;
+        let mut b = [
+            &self.logits,
+            &self.probs,
+            &self.lse,
+            &self.topk_w,
+            &self.prob_sum,
+            &self.lse_sq_sum,
+            &self.h,
+            &self.y,
+        ]
+        .iter()
+        .map(|t| t.size_bytes() as u64)
+        .sum::<u64>();
+        b += 4
+            * (self.topk_ids.len()
+                + self.counts.len()
+                + self.offsets.len()
+                + self.row_token.len()
+                + self.row_slot.len()
+                + self.slot_row.len()) as u64;
         if let Some(s) = &self.shared {
             b += (s.h.size_bytes() + s.y.size_bytes()) as u64 + 4 * (s.row_token.len() + 2) as u64;
         }
@@ -537,7 +589,7 @@ impl MoeRunner {
 
     /// Download the router's results: (topk_ids, topk_w, counts, aux_loss, z_loss)
     /// (waits for the stream). Losses are finished in f64 from the GPU's per-expert sums.
-    pub fn routing(&self, dev: &Device) -> Result<(Vec<u32>, Vec<f32>, Vec<u32>, f64, f64)> {
+    pub fn routing(&self, dev: &Device) -> Result<RoutingTuple> {
         let r = self.gpu_routing(dev)?;
         Ok((r.topk_ids, r.topk_w, r.counts, r.aux_loss, r.z_loss))
     }
@@ -567,7 +619,7 @@ impl MoeRunner {
     }
 
     /// Download the permutation (offsets [E+1], row_token, row_slot, slot_row), for tests.
-    pub fn permutation(&self, dev: &Device) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>)> {
+    pub fn permutation(&self, dev: &Device) -> Result<Permutation> {
         let rows = self.problem.tokens * self.problem.top_k;
         Ok((
             download_u32(dev, "offsets", &self.offsets, self.problem.experts + 1)?,
@@ -678,7 +730,12 @@ mod tests {
         assert_eq!(c[config::K_GEMM2].shared_mem_bytes, 64 * 1024);
         assert_eq!(c[config::K_COMBINE].grid_dim, (100, 1, 1));
         // A 1-token problem with 256 experts: one token per thread group.
-        let q = MoeProblem { tokens: 1, experts: 256, top_k: 8, ..p.clone() };
+        let q = MoeProblem {
+            tokens: 1,
+            experts: 256,
+            top_k: 8,
+            ..p.clone()
+        };
         let c = launch_configs(&q, &kernels(&q)).unwrap();
         assert_eq!(c[config::K_LOGITS].grid_dim, (1, 1, 1));
         assert_eq!(c[config::K_GEMM13].grid_dim, (257, 2, 1));
@@ -686,9 +743,15 @@ mod tests {
 
     #[test]
     fn gemm_tile_mismatch_is_unsupported() {
-        let p = MoeProblem { intermediate: 100, ..problem() };
+        let p = MoeProblem {
+            intermediate: 100,
+            ..problem()
+        };
         let e = launch_configs(&p, &kernels(&p)).unwrap_err().to_string();
-        assert!(e.contains("moe_gemm13") && e.contains("100 output columns"), "{e}");
+        assert!(
+            e.contains("moe_gemm13") && e.contains("100 output columns"),
+            "{e}"
+        );
         let mut k = kernels(&problem());
         k[config::K_GEMM2].block_m = 0;
         assert!(launch_configs(&problem(), &k).is_err());
@@ -697,7 +760,13 @@ mod tests {
 
     #[test]
     fn input_lengths_name_the_tensor() {
-        let p = MoeProblem { tokens: 3, hidden: 8, intermediate: 4, experts: 4, ..problem() };
+        let p = MoeProblem {
+            tokens: 3,
+            hidden: 8,
+            intermediate: 4,
+            experts: 4,
+            ..problem()
+        };
         let good = MoeInputs::generate(&p, 1);
         check_inputs(&p, &good).unwrap();
         for name in ["x", "router", "w13", "w2"] {
@@ -709,27 +778,42 @@ mod tests {
                 _ => bad.w2.pop(),
             };
             match check_inputs(&p, &bad) {
-                Err(Error::BufferSize { name: n, expected, actual }) => {
+                Err(Error::BufferSize {
+                    name: n,
+                    expected,
+                    actual,
+                }) => {
                     assert_eq!(n, name);
                     assert_eq!(actual + 1, expected);
                 }
                 other => panic!("{name}: {other:?}"),
             }
         }
-        let s = MoeProblem { shared_expert: true, ..p.clone() };
+        let s = MoeProblem {
+            shared_expert: true,
+            ..p.clone()
+        };
         let e = check_inputs(&s, &good).unwrap_err().to_string();
         assert!(e.contains("shared expert weights"), "{e}");
         check_inputs(&s, &MoeInputs::generate(&s, 1)).unwrap();
         let z = MoeProblem { tokens: 0, ..p };
-        assert!(matches!(check_inputs(&z, &good), Err(Error::InvalidProblem(_))));
+        assert!(matches!(
+            check_inputs(&z, &good),
+            Err(Error::InvalidProblem(_))
+        ));
     }
 
     #[test]
     fn routing_mismatch_names_tokens() {
         assert_eq!(routing_mismatch(&[1, 2, 3, 4], &[1, 2, 3, 4], 2), None);
         let m = routing_mismatch(&[1, 2, 4, 3], &[1, 2, 3, 4], 2).unwrap();
-        assert!(m.contains("1 of 2 tokens") && m.contains("token 1: GPU [4, 3] vs reference [3, 4]"), "{m}");
-        assert!(routing_mismatch(&[1], &[1, 2], 1).unwrap().contains("1 ids"));
+        assert!(
+            m.contains("1 of 2 tokens") && m.contains("token 1: GPU [4, 3] vs reference [3, 4]"),
+            "{m}"
+        );
+        assert!(routing_mismatch(&[1], &[1, 2], 1)
+            .unwrap()
+            .contains("1 ids"));
     }
 
     #[test]
