@@ -84,13 +84,22 @@ impl GemmTile {
         let wtm = self.block_m / self.warps_m.max(1);
         let wtn = self.block_n / self.warps_n.max(1);
         if self.warps_m == 0 || wtm * self.warps_m != self.block_m || wtm % 16 != 0 {
-            return Err(format!("BM {} / WARPS_M {} must be a multiple of 16", self.block_m, self.warps_m));
+            return Err(format!(
+                "BM {} / WARPS_M {} must be a multiple of 16",
+                self.block_m, self.warps_m
+            ));
         }
         if self.warps_n == 0 || wtn * self.warps_n != self.block_n || wtn % 16 != 0 {
-            return Err(format!("BN {} / WARPS_N {} must be a multiple of 16", self.block_n, self.warps_n));
+            return Err(format!(
+                "BN {} / WARPS_N {} must be a multiple of 16",
+                self.block_n, self.warps_n
+            ));
         }
         if !(self.block_n == 32 || self.block_n % 64 == 0) {
-            return Err(format!("BN {} must be 32 or a multiple of 64", self.block_n));
+            return Err(format!(
+                "BN {} must be 32 or a multiple of 64",
+                self.block_n
+            ));
         }
         if !(2..=8).contains(&self.stages) {
             return Err(format!("STAGES {} must be 2..8", self.stages));
@@ -231,7 +240,9 @@ pub fn gemm_kernels(p: &MoeProblem) -> Result<(MoeKernel, MoeKernel)> {
     }
     let rows = p.tokens as u64 * p.top_k as u64;
     if rows + p.experts as u64 >= u32::MAX as u64 {
-        return Err(unsupported(format!("tokens·top_k ({rows}) must fit 32-bit row indices")));
+        return Err(unsupported(format!(
+            "tokens·top_k ({rows}) must fit 32-bit row indices"
+        )));
     }
     let r = Regime::for_problem(p);
     let t13 = tile_for(r, Gemm::G13, p.intermediate).expect("multiple of 32");
@@ -242,7 +253,11 @@ pub fn gemm_kernels(p: &MoeProblem) -> Result<(MoeKernel, MoeKernel)> {
 /// Launch grid of a grouped GEMM kernel (contract step 5/6): (ceil(T·k / BM) + E, N / BN).
 pub fn gemm_grid(p: &MoeProblem, k: &MoeKernel) -> (u32, u32) {
     let rows = (p.tokens * p.top_k) as u32;
-    let n = if k.entry == GEMM13_ENTRY { p.intermediate } else { p.hidden } as u32;
+    let n = if k.entry == GEMM13_ENTRY {
+        p.intermediate
+    } else {
+        p.hidden
+    } as u32;
     (rows.div_ceil(k.block_m) + p.experts as u32, n / k.block_n)
 }
 
@@ -322,12 +337,30 @@ mod tests {
 
     #[test]
     fn regimes_by_rows_per_expert() {
-        assert_eq!(Regime::for_problem(&prob(16, 4096, 11008, 32, 2)), Regime::Decode);
-        assert_eq!(Regime::for_problem(&prob(128, 4096, 11008, 32, 2)), Regime::Decode);
-        assert_eq!(Regime::for_problem(&prob(512, 4096, 11008, 32, 2)), Regime::Small);
-        assert_eq!(Regime::for_problem(&prob(1024, 4096, 11008, 32, 2)), Regime::Medium);
-        assert_eq!(Regime::for_problem(&prob(2048, 4096, 11008, 32, 2)), Regime::Large);
-        assert_eq!(Regime::for_problem(&prob(32768, 4096, 11008, 32, 2)), Regime::Large);
+        assert_eq!(
+            Regime::for_problem(&prob(16, 4096, 11008, 32, 2)),
+            Regime::Decode
+        );
+        assert_eq!(
+            Regime::for_problem(&prob(128, 4096, 11008, 32, 2)),
+            Regime::Decode
+        );
+        assert_eq!(
+            Regime::for_problem(&prob(512, 4096, 11008, 32, 2)),
+            Regime::Small
+        );
+        assert_eq!(
+            Regime::for_problem(&prob(1024, 4096, 11008, 32, 2)),
+            Regime::Medium
+        );
+        assert_eq!(
+            Regime::for_problem(&prob(2048, 4096, 11008, 32, 2)),
+            Regime::Large
+        );
+        assert_eq!(
+            Regime::for_problem(&prob(32768, 4096, 11008, 32, 2)),
+            Regime::Large
+        );
     }
 
     #[test]
@@ -357,9 +390,16 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_unsupported_with_the_constraint_named() {
-        let e = gemm_kernels(&prob(16, 4096, 100, 32, 2)).unwrap_err().to_string();
-        assert!(e.contains("intermediate (100) must be a multiple of 32"), "{e}");
-        let e = gemm_kernels(&prob(16, 4100, 128, 32, 2)).unwrap_err().to_string();
+        let e = gemm_kernels(&prob(16, 4096, 100, 32, 2))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("intermediate (100) must be a multiple of 32"),
+            "{e}"
+        );
+        let e = gemm_kernels(&prob(16, 4100, 128, 32, 2))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("hidden (4100)"), "{e}");
         let mut p = prob(16, 128, 96, 4, 2);
         p.dtype = DType::F32;
@@ -381,7 +421,9 @@ mod tests {
     fn python_tile_table_matches() {
         // python/dev/moe_nvrtc_check.py: `("regime", gemm): (BM, BN, WM, WN, ST, MIN),`
         let py = include_str!("../../../../python/dev/moe_nvrtc_check.py");
-        let start = py.find("MOE_TILES = {").expect("MOE_TILES in moe_nvrtc_check.py");
+        let start = py
+            .find("MOE_TILES = {")
+            .expect("MOE_TILES in moe_nvrtc_check.py");
         let table = &py[start..start + py[start..].find('}').unwrap()];
         let mut seen = 0;
         for r in ALL_REGIMES {
