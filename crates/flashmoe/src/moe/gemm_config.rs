@@ -9,7 +9,10 @@
 //!
 //! The shared-memory formula lives in ONE place, [`GemmTile::shared_mem_bytes`], and
 //! mirrors the comment at the top of the .cu (`SMEM_BYTES` there). python/dev/
-//! moe_nvrtc_check.py keeps a copy of [`REGIMES`] (`MOE_TILES`), checked by a test here.
+//! moe_nvrtc_check.py keeps a copy of [`regime_tile`] (`MOE_TILES`), checked by a test here.
+//!
+//! `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
 
 use super::config::MoeKernel;
 use crate::dtype::DType;
