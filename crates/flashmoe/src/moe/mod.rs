@@ -742,6 +742,33 @@ mod tests {
     }
 
     #[test]
+    fn gemm_geometry_agrees_with_gemm_config() {
+        // Whatever grouped-GEMM variants gemm_config selects, the launcher's grid is the
+        // one the GEMM side documents (skipped when gemm_config is the stub).
+        for (t, h, i, e, k) in [
+            (1, 256, 256, 16, 8),
+            (7, 4096, 11008, 32, 2),
+            (2048, 2048, 768, 128, 8),
+        ] {
+            let p = MoeProblem {
+                tokens: t,
+                hidden: h,
+                intermediate: i,
+                experts: e,
+                top_k: k,
+                ..problem()
+            };
+            let Ok(ks) = config::select(&p) else { continue };
+            let c = launch_configs(&p, &ks).unwrap();
+            for g in [config::K_GEMM13, config::K_GEMM2] {
+                let (gx, gy) = gemm_config::gemm_grid(&p, &ks[g]);
+                assert_eq!(c[g].grid_dim, (gx, gy, 1), "{p} {}", ks[g].entry);
+                assert_eq!(c[g].block_dim.0, ks[g].block_threads);
+            }
+        }
+    }
+
+    #[test]
     fn gemm_tile_mismatch_is_unsupported() {
         let p = MoeProblem {
             intermediate: 100,
