@@ -5,6 +5,7 @@
 pub mod check;
 pub mod cpu;
 pub mod gpu;
+pub mod gpu_moe;
 pub mod pipeline;
 pub mod python;
 

@@ -7,21 +7,39 @@
 //!
 //! Pipeline (one stream, all deterministic: no floating-point atomics):
 //! 1. `moe_router_logits` (kernels/moe_router.cu): logits [T, E] f32 = x · router, fp32
-//!    accumulation.
+//!    accumulation, one fmaf chain per (t, e) over h ascending. Parameters: (const u16* x,
+//!    const u16* router, float* logits, int tokens, int hidden, int experts). Defines
+//!    FM_DTYPE_BF16. Block 256 threads = (256 / EPAD) token groups × EPAD experts
+//!    (EPAD = E rounded up to 32), 4 tokens per thread: grid.x = ceil(T / (4·256/EPAD)).
 //! 2. `moe_router_topk` (moe_router.cu): per token, scores = softmax(logits) or
 //!    sigmoid(logits); top-k by score, ties → lower expert index, ids in descending score
 //!    order → topk_ids [T, k] u32; weights = selected scores, renormalised to sum 1 when
 //!    FM_RENORM=1 → topk_w [T, k] f32; probs [T, E] f32 (softmax probabilities, or sigmoid
 //!    scores normalised to sum 1 per token, for the aux loss); lse [T] f32 (logsumexp of
-//!    the logits, for the z-loss).
+//!    the logits, for the z-loss). Parameters: (const float* logits, u32* topk_ids,
+//!    float* topk_w, float* probs, float* lse, int tokens, int experts, int top_k).
+//!    Defines FM_SIGMOID (0/1), FM_RENORM (0/1). One warp per token, 128 threads:
+//!    grid.x = ceil(T / 4). Ranking is by logit (monotonic in either score; avoids ties
+//!    made by rounding exp/sigmoid in fp32), total order of the IEEE bits, ties → lower
+//!    index. The CPU reference ranks f64 scores of f64 logits: two experts whose logits
+//!    differ by less than fp32 rounding can be ordered differently (the check reports a
+//!    routing mismatch, naming the token).
 //! 3. `moe_expert_stats` (moe_router.cu): per expert e (one block each, fixed-order
 //!    reductions): counts[e] (u32) = slots routed to e; prob_sum[e] (f32) = Σ_t probs[t, e].
-//!    z-loss and aux loss are finished on the host from these small arrays (or a tiny
-//!    kernel): aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T); z = mean_t lse[t]².
+//!    Grid E + 1 blocks of 256 threads: block E computes lse_sq_sum[0] (f32) = Σ_t lse[t]².
+//!    Per-thread strided f64 sums, fixed shared-memory tree. Parameters: (const u32*
+//!    topk_ids, const float* probs, const float* lse, u32* counts, float* prob_sum,
+//!    float* lse_sq_sum, int tokens, int experts, int top_k).
+//!    z-loss and aux loss are finished on the host (f64) from these small arrays:
+//!    aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T); z = lse_sq_sum / T.
 //! 4. `moe_permute` (kernels/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r
 //!    of expert e (rows offsets[e]..offsets[e+1]), the token and its slot index (t·k + s),
 //!    stable (token order within an expert); slot_row [T·k] u32 = inverse map.
+//!    No padding: rows = T·k exactly. Parameters: (const u32* topk_ids, const u32* counts,
+//!    u32* offsets, u32* row_token, u32* row_slot, u32* slot_row, int tokens, int experts,
+//!    int top_k). Grid E blocks of 256 threads (block e places expert e's rows with a
+//!    ballot prefix; block 0 also writes offsets). No atomics.
 //! 5. `moe_gemm13` (kernels/moe_grouped_gemm.cu): for every expert e with rows, for its
 //!    permuted rows r: g = x[row_token[r]] · w13[e][:, 0:I], u = x[row_token[r]] ·
 //!    w13[e][:, I:2I], h[r] = silu(g) · u, fp32 accumulation, h [T·k, I] stored 16-bit.
@@ -37,10 +55,233 @@
 //!    shared memory = shared_mem_bytes.
 //! 7. `moe_combine` (kernels/moe_combine.cu): out[t] = Σ_{s<k} topk_w[t, s] ·
 //!    y[slot_row[t·k + s]] in slot order (+ shared-expert output when present), written
-//!    16-bit. Deterministic.
+//!    16-bit. Deterministic. Parameters: (const float* y, const u32* slot_row,
+//!    const float* topk_w, const float* shared_y, u16* out, int tokens, int hidden,
+//!    int top_k); shared_y [T, H] f32 is read only when FM_SHARED=1 (else any valid
+//!    pointer). Defines FM_DTYPE_BF16, FM_SHARED. Grid T blocks of 256 threads.
+//!
+//! Shared expert (FM_SHARED=1): run as a one-expert group of all tokens through the SAME
+//! grouped GEMM kernels: row_token = [0, T), offsets = [0, T], experts = 1, weights
+//! shared_w13 [H, 2I] and shared_w2 [I, H] → h_shared [T, I], shared_y [T, H] f32.
+//!
+//! Limits (Unsupported otherwise, naming the value): E ≤ 256, k ≤ 8, T·k ≤ 2^31 − 1,
+//! H and I ≤ 2^31 − 1, dtype f16 or bf16. All element offsets are computed in 64 bits.
 
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use super::gemm_config;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::problem::MoeProblem;
+use crate::problem::{MoeProblem, Scoring};
+
+/// Backend name used in errors.
+pub const BACKEND: &str = "flashmoe-moe";
+
+pub const ROUTER_SOURCE: &str = "moe_router.cu";
+pub const PERMUTE_SOURCE: &str = "moe_permute.cu";
+pub const COMBINE_SOURCE: &str = "moe_combine.cu";
+pub const LOGITS_ENTRY: &str = "moe_router_logits";
+pub const TOPK_ENTRY: &str = "moe_router_topk";
+pub const STATS_ENTRY: &str = "moe_expert_stats";
+pub const PERMUTE_ENTRY: &str = "moe_permute";
+pub const GEMM13_ENTRY: &str = "moe_gemm13";
+pub const GEMM2_ENTRY: &str = "moe_gemm2";
+pub const COMBINE_ENTRY: &str = "moe_combine";
+
+/// Largest expert count (the top-k kernel holds 8 logits per lane of one warp).
+pub const MAX_EXPERTS: usize = 256;
+/// Largest top_k (selected weights are kept in registers).
+pub const MAX_TOP_K: usize = 8;
+/// Threads per block of the router / stats / permute / combine kernels (mirrors the .cu).
+pub const LOGITS_THREADS: u32 = 256;
+pub const LOGITS_TOKENS_PER_THREAD: u32 = 4;
+pub const TOPK_THREADS: u32 = 128;
+pub const STATS_THREADS: u32 = 256;
+pub const PERMUTE_THREADS: u32 = 256;
+pub const COMBINE_THREADS: u32 = 256;
+/// Largest value passed as a kernel `int` (and grid.x of the combine).
+pub const MAX_INT: usize = i32::MAX as usize;
+
+/// Indices of the kernels in the list returned by [`select`].
+pub const K_LOGITS: usize = 0;
+pub const K_TOPK: usize = 1;
+pub const K_STATS: usize = 2;
+pub const K_PERMUTE: usize = 3;
+pub const K_GEMM13: usize = 4;
+pub const K_GEMM2: usize = 5;
+pub const K_COMBINE: usize = 6;
+
+fn kv(k: &str, v: u32) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
+fn simple(
+    source: &'static str,
+    entry: &'static str,
+    defines: Vec<(String, String)>,
+    threads: u32,
+) -> MoeKernel {
+    MoeKernel {
+        source_file: source,
+        entry,
+        defines,
+        block_m: 1,
+        block_n: 1,
+        block_threads: threads,
+        shared_mem_bytes: 0,
+        min_arch: 80,
+    }
+}
+
+/// The router, statistics, permutation and combine kernels (everything but the GEMMs) in
+/// pipeline order: logits, topk, stats, permute, combine.
+pub fn non_gemm_variants(
+    dtype: DType,
+    scoring: Scoring,
+    renormalize: bool,
+    shared_expert: bool,
+) -> Result<Vec<MoeKernel>> {
+    if dtype == DType::F32 {
+        return Err(Error::unsupported(
+            BACKEND,
+            "dtype f32 is not supported (the MoE kernels take f16 or bf16 inputs)",
+        ));
+    }
+    let bf16 = (dtype == DType::Bf16) as u32;
+    Ok(vec![
+        simple(
+            ROUTER_SOURCE,
+            LOGITS_ENTRY,
+            vec![kv("FM_DTYPE_BF16", bf16)],
+            LOGITS_THREADS,
+        ),
+        simple(
+            ROUTER_SOURCE,
+            TOPK_ENTRY,
+            vec![
+                kv("FM_SIGMOID", (scoring == Scoring::Sigmoid) as u32),
+                kv("FM_RENORM", renormalize as u32),
+            ],
+            TOPK_THREADS,
+        ),
+        simple(ROUTER_SOURCE, STATS_ENTRY, vec![], STATS_THREADS),
+        simple(PERMUTE_SOURCE, PERMUTE_ENTRY, vec![], PERMUTE_THREADS),
+        simple(
+            COMBINE_SOURCE,
+            COMBINE_ENTRY,
+            vec![
+                kv("FM_DTYPE_BF16", bf16),
+                kv("FM_SHARED", shared_expert as u32),
+            ],
+            COMBINE_THREADS,
+        ),
+    ])
+}
+
+/// Shape limits of the pipeline (everything but the GEMM tiles), `Unsupported` naming
+/// the value that fails; problem validation (`InvalidProblem`) first.
+pub fn check_limits(p: &MoeProblem) -> Result<()> {
+    p.validate()?;
+    if p.experts > MAX_EXPERTS {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "experts = {} exceeds the router limit of {MAX_EXPERTS}",
+                p.experts
+            ),
+        ));
+    }
+    if p.top_k > MAX_TOP_K {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "top_k = {} exceeds the router limit of {MAX_TOP_K}",
+                p.top_k
+            ),
+        ));
+    }
+    let slots = p.tokens.checked_mul(p.top_k);
+    match slots {
+        Some(s) if s <= MAX_INT => {}
+        _ => {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!(
+                    "tokens × top_k = {} × {} exceeds the kernel limit of {MAX_INT} routed rows",
+                    p.tokens, p.top_k
+                ),
+            ))
+        }
+    }
+    for (name, v) in [("hidden", p.hidden), ("intermediate", p.intermediate)] {
+        if v > MAX_INT {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!("{name} = {v} does not fit the kernels' 32-bit int parameter"),
+            ));
+        }
+    }
+    if p.dtype == DType::F32 {
+        return Err(Error::unsupported(
+            BACKEND,
+            "dtype f32 is not supported (the MoE kernels take f16 or bf16 inputs)",
+        ));
+    }
+    Ok(())
+}
+
+/// Every kernel the MoE forward of `problem` needs, in pipeline order (indices
+/// [`K_LOGITS`] … [`K_COMBINE`]), or `Error::Unsupported` naming the shape constraint
+/// that fails (e.g. intermediate not a multiple of the GEMM tile).
+pub fn select(problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
+    check_limits(problem)?;
+    let mut v = non_gemm_variants(
+        problem.dtype,
+        problem.scoring,
+        problem.renormalize,
+        problem.shared_expert,
+    )?;
+    let (g13, g2) = gemm_config::gemm_kernels(problem)?;
+    for (k, entry) in [(&g13, GEMM13_ENTRY), (&g2, GEMM2_ENTRY)] {
+        if k.entry != entry || k.block_m == 0 || k.block_n == 0 || k.block_threads == 0 {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!(
+                    "grouped GEMM variant {}:{} is malformed (want entry {entry}, non-zero tiles)",
+                    k.source_file, k.entry
+                ),
+            ));
+        }
+    }
+    let combine = v.pop().expect("five kernels");
+    v.push(g13);
+    v.push(g2);
+    v.push(combine);
+    Ok(v)
+}
+
+/// Every variant that can be selected (for the compile-everything test): the non-GEMM
+/// kernels for both 16-bit dtypes, both scorings, with/without renormalisation and
+/// shared expert (duplicates removed), plus every grouped-GEMM variant.
+pub fn all_variants() -> Vec<MoeKernel> {
+    let mut out: Vec<MoeKernel> = Vec::new();
+    for dtype in [DType::F16, DType::Bf16] {
+        for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+            for renorm in [false, true] {
+                for shared in [false, true] {
+                    for k in non_gemm_variants(dtype, scoring, renorm, shared).expect("16-bit") {
+                        if !out.contains(&k) {
+                            out.push(k);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out.extend(gemm_config::all_gemm_variants());
+    out
+}
 
 /// One compiled kernel and how to launch it (same shape as the attention variants).
 #[derive(Debug, Clone, PartialEq)]
@@ -57,17 +298,134 @@ pub struct MoeKernel {
     pub min_arch: u32,
 }
 
-/// Every kernel the MoE forward of `problem` needs, in pipeline order, or
-/// `Error::Unsupported` naming the shape constraint that fails (e.g. intermediate not a
-/// multiple of the GEMM tile).
-pub fn select(_problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
-    Err(Error::unsupported(
-        "flashmoe-moe",
-        "MoE kernels are not defined yet",
-    ))
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Every variant that can be selected (for the compile-everything test).
-pub fn all_variants() -> Vec<MoeKernel> {
-    Vec::new()
+    pub(crate) fn problem() -> MoeProblem {
+        MoeProblem {
+            tokens: 7,
+            hidden: 64,
+            intermediate: 32,
+            experts: 8,
+            top_k: 2,
+            scoring: Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        }
+    }
+
+    fn unsupported_reason(r: Result<Vec<MoeKernel>>) -> String {
+        match r {
+            Err(Error::Unsupported { backend, reason }) => {
+                assert_eq!(backend, BACKEND);
+                reason
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn limits_name_the_value() {
+        let mut p = problem();
+        p.experts = 300;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("experts = 300") && r.contains("256"), "{r}");
+        let mut p = problem();
+        p.top_k = 9;
+        p.experts = 16;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("top_k = 9") && r.contains('8'), "{r}");
+        let mut p = problem();
+        p.dtype = DType::F32;
+        assert!(unsupported_reason(select(&p)).contains("f32"));
+        let mut p = problem();
+        p.tokens = usize::MAX / 2;
+        let r = unsupported_reason(select(&p));
+        assert!(r.contains("tokens × top_k"), "{r}");
+    }
+
+    #[test]
+    fn invalid_problems_are_invalid_not_unsupported() {
+        let mut p = problem();
+        p.tokens = 0;
+        let e = select(&p).unwrap_err();
+        assert!(matches!(e, Error::InvalidProblem(_)), "{e}");
+        assert!(e.to_string().contains("tokens must be at least 1"), "{e}");
+        let mut p = problem();
+        p.top_k = 9;
+        let e = select(&p).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("top_k (9) must not exceed experts (8)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn select_uses_gemm_config() {
+        // With the stub gemm_config the whole pipeline is Unsupported, for a clear reason;
+        // with the real one it is the seven kernels in pipeline order.
+        match select(&problem()) {
+            Ok(v) => {
+                let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+                assert_eq!(
+                    entries,
+                    [
+                        LOGITS_ENTRY,
+                        TOPK_ENTRY,
+                        STATS_ENTRY,
+                        PERMUTE_ENTRY,
+                        GEMM13_ENTRY,
+                        GEMM2_ENTRY,
+                        COMBINE_ENTRY
+                    ]
+                );
+            }
+            Err(Error::Unsupported { reason, .. }) => assert!(!reason.is_empty()),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn non_gemm_defines_follow_the_problem() {
+        let v = non_gemm_variants(DType::F16, Scoring::Sigmoid, false, true).unwrap();
+        let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+        assert_eq!(
+            entries,
+            [
+                LOGITS_ENTRY,
+                TOPK_ENTRY,
+                STATS_ENTRY,
+                PERMUTE_ENTRY,
+                COMBINE_ENTRY
+            ]
+        );
+        let def = |k: &MoeKernel, n: &str| {
+            k.defines
+                .iter()
+                .find(|(a, _)| a == n)
+                .map(|(_, b)| b.clone())
+        };
+        assert_eq!(def(&v[0], "FM_DTYPE_BF16").as_deref(), Some("0"));
+        assert_eq!(def(&v[1], "FM_SIGMOID").as_deref(), Some("1"));
+        assert_eq!(def(&v[1], "FM_RENORM").as_deref(), Some("0"));
+        assert_eq!(def(&v[4], "FM_SHARED").as_deref(), Some("1"));
+        assert!(non_gemm_variants(DType::F32, Scoring::Softmax, true, false).is_err());
+    }
+
+    #[test]
+    fn all_variants_cover_every_combination_once() {
+        let v = all_variants();
+        let count = |e: &str| v.iter().filter(|k| k.entry == e).count();
+        assert_eq!(count(LOGITS_ENTRY), 2);
+        assert_eq!(count(TOPK_ENTRY), 4);
+        assert_eq!(count(STATS_ENTRY), 1);
+        assert_eq!(count(PERMUTE_ENTRY), 1);
+        assert_eq!(count(COMBINE_ENTRY), 4);
+        for (i, a) in v.iter().enumerate() {
+            assert!(!v[i + 1..].contains(a), "duplicate {a:?}");
+        }
+    }
 }

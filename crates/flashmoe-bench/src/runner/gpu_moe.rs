@@ -1,0 +1,96 @@
+//! Native GPU MoE layer ("flashmoe-moe"): router, permutation, grouped SwiGLU GEMMs and
+//! combine (`flashmoe::moe::MoeRunner`), timed with CUDA events after an L2 flush like
+//! the attention kernels (see `gpu.rs`).
+
+use super::gpu::GpuSession;
+use super::{Implementation, Outputs, Prepared, SuiteInputs};
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use anyhow::Context;
+use flashmoe::moe::{config, MoeRunner};
+use std::rc::Rc;
+
+pub struct GpuMoe {
+    pub session: Rc<GpuSession>,
+}
+
+impl Implementation for GpuMoe {
+    fn name(&self) -> &str {
+        "flashmoe-moe"
+    }
+    fn backend(&self) -> &str {
+        "cuda"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        let ProblemSpec::Moe(p) = problem else {
+            return Err("MoE layer".into());
+        };
+        let kernels = config::select(p).map_err(|e| e.to_string())?;
+        let arch = self.session.device.arch();
+        if let Some(k) = kernels.iter().find(|k| arch < k.min_arch) {
+            return Err(format!(
+                "{} needs sm_{} or newer, this GPU is sm_{arch}",
+                k.entry, k.min_arch
+            ));
+        }
+        Ok(())
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
+            anyhow::bail!("GPU MoE given a non-MoE config");
+        };
+        let runner = MoeRunner::new(&self.session.device, p, x)
+            .with_context(|| format!("preparing the MoE pipeline for {p}"))?;
+        Ok(Box::new(MoePrepared {
+            runner,
+            session: self.session.clone(),
+            notes: Vec::new(),
+        }))
+    }
+}
+
+struct MoePrepared {
+    runner: MoeRunner,
+    session: Rc<GpuSession>,
+    notes: Vec<String>,
+}
+
+impl Sampled for MoePrepared {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let dev = &self.session.device;
+        let runner = &mut self.runner;
+        self.session.timed(|| runner.run(dev))
+    }
+}
+
+impl Prepared for MoePrepared {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let dev = &self.session.device;
+        self.runner.poison_outputs(dev)?;
+        self.runner.run(dev)?;
+        dev.synchronize().context("running the MoE pipeline")?;
+        let routing = self.runner.gpu_routing(dev)?;
+        let (max, mean, cv) = routing.load_stats();
+        self.notes = vec![format!(
+            "router: aux loss {:.6}, z-loss {:.6}; tokens per expert max {max}, mean {mean:.1}, CV {cv:.3}; {} of {} experts empty",
+            routing.aux_loss,
+            routing.z_loss,
+            routing.counts.iter().filter(|&&c| c == 0).count(),
+            routing.counts.len()
+        )];
+        Ok(Outputs::Moe {
+            out: self.runner.output(dev)?,
+            topk_ids: Some(routing.topk_ids),
+        })
+    }
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        Some(self.runner.workspace_bytes())
+    }
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+}

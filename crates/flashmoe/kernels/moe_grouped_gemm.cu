@@ -1,0 +1,497 @@
+// flashmoe — MoE grouped GEMMs (portable path, sm_80 and newer, mma.sync).
+//
+// Compiled at run time by NVRTC; self-contained (no CUDA headers). One source, two entries,
+// specialised by preprocessor defines (crates/flashmoe/src/moe/gemm_config.rs owns the
+// table of variants and the shared-memory formula, which must agree with the constants
+// below):
+//
+//   FM_GEMM        13 = moe_gemm13 (gate+up, SwiGLU epilogue), 2 = moe_gemm2 (down)
+//   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (x, weights, h storage; accumulation is fp32)
+//   FM_BM          rows per block (multiple of 16 * FM_WARPS_M)
+//   FM_BN          output columns per block (gemm13: per matrix, i.e. FM_BN gate columns
+//                  AND the FM_BN matching up columns; multiple of 16 * FM_WARPS_N)
+//   FM_WARPS_M/N   warp grid; a warp owns (BM/WARPS_M) x (BN/WARPS_N) of each output tile
+//   FM_STAGES      cp.async shared-memory ring depth (2..8); k tile i+STAGES-1 is loading
+//                  while tile i is multiplied
+//   FM_MIN_BLOCKS  second __launch_bounds__ argument
+//   BK = 64        k depth of one pipeline stage (fixed: 128-byte A rows for the swizzle)
+//
+// ABI (contract in crates/flashmoe/src/moe/config.rs, steps 5 and 6):
+//   moe_gemm13(const u16* x, const u32* row_token, const u32* offsets, const u16* w13,
+//              u16* h, int hidden, int inter, int experts)
+//     h[r, n] = silu(x[row_token[r]] . w13[e][:, n]) * (x[row_token[r]] . w13[e][:, I + n])
+//   moe_gemm2(const u16* h, const u32* offsets, const u16* w2, float* y,
+//             int hidden, int inter, int experts)
+//     y[r, n] = h[r] . w2[e][:, n]   (f32)
+//   grid.x = ceil(T*k / BM) + E (upper bound on sum_e ceil(n_e / BM)); grid.y = N / BN
+//   (N = inter for gemm13, hidden for gemm2); block = WARPS_M * WARPS_N * 32 threads.
+//   Block x finds its (expert, row tile) by a block-wide scan of the per-expert tile counts
+//   ceil(n_e / BM) (experts with no rows own no tile, so their weights are never read);
+//   surplus blocks exit before touching memory.
+//   Requirements (checked by gemm_config.rs): K (hidden for gemm13, inter for gemm2) a
+//   multiple of 8 (16-byte chunks; the k tail beyond K inside the last BK tile is
+//   zero-filled), N a multiple of BN.
+//
+// Shared memory (dynamic), one formula, mirrored by GemmTile::shared_mem_bytes:
+//   A_BYTES  = BM * 128                     (BM rows x 64 k, 16-bit)
+//   BPITCH   = max(BN, 64) elements          (rows padded to >= 128 bytes for the swizzle)
+//   B_BYTES  = 64 * BPITCH * 2               (64 k rows x BN columns), NB = 2 (gemm13) or 1
+//   bytes    = STAGES * (A_BYTES + NB * B_BYTES) + BM * 8 + 256
+//   layout: [stage 0: A | B (gate) | B (up)] ... [stage S-1] [row offsets: BM x i64]
+//           [scan scratch: 64 x u32]
+//   Swizzle: 16-byte chunk c of row r lives at chunk (c ^ (r & 7)) of that row.
+//
+// Per warp: MT = WTM/16 m16 tiles x NT = WTN/8 n8 tiles per output matrix; A fragments by
+// ldmatrix.x4, B fragments (K-major [k][n] in smem) by ldmatrix.x4.trans, mma.m16n8k16
+// with fp32 accumulators. Epilogue straight from registers: gemm13 applies silu(g) * u and
+// stores 16-bit pairs; gemm2 stores f32 pairs. Rows beyond the expert's range read zeros
+// (cp.async src-size 0) and are never stored.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#ifndef FM_GEMM
+#error "FM_GEMM must be 13 or 2"
+#endif
+#ifndef FM_DTYPE_BF16
+#define FM_DTYPE_BF16 1
+#endif
+#ifndef FM_BM
+#define FM_BM 128
+#endif
+#ifndef FM_BN
+#define FM_BN 64
+#endif
+#ifndef FM_WARPS_M
+#define FM_WARPS_M 2
+#endif
+#ifndef FM_WARPS_N
+#define FM_WARPS_N 4
+#endif
+#ifndef FM_STAGES
+#define FM_STAGES 3
+#endif
+#ifndef FM_MIN_BLOCKS
+#define FM_MIN_BLOCKS 1
+#endif
+
+namespace fm {
+
+constexpr bool G13 = FM_GEMM == 13;
+constexpr int NB = G13 ? 2 : 1;  // B matrices (and accumulator tiles) per block
+constexpr int BM = FM_BM;
+constexpr int BN = FM_BN;
+constexpr int BK = 64;
+constexpr int WARPS_M = FM_WARPS_M;
+constexpr int WARPS_N = FM_WARPS_N;
+constexpr int WARPS = WARPS_M * WARPS_N;
+constexpr int THREADS = WARPS * 32;
+constexpr int STAGES = FM_STAGES;
+constexpr int WTM = BM / WARPS_M;
+constexpr int WTN = BN / WARPS_N;
+constexpr int MT = WTM / 16;
+constexpr int NT = WTN / 8;
+constexpr int NP = WTN / 16;  // n16 pairs (one ldmatrix.x4.trans each)
+constexpr int KK = BK / 16;
+constexpr int A_PITCH_B = BK * 2;  // 128
+constexpr int BPITCH = BN > 64 ? BN : 64;
+constexpr int B_PITCH_B = BPITCH * 2;
+constexpr int A_BYTES = BM * A_PITCH_B;
+constexpr int B_BYTES = BK * B_PITCH_B;
+constexpr int STAGE_BYTES = A_BYTES + NB * B_BYTES;
+constexpr int ROWOFF_BYTES = BM * 8;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + ROWOFF_BYTES + 256;
+constexpr int A_CHUNKS = BM * (BK / 8);
+constexpr int B_CPR = BN / 8;  // 16-byte chunks per B row
+constexpr int B_CHUNKS = BK * B_CPR;
+
+static_assert(FM_GEMM == 13 || FM_GEMM == 2, "FM_GEMM must be 13 or 2");
+static_assert(WTM % 16 == 0 && WTM >= 16 && BM == WTM * WARPS_M, "BM / WARPS_M must be a multiple of 16");
+static_assert(WTN % 16 == 0 && WTN >= 16 && BN == WTN * WARPS_N, "BN / WARPS_N must be a multiple of 16");
+static_assert(BN == 32 || BN % 64 == 0, "BN must be 32 or a multiple of 64");
+static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be 2..8");
+static_assert(WARPS <= 32, "at most 32 warps");
+static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
+
+// ----------------------------------------------------------------------------------------
+// PTX wrappers
+// ----------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global->shared async copy (L2 only); pred false writes 16 zero bytes and reads
+// nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool pred) {
+    const int n = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// c += a * b, m16n8k16, A row-major (4 regs), B column-major (2 regs), fp32 accumulators.
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if FM_DTYPE_BF16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two fp32 -> one 32-bit register of two 16-bit values (lo in bits 0..15), round to nearest.
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#if FM_DTYPE_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float rcp(float x) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+// silu(g) * u = g * u / (1 + e^-g). e^-g overflows to +inf for g < -88: rcp(inf) = 0, so
+// the product is (-)0 as it should be.
+__device__ __forceinline__ float swiglu(float g, float u) {
+    constexpr float LOG2E = 1.4426950408889634f;
+    return g * u * rcp(1.f + ex2(-g * LOG2E));
+}
+
+__device__ __forceinline__ void st_global_u32(void* p, u32 a) {
+    asm volatile("st.global.u32 [%0], %1;\n" ::"l"(p), "r"(a) : "memory");
+}
+__device__ __forceinline__ void st_global_f32x2(void* p, float a, float b) {
+    asm volatile("st.global.v2.f32 [%0], {%1,%2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// ----------------------------------------------------------------------------------------
+// Block -> (expert, row tile): block-wide exclusive scan of ceil(n_e / BM) over experts.
+// Thread t owns experts [t*EPT, (t+1)*EPT). Returns false for a surplus block (uniform).
+// ----------------------------------------------------------------------------------------
+__device__ __forceinline__ bool find_tile(const u32* __restrict__ offsets, int experts,
+                                          u32* scratch, int tid, int& expert, int& tile) {
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int ept = (experts + THREADS - 1) / THREADS;
+    const int e_lo = min(experts, tid * ept);
+    const int e_hi = min(experts, e_lo + ept);
+    u32 mine = 0;
+    for (int e = e_lo; e < e_hi; ++e) {
+        const u32 n = offsets[e + 1] - offsets[e];
+        mine += (n + BM - 1) / BM;
+    }
+    // inclusive warp scan
+    u32 incl = mine;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const u32 v = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    if (lane == 31) scratch[warp] = incl;
+    if (tid == 0) scratch[32] = 0xffffffffu;  // found: expert
+    __syncthreads();
+    u32 base = incl - mine;
+    for (int w = 0; w < warp; ++w) base += scratch[w];
+    const u32 t = blockIdx.x;
+    if (t >= base && t < base + mine) {  // exactly one thread owns tile t (if any)
+        u32 start = base;
+        for (int e = e_lo; e < e_hi; ++e) {
+            const u32 n = offsets[e + 1] - offsets[e];
+            const u32 nt = (n + BM - 1) / BM;
+            if (t < start + nt) {
+                scratch[32] = (u32)e;
+                scratch[33] = t - start;
+                break;
+            }
+            start += nt;
+        }
+    }
+    __syncthreads();
+    const u32 e = scratch[32];
+    if (e == 0xffffffffu) return false;
+    expert = (int)e;
+    tile = (int)scratch[33];
+    return true;
+}
+
+// A stage: BM rows x 64 k of the gathered A rows (element offset of row r in rowoff[r],
+// -1 = masked row -> zeros), k columns [k0, k0+64) with chunks >= K zero-filled.
+__device__ __forceinline__ void load_a(u32 dst, const u16* __restrict__ a, const i64* rowoff,
+                                       int k0, int K, int tid) {
+    constexpr int ITERS = (A_CHUNKS + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int c = tid + it * THREADS;
+        if (A_CHUNKS % THREADS == 0 || c < A_CHUNKS) {
+            const int r = c >> 3;
+            const int ch = c & 7;
+            const i64 ro = rowoff[r];
+            const int k = k0 + ch * 8;
+            const bool ok = ro >= 0 && k < K;
+            cp_async16(dst + r * A_PITCH_B + ((ch ^ (r & 7)) << 4), a + (ok ? ro + k : 0), ok);
+        }
+    }
+}
+
+// B stage: 64 k rows x BN columns of the [K, ldb] K-major weight at w (already offset to
+// the expert and the first column), k rows >= K zero-filled.
+__device__ __forceinline__ void load_b(u32 dst, const u16* __restrict__ w, i64 ldb, int k0,
+                                       int K, int tid) {
+    constexpr int ITERS = (B_CHUNKS + THREADS - 1) / THREADS;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+        const int c = tid + it * THREADS;
+        if (B_CHUNKS % THREADS == 0 || c < B_CHUNKS) {
+            const int r = c / B_CPR;
+            const int ch = c % B_CPR;
+            const int k = k0 + r;
+            const bool ok = k < K;
+            cp_async16(dst + r * B_PITCH_B + ((ch ^ (r & 7)) << 4),
+                       w + (ok ? (i64)k * ldb + ch * 8 : 0), ok);
+        }
+    }
+}
+
+// The whole block: C[NB] (BM x BN each) = A (gathered rows) x B[NB], then the epilogue.
+// a: A matrix; rowoff computed by the caller in smem; w0/w1: B column tiles (w1 unused
+// when NB == 1); ldb: row stride of the weight; K: reduction depth.
+__device__ __forceinline__ void gemm_block(const u16* __restrict__ a, const u16* __restrict__ w0,
+                                           const u16* __restrict__ w1, i64 ldb, int K,
+                                           u32 smem, const i64* rowoff, int tid,
+                                           float (&acc)[NB][MT][NT][4]) {
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int wm = warp / WARPS_N;
+    const int wn = warp % WARPS_N;
+    const int ktiles = (K + BK - 1) / BK;
+
+#pragma unroll
+    for (int b = 0; b < NB; ++b)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[b][mt][nt][e] = 0.f;
+
+    // prologue: stages 0 .. STAGES-2
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < ktiles) {
+            const u32 st = smem + s * STAGE_BYTES;
+            load_a(st, a, rowoff, s * BK, K, tid);
+            load_b(st + A_BYTES, w0, ldb, s * BK, K, tid);
+            if (NB == 2) load_b(st + A_BYTES + B_BYTES, w1, ldb, s * BK, K, tid);
+        }
+        cp_async_commit();
+    }
+
+    // Lane-dependent ldmatrix offsets (bytes inside a stage). ldmatrix.x4 lane l addresses
+    // row (l & 7) of matrix l >> 3.
+    //   A (x4):       matrix i -> rows (i&1)*8 + lr, k chunk 2kk + (i>>1) -> a0 a1 a2 a3
+    //   B (x4.trans): matrix i -> k rows (i&1)*8 + lr, n chunk 2np + (i>>1) -> b0 b1 of
+    //                 n8 tile 2np, then b0 b1 of n8 tile 2np+1
+    // All rows touched are congruent to lr mod 8 (tile bases are multiples of 8), so the
+    // swizzle term is (chunk ^ lr).
+    const int lr = lane & 7;
+    const int l16 = lane & 15;
+    const int hi = lane >> 4;
+    u32 aoff[KK];
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk)
+        aoff[kk] = (wm * WTM + l16) * A_PITCH_B + (((2 * kk + hi) ^ lr) << 4);
+    u32 boff[NP];
+#pragma unroll
+    for (int np = 0; np < NP; ++np)
+        boff[np] = l16 * B_PITCH_B + (((wn * (WTN / 8) + 2 * np + hi) ^ lr) << 4);
+
+    int slot = 0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+        cp_async_wait<STAGES - 2>();  // k tile kt has landed (this thread's copies)
+        __syncthreads();              // ... everyone's; the slot of tile kt-1 is free
+        {
+            const int nx = kt + STAGES - 1;
+            if (nx < ktiles) {
+                int ns = slot + STAGES - 1;
+                if (ns >= STAGES) ns -= STAGES;
+                const u32 st = smem + ns * STAGE_BYTES;
+                load_a(st, a, rowoff, nx * BK, K, tid);
+                load_b(st + A_BYTES, w0, ldb, nx * BK, K, tid);
+                if (NB == 2) load_b(st + A_BYTES + B_BYTES, w1, ldb, nx * BK, K, tid);
+            }
+            cp_async_commit();
+        }
+        const u32 sA = smem + slot * STAGE_BYTES;
+        const u32 sB = sA + A_BYTES;
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk) {
+            u32 af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldsm_x4(sA + aoff[kk] + mt * 16 * A_PITCH_B, af[mt][0], af[mt][1], af[mt][2],
+                        af[mt][3]);
+#pragma unroll
+            for (int b = 0; b < NB; ++b)
+#pragma unroll
+                for (int np = 0; np < NP; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(sB + b * B_BYTES + kk * 16 * B_PITCH_B + boff[np], b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816(acc[b][mt][2 * np], af[mt], b0, b1);
+                        mma16816(acc[b][mt][2 * np + 1], af[mt], b2, b3);
+                    }
+                }
+        }
+        if (++slot == STAGES) slot = 0;
+    }
+    cp_async_wait<0>();  // only empty groups remain; keep the ring quiet before exit
+}
+
+// rowoff[r] = element offset of A row r of this tile, or -1 beyond the expert's rows.
+__device__ __forceinline__ void fill_rowoff(i64* rowoff, const u32* __restrict__ row_token,
+                                            u32 row0, int nrows, i64 row_stride, int tid) {
+    for (int r = tid; r < BM; r += THREADS) {
+        i64 v = -1;
+        if (r < nrows) {
+            const u32 src = row_token ? row_token[row0 + r] : row0 + r;
+            v = (i64)src * row_stride;
+        }
+        rowoff[r] = v;
+    }
+}
+
+}  // namespace fm
+
+#if FM_GEMM == 13
+extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
+    moe_gemm13(const u16* __restrict__ x, const u32* __restrict__ row_token,
+               const u32* __restrict__ offsets, const u16* __restrict__ w13,
+               u16* __restrict__ h, int hidden, int inter, int experts) {
+    using namespace fm;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const int tid = threadIdx.x;
+    const u32 smem = smem_addr(smem_raw);
+    i64* rowoff = reinterpret_cast<i64*>(smem_raw + STAGES * STAGE_BYTES);
+    u32* scratch = reinterpret_cast<u32*>(smem_raw + STAGES * STAGE_BYTES + ROWOFF_BYTES);
+
+    int e, tile;
+    if (!find_tile(offsets, experts, scratch, tid, e, tile)) return;
+    const u32 row0 = offsets[e] + (u32)tile * BM;
+    const int nrows = min(BM, (int)(offsets[e + 1] - row0));
+    fill_rowoff(rowoff, row_token, row0, nrows, hidden, tid);
+    __syncthreads();
+
+    const int n0 = blockIdx.y * BN;
+    const i64 ldb = 2 * (i64)inter;
+    const u16* wg = w13 + (i64)e * hidden * ldb + n0;
+    float acc[NB][MT][NT][4];
+    gemm_block(x, wg, wg + inter, ldb, hidden, smem, rowoff, tid, acc);
+
+    // epilogue: h = silu(g) * u, 16-bit pairs
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int wm = warp / WARPS_N;
+    const int wn = warp % WARPS_N;
+    const int col = n0 + wn * WTN + 2 * (lane & 3);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wm * WTM + mt * 16 + (lane >> 2) + hh * 8;
+            if (r < nrows) {
+                u16* dst = h + (i64)(row0 + r) * inter + col;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    st_global_u32(dst + nt * 8,
+                                  pack2(swiglu(acc[0][mt][nt][2 * hh], acc[1][mt][nt][2 * hh]),
+                                        swiglu(acc[0][mt][nt][2 * hh + 1],
+                                               acc[1][mt][nt][2 * hh + 1])));
+            }
+        }
+}
+#endif
+
+#if FM_GEMM == 2
+extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
+    moe_gemm2(const u16* __restrict__ hin, const u32* __restrict__ offsets,
+              const u16* __restrict__ w2, float* __restrict__ y, int hidden, int inter,
+              int experts) {
+    using namespace fm;
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const int tid = threadIdx.x;
+    const u32 smem = smem_addr(smem_raw);
+    i64* rowoff = reinterpret_cast<i64*>(smem_raw + STAGES * STAGE_BYTES);
+    u32* scratch = reinterpret_cast<u32*>(smem_raw + STAGES * STAGE_BYTES + ROWOFF_BYTES);
+
+    int e, tile;
+    if (!find_tile(offsets, experts, scratch, tid, e, tile)) return;
+    const u32 row0 = offsets[e] + (u32)tile * BM;
+    const int nrows = min(BM, (int)(offsets[e + 1] - row0));
+    fill_rowoff(rowoff, nullptr, row0, nrows, inter, tid);
+    __syncthreads();
+
+    const int n0 = blockIdx.y * BN;
+    const i64 ldb = hidden;
+    const u16* wd = w2 + (i64)e * inter * ldb + n0;
+    float acc[NB][MT][NT][4];
+    gemm_block(hin, wd, wd, ldb, inter, smem, rowoff, tid, acc);
+
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int wm = warp / WARPS_N;
+    const int wn = warp % WARPS_N;
+    const int col = n0 + wn * WTN + 2 * (lane & 3);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = wm * WTM + mt * 16 + (lane >> 2) + hh * 8;
+            if (r < nrows) {
+                float* dst = y + (i64)(row0 + r) * hidden + col;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    st_global_f32x2(dst + nt * 8, acc[0][mt][nt][2 * hh],
+                                    acc[0][mt][nt][2 * hh + 1]);
+            }
+        }
+}
+#endif

@@ -1,0 +1,195 @@
+//! MoE tests that need a GPU (they print "skipped: no GPU" elsewhere). On the GPU machine:
+//! `cargo test -p flashmoe --release -- gpu_tests --nocapture --test-threads=1`.
+//!
+//! The whole pipeline against the CPU f64 reference `moe_f64` on small shapes: routing
+//! identical (ids and per-expert counts), weights close, aux and z losses within 1e-4
+//! relative, output relative L2 ≤ 1.6e-2 (bf16) — tokens 1, 7, 128; top_k 1, 2, 8;
+//! softmax and sigmoid; an expert that gets no token; a shared expert; fp16.
+
+use super::*;
+use crate::accuracy::error_metrics;
+use crate::error::Error;
+use crate::problem::Scoring;
+use crate::reference::moe::moe_f64;
+
+fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
+    match Device::open(0) {
+        Ok(dev) => {
+            eprintln!("{name}: {}", dev.info());
+            f(&dev)
+        }
+        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
+        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
+    }
+}
+
+const EXPERTS: usize = 16;
+/// Expert whose router column is a copy of `TIED_LOW`'s: with equal logits the lower index
+/// wins, so with top_k = 1 this expert never gets a token.
+const TIED_HIGH: usize = 11;
+const TIED_LOW: usize = 4;
+
+fn problem(tokens: usize, top_k: usize, scoring: Scoring, dtype: DType) -> MoeProblem {
+    MoeProblem {
+        tokens,
+        hidden: 256,
+        intermediate: 256,
+        experts: EXPERTS,
+        top_k,
+        scoring,
+        renormalize: true,
+        dtype,
+        shared_expert: false,
+    }
+}
+
+fn inputs(p: &MoeProblem) -> MoeInputs {
+    let mut x = MoeInputs::generate(p, 42);
+    for h in 0..p.hidden {
+        x.router[h * p.experts + TIED_HIGH] = x.router[h * p.experts + TIED_LOW];
+    }
+    x
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-30)
+}
+
+/// Run the pipeline once and compare everything with the CPU reference.
+#[allow(clippy::needless_range_loop)]
+fn check_case(dev: &Device, p: &MoeProblem) {
+    let x = inputs(p);
+    let reference = moe_f64(p, &x).unwrap();
+    let mut r = MoeRunner::new(dev, p, &x).unwrap_or_else(|e| panic!("{p}: {e}"));
+    r.poison_outputs(dev).unwrap();
+    r.run(dev).unwrap();
+    dev.synchronize().unwrap_or_else(|e| panic!("{p}: {e}"));
+    let g = r.gpu_routing(dev).unwrap();
+    if let Some(m) = routing_mismatch(&g.topk_ids, &reference.routing.topk_ids, p.top_k) {
+        panic!("{p}: {m}");
+    }
+    let want_counts: Vec<u32> = reference
+        .routing
+        .expert_counts
+        .iter()
+        .map(|&c| c as u32)
+        .collect();
+    assert_eq!(g.counts, want_counts, "{p}: per-expert counts");
+    if p.top_k == 1 {
+        assert_eq!(g.counts[TIED_HIGH], 0, "{p}: tied expert must get no token");
+    }
+    for (i, (&w, &rw)) in g
+        .topk_w
+        .iter()
+        .zip(&reference.routing.topk_weights)
+        .enumerate()
+    {
+        assert!(
+            (w as f64 - rw).abs() <= 1e-5 + 1e-4 * rw.abs(),
+            "{p}: weight {i}: {w} vs {rw}"
+        );
+    }
+    assert!(
+        rel(g.aux_loss, reference.routing.aux_loss) <= 1e-4,
+        "{p}: aux {} vs {}",
+        g.aux_loss,
+        reference.routing.aux_loss
+    );
+    assert!(
+        rel(g.z_loss, reference.routing.z_loss) <= 1e-4,
+        "{p}: z {} vs {}",
+        g.z_loss,
+        reference.routing.z_loss
+    );
+
+    // Permutation: offsets = scan of counts; rows grouped by expert in token order;
+    // slot_row the inverse of row_slot.
+    let (offsets, row_token, row_slot, slot_row) = r.permutation(dev).unwrap();
+    let mut acc = 0u32;
+    for e in 0..p.experts {
+        assert_eq!(offsets[e], acc, "{p}: offsets[{e}]");
+        acc += g.counts[e];
+        for row in offsets[e]..offsets[e] + g.counts[e] {
+            let s = row_slot[row as usize] as usize;
+            assert_eq!(g.topk_ids[s], e as u32, "{p}: row {row}");
+            assert_eq!(row_token[row as usize] as usize, s / p.top_k);
+            assert_eq!(slot_row[s], row);
+            if row > offsets[e] {
+                assert!(
+                    row_token[row as usize - 1] < row_token[row as usize],
+                    "{p}: stable"
+                );
+            }
+        }
+    }
+    assert_eq!(offsets[p.experts] as usize, p.tokens * p.top_k);
+
+    let out = r.output(dev).unwrap();
+    assert!(out.iter().all(|v| v.is_finite()), "{p}: non-finite output");
+    let m = error_metrics(&out, &reference.out);
+    let tol = if p.dtype == DType::Bf16 { 1.6e-2 } else { 4e-3 };
+    eprintln!(
+        "  {p}: rel_l2 {:.2e} max_abs {:.2e} aux {:.6} z {:.6} counts {:?}",
+        m.rel_l2, m.max_abs, g.aux_loss, g.z_loss, g.counts
+    );
+    assert!(m.rel_l2 <= tol, "{p}: rel_l2 {} > {tol}", m.rel_l2);
+
+    // Deterministic: a second run is bit-identical.
+    r.poison_outputs(dev).unwrap();
+    r.run(dev).unwrap();
+    assert_eq!(r.output(dev).unwrap(), out, "{p}: second run differs");
+}
+
+#[test]
+fn moe_matches_cpu_reference_matrix() {
+    with_gpu("moe_matrix", |dev| {
+        for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+            for tokens in [1, 7, 128] {
+                for top_k in [1, 2, 8] {
+                    check_case(dev, &problem(tokens, top_k, scoring, DType::Bf16));
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn moe_fp16_no_renorm_and_shared_expert() {
+    with_gpu("moe_variants", |dev| {
+        let mut p = problem(7, 2, Scoring::Softmax, DType::F16);
+        check_case(dev, &p);
+        p.renormalize = false;
+        p.scoring = Scoring::Sigmoid;
+        check_case(dev, &p);
+        let s = MoeProblem {
+            shared_expert: true,
+            dtype: DType::Bf16,
+            ..problem(128, 2, Scoring::Softmax, DType::Bf16)
+        };
+        check_case(dev, &s);
+    });
+}
+
+#[test]
+fn moe_bad_input_is_a_clear_error() {
+    with_gpu("moe_errors", |dev| {
+        let p = problem(7, 2, Scoring::Softmax, DType::Bf16);
+        let mut x = inputs(&p);
+        x.w13.truncate(10);
+        match MoeRunner::new(dev, &p, &x) {
+            Err(Error::BufferSize { name, .. }) => assert_eq!(name, "w13"),
+            other => panic!("{other:?}"),
+        }
+        let big = MoeProblem {
+            experts: 300,
+            ..p.clone()
+        };
+        let e = MoeRunner::new(dev, &big, &MoeInputs::generate(&big, 1)).unwrap_err();
+        assert!(e.to_string().contains("experts = 300"), "{e}");
+        let zero = MoeProblem { tokens: 0, ..p };
+        assert!(matches!(
+            MoeRunner::new(dev, &zero, &inputs(&zero)),
+            Err(Error::InvalidProblem(_))
+        ));
+    });
+}
