@@ -37,6 +37,8 @@ for s in "$@"; do
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
                   for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
+    check-moe)    stage check-moe 200 $BIN check --suite moe ;;
+    moe-probe)    stage moe-probe 200 python3 python/dev/moe_gemm_probe.py --quick ;;
     moe-small)    stage moe-small 300 $BIN bench moe --config configs/moe-small.toml --out /tmp/moe-small
                   cp /tmp/moe-small/results.json "$OUT/moe-small.json" 2>/dev/null ;;
     seeds)        stage seed002 200 $BIN bench attention --preset seed002 --out /tmp/seed002

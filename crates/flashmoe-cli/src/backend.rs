@@ -9,6 +9,7 @@ use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
 };
+use flashmoe_bench::runner::gpu_moe::GpuMoe;
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
 use std::path::Path;
@@ -210,19 +211,13 @@ pub fn select(
         return cpu_lab(suite, seed);
     }
     match GpuSession::open(0) {
-        // No flashmoe MoE kernel yet (issue 5): on a GPU the MoE suite measures the PyTorch
-        // baselines against each other, the grouped-GEMM path as the candidate.
         Ok(session) if suite == Suite::Moe => {
-            let mut lab = gpu_lab(suite, seed, session, for_check);
-            lab.implementations.clear();
+            let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
+            lab.implementations = vec![Box::new(GpuMoe { session })];
+            lab.default_candidate = "flashmoe-moe".into();
             if let Some(python) = python {
                 add_baselines(&mut lab, suite, python, seed);
             }
-            if lab.implementations.is_empty() {
-                eprintln!("MoE has no GPU implementation of ours yet and no baselines ran: running the CPU implementations.");
-                return cpu_lab(suite, seed);
-            }
-            lab.default_candidate = "moe-grouped-mm".into();
             lab
         }
         Ok(session) => {
