@@ -147,3 +147,46 @@ fn an_invalid_config_is_recorded_not_fatal() {
     assert!(r.error.as_deref().unwrap().contains("heads_q (6)"));
     assert!(r.implementations.is_empty());
 }
+
+#[test]
+fn a_throughput_collapse_between_neighbours_is_flagged() {
+    use flashmoe_bench::report::fixtures;
+    use flashmoe_bench::runner::pipeline::flag_implausible_drops;
+    let mut run = fixtures::large_sweep_run(8);
+    // Pick one implementation in the middle of a panel and make it 50x slower.
+    let panel = run.configs[0].problem.panel();
+    let mut same: Vec<usize> = (0..run.configs.len())
+        .filter(|&i| run.configs[i].problem.panel() == panel)
+        .collect();
+    same.sort_by(|&a, &b| {
+        run.configs[a]
+            .problem
+            .x_value()
+            .total_cmp(&run.configs[b].problem.x_value())
+    });
+    assert!(same.len() >= 3, "fixture panel too small");
+    let victim = same[same.len() / 2];
+    let name = run.configs[victim].implementations[0].name.clone();
+    let tf = run.configs[victim].implementations[0].tflops.unwrap();
+    run.configs[victim].implementations[0].tflops = Some(tf / 50.0);
+    flag_implausible_drops(&mut run);
+    flag_implausible_drops(&mut run); // idempotent
+    let flagged: Vec<(usize, String)> = run
+        .configs
+        .iter()
+        .enumerate()
+        .flat_map(|(ci, c)| {
+            c.implementations
+                .iter()
+                .filter(|i| {
+                    i.flags
+                        .iter()
+                        .any(|f| f.contains("far below its neighbouring"))
+                })
+                .map(move |i| (ci, i.name.clone()))
+        })
+        .collect();
+    assert_eq!(flagged, vec![(victim, name)]);
+    let f = &run.configs[victim].implementations[0].flags;
+    assert_eq!(f.iter().filter(|f| f.contains("far below")).count(), 1);
+}

@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use flashmoe_bench::config::{self, Suite};
 use flashmoe_bench::report;
 use flashmoe_bench::results::{RunResults, SCHEMA_VERSION};
-use flashmoe_bench::runner::pipeline::Pipeline;
+use flashmoe_bench::runner::pipeline::{flag_implausible_drops, Pipeline};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::Path;
 use std::process::ExitCode;
@@ -154,6 +154,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             }
         }
         bar.inc(1);
+        flag_implausible_drops(&mut results);
         // Written after every config so an interrupt or crash keeps what was measured.
         report::write_all(&results, &args.out)?;
     }

@@ -307,3 +307,74 @@ impl Pipeline<'_> {
         Some(result)
     }
 }
+
+/// How far below its neighbours a throughput must fall to be called implausible.
+pub const NEIGHBOUR_DROP: f64 = 3.0;
+
+/// Flag every implementation whose TFLOP/s is more than [`NEIGHBOUR_DROP`]× below the
+/// median of its neighbouring configs in the same plot panel (the configs just before and
+/// after it along the sweep axis) — the signature of a silent fallback path, such as
+/// FlexAttention after a recompile limit. Existing flags of this kind are replaced, so the
+/// pass can run after every config.
+pub fn flag_implausible_drops(results: &mut crate::results::RunResults) {
+    use std::collections::BTreeMap;
+    const TAG: &str = "implausible: far below its neighbouring configs";
+    let mut panels: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, c) in results.configs.iter().enumerate() {
+        panels.entry(c.problem.panel()).or_default().push(i);
+    }
+    let mut flags: Vec<(usize, String, String)> = Vec::new();
+    for members in panels.values_mut() {
+        members.sort_by(|&a, &b| {
+            let (xa, xb) = (
+                results.configs[a].problem.x_value(),
+                results.configs[b].problem.x_value(),
+            );
+            xa.total_cmp(&xb)
+        });
+        for (pos, &ci) in members.iter().enumerate() {
+            for imp in &results.configs[ci].implementations {
+                let Some(own) = imp.tflops else { continue };
+                let neighbours: Vec<f64> = [pos.checked_sub(1), Some(pos + 1)]
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| members.get(p))
+                    .filter_map(|&n| {
+                        results.configs[n]
+                            .implementations
+                            .iter()
+                            .find(|o| o.name == imp.name)
+                            .and_then(|o| o.tflops)
+                    })
+                    .collect();
+                if neighbours.is_empty() {
+                    continue;
+                }
+                let reference = stats::median(&neighbours);
+                if own * NEIGHBOUR_DROP < reference {
+                    flags.push((
+                        ci,
+                        imp.name.clone(),
+                        format!(
+                            "{TAG} ({own:.3} vs {reference:.3} TFLOP/s): a silent fallback path?"
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    for c in &mut results.configs {
+        for imp in &mut c.implementations {
+            imp.flags.retain(|f| !f.starts_with(TAG));
+        }
+    }
+    for (ci, name, flag) in flags {
+        if let Some(imp) = results.configs[ci]
+            .implementations
+            .iter_mut()
+            .find(|i| i.name == name)
+        {
+            imp.flags.push(flag);
+        }
+    }
+}
