@@ -106,7 +106,7 @@ class Compiler:
                 elif rep.get("error"):
                     raise RuntimeError("NVRTC compile failed:\n" + log[-3000:])
                 else:
-                    opts = tuple(["-std=c++17", f"-arch={self.arch}"] +
+                    opts = tuple(["-std=c++17", f"-arch={self.arch}", f"-I{KDIR}"] +
                                  [f"-D{k}={v}" for k, v in defines.items()])
                     mod = cupy.RawModule(code=self.src[fname], options=opts)
                 fn = mod.get_function(entry[fname])

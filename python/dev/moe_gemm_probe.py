@@ -81,7 +81,7 @@ class Kernels:
                 mod = cupy.RawModule(path=path)
             else:
                 d = mc.defines(gemm, tile, dt == "bf16")
-                mod = cupy.RawModule(code=SRC, options=tuple(["-std=c++17"] + [f"-D{k}={v}" for k, v in d.items()]))
+                mod = cupy.RawModule(code=SRC, options=tuple(["-std=c++17", f"-I{nc.KDIR}"] + [f"-D{k}={v}" for k, v in d.items()]))
             fn = mod.get_function(ENTRY[gemm])
             smem = mc.smem_bytes(gemm, tile)
             if smem > 48 * 1024:

@@ -129,7 +129,8 @@ class Nvrtc:
 
 
 def options_for(arch, defines, verbose=True):
-    opts = ["-std=c++17", f"-arch={arch}"]
+    # -I: kernels include fm_ptx.cuh (the Rust runtime passes it as an in-memory header).
+    opts = ["-std=c++17", f"-arch={arch}", f"-I{KDIR}"]
     if verbose:
         opts.append("--ptxas-options=-v")
     opts += [f"-D{k}={v}" for k, v in defines.items()]
