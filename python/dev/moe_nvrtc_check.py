@@ -17,7 +17,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nvrtc_check import KDIR, Nvrtc, options_for, parse_report  # noqa: E402
+from nvrtc_check import Nvrtc  # noqa: E402
+from nvrtc_check import run_job as nvrtc_check_run_job  # noqa: E402
 
 SOURCE = "moe_grouped_gemm.cu"
 
@@ -81,24 +82,9 @@ def all_tiles():
 
 
 def run_job(nv, job, sass_dir=None):
+    """Compile one (arch, defines) variant through nvrtc_check's shared checker."""
     arch, d = job
-    src = open(os.path.join(KDIR, SOURCE)).read()
-    ok, log, binary = nv.compile(src, SOURCE, options_for(arch, d))
-    rep = parse_report(log) if ok else {}
-    bad = []
-    if not ok:
-        bad.append("compile error")
-    else:
-        if rep.get("spill_st") or rep.get("spill_ld"):
-            bad.append("spills")
-        if rep.get("stack"):
-            bad.append("stack frame")
-        if rep.get("lmem"):
-            bad.append("local memory")
-    if sass_dir and binary is not None:
-        tag = "_".join(f"{k[3:].lower()}{v}" for k, v in d.items())
-        with open(os.path.join(sass_dir, f"moe_gemm_{arch}_{tag}.cubin"), "wb") as f:
-            f.write(binary)
+    _, ok, log, rep, bad = nvrtc_check_run_job(nv, (SOURCE, arch, d), sass_dir)
     return job, ok, log, rep, bad
 
 

@@ -7,45 +7,10 @@
 //! tests fail (they do not skip), saying so. `--nocapture` prints the resource report.
 
 use flashmoe::gpu::kernels;
-use flashmoe::gpu::nvrtc;
 use flashmoe::gpu::nvrtc_compile;
 use flashmoe::moe::config::{all_variants, MoeKernel};
-use std::path::PathBuf;
-
-const ARCHS: [&str; 2] = ["sm_80", "sm_90a"];
-
-fn arch_limits(arch: &str) -> (u64, u64) {
-    match arch {
-        "sm_80" => (163 * 1024, 65_536),
-        "sm_90a" => (227 * 1024, 65_536),
-        other => panic!("no limits for {other}"),
-    }
-}
-
-fn nvrtc_lib_dir() -> PathBuf {
-    match std::env::var_os("FLASHMOE_NVRTC_LIB") {
-        Some(p) => PathBuf::from(p),
-        None => nvrtc::dev_checkout_nvrtc_dir(),
-    }
-}
-
-fn init_nvrtc() {
-    let dir = nvrtc_lib_dir();
-    if !dir.exists() {
-        panic!(
-            "NVRTC not found at {}: run scripts/install-nvrtc.sh (installs the \
-             nvidia-cuda-nvrtc==13.0.88 wheel into <repo>/.nvrtc), or set \
-             FLASHMOE_NVRTC_LIB to the directory holding libnvrtc.so.13",
-            dir.display()
-        );
-    }
-    if let Err(e) = flashmoe::gpu::init_nvrtc_from(&dir) {
-        panic!(
-            "cannot load NVRTC from {}: {e}\nrun scripts/install-nvrtc.sh or fix FLASHMOE_NVRTC_LIB",
-            dir.display()
-        );
-    }
-}
+mod common;
+use common::{arch_limits, ARCHS};
 
 fn describe(v: &MoeKernel) -> String {
     let defs: Vec<String> = v.defines.iter().map(|(k, x)| format!("{k}={x}")).collect();
@@ -63,7 +28,7 @@ fn describe(v: &MoeKernel) -> String {
 
 #[test]
 fn every_moe_variant_compiles_without_spills() {
-    init_nvrtc();
+    common::nvrtc();
     let variants = all_variants();
     // The router / permute / combine kernels are always present; the grouped GEMMs come
     // from gemm_config (empty in the stub of branch moe-path).
