@@ -47,6 +47,11 @@ for s in "$@"; do
                   cp /tmp/seed003/results.json "$OUT/seed003.json" 2>/dev/null ;;
     gqa)          stage gqa 200 $BIN bench attention --config configs/attention-gqa.toml --out /tmp/gqa
                   cp /tmp/gqa/results.json "$OUT/gqa.json" 2>/dev/null ;;
+    unit-moe)     stage unit-moe 300 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
+    moe-sm90)     stage moe-sm90 400 $BIN bench moe --config configs/moe-sm90.toml --impl flashmoe-moe,moe-grouped-mm --out /tmp/moe-sm90
+                  cp /tmp/moe-sm90/results.json "$OUT/moe-sm90.json" 2>/dev/null
+                  stage moe-sm90-portable 400 env FLASHMOE_MOE_GEMM=portable $BIN bench moe --config configs/moe-sm90.toml --impl flashmoe-moe --out /tmp/moe-sm90p
+                  cp /tmp/moe-sm90p/results.json "$OUT/moe-sm90-portable.json" 2>/dev/null ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac

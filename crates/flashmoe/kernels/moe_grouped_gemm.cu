@@ -55,6 +55,7 @@
 #define FM_DTYPE_BF16 1
 #endif
 #include "fm_ptx.cuh"  // u32/u16/i64, cp.async, ldmatrix, mma.sync, pack2, ex2
+#include "moe_gemm_common.cuh"  // moe_find_tile, swiglu, epilogue stores
 #ifndef FM_BM
 #define FM_BM 128
 #endif
@@ -111,79 +112,6 @@ static_assert(BN == 32 || BN % 64 == 0, "BN must be 32 or a multiple of 64");
 static_assert(STAGES >= 2 && STAGES <= 8, "STAGES must be 2..8");
 static_assert(WARPS <= 32, "at most 32 warps");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
-
-// ----------------------------------------------------------------------------------------
-// PTX wrappers (the ones shared with the other mma.sync kernels are in fm_ptx.cuh)
-// ----------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float rcp(float x) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
-// silu(g) * u = g * u / (1 + e^-g). e^-g overflows to +inf for g < -88: rcp(inf) = 0, so
-// the product is (-)0 as it should be.
-__device__ __forceinline__ float swiglu(float g, float u) {
-    constexpr float LOG2E = 1.4426950408889634f;
-    return g * u * rcp(1.f + ex2(-g * LOG2E));
-}
-
-__device__ __forceinline__ void st_global_u32(void* p, u32 a) {
-    asm volatile("st.global.u32 [%0], %1;\n" ::"l"(p), "r"(a) : "memory");
-}
-__device__ __forceinline__ void st_global_f32x2(void* p, float a, float b) {
-    asm volatile("st.global.v2.f32 [%0], {%1,%2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
-}
-
-// ----------------------------------------------------------------------------------------
-// Block -> (expert, row tile): block-wide exclusive scan of ceil(n_e / BM) over experts.
-// Thread t owns experts [t*EPT, (t+1)*EPT). Returns false for a surplus block (uniform).
-// ----------------------------------------------------------------------------------------
-__device__ __forceinline__ bool find_tile(const u32* __restrict__ offsets, int experts,
-                                          u32* scratch, int tid, int& expert, int& tile) {
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int ept = (experts + THREADS - 1) / THREADS;
-    const int e_lo = min(experts, tid * ept);
-    const int e_hi = min(experts, e_lo + ept);
-    u32 mine = 0;
-    for (int e = e_lo; e < e_hi; ++e) {
-        const u32 n = offsets[e + 1] - offsets[e];
-        mine += (n + BM - 1) / BM;
-    }
-    // inclusive warp scan
-    u32 incl = mine;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const u32 v = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += v;
-    }
-    if (lane == 31) scratch[warp] = incl;
-    if (tid == 0) scratch[32] = 0xffffffffu;  // found: expert
-    __syncthreads();
-    u32 base = incl - mine;
-    for (int w = 0; w < warp; ++w) base += scratch[w];
-    const u32 t = blockIdx.x;
-    if (t >= base && t < base + mine) {  // exactly one thread owns tile t (if any)
-        u32 start = base;
-        for (int e = e_lo; e < e_hi; ++e) {
-            const u32 n = offsets[e + 1] - offsets[e];
-            const u32 nt = (n + BM - 1) / BM;
-            if (t < start + nt) {
-                scratch[32] = (u32)e;
-                scratch[33] = t - start;
-                break;
-            }
-            start += nt;
-        }
-    }
-    __syncthreads();
-    const u32 e = scratch[32];
-    if (e == 0xffffffffu) return false;
-    expert = (int)e;
-    tile = (int)scratch[33];
-    return true;
-}
 
 // A stage: BM rows x 64 k of the gathered A rows (element offset of row r in rowoff[r],
 // -1 = masked row -> zeros), k columns [k0, k0+64) with chunks >= K zero-filled.
@@ -347,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     u32* scratch = reinterpret_cast<u32*>(smem_raw + STAGES * STAGE_BYTES + ROWOFF_BYTES);
 
     int e, tile;
-    if (!find_tile(offsets, experts, scratch, tid, e, tile)) return;
+    if (!moe_find_tile<BM, THREADS>(offsets, experts, scratch, tid, blockIdx.x, e, tile)) return;
     const u32 row0 = offsets[e] + (u32)tile * BM;
     const int nrows = min(BM, (int)(offsets[e + 1] - row0));
     fill_rowoff(rowoff, row_token, row0, nrows, hidden, tid);
@@ -396,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     u32* scratch = reinterpret_cast<u32*>(smem_raw + STAGES * STAGE_BYTES + ROWOFF_BYTES);
 
     int e, tile;
-    if (!find_tile(offsets, experts, scratch, tid, e, tile)) return;
+    if (!moe_find_tile<BM, THREADS>(offsets, experts, scratch, tid, blockIdx.x, e, tile)) return;
     const u32 row0 = offsets[e] + (u32)tile * BM;
     const int nrows = min(BM, (int)(offsets[e + 1] - row0));
     fill_rowoff(rowoff, nullptr, row0, nrows, inter, tid);

@@ -65,3 +65,18 @@ moe_permute(const u32* __restrict__ topk_ids, const u32* __restrict__ counts,
         __syncthreads();  // warp_counts is rewritten by the next chunk
     }
 }
+
+// x_perm[r] = x[row_token[r]] for every permuted row r: the sm_90 grouped GEMM
+// (moe_gemm_sm90.cu) reads its A operand by TMA, which needs an expert's rows contiguous.
+// grid = rows blocks of GATHER_THREADS; 16-byte copies (hidden a multiple of 8).
+#define GATHER_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(GATHER_THREADS)
+moe_gather_rows(const uint4* __restrict__ x, const u32* __restrict__ row_token,
+                uint4* __restrict__ x_perm, int hidden) {
+    const int chunks = hidden / 8;  // 16-byte chunks per row
+    const i64 r = blockIdx.x;
+    const uint4* src = x + (i64)row_token[r] * chunks;
+    uint4* dst = x_perm + r * chunks;
+    for (int c = threadIdx.x; c < chunks; c += GATHER_THREADS) dst[c] = src[c];
+}

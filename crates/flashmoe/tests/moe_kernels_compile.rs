@@ -38,6 +38,9 @@ fn every_moe_variant_compiles_without_spills() {
         "moe_expert_stats",
         "moe_permute",
         "moe_combine",
+        "moe_gather_rows",
+        "moe_gemm13_sm90",
+        "moe_gemm2_sm90",
     ] {
         assert!(
             variants.iter().any(|v| v.entry == entry),
@@ -88,6 +91,9 @@ fn every_moe_variant_compiles_without_spills() {
                 describe(v)
             );
             let (smem_limit, regs_per_sm) = arch_limits(arch);
+            if k.log.contains("C7508") {
+                failures.push(format!("{what}: setmaxnreg ignored (C7508)"));
+            }
             if k.spills() {
                 failures.push(format!(
                     "{what}: spills ({} B stores, {} B loads)",

@@ -81,7 +81,7 @@ impl Prepared for MoePrepared {
             routing.z_loss,
             routing.counts.iter().filter(|&&c| c == 0).count(),
             routing.counts.len()
-        )];
+        ), self.runner.gemm_path()];
         Ok(Outputs::Moe {
             out: self.runner.output(dev)?,
             topk_ids: Some(routing.topk_ids),

@@ -8,6 +8,7 @@
 //! - [`nvrtc_compile`]: GPU-free compilation with NVRTC, with the ptxas resource report.
 //! - [`KernelCache`]: NVRTC output cached on disk, modules cached in memory.
 //! - [`DeviceTensor`]: dtype-aware device buffers with upload / download / poison.
+//! - [`TensorMap`]: TMA tensor maps for the sm_90a kernels.
 //! - [`EventTimer`], [`L2Flusher`]: the timing primitives of the benchmark lab.
 //! - [`measure_gemm_ceiling`], [`measure_copy_ceiling`]: measured hardware ceilings.
 
@@ -20,6 +21,7 @@ mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
 pub mod nvrtc;
+pub mod tensor_map;
 pub mod timing;
 
 pub use buffer::{check_len, DeviceData, DeviceTensor};
@@ -33,6 +35,7 @@ pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
     parse_ptxas_report, CompiledKernel, ImageKind, KernelResources,
 };
+pub use tensor_map::{encode_tiled, TensorMap, TiledLayout};
 pub use timing::{time_back_to_back, EventTimer, L2Flusher};
 
 #[cfg(test)]

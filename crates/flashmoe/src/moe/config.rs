@@ -263,7 +263,8 @@ pub fn select(problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
 
 /// Every variant that can be selected (for the compile-everything test): the non-GEMM
 /// kernels for both 16-bit dtypes, both scorings, with/without renormalisation and
-/// shared expert (duplicates removed), plus every grouped-GEMM variant.
+/// shared expert (duplicates removed), plus every grouped-GEMM variant (portable and
+/// sm_90) and the sm_90 path's token gather.
 pub fn all_variants() -> Vec<MoeKernel> {
     let mut out: Vec<MoeKernel> = Vec::new();
     for dtype in [DType::F16, DType::Bf16] {
@@ -280,6 +281,8 @@ pub fn all_variants() -> Vec<MoeKernel> {
         }
     }
     out.extend(gemm_config::all_gemm_variants());
+    out.extend(super::gemm_sm90::all_sm90_variants());
+    out.push(super::gemm_sm90::gather_kernel());
     out
 }
 

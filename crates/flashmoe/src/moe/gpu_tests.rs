@@ -56,11 +56,16 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 /// Run the pipeline once and compare everything with the CPU reference.
-#[allow(clippy::needless_range_loop)]
 fn check_case(dev: &Device, p: &MoeProblem) {
+    check_case_path(dev, p, None)
+}
+
+#[allow(clippy::needless_range_loop)]
+fn check_case_path(dev: &Device, p: &MoeProblem, path: Option<&str>) {
     let x = inputs(p);
     let reference = moe_f64(p, &x).unwrap();
-    let mut r = MoeRunner::new(dev, p, &x).unwrap_or_else(|e| panic!("{p}: {e}"));
+    let mut r = MoeRunner::with_gemm_path(dev, p, &x, path).unwrap_or_else(|e| panic!("{p}: {e}"));
+    eprintln!("  {p}: {}", r.gemm_path());
     r.poison_outputs(dev).unwrap();
     r.run(dev).unwrap();
     dev.synchronize().unwrap_or_else(|e| panic!("{p}: {e}"));
@@ -191,5 +196,31 @@ fn moe_bad_input_is_a_clear_error() {
             MoeRunner::new(dev, &zero, &inputs(&zero)),
             Err(Error::InvalidProblem(_))
         ));
+    });
+}
+
+/// The sm_90 (wgmma/TMA) grouped GEMMs forced onto small shapes: 64-row tiles (64 rows per
+/// expert) and 128-row tiles (256 rows per expert), ragged row tiles, an empty expert,
+/// fp16 and bf16. Skipped on devices other than compute capability 9.0.
+#[test]
+fn moe_sm90_gemms_match_cpu_reference() {
+    with_gpu("moe_sm90", |dev| {
+        if dev.arch() != 90 {
+            eprintln!(
+                "moe_sm90: skipped: compute capability {} is not 9.0",
+                dev.arch()
+            );
+            return;
+        }
+        let shape = |tokens, top_k, dtype| MoeProblem {
+            hidden: 512,
+            intermediate: 256,
+            ..problem(tokens, top_k, Scoring::Softmax, dtype)
+        };
+        for (tokens, top_k) in [(7, 1), (128, 8), (100, 8), (512, 8)] {
+            check_case_path(dev, &shape(tokens, top_k, DType::Bf16), Some("sm90"));
+        }
+        check_case_path(dev, &shape(512, 8, DType::F16), Some("sm90"));
+        check_case_path(dev, &shape(128, 8, DType::F16), Some("sm90"));
     });
 }

@@ -17,6 +17,7 @@
 
 pub mod config;
 pub mod gemm_config;
+pub mod gemm_sm90;
 #[cfg(test)]
 mod gpu_tests;
 
@@ -296,6 +297,10 @@ pub struct MoeRunner {
     h: DeviceTensor,
     y: DeviceTensor,
     out: DeviceTensor,
+    /// The sm_90 grouped GEMMs for the routed experts, when selected.
+    sm90: Option<gemm_sm90::Sm90Gemms>,
+    /// Why the routed experts run on the portable kernels (None on the sm_90 path).
+    portable_reason: Option<String>,
 }
 
 impl std::fmt::Debug for MoeRunner {
@@ -313,7 +318,20 @@ impl std::fmt::Debug for MoeRunner {
 impl MoeRunner {
     /// Validate `problem` and `inputs`, select and compile the kernels for this device,
     /// upload the inputs (rounded to the problem's dtype) and allocate every buffer.
+    /// The grouped-GEMM path follows `FLASHMOE_MOE_GEMM` (see [`gemm_sm90`]).
     pub fn new(dev: &Device, problem: &MoeProblem, inputs: &MoeInputs) -> Result<MoeRunner> {
+        let env = std::env::var(gemm_sm90::PATH_ENV).ok();
+        Self::with_gemm_path(dev, problem, inputs, env.as_deref())
+    }
+
+    /// Like [`MoeRunner::new`] with the path override given explicitly ("auto",
+    /// "portable", "sm90").
+    pub fn with_gemm_path(
+        dev: &Device,
+        problem: &MoeProblem,
+        inputs: &MoeInputs,
+        path: Option<&str>,
+    ) -> Result<MoeRunner> {
         check_inputs(problem, inputs)?;
         let kernels = config::select(problem)?;
         let cfgs = launch_configs(problem, &kernels)?;
@@ -358,12 +376,29 @@ impl MoeRunner {
         } else {
             None
         };
+        let w13 = DeviceTensor::from_f32(dev, dt, &inputs.w13)?;
+        let w2 = DeviceTensor::from_f32(dev, dt, &inputs.w2)?;
+        let h_buf = DeviceTensor::alloc(dev, dt, elems("h", &[rows, i])?)?;
+        let (sm90, portable_reason) = match gemm_sm90::select_path(p, dev.arch(), path)? {
+            gemm_sm90::GemmPath::Sm90(k13, k2) => (
+                Some(gemm_sm90::Sm90Gemms::new(
+                    dev,
+                    p,
+                    (k13, k2),
+                    &w13,
+                    &w2,
+                    &h_buf,
+                )?),
+                None,
+            ),
+            gemm_sm90::GemmPath::Portable(why) => (None, Some(why)),
+        };
         Ok(MoeRunner {
             problem: p.clone(),
             x: DeviceTensor::from_f32(dev, dt, &inputs.x)?,
             router: DeviceTensor::from_f32(dev, dt, &inputs.router)?,
-            w13: DeviceTensor::from_f32(dev, dt, &inputs.w13)?,
-            w2: DeviceTensor::from_f32(dev, dt, &inputs.w2)?,
+            w13,
+            w2,
             shared,
             logits: DeviceTensor::alloc(dev, DType::F32, t * e)?,
             probs: DeviceTensor::alloc(dev, DType::F32, t * e)?,
@@ -377,9 +412,11 @@ impl MoeRunner {
             row_token: alloc_u32(dev, "row_token", rows)?,
             row_slot: alloc_u32(dev, "row_slot", rows)?,
             slot_row: alloc_u32(dev, "slot_row", rows)?,
-            h: DeviceTensor::alloc(dev, dt, elems("h", &[rows, i])?)?,
+            h: h_buf,
             y: DeviceTensor::alloc(dev, DType::F32, elems("y", &[rows, h])?)?,
             out: DeviceTensor::alloc(dev, dt, elems("out", &[t, h])?)?,
+            sm90,
+            portable_reason,
             kernels,
             funcs,
             cfgs,
@@ -422,7 +459,36 @@ impl MoeRunner {
         if let Some(s) = &self.shared {
             b += (s.h.size_bytes() + s.y.size_bytes()) as u64 + 4 * (s.row_token.len() + 2) as u64;
         }
+        if let Some(g) = &self.sm90 {
+            b += g.workspace_bytes();
+        }
         b
+    }
+
+    /// Which grouped-GEMM kernels the routed experts use, for reports: the sm_90 entries,
+    /// or the portable ones with the reason the sm_90 path was not taken.
+    pub fn gemm_path(&self) -> String {
+        match (&self.sm90, &self.portable_reason) {
+            (Some(g), _) => format!(
+                "grouped GEMMs: {} (BM {} BN {}) + {} (BM {} BN {}), wgmma/TMA",
+                g.kernels[1].entry,
+                g.kernels[1].block_m,
+                g.kernels[1].block_n,
+                g.kernels[2].entry,
+                g.kernels[2].block_m,
+                g.kernels[2].block_n
+            ),
+            (None, why) => format!(
+                "grouped GEMMs: {} (BM {} BN {}) + {} (BM {} BN {}), mma.sync ({})",
+                self.kernels[config::K_GEMM13].entry,
+                self.kernels[config::K_GEMM13].block_m,
+                self.kernels[config::K_GEMM13].block_n,
+                self.kernels[config::K_GEMM2].entry,
+                self.kernels[config::K_GEMM2].block_m,
+                self.kernels[config::K_GEMM2].block_n,
+                why.as_deref().unwrap_or("")
+            ),
+        }
     }
 
     /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
@@ -499,19 +565,31 @@ impl MoeRunner {
             dev.check_launch(name(config::K_PERMUTE), r)?;
         }
         // 5-6. grouped GEMMs (routed experts, then the shared expert as one group)
-        launch_gemms(
-            dev,
-            &self.funcs,
-            &self.kernels,
-            (self.cfgs[config::K_GEMM13], self.cfgs[config::K_GEMM2]),
-            &self.x,
-            &self.row_token,
-            &self.offsets,
-            (&self.w13, &self.w2),
-            &mut self.h,
-            &mut self.y,
-            (hid, inter, e),
-        )?;
+        if let Some(g) = &mut self.sm90 {
+            g.launch(
+                dev,
+                &self.x,
+                &self.row_token,
+                &self.offsets,
+                &mut self.h,
+                &mut self.y,
+                (hid, inter, e),
+            )?;
+        } else {
+            launch_gemms(
+                dev,
+                &self.funcs,
+                &self.kernels,
+                (self.cfgs[config::K_GEMM13], self.cfgs[config::K_GEMM2]),
+                &self.x,
+                &self.row_token,
+                &self.offsets,
+                (&self.w13, &self.w2),
+                &mut self.h,
+                &mut self.y,
+                (hid, inter, e),
+            )?;
+        }
         if let Some(s) = &mut self.shared {
             launch_gemms(
                 dev,

@@ -1,0 +1,513 @@
+//! The Hopper path of the grouped GEMMs (`kernels/moe_gemm_sm90.cu`): TMA + mbarrier ring,
+//! a producer warpgroup and two wgmma consumer warpgroups, for sm_90 devices and shapes
+//! with enough rows per expert to be compute-relevant. Few rows per expert (decode-like
+//! weight streaming) stay on the portable mma.sync kernels of [`super::gemm_config`],
+//! which stream weights at ~92 % of the copy bandwidth already.
+//!
+//! The kernel reads its A operand through TMA, so the routed tokens are first gathered
+//! into permuted order (`moe_gather_rows`, `x_perm`, T·k·hidden 16-bit elements).
+//! The shared-memory formula lives in ONE place, [`Sm90Tile::shared_mem_bytes`], and
+//! mirrors `SMEM_BYTES` at the top of the .cu.
+//!
+//! `FLASHMOE_MOE_GEMM=portable` forces the mma.sync kernels (for A/B comparisons);
+//! `FLASHMOE_MOE_GEMM=sm90` makes an unsupported shape an error instead of a fallback.
+#![allow(clippy::manual_is_multiple_of)]
+
+use super::config::{MoeKernel, BACKEND, PERMUTE_SOURCE};
+use super::gemm_config::Gemm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::{encode_tiled, Device, DeviceTensor, TensorMap, TiledLayout};
+use crate::problem::MoeProblem;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+pub const SM90_SOURCE: &str = "moe_gemm_sm90.cu";
+pub const SM90_GEMM13_ENTRY: &str = "moe_gemm13_sm90";
+pub const SM90_GEMM2_ENTRY: &str = "moe_gemm2_sm90";
+pub const GATHER_ENTRY: &str = "moe_gather_rows";
+pub const GATHER_THREADS: u32 = 128;
+/// Threads per block: one producer and two consumer warpgroups.
+pub const SM90_THREADS: u32 = 384;
+/// Mean rows per expert from which the wgmma path is used (below: weight streaming).
+pub const SM90_MIN_ROWS_PER_EXPERT: f64 = 48.0;
+/// Mean rows per expert from which the 128-row tile is used (below: 64 rows, so an expert
+/// with ~128 rows does not run a nearly empty second 128-row tile).
+pub const SM90_BM128_ROWS_PER_EXPERT: f64 = 192.0;
+/// Environment override of the path choice.
+pub const PATH_ENV: &str = "FLASHMOE_MOE_GEMM";
+
+/// One tile configuration of `moe_gemm_sm90.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sm90Tile {
+    pub gemm: Gemm,
+    /// Consumer warpgroups stacked along M (1 or 2); the other 2 / wg_m split N.
+    pub wg_m: u32,
+    pub stages: u32,
+    /// Row tiles per raster group.
+    pub group_m: u32,
+}
+
+impl Sm90Tile {
+    fn nb(&self) -> u32 {
+        match self.gemm {
+            Gemm::G13 => 2,
+            Gemm::G2 => 1,
+        }
+    }
+    /// Columns per consumer warpgroup per matrix (128 fp32 accumulators per thread).
+    fn cols_per_warpgroup(&self) -> u32 {
+        match self.gemm {
+            Gemm::G13 => 128,
+            Gemm::G2 => 256,
+        }
+    }
+    pub fn block_m(&self) -> u32 {
+        64 * self.wg_m
+    }
+    /// Output columns per block (gemm13: per matrix).
+    pub fn block_n(&self) -> u32 {
+        self.cols_per_warpgroup() * (2 / self.wg_m)
+    }
+    /// STAGES·(BM·128 + NB·BN·128) + 1024 (alignment) + 16·STAGES (mbarriers) + 256.
+    pub fn shared_mem_bytes(&self) -> u32 {
+        let stage = self.block_m() * 128 + self.nb() * self.block_n() * 128;
+        self.stages * stage + 1024 + 16 * self.stages + 256
+    }
+    pub fn entry(&self) -> &'static str {
+        match self.gemm {
+            Gemm::G13 => SM90_GEMM13_ENTRY,
+            Gemm::G2 => SM90_GEMM2_ENTRY,
+        }
+    }
+    pub fn kernel(&self, dtype: DType) -> MoeKernel {
+        let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
+        MoeKernel {
+            source_file: SM90_SOURCE,
+            entry: self.entry(),
+            defines: vec![
+                kv(
+                    "FM_GEMM",
+                    match self.gemm {
+                        Gemm::G13 => 13,
+                        Gemm::G2 => 2,
+                    },
+                ),
+                kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
+                kv("FM_WG_M", self.wg_m),
+                kv("FM_STAGES", self.stages),
+                kv("FM_GROUP_M", self.group_m),
+            ],
+            block_m: self.block_m(),
+            block_n: self.block_n(),
+            block_threads: SM90_THREADS,
+            shared_mem_bytes: self.shared_mem_bytes(),
+            min_arch: 90,
+        }
+    }
+}
+
+/// The tile for a GEMM at `rows_per_expert` mean rows: 128-row tiles (4 stages) when
+/// experts have many rows, else 64-row tiles with twice the columns (3 stages).
+pub fn sm90_tile(gemm: Gemm, rows_per_expert: f64) -> Sm90Tile {
+    let big = rows_per_expert >= SM90_BM128_ROWS_PER_EXPERT;
+    Sm90Tile {
+        gemm,
+        wg_m: if big { 2 } else { 1 },
+        stages: if big { 4 } else { 3 },
+        group_m: 8,
+    }
+}
+
+/// Every selectable variant (compile-everything test).
+pub fn all_sm90_variants() -> Vec<MoeKernel> {
+    let mut v = Vec::new();
+    for g in [Gemm::G13, Gemm::G2] {
+        for rows in [SM90_MIN_ROWS_PER_EXPERT, SM90_BM128_ROWS_PER_EXPERT] {
+            for dt in [DType::F16, DType::Bf16] {
+                v.push(sm90_tile(g, rows).kernel(dt));
+            }
+        }
+    }
+    v
+}
+
+/// Which grouped-GEMM path a problem takes on a device of compute capability `arch`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GemmPath {
+    /// mma.sync kernels (any sm_80+ device); the reason the sm_90 path was not taken.
+    Portable(String),
+    /// (gemm13, gemm2) sm_90a kernels.
+    Sm90(MoeKernel, MoeKernel),
+}
+
+/// The path for `p` on compute capability `arch`, honouring `FLASHMOE_MOE_GEMM`
+/// (`override_` is its value).
+pub fn select_path(p: &MoeProblem, arch: u32, override_: Option<&str>) -> Result<GemmPath> {
+    let forced = match override_ {
+        None | Some("") | Some("auto") => false,
+        Some("portable") => return Ok(GemmPath::Portable(format!("{PATH_ENV}=portable"))),
+        Some("sm90") => true,
+        Some(other) => {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!("{PATH_ENV}={other}: choose auto, portable or sm90"),
+            ))
+        }
+    };
+    let rows_per_expert = (p.tokens * p.top_k) as f64 / p.experts.max(1) as f64;
+    let t13 = sm90_tile(Gemm::G13, rows_per_expert);
+    let t2 = sm90_tile(Gemm::G2, rows_per_expert);
+    let why_not = if arch != 90 {
+        Some(format!(
+            "compute capability {}.{} is not 9.0",
+            arch / 10,
+            arch % 10
+        ))
+    } else if p.dtype == DType::F32 {
+        Some("f32 is not a 16-bit type".to_string())
+    } else if !forced && rows_per_expert < SM90_MIN_ROWS_PER_EXPERT {
+        Some(format!(
+            "{rows_per_expert:.1} rows per expert: weight streaming, the portable kernels' regime"
+        ))
+    } else if p.hidden % 8 != 0 || p.intermediate % 8 != 0 {
+        Some("hidden and intermediate must be multiples of 8 (16-byte TMA strides)".into())
+    } else if p.intermediate % t13.block_n() as usize != 0 {
+        Some(format!(
+            "intermediate ({}) is not a multiple of the tile width {}",
+            p.intermediate,
+            t13.block_n()
+        ))
+    } else if p.hidden % t2.block_n() as usize != 0 {
+        Some(format!(
+            "hidden ({}) is not a multiple of the tile width {}",
+            p.hidden,
+            t2.block_n()
+        ))
+    } else {
+        None
+    };
+    match why_not {
+        None => Ok(GemmPath::Sm90(t13.kernel(p.dtype), t2.kernel(p.dtype))),
+        Some(why) if forced => Err(Error::unsupported(
+            SM90_SOURCE,
+            format!("{PATH_ENV}=sm90 but {why}"),
+        )),
+        Some(why) => Ok(GemmPath::Portable(why)),
+    }
+}
+
+/// `moe_gather_rows` (x_perm[r] = x[row_token[r]]): grid T·k, 128 threads.
+pub fn gather_kernel() -> MoeKernel {
+    MoeKernel {
+        source_file: PERMUTE_SOURCE,
+        entry: GATHER_ENTRY,
+        defines: vec![],
+        block_m: 1,
+        block_n: 1,
+        block_threads: GATHER_THREADS,
+        shared_mem_bytes: 0,
+        min_arch: 80,
+    }
+}
+
+/// Row tiles of a launch: ceil(rows / BM) + E, an upper bound on Σ_e ceil(n_e / BM).
+pub fn row_tiles(rows: usize, experts: usize, block_m: u32) -> u64 {
+    (rows as u64).div_ceil(block_m as u64) + experts as u64
+}
+
+/// Launch geometry of an sm_90 GEMM: 1-D grid of row_tiles · (n / BN) blocks.
+pub fn sm90_launch_config(
+    k: &MoeKernel,
+    rows: usize,
+    experts: usize,
+    n: usize,
+) -> Result<LaunchConfig> {
+    if k.block_n == 0 || n % k.block_n as usize != 0 {
+        return Err(Error::unsupported(
+            k.entry,
+            format!(
+                "{n} output columns are not a multiple of the tile width {}",
+                k.block_n
+            ),
+        ));
+    }
+    let blocks = row_tiles(rows, experts, k.block_m) * (n / k.block_n as usize) as u64;
+    if blocks > i32::MAX as u64 {
+        return Err(Error::unsupported(
+            k.entry,
+            format!("{blocks} blocks exceed the CUDA grid limit"),
+        ));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (k.block_threads, 1, 1),
+        shared_mem_bytes: k.shared_mem_bytes,
+    })
+}
+
+/// Tensor-map layouts: A = [rows][k] 16-bit row-major, box {64, BM}; B = [E][k][n_total],
+/// box {64, 64, 1}.
+pub fn a_layout(rows: usize, k: usize, block_m: u32) -> TiledLayout {
+    TiledLayout {
+        dims: vec![k as u64, rows as u64],
+        strides: vec![k as u64],
+        box_dims: vec![64, block_m],
+    }
+}
+pub fn b_layout(experts: usize, k: usize, n_total: usize) -> TiledLayout {
+    TiledLayout {
+        dims: vec![n_total as u64, k as u64, experts as u64],
+        strides: vec![n_total as u64, (k * n_total) as u64],
+        box_dims: vec![64, 64, 1],
+    }
+}
+
+/// The compiled sm_90 path of one MoeRunner: kernels, launch geometry, the gathered
+/// tokens and the tensor maps over its buffers (which must outlive it: the maps hold
+/// their addresses, so the runner keeps the buffers and this struct together).
+pub struct Sm90Gemms {
+    pub kernels: [MoeKernel; 3],
+    funcs: [CudaFunction; 3],
+    cfgs: [LaunchConfig; 3],
+    x_perm: DeviceTensor,
+    maps: [TensorMap; 4],
+    row_tiles: [i32; 2],
+}
+
+impl Sm90Gemms {
+    /// Compile and prepare the path for `p` with the runner's buffers (`h` is [T·k, I]).
+    pub fn new(
+        dev: &Device,
+        p: &MoeProblem,
+        kernels: (MoeKernel, MoeKernel),
+        w13: &DeviceTensor,
+        w2: &DeviceTensor,
+        h: &DeviceTensor,
+    ) -> Result<Sm90Gemms> {
+        let (k13, k2) = kernels;
+        let gather = gather_kernel();
+        let rows = p.tokens * p.top_k;
+        let (hid, inter, e) = (p.hidden, p.intermediate, p.experts);
+        let mut funcs = Vec::with_capacity(3);
+        for k in [&gather, &k13, &k2] {
+            let f = dev.load_kernel(k.source_file, k.entry, &k.defines)?;
+            dev.set_dynamic_shared_memory(k.entry, &f, k.shared_mem_bytes)?;
+            funcs.push(f);
+        }
+        let cfg_gather = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (GATHER_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let cfg13 = sm90_launch_config(&k13, rows, e, inter)?;
+        let cfg2 = sm90_launch_config(&k2, rows, e, hid)?;
+        let x_perm = DeviceTensor::alloc(dev, p.dtype, rows * hid)?;
+        let dt = p.dtype;
+        let maps = [
+            encode_tiled(
+                dev,
+                "x_perm",
+                x_perm.as_u16("x_perm")?,
+                dt,
+                &a_layout(rows, hid, k13.block_m),
+            )?,
+            encode_tiled(
+                dev,
+                "w13",
+                w13.as_u16("w13")?,
+                dt,
+                &b_layout(e, hid, 2 * inter),
+            )?,
+            encode_tiled(
+                dev,
+                "h",
+                h.as_u16("h")?,
+                dt,
+                &a_layout(rows, inter, k2.block_m),
+            )?,
+            encode_tiled(dev, "w2", w2.as_u16("w2")?, dt, &b_layout(e, inter, hid))?,
+        ];
+        let row_tiles = [
+            row_tiles(rows, e, k13.block_m) as i32,
+            row_tiles(rows, e, k2.block_m) as i32,
+        ];
+        let funcs: [CudaFunction; 3] = funcs.try_into().expect("three kernels");
+        Ok(Sm90Gemms {
+            kernels: [gather, k13, k2],
+            funcs,
+            cfgs: [cfg_gather, cfg13, cfg2],
+            x_perm,
+            maps,
+            row_tiles,
+        })
+    }
+
+    /// Device bytes of the gathered tokens.
+    pub fn workspace_bytes(&self) -> u64 {
+        self.x_perm.size_bytes() as u64
+    }
+
+    /// Enqueue gather, gemm13 (into `h`) and gemm2 (into `y`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch(
+        &mut self,
+        dev: &Device,
+        x: &DeviceTensor,
+        row_token: &CudaSlice<u32>,
+        offsets: &CudaSlice<u32>,
+        h: &mut DeviceTensor,
+        y: &mut DeviceTensor,
+        dims: (i32, i32, i32),
+    ) -> Result<()> {
+        let stream = dev.stream();
+        let (hid, inter, experts) = dims;
+        {
+            let mut b = stream.launch_builder(&self.funcs[0]);
+            b.arg(x.as_u16("x")?)
+                .arg(row_token)
+                .arg(self.x_perm.as_u16_mut("x_perm")?)
+                .arg(&hid);
+            // SAFETY: grid = T·k rows; row_token holds T·k token ids < T; hidden % 8 == 0.
+            let r = unsafe { b.launch(self.cfgs[0]) };
+            dev.check_launch(GATHER_ENTRY, r)?;
+        }
+        {
+            let mut b = stream.launch_builder(&self.funcs[1]);
+            b.arg(&self.maps[0])
+                .arg(&self.maps[1])
+                .arg(offsets)
+                .arg(h.as_u16_mut("h")?)
+                .arg(&hid)
+                .arg(&inter)
+                .arg(&experts)
+                .arg(&self.row_tiles[0]);
+            // SAFETY: the maps cover x_perm and w13 (checked spans); the ABI is the .cu's.
+            let r = unsafe { b.launch(self.cfgs[1]) };
+            dev.check_launch(SM90_GEMM13_ENTRY, r)?;
+        }
+        let mut b = stream.launch_builder(&self.funcs[2]);
+        b.arg(&self.maps[2])
+            .arg(&self.maps[3])
+            .arg(offsets)
+            .arg(y.as_f32_mut("y")?)
+            .arg(&hid)
+            .arg(&inter)
+            .arg(&experts)
+            .arg(&self.row_tiles[1]);
+        // SAFETY: as above, maps over h and w2.
+        let r = unsafe { b.launch(self.cfgs[2]) };
+        dev.check_launch(SM90_GEMM2_ENTRY, r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::Scoring;
+
+    fn prob(t: usize, h: usize, i: usize, e: usize, k: usize) -> MoeProblem {
+        MoeProblem {
+            tokens: t,
+            hidden: h,
+            intermediate: i,
+            experts: e,
+            top_k: k,
+            scoring: Scoring::Softmax,
+            renormalize: false,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        }
+    }
+
+    #[test]
+    fn shared_memory_formula_and_limits() {
+        let t = sm90_tile(Gemm::G13, 1000.0);
+        assert_eq!((t.block_m(), t.block_n(), t.stages), (128, 128, 4));
+        // 4 x (A 128 rows x 128 B + 2 matrices x 128 cols x 64 k x 2 B) + 1024 + 64 + 256
+        assert_eq!(
+            t.shared_mem_bytes(),
+            4 * (16384 + 2 * 16384) + 1024 + 64 + 256
+        );
+        let t = sm90_tile(Gemm::G2, 100.0);
+        assert_eq!((t.block_m(), t.block_n(), t.stages), (64, 512, 3));
+        for k in all_sm90_variants() {
+            assert!(k.shared_mem_bytes <= 227 * 1024, "{k:?}");
+            assert_eq!(k.min_arch, 90);
+        }
+    }
+
+    #[test]
+    fn path_selection() {
+        let seed = |t| prob(t, 4096, 11008, 32, 2);
+        assert!(matches!(
+            select_path(&seed(16), 90, None).unwrap(),
+            GemmPath::Portable(_)
+        ));
+        match select_path(&seed(2048), 90, None).unwrap() {
+            GemmPath::Sm90(a, b) => {
+                assert_eq!((a.block_m, a.block_n), (64, 256));
+                assert_eq!((b.block_m, b.block_n), (64, 512));
+            }
+            other => panic!("{other:?}"),
+        }
+        match select_path(&seed(32768), 90, None).unwrap() {
+            GemmPath::Sm90(a, b) => {
+                assert_eq!((a.block_m, a.block_n), (128, 128));
+                assert_eq!((b.block_m, b.block_n), (128, 256));
+            }
+            other => panic!("{other:?}"),
+        }
+        // the model presets at 2048 tokens take the sm_90 path
+        for p in [
+            prob(2048, 4096, 14336, 8, 2),
+            prob(2048, 2048, 768, 128, 8),
+            prob(2048, 7168, 2048, 256, 8),
+        ] {
+            assert!(
+                matches!(select_path(&p, 90, None).unwrap(), GemmPath::Sm90(..)),
+                "{p:?}"
+            );
+        }
+        // other archs, odd widths, overrides
+        let why = |p: &MoeProblem, arch, o| match select_path(p, arch, o).unwrap() {
+            GemmPath::Portable(w) => w,
+            other => panic!("{other:?}"),
+        };
+        assert!(why(&seed(2048), 80, None).contains("8.0"));
+        assert!(why(&prob(2048, 4096, 11000, 32, 2), 90, None).contains("intermediate (11000)"));
+        assert!(why(&seed(2048), 90, Some("portable")).contains("portable"));
+        let e = select_path(&seed(16), 80, Some("sm90"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("sm90") && e.contains("8.0"), "{e}");
+        let e = select_path(&seed(16), 90, Some("fast"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("auto, portable or sm90"), "{e}");
+        // forcing takes small shapes to the sm_90 kernels too (used by the GPU tests)
+        assert!(matches!(
+            select_path(&prob(7, 512, 256, 4, 2), 90, Some("sm90")).unwrap(),
+            GemmPath::Sm90(..)
+        ));
+    }
+
+    #[test]
+    fn launch_geometry() {
+        let k = sm90_tile(Gemm::G13, 1000.0).kernel(DType::Bf16);
+        let c = sm90_launch_config(&k, 65536, 32, 11008).unwrap();
+        assert_eq!(
+            c.grid_dim,
+            (((65536 / 128 + 32) * (11008 / 128)) as u32, 1, 1)
+        );
+        assert_eq!(c.block_dim, (384, 1, 1));
+        let e = sm90_launch_config(&k, 100, 4, 100).unwrap_err().to_string();
+        assert!(e.contains("multiple of the tile width 128"), "{e}");
+    }
+
+    #[test]
+    fn layouts_satisfy_the_tma_rules() {
+        a_layout(4096, 4096, 128).check("x_perm").unwrap();
+        b_layout(256, 7168, 4096).check("w13").unwrap();
+        assert_eq!(b_layout(3, 64, 256).span(), 3 * 64 * 256);
+    }
+}
