@@ -94,3 +94,69 @@ impl Prepared for MoePrepared {
         self.notes.clone()
     }
 }
+
+/// The GPU fp32 MoE reference as an implementation under test (`flashmoe check` only):
+/// on shapes within the CPU reference's size it is checked against the CPU f64
+/// reference, which validates it for the large shapes where it is the reference.
+pub struct GpuMoeReference {
+    pub session: Rc<GpuSession>,
+}
+
+impl Implementation for GpuMoeReference {
+    fn name(&self) -> &str {
+        "gpu-reference"
+    }
+    fn backend(&self) -> &str {
+        "cuda"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        let ProblemSpec::Moe(p) = problem else {
+            return Err("MoE layer".into());
+        };
+        flashmoe::moe::reference::reference_defines(p.dtype)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
+            anyhow::bail!("GPU MoE reference given a non-MoE config");
+        };
+        Ok(Box::new(ReferencePrepared {
+            problem: p.clone(),
+            inputs: x,
+            session: self.session.clone(),
+        }))
+    }
+}
+
+struct ReferencePrepared<'a> {
+    problem: flashmoe::MoeProblem,
+    inputs: &'a flashmoe::reference::moe::MoeInputs,
+    session: Rc<GpuSession>,
+}
+
+impl Sampled for ReferencePrepared<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        // Checked, never benchmarked: it uploads its weights on every call.
+        anyhow::bail!("the GPU MoE reference is a correctness tool and is not timed")
+    }
+}
+
+impl Prepared for ReferencePrepared<'_> {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let r = flashmoe::moe::reference::moe_reference_gpu(
+            &self.session.device,
+            &self.problem,
+            self.inputs,
+        )
+        .context("GPU fp32 MoE reference")?;
+        Ok(Outputs::Moe {
+            out: r.out.iter().map(|&v| v as f32).collect(),
+            topk_ids: Some(r.routing.topk_ids),
+        })
+    }
+}

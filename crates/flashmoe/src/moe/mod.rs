@@ -1,6 +1,6 @@
 //! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine.
 //! Kernel selection and the kernel ABI live in [`config`] (the contract at its top);
-//! grouped-GEMM variants in [`gemm_config`].
+//! grouped-GEMM variants in [`gemm_config`]; the GPU fp32 reference in [`reference`].
 //!
 //! ```ignore
 //! let mut r = MoeRunner::new(&dev, &problem, &inputs)?;   // upload, compile, validate
@@ -19,6 +19,7 @@ pub mod config;
 pub mod gemm_config;
 #[cfg(test)]
 mod gpu_tests;
+pub mod reference;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
