@@ -190,3 +190,41 @@ fn a_throughput_collapse_between_neighbours_is_flagged() {
     let f = &run.configs[victim].implementations[0].flags;
     assert_eq!(f.iter().filter(|f| f.contains("far below")).count(), 1);
 }
+
+#[test]
+fn moe_configs_record_the_reference_routing_load() {
+    // The load statistics come from the reference routing: counts sum to T·k, and the
+    // derived max/mean and CV agree with the counts.
+    let grouped = CpuImplementation::grouped();
+    let pipeline = Pipeline {
+        implementations: vec![&grouped],
+        reference: &CpuReference,
+        candidate: "cpu-grouped".into(),
+        settings: settings(),
+        ceilings: None,
+    };
+    let p = flashmoe::MoeProblem {
+        tokens: 3,
+        hidden: 32,
+        intermediate: 16,
+        experts: 8,
+        top_k: 2,
+        scoring: flashmoe::Scoring::Softmax,
+        renormalize: true,
+        dtype: DType::Bf16,
+        shared_expert: false,
+    };
+    let r = pipeline
+        .run_config(&ProblemSpec::Moe(p), &AtomicBool::new(false), |_| {})
+        .unwrap();
+    let s = r.routing.expect("MoE configs carry the routing summary");
+    assert_eq!(s.tokens_per_expert.len(), 8);
+    assert_eq!(s.tokens_per_expert.iter().sum::<usize>(), 6);
+    // 6 assignments over 8 experts: at least 2 experts are empty.
+    assert!(s.empty_experts >= 2, "{s:?}");
+    assert_eq!(s.max_load, *s.tokens_per_expert.iter().max().unwrap());
+    assert!((s.mean_load - 0.75).abs() < 1e-12);
+    assert!((s.max_over_mean - s.max_load as f64 / 0.75).abs() < 1e-12);
+    assert!(s.cv > 0.0 && s.aux_loss > 0.0 && s.z_loss > 0.0);
+    assert!(r.implementations[0].accuracy.as_ref().unwrap().passed);
+}

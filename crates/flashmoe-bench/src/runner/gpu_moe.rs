@@ -49,6 +49,7 @@ impl Implementation for GpuMoe {
             runner,
             session: self.session.clone(),
             notes: Vec::new(),
+            router_ms: None,
         }))
     }
 }
@@ -57,6 +58,23 @@ struct MoePrepared {
     runner: MoeRunner,
     session: Rc<GpuSession>,
     notes: Vec<String>,
+    router_ms: Option<f64>,
+}
+
+/// Samples of the router stage alone (L2 flushed before each, like the layer's samples).
+const ROUTER_SAMPLES: usize = 15;
+
+impl MoePrepared {
+    /// Median time of the router stage (logits, scoring + top-k, statistics) alone.
+    fn time_router(&mut self) -> anyhow::Result<f64> {
+        let dev = &self.session.device;
+        let mut v = Vec::with_capacity(ROUTER_SAMPLES);
+        for _ in 0..ROUTER_SAMPLES {
+            let runner = &mut self.runner;
+            v.push(self.session.timed(|| runner.run_router(dev))?);
+        }
+        Ok(crate::stats::median(&v))
+    }
 }
 
 impl Sampled for MoePrepared {
@@ -82,13 +100,19 @@ impl Prepared for MoePrepared {
             routing.counts.iter().filter(|&&c| c == 0).count(),
             routing.counts.len()
         )];
+        let out = self.runner.output(dev)?;
+        // After the outputs are read: the router's runs overwrite only its own buffers.
+        self.router_ms = Some(self.time_router().context("timing the MoE router alone")?);
         Ok(Outputs::Moe {
-            out: self.runner.output(dev)?,
+            out,
             topk_ids: Some(routing.topk_ids),
         })
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         Some(self.runner.workspace_bytes())
+    }
+    fn router_ms(&self) -> Option<f64> {
+        self.router_ms
     }
     fn notes(&self) -> Vec<String> {
         self.notes.clone()

@@ -55,6 +55,11 @@ pub trait Prepared: Sampled {
     fn peak_extra_bytes(&self) -> Option<u64> {
         None
     }
+    /// MoE: median ms of the router stage alone, measured by `run_for_check` when the
+    /// implementation can launch it separately.
+    fn router_ms(&self) -> Option<f64> {
+        None
+    }
     /// Remarks for the report (compile time, backend caveats), after `run_for_check`.
     fn notes(&self) -> Vec<String> {
         Vec::new()

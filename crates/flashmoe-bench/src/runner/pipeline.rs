@@ -5,7 +5,7 @@ use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvid
 use crate::measure::{measure_interleaved, Sampled, StopReason};
 use crate::results::{
     AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
-    CEILING_ONLY_FLAG,
+    RoutingSummary, CEILING_ONLY_FLAG,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -180,6 +180,7 @@ impl Pipeline<'_> {
             implementations: Vec::new(),
             comparisons: Vec::new(),
             error: None,
+            routing: None,
         };
         let valid = match problem {
             ProblemSpec::Attention(p) => p.validate(),
@@ -205,6 +206,13 @@ impl Pipeline<'_> {
             }
         };
         result.min_bytes = min_bytes(problem, reference.as_ref());
+        if let Some(ReferenceOutputs::Moe(r)) = &reference {
+            result.routing = Some(RoutingSummary::from_counts(
+                &r.routing.expert_counts,
+                r.routing.aux_loss,
+                r.routing.z_loss,
+            ));
+        }
 
         // Prepare and gate each implementation; only those that pass are timed.
         let mut rows: Vec<ImplResult> = Vec::new();
@@ -236,6 +244,7 @@ impl Pipeline<'_> {
                     let acc = gate(problem, &out, r, &ref_name);
                     let passed = acc.passed;
                     row.peak_extra_bytes = p.peak_extra_bytes();
+                    row.router_ms = p.router_ms();
                     row.accuracy = Some(acc);
                     if passed {
                         timed.push((rows.len(), p));
@@ -276,6 +285,7 @@ impl Pipeline<'_> {
             row.gbps = Some(result.min_bytes / secs / 1e9);
             if let Some(c) = &self.ceilings {
                 row.pct_of_gemm_ceiling = Some(100.0 * tflops / c.gemm_tflops);
+                row.pct_of_copy_ceiling = Some(100.0 * result.min_bytes / secs / 1e9 / c.copy_gbps);
                 if tflops > c.gemm_tflops * 1.02 {
                     row.flags.push(format!(
                         "implausible: {tflops:.0} TFLOP/s is above the measured GEMM ceiling {:.0}",

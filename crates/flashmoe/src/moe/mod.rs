@@ -426,13 +426,13 @@ impl MoeRunner {
         b
     }
 
-    /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
-    pub fn run(&mut self, dev: &Device) -> Result<()> {
+    /// Enqueue the router alone (contract steps 1–3: logits, scoring + top-k, per-expert
+    /// statistics): timed separately to report the router's share of the layer.
+    pub fn run_router(&mut self, dev: &Device) -> Result<()> {
         let p = &self.problem;
-        let (t, hid, inter, e, k) = (
+        let (t, hid, e, k) = (
             p.tokens as i32,
             p.hidden as i32,
-            p.intermediate as i32,
             p.experts as i32,
             p.top_k as i32,
         );
@@ -483,6 +483,23 @@ impl MoeRunner {
             let r = unsafe { b.launch(self.cfgs[config::K_STATS]) };
             dev.check_launch(name(config::K_STATS), r)?;
         }
+        Ok(())
+    }
+
+    /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
+    pub fn run(&mut self, dev: &Device) -> Result<()> {
+        self.run_router(dev)?;
+        let p = &self.problem;
+        let (t, hid, inter, e, k) = (
+            p.tokens as i32,
+            p.hidden as i32,
+            p.intermediate as i32,
+            p.experts as i32,
+            p.top_k as i32,
+        );
+        let stream = dev.stream();
+        let name = |i: usize| self.kernels[i].entry;
+
         // 4. permutation
         {
             let mut b = stream.launch_builder(&self.funcs[config::K_PERMUTE]);
