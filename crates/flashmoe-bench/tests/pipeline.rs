@@ -228,3 +228,103 @@ fn moe_configs_record_the_reference_routing_load() {
     assert!(s.cv > 0.0 && s.aux_loss > 0.0 && s.z_loss > 0.0);
     assert!(r.implementations[0].accuracy.as_ref().unwrap().passed);
 }
+
+#[test]
+fn moe_gate_checks_routing_losses_and_nan() {
+    use flashmoe::reference::moe::{moe_f64, MoeInputs};
+    use flashmoe_bench::runner::pipeline::gate;
+    use flashmoe_bench::runner::ReferenceOutputs;
+    let p = flashmoe::MoeProblem {
+        tokens: 5,
+        hidden: 32,
+        intermediate: 16,
+        experts: 4,
+        top_k: 2,
+        scoring: flashmoe::Scoring::Sigmoid,
+        renormalize: true,
+        dtype: DType::Bf16,
+        shared_expert: false,
+    };
+    let spec = ProblemSpec::Moe(p.clone());
+    let r = moe_f64(&p, &MoeInputs::generate(&p, 3)).unwrap();
+    let good = || Outputs::Moe {
+        out: r.out.iter().map(|&v| v as f32).collect(),
+        topk_ids: Some(r.routing.topk_ids.clone()),
+        losses: Some((r.routing.aux_loss, r.routing.z_loss)),
+    };
+    let reference = ReferenceOutputs::Moe(r.clone());
+    assert!(gate(&spec, &good(), &reference, "cpu-f64").passed);
+
+    // Aux loss off by 1e-3 relative: fails and says which loss.
+    let Outputs::Moe { out, topk_ids, .. } = good() else {
+        unreachable!()
+    };
+    let bad_aux = Outputs::Moe {
+        out,
+        topk_ids,
+        losses: Some((r.routing.aux_loss * 1.001, r.routing.z_loss)),
+    };
+    let a = gate(&spec, &bad_aux, &reference, "cpu-f64");
+    assert!(
+        !a.passed && a.note.as_deref().unwrap().contains("aux loss"),
+        "{a:?}"
+    );
+
+    // A NaN z-loss fails.
+    let Outputs::Moe { out, topk_ids, .. } = good() else {
+        unreachable!()
+    };
+    let nan_z = Outputs::Moe {
+        out,
+        topk_ids,
+        losses: Some((r.routing.aux_loss, f64::NAN)),
+    };
+    assert!(!gate(&spec, &nan_z, &reference, "cpu-f64").passed);
+
+    // A NaN in the output is reported, never passes.
+    let Outputs::Moe {
+        mut out,
+        topk_ids,
+        losses,
+    } = good()
+    else {
+        unreachable!()
+    };
+    out[7] = f32::NAN;
+    let a = gate(
+        &spec,
+        &Outputs::Moe {
+            out,
+            topk_ids,
+            losses,
+        },
+        &reference,
+        "cpu-f64",
+    );
+    assert!(!a.passed && a.non_finite == 1, "{a:?}");
+
+    // Swapped ids of one token: routing mismatch named.
+    let Outputs::Moe {
+        out,
+        mut topk_ids,
+        losses,
+    } = good()
+    else {
+        unreachable!()
+    };
+    topk_ids.as_mut().unwrap().swap(0, 1);
+    let a = gate(
+        &spec,
+        &Outputs::Moe {
+            out,
+            topk_ids,
+            losses,
+        },
+        &reference,
+        "cpu-f64",
+    );
+    assert!(
+        !a.passed && a.note.as_deref().unwrap().contains("routing differs"),
+        "{a:?}"
+    );
+}

@@ -105,6 +105,7 @@ impl Prepared for MoePrepared {
         self.router_ms = Some(self.time_router().context("timing the MoE router alone")?);
         Ok(Outputs::Moe {
             out,
+            losses: Some((routing.aux_loss, routing.z_loss)),
             topk_ids: Some(routing.topk_ids),
         })
     }
@@ -180,6 +181,7 @@ impl Prepared for ReferencePrepared<'_> {
         .context("GPU fp32 MoE reference")?;
         Ok(Outputs::Moe {
             out: r.out.iter().map(|&v| v as f32).collect(),
+            losses: Some((r.routing.aux_loss, r.routing.z_loss)),
             topk_ids: Some(r.routing.topk_ids),
         })
     }

@@ -38,6 +38,8 @@ pub enum Outputs {
     Moe {
         out: Vec<f32>,
         topk_ids: Option<Vec<u32>>,
+        /// (aux loss, z-loss) when the implementation computes them.
+        losses: Option<(f64, f64)>,
     },
 }
 
