@@ -146,8 +146,8 @@ pub fn gate(
                     ("z-loss", *z, r.routing.z_loss),
                 ] {
                     let rel = (got - want).abs() / want.abs().max(1e-30);
-                    // NaN compares false: a NaN loss fails too.
-                    if !(rel <= LOSS_REL_TOL) {
+                    // A NaN loss fails too (is_nan: NaN compares false).
+                    if rel.is_nan() || rel > LOSS_REL_TOL {
                         res.passed = false;
                         let note = format!(
                             "{name} {got:.6e} vs reference {want:.6e} (relative error {rel:.1e} > {LOSS_REL_TOL:.0e})"
