@@ -271,39 +271,6 @@ pub fn speedup_level(results: &RunResults) -> Option<f64> {
         .next()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn significant_digits() {
-        assert_eq!(fmt_sig(1.23456, 4), "1.235");
-        assert_eq!(fmt_sig(123.456, 4), "123.5");
-        assert_eq!(fmt_sig(0.0123456, 3), "0.0123");
-        assert_eq!(fmt_sig(12345.6, 3), "12346");
-        assert_eq!(fmt_sig(0.0, 3), "0");
-        assert_eq!(fmt_sig(1.5e-6, 2), "1.5e-6");
-    }
-
-    #[test]
-    fn throughput_units() {
-        assert_eq!(fmt_throughput(312.4), "312 TFLOP/s");
-        assert_eq!(fmt_throughput(0.0456), "45.6 GFLOP/s");
-        assert_eq!(fmt_throughput(1.0), "1.00 TFLOP/s");
-    }
-
-    #[test]
-    fn misc() {
-        assert_eq!(level_pct(0.95), "95%");
-        assert_eq!(level_pct(0.999), "99.9%");
-        assert_eq!(truncate("abcdef", 4), "abc…");
-        assert_eq!(truncate("abc", 4), "abc");
-        assert_eq!(fmt_bytes(2.5e9), "2.50 GB");
-        assert_eq!(fmt_p(0.5), "0.50");
-        assert_eq!(fmt_p(1e-9), "<1e-4");
-    }
-}
-
 /// MoE configs: the routing's load statistics, its losses, and each implementation's
 /// router time as a share of its layer time, as separate parts (None for attention).
 pub fn moe_routing_parts(config: &ConfigResult) -> Option<Vec<String>> {
@@ -341,4 +308,37 @@ pub fn moe_routing_parts(config: &ConfigResult) -> Option<Vec<String>> {
 /// [`moe_routing_parts`] on one line.
 pub fn moe_routing_line(config: &ConfigResult) -> Option<String> {
     moe_routing_parts(config).map(|v| v.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn significant_digits() {
+        assert_eq!(fmt_sig(1.23456, 4), "1.235");
+        assert_eq!(fmt_sig(123.456, 4), "123.5");
+        assert_eq!(fmt_sig(0.0123456, 3), "0.0123");
+        assert_eq!(fmt_sig(12345.6, 3), "12346");
+        assert_eq!(fmt_sig(0.0, 3), "0");
+        assert_eq!(fmt_sig(1.5e-6, 2), "1.5e-6");
+    }
+
+    #[test]
+    fn throughput_units() {
+        assert_eq!(fmt_throughput(312.4), "312 TFLOP/s");
+        assert_eq!(fmt_throughput(0.0456), "45.6 GFLOP/s");
+        assert_eq!(fmt_throughput(1.0), "1.00 TFLOP/s");
+    }
+
+    #[test]
+    fn misc() {
+        assert_eq!(level_pct(0.95), "95%");
+        assert_eq!(level_pct(0.999), "99.9%");
+        assert_eq!(truncate("abcdef", 4), "abc…");
+        assert_eq!(truncate("abc", 4), "abc");
+        assert_eq!(fmt_bytes(2.5e9), "2.50 GB");
+        assert_eq!(fmt_p(0.5), "0.50");
+        assert_eq!(fmt_p(1e-9), "<1e-4");
+    }
 }
