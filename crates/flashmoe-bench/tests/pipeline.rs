@@ -328,3 +328,36 @@ fn moe_gate_checks_routing_losses_and_nan() {
         "{a:?}"
     );
 }
+
+#[test]
+fn cached_moe_checksums_equal_the_full_checksum() {
+    // The weight checksums are reused across token counts (same seed and widths); the
+    // folded checksum must equal a from-scratch one, and differ when the seed does.
+    use flashmoe_bench::runner::pipeline::{generated_inputs_checksum, inputs_checksum};
+    for (tokens, seed, shared) in [
+        (4, 9, false),
+        (11, 9, false),
+        (11, 9, true),
+        (11, 10, false),
+    ] {
+        let p = ProblemSpec::Moe(flashmoe::MoeProblem {
+            tokens,
+            hidden: 64,
+            intermediate: 32,
+            experts: 4,
+            top_k: 2,
+            scoring: flashmoe::Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: shared,
+        });
+        let x = SuiteInputs::generate(&p, seed);
+        let full = inputs_checksum(&x, DType::Bf16);
+        assert_eq!(
+            generated_inputs_checksum(&p, seed, &x),
+            full,
+            "{tokens} {seed}"
+        );
+        assert_eq!(generated_inputs_checksum(&p, seed, &x), full, "second call");
+    }
+}

@@ -52,35 +52,67 @@ pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
             v
         }
     };
+    fold_checksums(&parts)
+}
+
+/// The per-tensor checksums folded into one (FNV-1a over the 64-bit parts).
+fn fold_checksums(parts: &[u64]) -> String {
     let folded = parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
         (h ^ p).wrapping_mul(0x0000_0100_0000_01B3)
     });
     format!("{folded:016x}")
 }
 
-/// [`inputs_checksum`] of the inputs of `problem`, computed once per inputs object: the
-/// pipeline and the Python baselines' identical-input check both need it, and FNV over
-/// tens of GB of MoE weights takes tens of seconds. Keyed by (problem id, seed the inputs
-/// were generated with, address of the inputs), which identifies one config's inputs.
-pub fn inputs_checksum_cached(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs) -> String {
+/// [`inputs_checksum`] of inputs made by `SuiteInputs::generate(problem, seed)` (the
+/// precondition: every caller passes the inputs it generated with these arguments).
+///
+/// MoE weights (router, w13, w2, shared expert) depend on (seed, hidden, intermediate,
+/// experts, dtype) and not on the token count, so a preset's configs share them; FNV over
+/// tens of GB of them takes tens of seconds, so their checksums are computed once per
+/// process and reused. The activations are always checksummed afresh.
+pub fn generated_inputs_checksum(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs) -> String {
+    use std::collections::HashMap;
     use std::sync::Mutex;
-    static LAST: Mutex<Option<(String, usize, String)>> = Mutex::new(None);
-    let key = (
-        format!("{}|seed={seed}", problem.id()),
-        inputs as *const SuiteInputs as usize,
-    );
-    if let Ok(last) = LAST.lock() {
-        if let Some((id, addr, sum)) = last.as_ref() {
-            if *id == key.0 && *addr == key.1 {
-                return sum.clone();
+    static WEIGHTS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+    let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
+        return inputs_checksum(inputs, dtype_of(problem));
+    };
+    let dtype = p.dtype;
+    let weight = |name: &str, v: &[f32]| -> u64 {
+        let key = format!(
+            "{seed}|h{}|i{}|e{}|{dtype}|{name}|{}",
+            p.hidden,
+            p.intermediate,
+            p.experts,
+            v.len()
+        );
+        let cached = WEIGHTS
+            .lock()
+            .ok()
+            .and_then(|m| m.as_ref().and_then(|m| m.get(&key).copied()));
+        cached.unwrap_or_else(|| {
+            let sum = checksum(v, dtype);
+            if let Ok(mut m) = WEIGHTS.lock() {
+                let m = m.get_or_insert_with(HashMap::new);
+                if m.len() > 64 {
+                    m.clear();
+                }
+                m.insert(key, sum);
             }
-        }
+            sum
+        })
+    };
+    let mut parts = vec![
+        checksum(&x.x, dtype),
+        weight("router", &x.router),
+        weight("w13", &x.w13),
+        weight("w2", &x.w2),
+    ];
+    if let (Some(a), Some(b)) = (&x.shared_w13, &x.shared_w2) {
+        parts.push(weight("shared_w13", a));
+        parts.push(weight("shared_w2", b));
     }
-    let sum = inputs_checksum(inputs, dtype_of(problem));
-    if let Ok(mut last) = LAST.lock() {
-        *last = Some((key.0, key.1, sum.clone()));
-    }
-    sum
+    fold_checksums(&parts)
 }
 
 fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> AccuracyResult {
@@ -254,7 +286,7 @@ impl Pipeline<'_> {
         }
 
         let inputs = SuiteInputs::generate(problem, self.settings.seed);
-        let input_sum = inputs_checksum_cached(problem, self.settings.seed, &inputs);
+        let input_sum = generated_inputs_checksum(problem, self.settings.seed, &inputs);
         let ref_name = self.reference.name(problem);
         let reference = match self.reference.compute(problem, &inputs) {
             Ok(r) => Some(r),

@@ -16,7 +16,7 @@
 //! [`WorkerOptions::max_restarts`] times); handles of the old worker then fail with a clear
 //! error instead of hanging. Out-of-memory is reported as that cell's error.
 
-use super::pipeline::inputs_checksum_cached;
+use super::pipeline::generated_inputs_checksum;
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::config::Suite;
 use crate::manifest::PythonManifest;
@@ -660,7 +660,7 @@ impl Shared {
                 return sum.clone();
             }
         }
-        let sum = inputs_checksum_cached(problem, self.seed, inputs);
+        let sum = generated_inputs_checksum(problem, self.seed, inputs);
         self.checksum_cache = Some((key.0, key.1, sum.clone()));
         sum
     }
