@@ -21,6 +21,11 @@ stage() {  # name, timeout seconds, command...
   SUMMARY+="$name rc=$rc $((SECONDS - t0))s; "
 }
 
+moe_preset() {  # preset name, time limit seconds
+  stage "moe-$1" "$2" $BIN bench moe --preset "$1" --out "/tmp/moe-$1"
+  cp "/tmp/moe-$1/results.json" "$OUT/moe-$1.json" 2>/dev/null
+}
+
 SUMMARY=""
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
 for s in "$@"; do
@@ -37,7 +42,15 @@ for s in "$@"; do
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
                   for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
-    check-moe)    stage check-moe 200 $BIN check --suite moe ;;
+    check-moe)    stage check-moe 240 $BIN check --suite moe ;;
+    unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
+    # The four MoE model presets with the PyTorch baselines, one time limit each (about
+    # 6 min together; results are written after every config, so a stage cut by its limit
+    # keeps the configs it finished). One JSON each: moe-<preset>.json.
+    moe-presets)  moe_preset seed003 150; moe_preset mixtral 80; moe_preset qwen3-30b 80
+                  moe_preset deepseek-v3 170 ;;
+    moe-seed003|moe-mixtral|moe-qwen3-30b|moe-deepseek-v3)
+                  moe_preset "${s#moe-}" 240 ;;
     moe-probe)    stage moe-probe 200 python3 python/dev/moe_gemm_probe.py --quick ;;
     moe-small)    stage moe-small 300 $BIN bench moe --config configs/moe-small.toml --out /tmp/moe-small
                   cp /tmp/moe-small/results.json "$OUT/moe-small.json" 2>/dev/null ;;
