@@ -361,3 +361,27 @@ fn cached_moe_checksums_equal_the_full_checksum() {
         assert_eq!(generated_inputs_checksum(&p, seed, &x), full, "second call");
     }
 }
+
+#[test]
+fn moe_token_sweeps_flag_only_a_collapse_of_both_throughputs() {
+    use flashmoe_bench::report::fixtures;
+    use flashmoe_bench::runner::pipeline::flag_implausible_drops;
+    let flagged = |run: &flashmoe_bench::results::RunResults| {
+        run.configs[0].implementations[0]
+            .flags
+            .iter()
+            .any(|f| f.contains("far below its neighbouring"))
+    };
+    // Memory-bound small-token config: 10× fewer FLOP/s, same GB/s — legitimate.
+    let mut run = fixtures::cpu_moe_run();
+    run.configs[0].implementations[0].tflops = Some(1.0);
+    run.configs[0].implementations[0].gbps = Some(100.0);
+    run.configs[1].implementations[0].tflops = Some(10.0);
+    run.configs[1].implementations[0].gbps = Some(100.0);
+    flag_implausible_drops(&mut run);
+    assert!(!flagged(&run));
+    // Both collapse: a silent fallback.
+    run.configs[0].implementations[0].gbps = Some(10.0);
+    flag_implausible_drops(&mut run);
+    assert!(flagged(&run));
+}

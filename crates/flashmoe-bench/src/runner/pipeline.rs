@@ -416,6 +416,11 @@ pub const NEIGHBOUR_DROP: f64 = 3.0;
 /// after it along the sweep axis) — the signature of a silent fallback path, such as
 /// FlexAttention after a recompile limit. Existing flags of this kind are replaced, so the
 /// pass can run after every config.
+///
+/// MoE token sweeps go from memory-bound (a few tokens per expert: TFLOP/s grows with the
+/// token count) to compute-bound (GB/s of the fixed weights falls with it), so one metric
+/// alone drops legitimately between neighbours there: an MoE row is flagged only when its
+/// TFLOP/s and its GB/s are both [`NEIGHBOUR_DROP`]× below its neighbours'.
 pub fn flag_implausible_drops(results: &mut crate::results::RunResults) {
     use std::collections::BTreeMap;
     const TAG: &str = "implausible: far below its neighbouring configs";
@@ -433,25 +438,39 @@ pub fn flag_implausible_drops(results: &mut crate::results::RunResults) {
             xa.total_cmp(&xb)
         });
         for (pos, &ci) in members.iter().enumerate() {
+            let is_moe = matches!(results.configs[ci].problem, ProblemSpec::Moe(_));
             for imp in &results.configs[ci].implementations {
                 let Some(own) = imp.tflops else { continue };
-                let neighbours: Vec<f64> = [pos.checked_sub(1), Some(pos + 1)]
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|p| members.get(p))
-                    .filter_map(|&n| {
-                        results.configs[n]
-                            .implementations
-                            .iter()
-                            .find(|o| o.name == imp.name)
-                            .and_then(|o| o.tflops)
-                    })
-                    .collect();
-                if neighbours.is_empty() {
+                let neighbours = |metric: &dyn Fn(&ImplResult) -> Option<f64>| -> Vec<f64> {
+                    [pos.checked_sub(1), Some(pos + 1)]
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|p| members.get(p))
+                        .filter_map(|&n| {
+                            results.configs[n]
+                                .implementations
+                                .iter()
+                                .find(|o| o.name == imp.name)
+                                .and_then(metric)
+                        })
+                        .collect()
+                };
+                let tf = neighbours(&|o| o.tflops);
+                if tf.is_empty() {
                     continue;
                 }
-                let reference = stats::median(&neighbours);
-                if own * NEIGHBOUR_DROP < reference {
+                let reference = stats::median(&tf);
+                let mut collapsed = own * NEIGHBOUR_DROP < reference;
+                if is_moe {
+                    let gb = neighbours(&|o| o.gbps);
+                    collapsed &= match imp.gbps {
+                        Some(own_gb) if !gb.is_empty() => {
+                            own_gb * NEIGHBOUR_DROP < stats::median(&gb)
+                        }
+                        _ => false,
+                    };
+                }
+                if collapsed {
                     flags.push((
                         ci,
                         imp.name.clone(),
