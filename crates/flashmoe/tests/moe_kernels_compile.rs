@@ -34,6 +34,7 @@ fn every_moe_variant_compiles_without_spills() {
     // from gemm_config (empty in the stub of branch moe-path).
     for entry in [
         "moe_router_logits",
+        "moe_router_logits_small",
         "moe_router_topk",
         "moe_expert_stats",
         "moe_permute",

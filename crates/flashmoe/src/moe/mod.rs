@@ -126,13 +126,15 @@ pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<Launc
         ));
     }
     let (t, e, k) = (p.tokens as u64, p.experts as u64, p.top_k as u64);
-    let epad = e.div_ceil(32) * 32;
-    let logits_tokens =
-        (config::LOGITS_THREADS as u64 / epad) * config::LOGITS_TOKENS_PER_THREAD as u64;
+    let logits_blocks = if kernels[config::K_LOGITS].entry == config::LOGITS_SMALL_ENTRY {
+        (t * e).div_ceil(config::LOGITS_THREADS as u64)
+    } else {
+        t.div_ceil(config::tiled_logits_tokens_per_block(p.experts))
+    };
     let topk_tokens = config::TOPK_THREADS as u64 / 32;
     let rows = (t * k) as usize;
     Ok(vec![
-        grid_1d(&kernels[config::K_LOGITS], t.div_ceil(logits_tokens), 1)?,
+        grid_1d(&kernels[config::K_LOGITS], logits_blocks, 1)?,
         grid_1d(&kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
         grid_1d(&kernels[config::K_STATS], e + 1, 1)?,
         grid_1d(&kernels[config::K_PERMUTE], e, 1)?,
@@ -757,6 +759,13 @@ mod tests {
         let c = launch_configs(&q, &kernels(&q)).unwrap();
         assert_eq!(c[config::K_LOGITS].grid_dim, (1, 1, 1));
         assert_eq!(c[config::K_GEMM13].grid_dim, (257, 2, 1));
+        // The few-token logits kernel: one thread per (token, expert).
+        let mut ks = kernels(&q);
+        ks[config::K_LOGITS].entry = config::LOGITS_SMALL_ENTRY;
+        let q7 = MoeProblem { tokens: 7, ..q };
+        let c = launch_configs(&q7, &ks).unwrap();
+        assert_eq!(c[config::K_LOGITS].grid_dim, (7, 1, 1));
+        assert_eq!(c[config::K_LOGITS].block_dim, (256, 1, 1));
     }
 
     #[test]
