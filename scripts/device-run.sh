@@ -21,6 +21,18 @@ stage() {  # name, timeout seconds, command...
   SUMMARY+="$name rc=$rc $((SECONDS - t0))s; "
 }
 
+# Time limit per MoE preset, seconds. Measured on the H100 (results/device-run-9-moe-done.log):
+# seed003 135 s; deepseek-v3 2 of 4 configs in ~125 s (45 GB of f32 inputs generated and
+# uploaded twice per config). mixtral and qwen3-30b (small weights) are estimates.
+moe_limit() {
+  case $1 in seed003) echo 170 ;; mixtral|qwen3-30b) echo 70 ;; deepseek-v3) echo 270 ;; *) echo 240 ;; esac
+}
+
+moe_preset() {  # preset name
+  stage "moe-$1" "$(moe_limit "$1")" $BIN bench moe --preset "$1" --out "/tmp/moe-$1"
+  cp "/tmp/moe-$1/results.json" "$OUT/moe-$1.json" 2>/dev/null
+}
+
 SUMMARY=""
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
 for s in "$@"; do
@@ -37,7 +49,15 @@ for s in "$@"; do
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
                   for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
-    check-moe)    stage check-moe 200 $BIN check --suite moe ;;
+    check-moe)    stage check-moe 240 $BIN check --suite moe ;;
+    unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
+    # The four MoE model presets with the PyTorch baselines, each with its own limit
+    # (moe_limit); results are written after every config, so a stage cut by its limit
+    # keeps the configs it finished. One JSON each: $OUT/moe-<preset>.json. Expected
+    # ~8 min together, 9.7 min at the limits: give the call timeout_s 600.
+    moe-presets)  for p in seed003 mixtral qwen3-30b deepseek-v3; do moe_preset $p; done ;;
+    moe-seed003|moe-mixtral|moe-qwen3-30b|moe-deepseek-v3)
+                  moe_preset "${s#moe-}" ;;
     moe-probe)    stage moe-probe 200 python3 python/dev/moe_gemm_probe.py --quick ;;
     moe-small)    stage moe-small 300 $BIN bench moe --config configs/moe-small.toml --out /tmp/moe-small
                   cp /tmp/moe-small/results.json "$OUT/moe-small.json" 2>/dev/null ;;
@@ -47,7 +67,6 @@ for s in "$@"; do
                   cp /tmp/seed003/results.json "$OUT/seed003.json" 2>/dev/null ;;
     gqa)          stage gqa 200 $BIN bench attention --config configs/attention-gqa.toml --out /tmp/gqa
                   cp /tmp/gqa/results.json "$OUT/gqa.json" 2>/dev/null ;;
-    unit-moe)     stage unit-moe 300 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
     moe-sm90)     stage moe-sm90 400 $BIN bench moe --config configs/moe-sm90.toml --impl flashmoe-moe,moe-grouped-mm --out /tmp/moe-sm90
                   cp /tmp/moe-sm90/results.json "$OUT/moe-sm90.json" 2>/dev/null
                   stage moe-sm90-portable 400 env FLASHMOE_MOE_GEMM=portable $BIN bench moe --config configs/moe-sm90.toml --impl flashmoe-moe --out /tmp/moe-sm90p

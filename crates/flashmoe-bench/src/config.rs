@@ -134,9 +134,16 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
             2,
             Scoring::Softmax,
         ),
-        (Suite::Moe, "mixtral", _) => moe(&[1024, 8192], 4096, 14336, 8, 2, Scoring::Softmax),
-        (Suite::Moe, "qwen3-30b", _) => moe(&[1024, 8192], 2048, 768, 128, 8, Scoring::Softmax),
-        (Suite::Moe, "deepseek-v3", _) => moe(&[1024, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid),
+        // Model shapes from decode to prefill; DeepSeek-V3 up to 8192 tokens (issue 5).
+        (Suite::Moe, "mixtral", _) => {
+            moe(&[16, 128, 2048, 8192], 4096, 14336, 8, 2, Scoring::Softmax)
+        }
+        (Suite::Moe, "qwen3-30b", _) => {
+            moe(&[16, 128, 2048, 8192], 2048, 768, 128, 8, Scoring::Softmax)
+        }
+        (Suite::Moe, "deepseek-v3", _) => {
+            moe(&[16, 128, 2048, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid)
+        }
         (suite, other, _) => {
             let names = match suite {
                 Suite::Attention => ATTENTION_PRESETS,
@@ -187,7 +194,8 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
             }
         }
         Suite::Moe => {
-            let tokens: &[usize] = if quick { &[7, 128] } else { &[1, 7, 128, 512] };
+            // T·k < E at 1 and 7 tokens (k ≤ 2): some experts get no token.
+            let tokens: &[usize] = if quick { &[7, 128] } else { &[1, 7, 128, 2048] };
             for &t in tokens {
                 for k in [1usize, 2, 8] {
                     for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
@@ -206,6 +214,32 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
                 }
             }
         }
+    }
+    v
+}
+
+/// MoE shapes the GPU check adds, above the CPU f64 reference's size (checked against the
+/// GPU fp32 reference, which the small shapes validate against the CPU f64 reference):
+/// model-like widths at 2048 tokens, 128 and 256 experts with top-8, sigmoid scoring
+/// with a shared expert, and a seed003-like top-2 shape with 32 experts.
+pub fn moe_gpu_check_shapes(quick: bool) -> Vec<ProblemSpec> {
+    let p = |t, h, i, e, k, scoring, shared| {
+        ProblemSpec::Moe(MoeProblem {
+            tokens: t,
+            hidden: h,
+            intermediate: i,
+            experts: e,
+            top_k: k,
+            scoring,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: shared,
+        })
+    };
+    let mut v = vec![p(2048, 2048, 768, 128, 8, Scoring::Softmax, false)];
+    if !quick {
+        v.push(p(2048, 1024, 512, 256, 8, Scoring::Sigmoid, true));
+        v.push(p(2048, 4096, 1408, 32, 2, Scoring::Softmax, false));
     }
     v
 }
@@ -484,6 +518,88 @@ dtype = "f16"
             .unwrap_err()
             .to_string()
             .contains("[[moe]]"));
+    }
+
+    #[test]
+    fn moe_check_matrix_covers_the_issue() {
+        let m: Vec<MoeProblem> = check_matrix(Suite::Moe, false, &[])
+            .into_iter()
+            .map(|c| match c {
+                ProblemSpec::Moe(p) => p,
+                _ => panic!("attention config in the MoE matrix"),
+            })
+            .collect();
+        for t in [1, 7, 128, 2048] {
+            for k in [1, 2, 8] {
+                assert!(
+                    m.iter().any(|p| p.tokens == t && p.top_k == k),
+                    "t={t} k={k}"
+                );
+            }
+        }
+        // Fewer routed slots than experts: at least one expert gets no token.
+        assert!(m.iter().any(|p| p.tokens * p.top_k < p.experts));
+        assert!(m.iter().any(|p| p.shared_expert));
+        assert!(m.iter().any(|p| p.scoring == Scoring::Sigmoid));
+        // The GPU shapes are above the CPU reference's size (so they use the GPU one).
+        for c in moe_gpu_check_shapes(false) {
+            let ProblemSpec::Moe(p) = c else { panic!() };
+            p.validate().unwrap();
+            assert!(p.flops() > 5e9, "{p}");
+        }
+    }
+
+    #[test]
+    fn moe_model_presets_have_the_issue_shapes() {
+        let shape = |name: &str| -> Vec<MoeProblem> {
+            preset(Suite::Moe, name, true)
+                .unwrap()
+                .into_iter()
+                .map(|c| match c {
+                    ProblemSpec::Moe(p) => p,
+                    _ => panic!(),
+                })
+                .collect()
+        };
+        let tokens = |v: &[MoeProblem]| v.iter().map(|p| p.tokens).collect::<Vec<_>>();
+        let s = shape("seed003");
+        assert_eq!(tokens(&s), [16, 128, 2048, 16384, 32768]);
+        assert!(s
+            .iter()
+            .all(|p| (p.hidden, p.intermediate, p.experts, p.top_k) == (4096, 11008, 32, 2)));
+        for (name, h, i, e, k, scoring) in [
+            ("mixtral", 4096, 14336, 8, 2, Scoring::Softmax),
+            ("qwen3-30b", 2048, 768, 128, 8, Scoring::Softmax),
+            ("deepseek-v3", 7168, 2048, 256, 8, Scoring::Sigmoid),
+        ] {
+            let v = shape(name);
+            assert!(!v.is_empty(), "{name}");
+            for p in &v {
+                assert_eq!(
+                    (p.hidden, p.intermediate, p.experts, p.top_k, p.scoring),
+                    (h, i, e, k, scoring),
+                    "{name}"
+                );
+                assert!(p.tokens <= 8192, "{name}");
+            }
+            assert_eq!(v.last().unwrap().tokens, 8192, "{name}");
+        }
+    }
+
+    #[test]
+    fn every_moe_preset_and_check_shape_has_kernels() {
+        // The grouped-GEMM tiles (gemm_config) and launch geometry support every shape
+        // a preset or the check can ask for: no config is "n/a" for flashmoe-moe.
+        let mut all = check_matrix(Suite::Moe, false, &[]);
+        all.extend(moe_gpu_check_shapes(false));
+        for name in MOE_PRESETS {
+            all.extend(preset(Suite::Moe, name, true).unwrap());
+        }
+        for c in &all {
+            let ProblemSpec::Moe(p) = c else { panic!() };
+            let k = flashmoe::moe::config::select(p).unwrap_or_else(|e| panic!("{p}: {e}"));
+            flashmoe::moe::launch_configs(p, &k).unwrap_or_else(|e| panic!("{p}: {e}"));
+        }
     }
 
     #[test]

@@ -131,6 +131,52 @@ pub struct ConfigResult {
     /// Set when the config as a whole failed (e.g. invalid for every implementation).
     #[serde(default)]
     pub error: Option<String>,
+    /// MoE only: the reference routing's load statistics and losses.
+    #[serde(default)]
+    pub routing: Option<RoutingSummary>,
+}
+
+/// Load statistics of a MoE config's routing (the reference's, which every implementation
+/// that passed the gate reproduced), and its auxiliary losses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoutingSummary {
+    /// Token→expert assignments per expert (length = experts, sum = tokens·top_k).
+    pub tokens_per_expert: Vec<usize>,
+    pub min_load: usize,
+    pub max_load: usize,
+    pub mean_load: f64,
+    /// max / mean: how much longer the busiest expert works than a balanced one.
+    pub max_over_mean: f64,
+    /// Coefficient of variation of the loads (std / mean, population std).
+    pub cv: f64,
+    pub empty_experts: usize,
+    pub aux_loss: f64,
+    pub z_loss: f64,
+}
+
+impl RoutingSummary {
+    pub fn from_counts(counts: &[usize], aux_loss: f64, z_loss: f64) -> RoutingSummary {
+        let n = counts.len().max(1) as f64;
+        let mean = counts.iter().sum::<usize>() as f64 / n;
+        let var = counts
+            .iter()
+            .map(|&c| (c as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        let max = counts.iter().copied().max().unwrap_or(0);
+        let ratio = |a: f64| if mean > 0.0 { a / mean } else { 0.0 };
+        RoutingSummary {
+            tokens_per_expert: counts.to_vec(),
+            min_load: counts.iter().copied().min().unwrap_or(0),
+            max_load: max,
+            mean_load: mean,
+            max_over_mean: ratio(max as f64),
+            cv: ratio(var.sqrt()),
+            empty_experts: counts.iter().filter(|&&c| c == 0).count(),
+            aux_loss,
+            z_loss,
+        }
+    }
 }
 
 impl ConfigResult {
@@ -179,9 +225,18 @@ pub struct ImplResult {
     /// GB/s of the minimum bytes at the median time.
     #[serde(default)]
     pub gbps: Option<f64>,
-    /// Percent of the measured GEMM ceiling (GPU runs only).
+    /// Percent of the measured GEMM ceiling (GPU runs only) = compute floor (FLOPs at the
+    /// GEMM ceiling) / median time.
     #[serde(default)]
     pub pct_of_gemm_ceiling: Option<f64>,
+    /// Percent of the measured copy ceiling (GPU runs only) = memory floor (minimum bytes
+    /// at the copy bandwidth) / median time.
+    #[serde(default)]
+    pub pct_of_copy_ceiling: Option<f64>,
+    /// MoE router alone (logits, scoring + top-k, statistics), median ms, when the
+    /// implementation can time it separately (flashmoe-moe).
+    #[serde(default)]
+    pub router_ms: Option<f64>,
     /// Peak extra device/host memory the implementation allocated, bytes.
     #[serde(default)]
     pub peak_extra_bytes: Option<u64>,
@@ -209,6 +264,8 @@ impl ImplResult {
             tflops: None,
             gbps: None,
             pct_of_gemm_ceiling: None,
+            pct_of_copy_ceiling: None,
+            router_ms: None,
             peak_extra_bytes: None,
             accuracy: None,
             input_checksum: None,

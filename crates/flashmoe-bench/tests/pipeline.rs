@@ -190,3 +190,198 @@ fn a_throughput_collapse_between_neighbours_is_flagged() {
     let f = &run.configs[victim].implementations[0].flags;
     assert_eq!(f.iter().filter(|f| f.contains("far below")).count(), 1);
 }
+
+#[test]
+fn moe_configs_record_the_reference_routing_load() {
+    // The load statistics come from the reference routing: counts sum to T·k, and the
+    // derived max/mean and CV agree with the counts.
+    let grouped = CpuImplementation::grouped();
+    let pipeline = Pipeline {
+        implementations: vec![&grouped],
+        reference: &CpuReference,
+        candidate: "cpu-grouped".into(),
+        settings: settings(),
+        ceilings: None,
+    };
+    let p = flashmoe::MoeProblem {
+        tokens: 3,
+        hidden: 32,
+        intermediate: 16,
+        experts: 8,
+        top_k: 2,
+        scoring: flashmoe::Scoring::Softmax,
+        renormalize: true,
+        dtype: DType::Bf16,
+        shared_expert: false,
+    };
+    let r = pipeline
+        .run_config(&ProblemSpec::Moe(p), &AtomicBool::new(false), |_| {})
+        .unwrap();
+    let s = r.routing.expect("MoE configs carry the routing summary");
+    assert_eq!(s.tokens_per_expert.len(), 8);
+    assert_eq!(s.tokens_per_expert.iter().sum::<usize>(), 6);
+    // 6 assignments over 8 experts: at least 2 experts are empty.
+    assert!(s.empty_experts >= 2, "{s:?}");
+    assert_eq!(s.max_load, *s.tokens_per_expert.iter().max().unwrap());
+    assert!((s.mean_load - 0.75).abs() < 1e-12);
+    assert!((s.max_over_mean - s.max_load as f64 / 0.75).abs() < 1e-12);
+    assert!(s.cv > 0.0 && s.aux_loss > 0.0 && s.z_loss > 0.0);
+    assert!(r.implementations[0].accuracy.as_ref().unwrap().passed);
+}
+
+#[test]
+fn moe_gate_checks_routing_losses_and_nan() {
+    use flashmoe::reference::moe::{moe_f64, MoeInputs};
+    use flashmoe_bench::runner::pipeline::gate;
+    use flashmoe_bench::runner::ReferenceOutputs;
+    let p = flashmoe::MoeProblem {
+        tokens: 5,
+        hidden: 32,
+        intermediate: 16,
+        experts: 4,
+        top_k: 2,
+        scoring: flashmoe::Scoring::Sigmoid,
+        renormalize: true,
+        dtype: DType::Bf16,
+        shared_expert: false,
+    };
+    let spec = ProblemSpec::Moe(p.clone());
+    let r = moe_f64(&p, &MoeInputs::generate(&p, 3)).unwrap();
+    let good = || Outputs::Moe {
+        out: r.out.iter().map(|&v| v as f32).collect(),
+        topk_ids: Some(r.routing.topk_ids.clone()),
+        losses: Some((r.routing.aux_loss, r.routing.z_loss)),
+    };
+    let reference = ReferenceOutputs::Moe(r.clone());
+    assert!(gate(&spec, &good(), &reference, "cpu-f64").passed);
+
+    // Aux loss off by 1e-3 relative: fails and says which loss.
+    let Outputs::Moe { out, topk_ids, .. } = good() else {
+        unreachable!()
+    };
+    let bad_aux = Outputs::Moe {
+        out,
+        topk_ids,
+        losses: Some((r.routing.aux_loss * 1.001, r.routing.z_loss)),
+    };
+    let a = gate(&spec, &bad_aux, &reference, "cpu-f64");
+    assert!(
+        !a.passed && a.note.as_deref().unwrap().contains("aux loss"),
+        "{a:?}"
+    );
+
+    // A NaN z-loss fails.
+    let Outputs::Moe { out, topk_ids, .. } = good() else {
+        unreachable!()
+    };
+    let nan_z = Outputs::Moe {
+        out,
+        topk_ids,
+        losses: Some((r.routing.aux_loss, f64::NAN)),
+    };
+    assert!(!gate(&spec, &nan_z, &reference, "cpu-f64").passed);
+
+    // A NaN in the output is reported, never passes.
+    let Outputs::Moe {
+        mut out,
+        topk_ids,
+        losses,
+    } = good()
+    else {
+        unreachable!()
+    };
+    out[7] = f32::NAN;
+    let a = gate(
+        &spec,
+        &Outputs::Moe {
+            out,
+            topk_ids,
+            losses,
+        },
+        &reference,
+        "cpu-f64",
+    );
+    assert!(!a.passed && a.non_finite == 1, "{a:?}");
+
+    // Swapped ids of one token: routing mismatch named.
+    let Outputs::Moe {
+        out,
+        mut topk_ids,
+        losses,
+    } = good()
+    else {
+        unreachable!()
+    };
+    topk_ids.as_mut().unwrap().swap(0, 1);
+    let a = gate(
+        &spec,
+        &Outputs::Moe {
+            out,
+            topk_ids,
+            losses,
+        },
+        &reference,
+        "cpu-f64",
+    );
+    assert!(
+        !a.passed && a.note.as_deref().unwrap().contains("routing differs"),
+        "{a:?}"
+    );
+}
+
+#[test]
+fn cached_moe_checksums_equal_the_full_checksum() {
+    // The weight checksums are reused across token counts (same seed and widths); the
+    // folded checksum must equal a from-scratch one, and differ when the seed does.
+    use flashmoe_bench::runner::pipeline::{generated_inputs_checksum, inputs_checksum};
+    for (tokens, seed, shared) in [
+        (4, 9, false),
+        (11, 9, false),
+        (11, 9, true),
+        (11, 10, false),
+    ] {
+        let p = ProblemSpec::Moe(flashmoe::MoeProblem {
+            tokens,
+            hidden: 64,
+            intermediate: 32,
+            experts: 4,
+            top_k: 2,
+            scoring: flashmoe::Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: shared,
+        });
+        let x = SuiteInputs::generate(&p, seed);
+        let full = inputs_checksum(&x, DType::Bf16);
+        assert_eq!(
+            generated_inputs_checksum(&p, seed, &x),
+            full,
+            "{tokens} {seed}"
+        );
+        assert_eq!(generated_inputs_checksum(&p, seed, &x), full, "second call");
+    }
+}
+
+#[test]
+fn moe_token_sweeps_flag_only_a_collapse_of_both_throughputs() {
+    use flashmoe_bench::report::fixtures;
+    use flashmoe_bench::runner::pipeline::flag_implausible_drops;
+    let flagged = |run: &flashmoe_bench::results::RunResults| {
+        run.configs[0].implementations[0]
+            .flags
+            .iter()
+            .any(|f| f.contains("far below its neighbouring"))
+    };
+    // Memory-bound small-token config: 10× fewer FLOP/s, same GB/s — legitimate.
+    let mut run = fixtures::cpu_moe_run();
+    run.configs[0].implementations[0].tflops = Some(1.0);
+    run.configs[0].implementations[0].gbps = Some(100.0);
+    run.configs[1].implementations[0].tflops = Some(10.0);
+    run.configs[1].implementations[0].gbps = Some(100.0);
+    flag_implausible_drops(&mut run);
+    assert!(!flagged(&run));
+    // Both collapse: a silent fallback.
+    run.configs[0].implementations[0].gbps = Some(10.0);
+    flag_implausible_drops(&mut run);
+    assert!(flagged(&run));
+}

@@ -245,6 +245,19 @@ fn terminal_table_is_readable() {
     assert!(cpu.contains("GFLOP/s"));
     assert!(cpu.contains("FAIL"));
     assert!(!cpu.contains("% GEMM"));
+    // MoE: load statistics, losses and the router's share of the layer.
+    assert!(cpu.contains("tokens per expert min 0 / max 32"), "{cpu}");
+    assert!(
+        cpu.contains("CV 0.707") && cpu.contains("2 of 8 experts empty"),
+        "{cpu}"
+    );
+    assert!(
+        cpu.contains("cpu-fused router") && cpu.contains("% of its layer"),
+        "{cpu}"
+    );
+    assert!(t.contains("% copy"));
+    let md = report::to_markdown(&fixtures::cpu_moe_run());
+    assert!(md.contains("Routing: tokens per expert"), "{md}");
     let width = cpu.lines().map(|l| l.chars().count()).max().unwrap();
     assert!(width <= 160, "{cpu}");
 }

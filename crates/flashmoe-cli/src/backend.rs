@@ -9,14 +9,14 @@ use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
 };
-use flashmoe_bench::runner::gpu_moe::GpuMoe;
+use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
 use std::path::Path;
 use std::rc::Rc;
 
-/// Attention problems up to this many model FLOPs are checked against the CPU f64
-/// reference; larger ones against the GPU fp32 reference kernel.
+/// Problems (attention or MoE) up to this many model FLOPs are checked against the CPU
+/// f64 reference; larger ones against the GPU fp32 reference kernels.
 const CPU_REFERENCE_MAX_FLOPS: f64 = 5e9;
 
 /// The implementations and policies for one run.
@@ -213,7 +213,13 @@ pub fn select(
     match GpuSession::open(0) {
         Ok(session) if suite == Suite::Moe => {
             let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
-            lab.implementations = vec![Box::new(GpuMoe { session })];
+            lab.implementations = vec![Box::new(GpuMoe {
+                session: session.clone(),
+            })];
+            if for_check {
+                lab.implementations
+                    .push(Box::new(GpuMoeReference { session }));
+            }
             lab.default_candidate = "flashmoe-moe".into();
             if let Some(python) = python {
                 add_baselines(&mut lab, suite, python, seed);

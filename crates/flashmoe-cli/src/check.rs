@@ -42,7 +42,10 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             (false, true) => config::CPU_CHECK_SEQLENS_QUICK,
             (false, false) => config::CPU_CHECK_SEQLENS,
         };
-        let problems = config::check_matrix(suite, args.quick, seqlens);
+        let mut problems = config::check_matrix(suite, args.quick, seqlens);
+        if suite == Suite::Moe && lab.on_gpu() {
+            problems.extend(config::moe_gpu_check_shapes(args.quick));
+        }
         let rows = run_checks(
             &problems,
             &under_test,

@@ -140,6 +140,29 @@ moe_router_logits(const u16* __restrict__ x, const u16* __restrict__ router,
     }
 }
 
+// Few-token variant of moe_router_logits (picked by moe::config::select when the tiled
+// kernel's grid would leave most SMs idle): one thread per (t, e), e fastest, grid
+// ceil(T·E / 256). The same fmaf chain over h ascending from 0, so the logits are
+// bit-identical to the tiled kernel's; the loads of successive h are independent, so
+// unrolling keeps several in flight (the tiled kernel walks H in dependent 32-wide steps
+// with two barriers each, which is latency-bound when it has only a few blocks).
+extern "C" __global__ void __launch_bounds__(LOGITS_THREADS)
+moe_router_logits_small(const u16* __restrict__ x, const u16* __restrict__ router,
+                        float* __restrict__ logits, int tokens, int hidden, int experts) {
+    const i64 idx = (i64)blockIdx.x * LOGITS_THREADS + threadIdx.x;
+    if (idx >= (i64)tokens * experts) return;
+    const i64 t = idx / experts;
+    const int e = (int)(idx - t * experts);
+    const u16* xr = x + t * hidden;
+    const u16* rc = router + e;
+    float acc = 0.f;
+#pragma unroll 8
+    for (int h = 0; h < hidden; ++h) {
+        acc = fmaf(fm::load16(xr[h]), fm::load16(rc[(i64)h * experts]), acc);
+    }
+    logits[idx] = acc;
+}
+
 // One warp per token (4 per block, grid ceil(T / 4)); lane l holds experts l + 32·j.
 // Writes topk_ids [T, k] (descending score), topk_w [T, k], probs [T, E] (softmax, or
 // sigmoid scores normalised per token), lse [T] (natural log). A NaN logit makes every

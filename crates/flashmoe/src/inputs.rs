@@ -78,10 +78,14 @@ pub fn checksum(values: &[f32], dtype: DType) -> u64 {
         DType::F32 => values
             .iter()
             .for_each(|v| v.to_le_bytes().into_iter().for_each(&mut eat)),
-        _ => dtype
-            .encode_u16(values)
-            .into_iter()
-            .for_each(|v| v.to_le_bytes().into_iter().for_each(&mut eat)),
+        // Encoded on the fly: no copy of a tensor that may be tens of GB.
+        _ => values.iter().for_each(|&v| {
+            dtype
+                .encode_one_u16(v)
+                .to_le_bytes()
+                .into_iter()
+                .for_each(&mut eat)
+        }),
     }
     h
 }

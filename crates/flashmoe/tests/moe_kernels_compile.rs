@@ -34,6 +34,7 @@ fn every_moe_variant_compiles_without_spills() {
     // from gemm_config (empty in the stub of branch moe-path).
     for entry in [
         "moe_router_logits",
+        "moe_router_logits_small",
         "moe_router_topk",
         "moe_expert_stats",
         "moe_permute",
@@ -120,4 +121,41 @@ fn every_moe_variant_compiles_without_spills() {
         failures.len(),
         failures.join("\n\n")
     );
+}
+
+/// The GPU fp32 reference kernels (`moe_reference.cu`) compile for both dtypes and
+/// architectures without spills (a spilling reference would be slow, not wrong).
+#[test]
+fn moe_reference_kernels_compile() {
+    use flashmoe::moe::reference as r;
+    use flashmoe::DType;
+    common::nvrtc();
+    let src = kernels::source(r::REFERENCE_SOURCE).expect("moe_reference.cu is embedded");
+    let mut failures = Vec::new();
+    for dtype in [DType::F16, DType::Bf16] {
+        let defines = r::reference_defines(dtype).unwrap();
+        for entry in [
+            r::REF_LOGITS_ENTRY,
+            r::REF_GEMM13_ENTRY,
+            r::REF_GEMM2_ENTRY,
+            r::REF_COMBINE_ENTRY,
+        ] {
+            for arch in ARCHS {
+                match nvrtc_compile(src, entry, &defines, arch) {
+                    Ok(k) => {
+                        let res = k.resources.clone().unwrap_or_default();
+                        eprintln!("{arch} {dtype} {entry}: {} regs", res.registers);
+                        if k.spills() {
+                            failures.push(format!("{arch} {dtype} {entry}: spills"));
+                        }
+                        if res.registers as u64 * r::REF_THREADS as u64 > arch_limits(arch).1 {
+                            failures.push(format!("{arch} {dtype} {entry}: too many registers"));
+                        }
+                    }
+                    Err(e) => failures.push(format!("{arch} {dtype} {entry}: {e}")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

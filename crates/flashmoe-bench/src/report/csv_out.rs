@@ -41,6 +41,8 @@ pub const CSV_HEADER: &[&str] = &[
     "tflops",
     "gbps",
     "pct_of_gemm_ceiling",
+    "pct_of_copy_ceiling",
+    "router_ms",
     "peak_extra_bytes",
     "acc_max_abs",
     "acc_mean_abs",
@@ -133,6 +135,8 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
     r.push(imp.tflops.map(num).unwrap_or_default());
     r.push(imp.gbps.map(num).unwrap_or_default());
     r.push(imp.pct_of_gemm_ceiling.map(num).unwrap_or_default());
+    r.push(imp.pct_of_copy_ceiling.map(num).unwrap_or_default());
+    r.push(imp.router_ms.map(num).unwrap_or_default());
     r.push(opt(imp.peak_extra_bytes));
     let a = imp.accuracy.as_ref();
     r.push(a.map(|a| num(a.max_abs)).unwrap_or_default());

@@ -72,6 +72,9 @@ pub fn impl_from_samples(
         tflops,
         gbps: median.map(|m| min_bytes / (m * 1e-3) / 1e9),
         pct_of_gemm_ceiling: ceilings.and_then(|c| tflops.map(|t| 100.0 * t / c.gemm_tflops)),
+        pct_of_copy_ceiling: ceilings
+            .and_then(|c| median.map(|m| 100.0 * min_bytes / (m * 1e-3) / 1e9 / c.copy_gbps)),
+        router_ms: None,
         peak_extra_bytes: Some(1 << 20),
         accuracy: Some(AccuracyResult {
             max_abs: 1.5e-3,
@@ -128,6 +131,7 @@ pub fn config_from_samples(
         implementations,
         comparisons,
         error: None,
+        routing: None,
     }
 }
 
@@ -298,6 +302,21 @@ pub fn cpu_moe_run() -> RunResults {
             ],
             None,
         );
+        // A skewed routing with one empty expert; the candidate timed its router.
+        let counts = [
+            tokens / 2,
+            tokens / 4,
+            tokens / 4,
+            tokens / 2,
+            tokens / 4,
+            tokens / 4,
+            0,
+            0,
+        ];
+        c.routing = Some(crate::results::RoutingSummary::from_counts(
+            &counts, 1.07, 0.52,
+        ));
+        c.implementations[0].router_ms = c.implementations[0].median_ms().map(|m| m * 0.05);
         if k == 1 {
             let naive = &mut c.implementations[1];
             let acc = naive.accuracy.as_mut().unwrap();

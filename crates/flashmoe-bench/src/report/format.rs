@@ -153,6 +153,8 @@ pub struct RowView {
     pub throughput: String,
     pub gbps: String,
     pub pct_ceiling: String,
+    /// % of the copy ceiling: memory floor / median.
+    pub pct_copy: String,
     pub accuracy: String,
     pub accuracy_passed: Option<bool>,
     /// Candidate speedup vs this implementation with CI, "candidate" on the candidate row.
@@ -216,6 +218,7 @@ pub fn row_view(results: &RunResults, config: &ConfigResult, imp: &ImplResult) -
         throughput: opt(imp.tflops, &fmt_throughput),
         gbps: opt(imp.gbps, &|g| fmt_sig(g, 3)),
         pct_ceiling: opt(imp.pct_of_gemm_ceiling, &|p| format!("{p:.1}%")),
+        pct_copy: opt(imp.pct_of_copy_ceiling, &|p| format!("{p:.1}%")),
         accuracy: fmt_accuracy(imp.accuracy.as_ref()),
         accuracy_passed: imp.accuracy.as_ref().map(|a| a.passed),
         speedup,
@@ -266,6 +269,45 @@ pub fn speedup_level(results: &RunResults) -> Option<f64> {
         .flat_map(|c| c.comparisons.iter())
         .map(|p| p.comparison.speedup.level)
         .next()
+}
+
+/// MoE configs: the routing's load statistics, its losses, and each implementation's
+/// router time as a share of its layer time, as separate parts (None for attention).
+pub fn moe_routing_parts(config: &ConfigResult) -> Option<Vec<String>> {
+    let r = config.routing.as_ref()?;
+    let mut v = vec![
+        format!(
+            "tokens per expert min {} / max {} / mean {} (max/mean {}), CV {}, {} of {} experts empty",
+            r.min_load,
+            r.max_load,
+            fmt_sig(r.mean_load, 4),
+            fmt_sig(r.max_over_mean, 3),
+            fmt_sig(r.cv, 3),
+            r.empty_experts,
+            r.tokens_per_expert.len(),
+        ),
+        format!(
+            "aux loss {}, z-loss {}",
+            fmt_sig(r.aux_loss, 5),
+            fmt_sig(r.z_loss, 5)
+        ),
+    ];
+    for imp in &config.implementations {
+        if let (Some(router), Some(layer)) = (imp.router_ms, imp.median_ms()) {
+            v.push(format!(
+                "{} router {} ms = {}% of its layer",
+                imp.name,
+                fmt_sig(router, 3),
+                fmt_sig(100.0 * router / layer, 3)
+            ));
+        }
+    }
+    Some(v)
+}
+
+/// [`moe_routing_parts`] on one line.
+pub fn moe_routing_line(config: &ConfigResult) -> Option<String> {
+    moe_routing_parts(config).map(|v| v.join("; "))
 }
 
 #[cfg(test)]

@@ -272,6 +272,7 @@ fn results_table(results: &RunResults) -> String {
     ];
     if with_pct {
         header.push(("% GEMM ceiling".into(), true));
+        header.push(("% copy ceiling".into(), true));
     }
     header.extend([
         ("rel-L2 / gate".into(), true),
@@ -300,6 +301,14 @@ fn results_table(results: &RunResults) -> String {
             fmt_sig(c.flops / 1e9, 4),
             fmt_bytes(c.min_bytes)
         );
+        if let Some(line) = format::moe_routing_line(c) {
+            let _ = writeln!(
+                t,
+                "<tr><td>routing</td><td colspan=\"{}\">{}</td></tr>",
+                ncol - 1,
+                esc(&line)
+            );
+        }
         if let Some(e) = &c.error {
             let _ = writeln!(
                 t,
@@ -349,6 +358,7 @@ fn results_table(results: &RunResults) -> String {
             t.push_str(&num(&r.gbps));
             if with_pct {
                 t.push_str(&num(&r.pct_ceiling));
+                t.push_str(&num(&r.pct_copy));
             }
             let acc_class = match r.accuracy_passed {
                 Some(true) => "num pass",

@@ -163,7 +163,8 @@ pub fn to_markdown(results: &RunResults) -> String {
         "GB/s".into(),
     ];
     if with_pct {
-        header.push("% GEMM ceiling".into());
+        header.push("% GEMM ceiling (compute floor)".into());
+        header.push("% copy ceiling (memory floor)".into());
     }
     header.extend([
         "rel-L2 / gate".into(),
@@ -192,6 +193,9 @@ pub fn to_markdown(results: &RunResults) -> String {
             fmt_sig(c.flops / 1e9, 4),
             format::fmt_bytes(c.min_bytes)
         );
+        if let Some(line) = format::moe_routing_line(c) {
+            let _ = writeln!(o, "Routing: {}\n", md_escape(&line));
+        }
         if let Some(e) = &c.error {
             let _ = writeln!(o, "**Error:** {}\n", md_escape(e));
         }
@@ -229,6 +233,7 @@ pub fn to_markdown(results: &RunResults) -> String {
                 ]);
                 if with_pct {
                     cells.push(r.pct_ceiling.clone());
+                    cells.push(r.pct_copy.clone());
                 }
                 cells.extend([
                     md_escape(&r.accuracy),

@@ -27,6 +27,7 @@ pub fn terminal_table(results: &RunResults) -> String {
     ];
     if with_pct {
         header.push("% GEMM".to_string());
+        header.push("% copy".to_string());
     }
     header.push("rel-L2 gate".to_string());
     header.push(format!(
@@ -95,6 +96,7 @@ pub fn terminal_table(results: &RunResults) -> String {
             cells.push(right(&r.gbps));
             if with_pct {
                 cells.push(right(&r.pct_ceiling));
+                cells.push(right(&r.pct_copy));
             }
             cells.push(right(&r.accuracy));
             cells.push(right(&r.speedup));
@@ -136,6 +138,20 @@ pub fn terminal_table(results: &RunResults) -> String {
             })
         })
         .collect();
+    if with_pct {
+        out.push_str(
+            "% GEMM = compute floor (FLOPs at the measured GEMM ceiling) / median; % copy = \
+             memory floor (minimum bytes at the measured copy bandwidth) / median.\n",
+        );
+    }
+    for c in &results.configs {
+        if let Some(parts) = format::moe_routing_parts(c) {
+            out.push_str(&format!("routing {}:\n", c.id));
+            for p in parts {
+                out.push_str(&format!("    {p}\n"));
+            }
+        }
+    }
     for (i, n) in notes.iter().enumerate() {
         out.push_str(&format!("({}) {n}\n", i + 1));
     }

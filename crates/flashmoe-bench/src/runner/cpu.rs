@@ -68,6 +68,7 @@ fn run(
             let r = moe::moe_f64(p, x)?;
             Outputs::Moe {
                 out: r.out.iter().map(|&v| v as f32).collect(),
+                losses: Some((r.routing.aux_loss, r.routing.z_loss)),
                 topk_ids: Some(r.routing.topk_ids),
             }
         }
@@ -75,6 +76,7 @@ fn run(
             let (out, routing) = moe_grouped::moe_grouped(p, x)?;
             Outputs::Moe {
                 out,
+                losses: Some((routing.aux_loss, routing.z_loss)),
                 topk_ids: Some(routing.topk_ids),
             }
         }

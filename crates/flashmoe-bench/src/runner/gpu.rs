@@ -204,8 +204,9 @@ impl Prepared for ReferencePrepared {
     }
 }
 
-/// CPU f64 for problems small enough, the GPU fp32 reference kernel (itself validated
-/// against the CPU f64 reference by `flashmoe check`) above that.
+/// CPU f64 for problems small enough, the GPU fp32 reference kernels (attention:
+/// `attention_reference.cu`; MoE: `moe_reference.cu`, each validated against the CPU f64
+/// reference by `flashmoe check` and the GPU unit tests) above that.
 pub struct GpuReferenceProvider {
     pub session: Rc<GpuSession>,
     /// Largest problem (model FLOPs) checked against the CPU f64 reference.
@@ -216,7 +217,7 @@ impl GpuReferenceProvider {
     fn use_cpu(&self, problem: &ProblemSpec) -> bool {
         match problem {
             ProblemSpec::Attention(p) => p.flops() <= self.cpu_max_flops,
-            ProblemSpec::Moe(_) => true,
+            ProblemSpec::Moe(p) => p.flops() <= self.cpu_max_flops,
         }
     }
 }
@@ -239,6 +240,11 @@ impl ReferenceProvider for GpuReferenceProvider {
     ) -> anyhow::Result<ReferenceOutputs> {
         if self.use_cpu(problem) {
             return CpuReference.compute(problem, inputs);
+        }
+        if let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) {
+            let r = flashmoe::moe::reference::moe_reference_gpu(&self.session.device, p, x)
+                .context("GPU fp32 MoE reference")?;
+            return Ok(ReferenceOutputs::Moe(r));
         }
         let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
             anyhow::bail!("no GPU reference for this config");

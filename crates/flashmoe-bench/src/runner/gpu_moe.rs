@@ -48,7 +48,7 @@ impl Implementation for GpuMoe {
         Ok(Box::new(MoePrepared {
             runner,
             session: self.session.clone(),
-            notes: Vec::new(),
+            router_ms: None,
         }))
     }
 }
@@ -56,7 +56,23 @@ impl Implementation for GpuMoe {
 struct MoePrepared {
     runner: MoeRunner,
     session: Rc<GpuSession>,
-    notes: Vec<String>,
+    router_ms: Option<f64>,
+}
+
+/// Samples of the router stage alone (L2 flushed before each, like the layer's samples).
+const ROUTER_SAMPLES: usize = 15;
+
+impl MoePrepared {
+    /// Median time of the router stage (logits, scoring + top-k, statistics) alone.
+    fn time_router(&mut self) -> anyhow::Result<f64> {
+        let dev = &self.session.device;
+        let mut v = Vec::with_capacity(ROUTER_SAMPLES);
+        for _ in 0..ROUTER_SAMPLES {
+            let runner = &mut self.runner;
+            v.push(self.session.timed(|| runner.run_router(dev))?);
+        }
+        Ok(crate::stats::median(&v))
+    }
 }
 
 impl Sampled for MoePrepared {
@@ -73,24 +89,93 @@ impl Prepared for MoePrepared {
         self.runner.poison_outputs(dev)?;
         self.runner.run(dev)?;
         dev.synchronize().context("running the MoE pipeline")?;
+        // Load statistics and losses are reported per config from the reference routing,
+        // which the gate requires this one to match (ids, and losses within 1e-4).
         let routing = self.runner.gpu_routing(dev)?;
-        let (max, mean, cv) = routing.load_stats();
-        self.notes = vec![format!(
-            "router: aux loss {:.6}, z-loss {:.6}; tokens per expert max {max}, mean {mean:.1}, CV {cv:.3}; {} of {} experts empty",
-            routing.aux_loss,
-            routing.z_loss,
-            routing.counts.iter().filter(|&&c| c == 0).count(),
-            routing.counts.len()
-        ), self.runner.gemm_path()];
+        let out = self.runner.output(dev)?;
+        // After the outputs are read: the router's runs overwrite only its own buffers.
+        self.router_ms = Some(self.time_router().context("timing the MoE router alone")?);
         Ok(Outputs::Moe {
-            out: self.runner.output(dev)?,
+            out,
+            losses: Some((routing.aux_loss, routing.z_loss)),
             topk_ids: Some(routing.topk_ids),
         })
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         Some(self.runner.workspace_bytes())
     }
+    fn router_ms(&self) -> Option<f64> {
+        self.router_ms
+    }
+    /// Which grouped-GEMM path (sm_90 wgmma/TMA or portable mma.sync, and why) ran.
     fn notes(&self) -> Vec<String> {
-        self.notes.clone()
+        vec![self.runner.gemm_path()]
+    }
+}
+
+/// The GPU fp32 MoE reference as an implementation under test (`flashmoe check` only):
+/// on shapes within the CPU reference's size it is checked against the CPU f64
+/// reference, which validates it for the large shapes where it is the reference.
+pub struct GpuMoeReference {
+    pub session: Rc<GpuSession>,
+}
+
+impl Implementation for GpuMoeReference {
+    fn name(&self) -> &str {
+        "gpu-reference"
+    }
+    fn backend(&self) -> &str {
+        "cuda"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        let ProblemSpec::Moe(p) = problem else {
+            return Err("MoE layer".into());
+        };
+        flashmoe::moe::reference::reference_defines(p.dtype)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
+            anyhow::bail!("GPU MoE reference given a non-MoE config");
+        };
+        Ok(Box::new(ReferencePrepared {
+            problem: p.clone(),
+            inputs: x,
+            session: self.session.clone(),
+        }))
+    }
+}
+
+struct ReferencePrepared<'a> {
+    problem: flashmoe::MoeProblem,
+    inputs: &'a flashmoe::reference::moe::MoeInputs,
+    session: Rc<GpuSession>,
+}
+
+impl Sampled for ReferencePrepared<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        // Checked, never benchmarked: it uploads its weights on every call.
+        anyhow::bail!("the GPU MoE reference is a correctness tool and is not timed")
+    }
+}
+
+impl Prepared for ReferencePrepared<'_> {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let r = flashmoe::moe::reference::moe_reference_gpu(
+            &self.session.device,
+            &self.problem,
+            self.inputs,
+        )
+        .context("GPU fp32 MoE reference")?;
+        Ok(Outputs::Moe {
+            out: r.out.iter().map(|&v| v as f32).collect(),
+            losses: Some((r.routing.aux_loss, r.routing.z_loss)),
+            topk_ids: Some(r.routing.topk_ids),
+        })
     }
 }

@@ -38,6 +38,8 @@ pub enum Outputs {
     Moe {
         out: Vec<f32>,
         topk_ids: Option<Vec<u32>>,
+        /// (aux loss, z-loss) when the implementation computes them.
+        losses: Option<(f64, f64)>,
     },
 }
 
@@ -53,6 +55,11 @@ pub trait Prepared: Sampled {
     fn run_for_check(&mut self) -> anyhow::Result<Outputs>;
     /// Peak extra memory the implementation allocated beyond inputs and outputs, bytes.
     fn peak_extra_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// MoE: median ms of the router stage alone, measured by `run_for_check` when the
+    /// implementation can launch it separately.
+    fn router_ms(&self) -> Option<f64> {
         None
     }
     /// Remarks for the report (compile time, backend caveats), after `run_for_check`.

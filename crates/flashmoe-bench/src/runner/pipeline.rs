@@ -5,7 +5,7 @@ use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvid
 use crate::measure::{measure_interleaved, Sampled, StopReason};
 use crate::results::{
     AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
-    CEILING_ONLY_FLAG,
+    RoutingSummary, CEILING_ONLY_FLAG,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -52,10 +52,67 @@ pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
             v
         }
     };
+    fold_checksums(&parts)
+}
+
+/// The per-tensor checksums folded into one (FNV-1a over the 64-bit parts).
+fn fold_checksums(parts: &[u64]) -> String {
     let folded = parts.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, p| {
         (h ^ p).wrapping_mul(0x0000_0100_0000_01B3)
     });
     format!("{folded:016x}")
+}
+
+/// [`inputs_checksum`] of inputs made by `SuiteInputs::generate(problem, seed)` (the
+/// precondition: every caller passes the inputs it generated with these arguments).
+///
+/// MoE weights (router, w13, w2, shared expert) depend on (seed, hidden, intermediate,
+/// experts, dtype) and not on the token count, so a preset's configs share them; FNV over
+/// tens of GB of them takes tens of seconds, so their checksums are computed once per
+/// process and reused. The activations are always checksummed afresh.
+pub fn generated_inputs_checksum(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs) -> String {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static WEIGHTS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+    let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
+        return inputs_checksum(inputs, dtype_of(problem));
+    };
+    let dtype = p.dtype;
+    let weight = |name: &str, v: &[f32]| -> u64 {
+        let key = format!(
+            "{seed}|h{}|i{}|e{}|{dtype}|{name}|{}",
+            p.hidden,
+            p.intermediate,
+            p.experts,
+            v.len()
+        );
+        let cached = WEIGHTS
+            .lock()
+            .ok()
+            .and_then(|m| m.as_ref().and_then(|m| m.get(&key).copied()));
+        cached.unwrap_or_else(|| {
+            let sum = checksum(v, dtype);
+            if let Ok(mut m) = WEIGHTS.lock() {
+                let m = m.get_or_insert_with(HashMap::new);
+                if m.len() > 64 {
+                    m.clear();
+                }
+                m.insert(key, sum);
+            }
+            sum
+        })
+    };
+    let mut parts = vec![
+        checksum(&x.x, dtype),
+        weight("router", &x.router),
+        weight("w13", &x.w13),
+        weight("w2", &x.w2),
+    ];
+    if let (Some(a), Some(b)) = (&x.shared_w13, &x.shared_w2) {
+        parts.push(weight("shared_w13", a));
+        parts.push(weight("shared_w2", b));
+    }
+    fold_checksums(&parts)
 }
 
 fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> AccuracyResult {
@@ -71,6 +128,9 @@ fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> Accu
         note,
     }
 }
+
+/// Relative tolerance of the MoE auxiliary losses against the reference (issue 5).
+pub const LOSS_REL_TOL: f64 = 1e-4;
 
 /// Compare an implementation's outputs with the reference.
 pub fn gate(
@@ -102,9 +162,35 @@ pub fn gate(
             res.note = Some(notes.join("; "));
             res
         }
-        (Outputs::Moe { out, topk_ids }, ReferenceOutputs::Moe(r)) => {
+        (
+            Outputs::Moe {
+                out,
+                topk_ids,
+                losses,
+            },
+            ReferenceOutputs::Moe(r),
+        ) => {
             let c = accuracy::check(out, &r.out, dtype);
             let mut res = to_result(&c, reference_name, c.reason.clone());
+            if let Some((aux, z)) = losses {
+                for (name, got, want) in [
+                    ("aux loss", *aux, r.routing.aux_loss),
+                    ("z-loss", *z, r.routing.z_loss),
+                ] {
+                    let rel = (got - want).abs() / want.abs().max(1e-30);
+                    // A NaN loss fails too (is_nan: NaN compares false).
+                    if rel.is_nan() || rel > LOSS_REL_TOL {
+                        res.passed = false;
+                        let note = format!(
+                            "{name} {got:.6e} vs reference {want:.6e} (relative error {rel:.1e} > {LOSS_REL_TOL:.0e})"
+                        );
+                        res.note = Some(match res.note.take() {
+                            Some(n) => format!("{n}; {note}"),
+                            None => note,
+                        });
+                    }
+                }
+            }
             if let Some(ids) = topk_ids {
                 let mismatched = ids
                     .iter()
@@ -114,10 +200,14 @@ pub fn gate(
                     + ids.len().abs_diff(r.routing.topk_ids.len());
                 if mismatched > 0 {
                     res.passed = false;
-                    res.note = Some(format!(
+                    let note = format!(
                         "routing differs from the reference in {mismatched} of {} top-k slots",
                         r.routing.topk_ids.len()
-                    ));
+                    );
+                    res.note = Some(match res.note.take() {
+                        Some(n) => format!("{note}; {n}"),
+                        None => note,
+                    });
                 }
             }
             res
@@ -180,6 +270,7 @@ impl Pipeline<'_> {
             implementations: Vec::new(),
             comparisons: Vec::new(),
             error: None,
+            routing: None,
         };
         let valid = match problem {
             ProblemSpec::Attention(p) => p.validate(),
@@ -195,7 +286,7 @@ impl Pipeline<'_> {
         }
 
         let inputs = SuiteInputs::generate(problem, self.settings.seed);
-        let input_sum = inputs_checksum(&inputs, dtype_of(problem));
+        let input_sum = generated_inputs_checksum(problem, self.settings.seed, &inputs);
         let ref_name = self.reference.name(problem);
         let reference = match self.reference.compute(problem, &inputs) {
             Ok(r) => Some(r),
@@ -205,6 +296,13 @@ impl Pipeline<'_> {
             }
         };
         result.min_bytes = min_bytes(problem, reference.as_ref());
+        if let Some(ReferenceOutputs::Moe(r)) = &reference {
+            result.routing = Some(RoutingSummary::from_counts(
+                &r.routing.expert_counts,
+                r.routing.aux_loss,
+                r.routing.z_loss,
+            ));
+        }
 
         // Prepare and gate each implementation; only those that pass are timed.
         let mut rows: Vec<ImplResult> = Vec::new();
@@ -236,6 +334,7 @@ impl Pipeline<'_> {
                     let acc = gate(problem, &out, r, &ref_name);
                     let passed = acc.passed;
                     row.peak_extra_bytes = p.peak_extra_bytes();
+                    row.router_ms = p.router_ms();
                     row.accuracy = Some(acc);
                     if passed {
                         timed.push((rows.len(), p));
@@ -276,6 +375,7 @@ impl Pipeline<'_> {
             row.gbps = Some(result.min_bytes / secs / 1e9);
             if let Some(c) = &self.ceilings {
                 row.pct_of_gemm_ceiling = Some(100.0 * tflops / c.gemm_tflops);
+                row.pct_of_copy_ceiling = Some(100.0 * result.min_bytes / secs / 1e9 / c.copy_gbps);
                 if tflops > c.gemm_tflops * 1.02 {
                     row.flags.push(format!(
                         "implausible: {tflops:.0} TFLOP/s is above the measured GEMM ceiling {:.0}",
@@ -316,6 +416,11 @@ pub const NEIGHBOUR_DROP: f64 = 3.0;
 /// after it along the sweep axis) — the signature of a silent fallback path, such as
 /// FlexAttention after a recompile limit. Existing flags of this kind are replaced, so the
 /// pass can run after every config.
+///
+/// MoE token sweeps go from memory-bound (a few tokens per expert: TFLOP/s grows with the
+/// token count) to compute-bound (GB/s of the fixed weights falls with it), so one metric
+/// alone drops legitimately between neighbours there: an MoE row is flagged only when its
+/// TFLOP/s and its GB/s are both [`NEIGHBOUR_DROP`]× below its neighbours'.
 pub fn flag_implausible_drops(results: &mut crate::results::RunResults) {
     use std::collections::BTreeMap;
     const TAG: &str = "implausible: far below its neighbouring configs";
@@ -333,25 +438,39 @@ pub fn flag_implausible_drops(results: &mut crate::results::RunResults) {
             xa.total_cmp(&xb)
         });
         for (pos, &ci) in members.iter().enumerate() {
+            let is_moe = matches!(results.configs[ci].problem, ProblemSpec::Moe(_));
             for imp in &results.configs[ci].implementations {
                 let Some(own) = imp.tflops else { continue };
-                let neighbours: Vec<f64> = [pos.checked_sub(1), Some(pos + 1)]
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|p| members.get(p))
-                    .filter_map(|&n| {
-                        results.configs[n]
-                            .implementations
-                            .iter()
-                            .find(|o| o.name == imp.name)
-                            .and_then(|o| o.tflops)
-                    })
-                    .collect();
-                if neighbours.is_empty() {
+                let neighbours = |metric: &dyn Fn(&ImplResult) -> Option<f64>| -> Vec<f64> {
+                    [pos.checked_sub(1), Some(pos + 1)]
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|p| members.get(p))
+                        .filter_map(|&n| {
+                            results.configs[n]
+                                .implementations
+                                .iter()
+                                .find(|o| o.name == imp.name)
+                                .and_then(metric)
+                        })
+                        .collect()
+                };
+                let tf = neighbours(&|o| o.tflops);
+                if tf.is_empty() {
                     continue;
                 }
-                let reference = stats::median(&neighbours);
-                if own * NEIGHBOUR_DROP < reference {
+                let reference = stats::median(&tf);
+                let mut collapsed = own * NEIGHBOUR_DROP < reference;
+                if is_moe {
+                    let gb = neighbours(&|o| o.gbps);
+                    collapsed &= match imp.gbps {
+                        Some(own_gb) if !gb.is_empty() => {
+                            own_gb * NEIGHBOUR_DROP < stats::median(&gb)
+                        }
+                        _ => false,
+                    };
+                }
+                if collapsed {
                     flags.push((
                         ci,
                         imp.name.clone(),

@@ -16,7 +16,7 @@
 //! [`WorkerOptions::max_restarts`] times); handles of the old worker then fail with a clear
 //! error instead of hanging. Out-of-memory is reported as that cell's error.
 
-use super::pipeline::inputs_checksum;
+use super::pipeline::generated_inputs_checksum;
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::config::Suite;
 use crate::manifest::PythonManifest;
@@ -660,11 +660,7 @@ impl Shared {
                 return sum.clone();
             }
         }
-        let dtype = match problem {
-            ProblemSpec::Attention(p) => p.dtype,
-            ProblemSpec::Moe(p) => p.dtype,
-        };
-        let sum = inputs_checksum(inputs, dtype);
+        let sum = generated_inputs_checksum(problem, self.seed, inputs);
         self.checksum_cache = Some((key.0, key.1, sum.clone()));
         sum
     }
@@ -919,6 +915,7 @@ impl Prepared for PythonPrepared {
                     Outputs::Moe {
                         out: Vec::new(),
                         topk_ids: None,
+                        losses: None,
                     }
                 } else {
                     let out = read_le(
@@ -933,9 +930,11 @@ impl Prepared for PythonPrepared {
                         "top-k ids",
                         u32::from_le_bytes,
                     )?;
+                    // The baselines do not compute the auxiliary losses.
                     Outputs::Moe {
                         out,
                         topk_ids: Some(ids),
+                        losses: None,
                     }
                 }
             }

@@ -11,6 +11,9 @@
 //!    const u16* router, float* logits, int tokens, int hidden, int experts). Defines
 //!    FM_DTYPE_BF16. Block 256 threads = (256 / EPAD) token groups × EPAD experts
 //!    (EPAD = E rounded up to 32), 4 tokens per thread: grid.x = ceil(T / (4·256/EPAD)).
+//!    Few tokens (that grid below [`SMALL_LOGITS_MAX_TILED_BLOCKS`] blocks):
+//!    `moe_router_logits_small` instead, same parameters and the same fmaf chain (so
+//!    bit-identical logits), one thread per (t, e): grid.x = ceil(T·E / 256).
 //! 2. `moe_router_topk` (moe_router.cu): per token, scores = softmax(logits) or
 //!    sigmoid(logits); top-k by score, ties → lower expert index, ids in descending score
 //!    order → topk_ids [T, k] u32; weights = selected scores, renormalised to sum 1 when
@@ -82,6 +85,7 @@ pub const ROUTER_SOURCE: &str = "moe_router.cu";
 pub const PERMUTE_SOURCE: &str = "moe_permute.cu";
 pub const COMBINE_SOURCE: &str = "moe_combine.cu";
 pub const LOGITS_ENTRY: &str = "moe_router_logits";
+pub const LOGITS_SMALL_ENTRY: &str = "moe_router_logits_small";
 pub const TOPK_ENTRY: &str = "moe_router_topk";
 pub const STATS_ENTRY: &str = "moe_expert_stats";
 pub const PERMUTE_ENTRY: &str = "moe_permute";
@@ -102,6 +106,23 @@ pub const PERMUTE_THREADS: u32 = 256;
 pub const COMBINE_THREADS: u32 = 256;
 /// Largest value passed as a kernel `int` (and grid.x of the combine).
 pub const MAX_INT: usize = i32::MAX as usize;
+
+/// The few-token logits kernel is used while the tiled one would launch fewer blocks than
+/// this (about one per SM of an H100): with E = 256 (4 tokens per tiled block) that is up
+/// to 508 tokens, with E ≤ 32 (32 per block) up to 4064.
+pub const SMALL_LOGITS_MAX_TILED_BLOCKS: u64 = 128;
+
+/// Tokens per block of the tiled logits kernel for `experts` (contract step 1).
+pub fn tiled_logits_tokens_per_block(experts: usize) -> u64 {
+    let epad = (experts as u64).div_ceil(32).max(1) * 32;
+    (LOGITS_THREADS as u64 / epad) * LOGITS_TOKENS_PER_THREAD as u64
+}
+
+/// Whether [`select`] picks `moe_router_logits_small` for `p`.
+pub fn use_small_logits(p: &MoeProblem) -> bool {
+    (p.tokens as u64).div_ceil(tiled_logits_tokens_per_block(p.experts))
+        < SMALL_LOGITS_MAX_TILED_BLOCKS
+}
 
 /// Indices of the kernels in the list returned by [`select`].
 pub const K_LOGITS: usize = 0;
@@ -254,6 +275,9 @@ pub fn select(problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
             ));
         }
     }
+    if use_small_logits(problem) {
+        v[K_LOGITS].entry = LOGITS_SMALL_ENTRY;
+    }
     let combine = v.pop().expect("five kernels");
     v.push(g13);
     v.push(g2);
@@ -280,6 +304,15 @@ pub fn all_variants() -> Vec<MoeKernel> {
             }
         }
     }
+    let small: Vec<MoeKernel> = out
+        .iter()
+        .filter(|k| k.entry == LOGITS_ENTRY)
+        .map(|k| MoeKernel {
+            entry: LOGITS_SMALL_ENTRY,
+            ..k.clone()
+        })
+        .collect();
+    out.extend(small);
     out.extend(gemm_config::all_gemm_variants());
     out.extend(super::gemm_sm90::all_sm90_variants());
     out.push(super::gemm_sm90::gather_kernel());
@@ -373,10 +406,15 @@ mod tests {
         match select(&problem()) {
             Ok(v) => {
                 let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+                let logits = if use_small_logits(&problem()) {
+                    LOGITS_SMALL_ENTRY
+                } else {
+                    LOGITS_ENTRY
+                };
                 assert_eq!(
                     entries,
                     [
-                        LOGITS_ENTRY,
+                        logits,
                         TOPK_ENTRY,
                         STATS_ENTRY,
                         PERMUTE_ENTRY,
@@ -389,6 +427,29 @@ mod tests {
             Err(Error::Unsupported { reason, .. }) => assert!(!reason.is_empty()),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    #[test]
+    fn few_tokens_use_the_small_logits_kernel() {
+        let pick = |tokens, experts| {
+            let p = MoeProblem {
+                tokens,
+                experts,
+                top_k: 2,
+                hidden: 4096,
+                intermediate: 1024,
+                ..problem()
+            };
+            select(&p).map(|k| k[K_LOGITS].entry)
+        };
+        // E = 256: 4 tokens per tiled block, so up to 508 tokens the tiled grid is < 128.
+        assert_eq!(pick(16, 256).unwrap(), LOGITS_SMALL_ENTRY);
+        assert_eq!(pick(508, 256).unwrap(), LOGITS_SMALL_ENTRY);
+        assert_eq!(pick(509, 256).unwrap(), LOGITS_ENTRY);
+        // E = 32: 32 tokens per tiled block.
+        assert_eq!(pick(2048, 32).unwrap(), LOGITS_SMALL_ENTRY);
+        assert_eq!(pick(4096, 32).unwrap(), LOGITS_ENTRY);
+        assert_eq!(pick(32768, 32).unwrap(), LOGITS_ENTRY);
     }
 
     #[test]
@@ -423,6 +484,7 @@ mod tests {
         let v = all_variants();
         let count = |e: &str| v.iter().filter(|k| k.entry == e).count();
         assert_eq!(count(LOGITS_ENTRY), 2);
+        assert_eq!(count(LOGITS_SMALL_ENTRY), 2);
         assert_eq!(count(TOPK_ENTRY), 4);
         assert_eq!(count(STATS_ENTRY), 1);
         assert_eq!(count(PERMUTE_ENTRY), 1);

@@ -224,3 +224,109 @@ fn moe_sm90_gemms_match_cpu_reference() {
         check_case_path(dev, &shape(128, 8, DType::F16), Some("sm90"));
     });
 }
+
+/// The GPU fp32 reference against the CPU f64 reference: routing identical (ids,
+/// counts), weights and losses close, output relative L2 at fp32 level (not bf16).
+fn check_gpu_reference(dev: &Device, p: &MoeProblem) {
+    let x = inputs(p);
+    let want = moe_f64(p, &x).unwrap();
+    let got = reference::moe_reference_gpu(dev, p, &x).unwrap_or_else(|e| panic!("{p}: {e}"));
+    if let Some(m) = routing_mismatch(&got.routing.topk_ids, &want.routing.topk_ids, p.top_k) {
+        panic!("{p}: GPU reference {m}");
+    }
+    assert_eq!(got.routing.expert_counts, want.routing.expert_counts, "{p}");
+    for (a, b) in got
+        .routing
+        .topk_weights
+        .iter()
+        .zip(&want.routing.topk_weights)
+    {
+        assert!((a - b).abs() <= 1e-6, "{p}: weight {a} vs {b}");
+    }
+    assert!(
+        rel(got.routing.aux_loss, want.routing.aux_loss) <= 1e-5,
+        "{p}"
+    );
+    assert!(rel(got.routing.z_loss, want.routing.z_loss) <= 1e-5, "{p}");
+    let out: Vec<f32> = got.out.iter().map(|&v| v as f32).collect();
+    assert!(out.iter().all(|v| v.is_finite()), "{p}: non-finite");
+    let m = error_metrics(&out, &want.out);
+    eprintln!(
+        "  gpu-reference {p}: rel_l2 {:.2e} max_abs {:.2e}",
+        m.rel_l2, m.max_abs
+    );
+    assert!(m.rel_l2 <= 1e-5, "{p}: GPU reference rel_l2 {}", m.rel_l2);
+}
+
+#[test]
+fn gpu_reference_matches_cpu_f64() {
+    with_gpu("moe_gpu_reference", |dev| {
+        for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+            for (tokens, top_k) in [(1, 8), (7, 1), (128, 2), (300, 8)] {
+                check_gpu_reference(dev, &problem(tokens, top_k, scoring, DType::Bf16));
+            }
+        }
+        // Ragged shapes (not multiples of the 64-wide tiles), fp16, shared expert.
+        let odd = MoeProblem {
+            hidden: 72,
+            intermediate: 40,
+            shared_expert: true,
+            dtype: DType::F16,
+            renormalize: false,
+            ..problem(67, 2, Scoring::Softmax, DType::F16)
+        };
+        check_gpu_reference(dev, &odd);
+    });
+}
+
+#[test]
+fn fast_path_matches_gpu_reference_on_a_larger_shape() {
+    // Above the CPU reference's size: the fast path against the GPU reference, the way
+    // `flashmoe check` and the bench gate large shapes.
+    with_gpu("moe_vs_gpu_reference", |dev| {
+        let p = MoeProblem {
+            tokens: 2048,
+            hidden: 1024,
+            intermediate: 512,
+            experts: 64,
+            top_k: 8,
+            ..problem(1, 1, Scoring::Sigmoid, DType::Bf16)
+        };
+        let x = MoeInputs::generate(&p, 7);
+        let want = reference::moe_reference_gpu(dev, &p, &x).unwrap();
+        let mut r = MoeRunner::new(dev, &p, &x).unwrap();
+        r.poison_outputs(dev).unwrap();
+        r.run(dev).unwrap();
+        let g = r.gpu_routing(dev).unwrap();
+        if let Some(m) = routing_mismatch(&g.topk_ids, &want.routing.topk_ids, p.top_k) {
+            panic!("{p}: {m}");
+        }
+        assert!(rel(g.aux_loss, want.routing.aux_loss) <= 1e-4, "{p}");
+        assert!(rel(g.z_loss, want.routing.z_loss) <= 1e-4, "{p}");
+        let out = r.output(dev).unwrap();
+        let m = error_metrics(&out, &want.out);
+        eprintln!("  {p}: rel_l2 {:.2e} vs the GPU reference", m.rel_l2);
+        assert!(m.non_finite == 0 && m.rel_l2 <= 1.6e-2, "{p}: {m:?}");
+    });
+}
+
+#[test]
+fn nan_in_the_input_reaches_the_output() {
+    // A NaN in x must not be hidden (e.g. by a max that drops it): the token's output is
+    // NaN, so the correctness gate reports it; the other tokens stay finite.
+    with_gpu("moe_nan_input", |dev| {
+        let p = problem(7, 2, Scoring::Softmax, DType::Bf16);
+        let mut x = inputs(&p);
+        x.x[3 * p.hidden + 5] = f32::NAN;
+        let mut r = MoeRunner::new(dev, &p, &x).unwrap();
+        r.poison_outputs(dev).unwrap();
+        r.run(dev).unwrap();
+        let out = r.output(dev).unwrap();
+        for (t, row) in out.chunks(p.hidden).enumerate() {
+            let nan = row.iter().any(|v| v.is_nan());
+            assert_eq!(nan, t == 3, "token {t}: NaN {nan}");
+        }
+        let g = r.gpu_routing(dev).unwrap();
+        assert!(g.topk_ids.iter().all(|&id| (id as usize) < p.experts));
+    });
+}

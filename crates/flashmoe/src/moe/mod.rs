@@ -1,6 +1,6 @@
 //! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine.
 //! Kernel selection and the kernel ABI live in [`config`] (the contract at its top);
-//! grouped-GEMM variants in [`gemm_config`].
+//! grouped-GEMM variants in [`gemm_config`]; the GPU fp32 reference in [`reference`].
 //!
 //! ```ignore
 //! let mut r = MoeRunner::new(&dev, &problem, &inputs)?;   // upload, compile, validate
@@ -20,6 +20,7 @@ pub mod gemm_config;
 pub mod gemm_sm90;
 #[cfg(test)]
 mod gpu_tests;
+pub mod reference;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -126,13 +127,15 @@ pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<Launc
         ));
     }
     let (t, e, k) = (p.tokens as u64, p.experts as u64, p.top_k as u64);
-    let epad = e.div_ceil(32) * 32;
-    let logits_tokens =
-        (config::LOGITS_THREADS as u64 / epad) * config::LOGITS_TOKENS_PER_THREAD as u64;
+    let logits_blocks = if kernels[config::K_LOGITS].entry == config::LOGITS_SMALL_ENTRY {
+        (t * e).div_ceil(config::LOGITS_THREADS as u64)
+    } else {
+        t.div_ceil(config::tiled_logits_tokens_per_block(p.experts))
+    };
     let topk_tokens = config::TOPK_THREADS as u64 / 32;
     let rows = (t * k) as usize;
     Ok(vec![
-        grid_1d(&kernels[config::K_LOGITS], t.div_ceil(logits_tokens), 1)?,
+        grid_1d(&kernels[config::K_LOGITS], logits_blocks, 1)?,
         grid_1d(&kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
         grid_1d(&kernels[config::K_STATS], e + 1, 1)?,
         grid_1d(&kernels[config::K_PERMUTE], e, 1)?,
@@ -491,13 +494,13 @@ impl MoeRunner {
         }
     }
 
-    /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
-    pub fn run(&mut self, dev: &Device) -> Result<()> {
+    /// Enqueue the router alone (contract steps 1–3: logits, scoring + top-k, per-expert
+    /// statistics): timed separately to report the router's share of the layer.
+    pub fn run_router(&mut self, dev: &Device) -> Result<()> {
         let p = &self.problem;
-        let (t, hid, inter, e, k) = (
+        let (t, hid, e, k) = (
             p.tokens as i32,
             p.hidden as i32,
-            p.intermediate as i32,
             p.experts as i32,
             p.top_k as i32,
         );
@@ -548,6 +551,23 @@ impl MoeRunner {
             let r = unsafe { b.launch(self.cfgs[config::K_STATS]) };
             dev.check_launch(name(config::K_STATS), r)?;
         }
+        Ok(())
+    }
+
+    /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
+    pub fn run(&mut self, dev: &Device) -> Result<()> {
+        self.run_router(dev)?;
+        let p = &self.problem;
+        let (t, hid, inter, e, k) = (
+            p.tokens as i32,
+            p.hidden as i32,
+            p.intermediate as i32,
+            p.experts as i32,
+            p.top_k as i32,
+        );
+        let stream = dev.stream();
+        let name = |i: usize| self.kernels[i].entry;
+
         // 4. permutation
         {
             let mut b = stream.launch_builder(&self.funcs[config::K_PERMUTE]);
@@ -817,6 +837,13 @@ mod tests {
         let c = launch_configs(&q, &kernels(&q)).unwrap();
         assert_eq!(c[config::K_LOGITS].grid_dim, (1, 1, 1));
         assert_eq!(c[config::K_GEMM13].grid_dim, (257, 2, 1));
+        // The few-token logits kernel: one thread per (token, expert).
+        let mut ks = kernels(&q);
+        ks[config::K_LOGITS].entry = config::LOGITS_SMALL_ENTRY;
+        let q7 = MoeProblem { tokens: 7, ..q };
+        let c = launch_configs(&q7, &ks).unwrap();
+        assert_eq!(c[config::K_LOGITS].grid_dim, (7, 1, 1));
+        assert_eq!(c[config::K_LOGITS].block_dim, (256, 1, 1));
     }
 
     #[test]

@@ -185,6 +185,12 @@ fn route_token(p: &MoeProblem, xt: &[f32], router: &[f32]) -> TokenRoute {
             *l += xh * w as f64;
         }
     }
+    route_logits(p, logits)
+}
+
+/// Steps 2–4 of the module docs for one token, from its logits.
+fn route_logits(p: &MoeProblem, logits: Vec<f64>) -> TokenRoute {
+    let e = p.experts;
     let lse = logsumexp(&logits);
     let (scores, probs) = match p.scoring {
         Scoring::Softmax => {
@@ -227,14 +233,35 @@ pub fn route(p: &MoeProblem, x: &MoeInputs) -> Result<Routing> {
         x.x.par_chunks(p.hidden)
             .map(|xt| route_token(p, xt, &x.router))
             .collect();
+    Ok(aggregate(p, &per_token))
+}
 
+/// Route every token from logits computed elsewhere ([T, E], e.g. by the GPU fp32
+/// reference): scoring, top-k, weights and losses exactly as [`route`] does from its
+/// own f64 logits.
+pub fn route_from_logits(p: &MoeProblem, logits: &[f32]) -> Result<Routing> {
+    p.validate()?;
+    check_len(
+        "logits",
+        checked_product("logits", &[p.tokens, p.experts])?,
+        logits.len(),
+    )?;
+    let per_token: Vec<TokenRoute> = logits
+        .par_chunks(p.experts)
+        .map(|l| route_logits(p, l.iter().map(|&v| v as f64).collect()))
+        .collect();
+    Ok(aggregate(p, &per_token))
+}
+
+/// Routing of the batch from its per-token results (fixed order: token ascending).
+fn aggregate(p: &MoeProblem, per_token: &[TokenRoute]) -> Routing {
     let (t, e, k) = (p.tokens, p.experts, p.top_k);
     let mut topk_ids = Vec::with_capacity(t * k);
     let mut topk_weights = Vec::with_capacity(t * k);
     let mut expert_counts = vec![0usize; e];
     let mut prob_sum = vec![0f64; e];
     let mut z_sum = 0.0;
-    for r in &per_token {
+    for r in per_token {
         for &id in &r.ids {
             expert_counts[id as usize] += 1;
         }
@@ -252,13 +279,13 @@ pub fn route(p: &MoeProblem, x: &MoeInputs) -> Result<Routing> {
             .zip(&prob_sum)
             .map(|(&c, &ps)| (c as f64 / assignments) * (ps / t as f64))
             .sum::<f64>();
-    Ok(Routing {
+    Routing {
         topk_ids,
         topk_weights,
         expert_counts,
         aux_loss,
         z_loss: z_sum / t as f64,
-    })
+    }
 }
 
 /// Assignments per weight-streaming block: every weight row read is used for this many
