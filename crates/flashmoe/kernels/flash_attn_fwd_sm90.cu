@@ -1,0 +1,322 @@
+// flashmoe — FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier-guarded
+// shared-memory ring, warpgroup MMAs (wgmma) with fp32 accumulators, warp specialisation.
+//
+// Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table of
+// variants lives in crates/flashmoe/src/attention/config.rs, `sm90_tile`):
+//
+//   FM_HEAD_DIM    D: 64 or 128 (a multiple of 64: K/Q/V rows are loaded as 64-column halves,
+//                  each a 128-byte swizzled row)
+//   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
+//   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+//   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
+//   FM_STAGES      depth of the K/V ring (2..4)
+//   FM_CONSUMERS   consumer warpgroups (2); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
+//
+// ABI (extern "C" flash_attn_fwd_sm90):
+//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
+//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)
+//   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
+//         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
+//   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1).
+//   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
+//   Grid (ceil(Sq / BLOCK_M), heads_q, batch), block 128 * (CONSUMERS + 1) threads.
+//   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
+//
+// Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
+// its registers away with setmaxnreg.dec); warpgroups 1..CONSUMERS each own 64 query rows:
+//   S = Q K^T     wgmma SS (Q and K K-major from swizzled smem), N = BLOCK_N
+//   softmax       online, fp32, log2 domain (scale*log2e folded into one FFMA before ex2)
+//   O += P V      wgmma RS: P packed to 16 bit in registers (the accumulator layout of two
+//                 8-column blocks is the A-fragment layout of one k16 step), V MN-major
+// Barriers per ring slot: k_full, v_full (TMA bytes landed; V separately so S can start
+// first) and kv_empty (one arrival per consumer warp once its wgmmas reading the slot are
+// complete). K/V tiles are visited last to first so the masked tiles come first.
+//
+// Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (1 + 3 * STAGES)
+//   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers.)
+
+#ifndef FM_HEAD_DIM
+#error "FM_HEAD_DIM must be defined"
+#endif
+#ifndef FM_DTYPE_BF16
+#define FM_DTYPE_BF16 1
+#endif
+#ifndef FM_CAUSAL
+#define FM_CAUSAL 0
+#endif
+#ifndef FM_BLOCK_N
+#define FM_BLOCK_N 128
+#endif
+#ifndef FM_STAGES
+#define FM_STAGES 2
+#endif
+#ifndef FM_CONSUMERS
+#define FM_CONSUMERS 2
+#endif
+#include "fm_sm90.cuh"
+
+namespace fm90 {
+
+constexpr int D = FM_HEAD_DIM;
+constexpr int BN = FM_BLOCK_N;
+constexpr int STAGES = FM_STAGES;
+constexpr int NCW = FM_CONSUMERS;
+constexpr int BM = 64 * NCW;
+constexpr int THREADS = 128 * (NCW + 1);
+constexpr bool CAUSAL = FM_CAUSAL != 0;
+constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
+constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
+constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
+constexpr int Q_BYTES = DH * HALF_Q;
+constexpr int KV_BYTES = DH * HALF_KV;
+constexpr int OFF_K = Q_BYTES;
+constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+constexpr int NBAR = 1 + 3 * STAGES;
+constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 3 * STAGES);
+// Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
+// 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = NCW == 2 ? 240 : 160;
+
+static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192 or 256");
+static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
+static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
+static_assert(SMEM_BYTES == 1024 + OFF_BAR + 8 * NBAR, "smem formula");
+static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float lg2(float x) {
+    float r;
+    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+struct Bars {
+    u32 base;
+    __device__ u32 q_full() const { return base; }
+    __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
+    __device__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+    __device__ u32 kv_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+};
+
+// Producer: one thread. Q once, then K and V of every visited tile into the ring.
+__device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
+                                        const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
+                                        const Bars& bar, int head, int kv_head, int batch, int m0,
+                                        int n_tiles) {
+    tma_prefetch_desc(tq);
+    tma_prefetch_desc(tk);
+    tma_prefetch_desc(tv);
+    mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
+#pragma unroll
+    for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
+    int s = 0;
+    u32 ph = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+        // Slot s was last used by iteration it - STAGES: wait until every consumer warp
+        // released it (phase parity of that round).
+        if (it >= STAGES) mbar_wait(bar.kv_empty(s), ph ^ 1);
+        const int n0 = (n_tiles - 1 - it) * BN;
+        mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
+        mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+        }
+    }
+}
+
+// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64).
+__device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
+                                        int n_tiles, int seqlen_q, int seqlen_k, int diag,
+                                        float scale_log2, u16* __restrict__ og, i64 q_stride,
+                                        float* __restrict__ lseg) {
+    const int t = threadIdx.x & 127;
+    const int warp = t >> 5;
+    const int lane = t & 31;
+    const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+
+    // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
+    // (n0 + BN > Sk) or, when causal, a key beyond this warpgroup's first row's limit.
+    int thr = seqlen_k - BN + 1;
+    if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
+    const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
+    const int n_masked = max(0, n_tiles - first_masked);
+
+    float oacc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+    float m_i[2] = {neg_inf(), neg_inf()};
+    float l_i[2] = {0.f, 0.f};
+
+    const u64 dq = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
+    const u64 dk = smem_desc_sw128(sK, 16, 1024);
+    const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
+
+    if (n_tiles > 0) mbar_wait(bar.q_full(), 0);
+    int s = 0;
+    u32 ph = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+        const int n0 = (n_tiles - 1 - it) * BN;
+        float sacc[BN / 2];
+        // ---- S = Q K^T ----
+        mbar_wait(bar.k_full(s), ph);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const u32 inner = (kk & 3) * 32;  // k16 step inside the 128-byte row
+            wgmma_ss<0, 0>(sacc, desc_add(dq, (kk >> 2) * HALF_Q + inner),
+                           desc_add(dk, s * KV_BYTES + (kk >> 2) * HALF_KV + inner), kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(sacc);
+
+        // ---- mask (block-uniform branch) ----
+        if (it < n_masked) {
+            const int col0 = n0 + 2 * (lane & 3);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                int limit = seqlen_k;
+                if (CAUSAL) limit = min(limit, row0 + 8 * h + diag + 1);
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        if (col0 + j * 8 + c >= limit) sacc[4 * j + 2 * h + c] = neg_inf();
+            }
+        }
+
+        // ---- online softmax; P packed to 16 bit as wgmma A fragments ----
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+                mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m_i[h], mx * scale_log2);
+            // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
+            const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+            const float alpha = ex2(m_i[h] - m_use);
+            m_i[h] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const float p0 = ex2(fmaf(sacc[4 * j + 2 * h], scale_log2, -m_use));
+                const float p1 = ex2(fmaf(sacc[4 * j + 2 * h + 1], scale_log2, -m_use));
+                sum += p0 + p1;
+                pa[j >> 1][(j & 1) * 2 + h] = pack2(p0, p1);
+            }
+            l_i[h] = l_i[h] * alpha + sum;  // per-thread partial; quad-reduced at the end
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                oacc[4 * j + 2 * h] *= alpha;
+                oacc[4 * j + 2 * h + 1] *= alpha;
+            }
+        }
+
+        // ---- O += P V ----
+        mbar_wait(bar.v_full(s), ph);
+        reg_fence(oacc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(oacc);
+        // This warp's wgmmas that read slot s are complete: release it.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar.kv_empty(s));
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+        }
+    }
+
+    // ---- epilogue: normalise, LSE, 16-bit O straight from registers ----
+    constexpr float LN2 = 0.693147180559945309f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_i[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        float inv = 0.f;
+        if (l > 0.f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
+        const int row = row0 + 8 * h;
+        if ((lane & 3) == 0 && row < seqlen_q)
+            lseg[row] = l > 0.f ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
+        if (row < seqlen_q) {
+            u16* orow = og + (i64)row * q_stride + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<u32*>(orow + j * 8) =
+                    pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv);
+        }
+    }
+}
+
+}  // namespace fm90
+
+extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
+    flash_attn_fwd_sm90(const __grid_constant__ FmTensorMap tm_q,
+                        const __grid_constant__ FmTensorMap tm_k,
+                        const __grid_constant__ FmTensorMap tm_v, u16* __restrict__ o,
+                        float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
+                        int heads_kv, float softmax_scale_log2) {
+    using namespace fm90;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // 128B-swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
+    const Bars bar{base + OFF_BAR};
+
+    // Causal: the last query blocks see the most keys; start them first.
+    const int m_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (heads_q / heads_kv);
+    const int m0 = m_block * BM;
+    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
+    int n_end = seqlen_k;
+    if (CAUSAL) n_end = max(0, min(seqlen_k, m0 + BM + diag));
+    const int n_tiles = (n_end + BN - 1) / BN;
+
+    if (threadIdx.x == 0) {
+        mbar_init(bar.q_full(), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar.k_full(s), 1);
+            mbar_init(bar.v_full(s), 1);
+            mbar_init(bar.kv_empty(s), NCW * 4);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0 && n_tiles > 0)
+            produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, kv_head, batch, m0, n_tiles);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const i64 q_stride = (i64)heads_q * D;
+        u16* og = o + ((i64)batch * seqlen_q * heads_q + head) * D;
+        float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
+        consume(sQ, sK, sV, bar, wg - 1, m0 + (wg - 1) * 64, n_tiles, seqlen_q, seqlen_k, diag,
+                softmax_scale_log2, og, q_stride, lseg);
+    }
+}
