@@ -11,6 +11,8 @@
 //   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
 //   FM_STAGES      depth of the K/V ring (2..4)
 //   FM_CONSUMERS   consumer warpgroups (2); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
+//   FM_PIPE        1: S of tile i+1 is issued before the softmax of tile i+1 while P V of
+//                  tile i runs (intra-warpgroup overlap); 0: serial S, softmax, P V
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -29,11 +31,11 @@
 //   O += P V      wgmma RS: P packed to 16 bit in registers (the accumulator layout of two
 //                 8-column blocks is the A-fragment layout of one k16 step), V MN-major
 // Barriers per ring slot: k_full, v_full (TMA bytes landed; V separately so S can start
-// first) and kv_empty (one arrival per consumer warp once its wgmmas reading the slot are
-// complete). K/V tiles are visited last to first so the masked tiles come first.
+// first) and k_empty, v_empty (one arrival per consumer warp once its wgmmas reading that
+// half of the slot are complete). K/V tiles are visited last to first so the masked tiles come first.
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
-//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (1 + 3 * STAGES)
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (1 + 4 * STAGES)
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers.)
 
 #ifndef FM_HEAD_DIM
@@ -54,6 +56,9 @@
 #ifndef FM_CONSUMERS
 #define FM_CONSUMERS 2
 #endif
+#ifndef FM_PIPE
+#define FM_PIPE 1
+#endif
 #include "fm_sm90.cuh"
 
 namespace fm90 {
@@ -73,8 +78,8 @@ constexpr int KV_BYTES = DH * HALF_KV;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
-constexpr int NBAR = 1 + 3 * STAGES;
-constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 3 * STAGES);
+constexpr int NBAR = 1 + 4 * STAGES;
+constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 4 * STAGES);
 // Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
 // 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
 constexpr int PRODUCER_REGS = 24;
@@ -99,7 +104,8 @@ struct Bars {
     __device__ u32 q_full() const { return base; }
     __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
     __device__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
-    __device__ u32 kv_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+    __device__ u32 k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+    __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
 };
 
 // Producer: one thread. Q once, then K and V of every visited tile into the ring.
@@ -117,13 +123,15 @@ __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap
     u32 ph = 0;
     for (int it = 0; it < n_tiles; ++it) {
         // Slot s was last used by iteration it - STAGES: wait until every consumer warp
-        // released it (phase parity of that round).
-        if (it >= STAGES) mbar_wait(bar.kv_empty(s), ph ^ 1);
+        // released it (phase parity of that round). K and V are released separately: K as
+        // soon as S is computed, V after P V, so the next K load starts early.
         const int n0 = (n_tiles - 1 - it) * BN;
+        if (it >= STAGES) mbar_wait(bar.k_empty(s), ph ^ 1);
         mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
 #pragma unroll
         for (int h = 0; h < DH; ++h)
             tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
+        if (it >= STAGES) mbar_wait(bar.v_empty(s), ph ^ 1);
         mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
 #pragma unroll
         for (int h = 0; h < DH; ++h)
@@ -133,6 +141,98 @@ __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap
             ph ^= 1;
         }
     }
+}
+
+// ---- consumer building blocks (one warpgroup, 64 query rows) ----
+
+// S = Q K^T for ring slot s: issued, not waited for.
+__device__ __forceinline__ void issue_qk(float (&sacc)[BN / 2], u64 dq, u64 dk, int s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 inner = (kk & 3) * 32;  // k16 step inside the 128-byte row
+        wgmma_ss<0, 0>(sacc, desc_add(dq, (kk >> 2) * HALF_Q + inner),
+                       desc_add(dk, s * KV_BYTES + (kk >> 2) * HALF_KV + inner), kk > 0 ? 1 : 0);
+    }
+}
+
+// O += P V for ring slot s: issued, not waited for.
+__device__ __forceinline__ void issue_pv(float (&oacc)[D / 2], const u32 (&pa)[BN / 16][4], u64 dv,
+                                         int s) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+}
+
+// Ragged key tail and causal diagonal: scores of keys a row must not see become -inf.
+__device__ __forceinline__ void mask_tile(float (&sacc)[BN / 2], int n0, int row0, int lane,
+                                          int seqlen_k, int diag) {
+    const int col0 = n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int limit = seqlen_k;
+        if (CAUSAL) limit = min(limit, row0 + 8 * h + diag + 1);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                if (col0 + j * 8 + c >= limit) sacc[4 * j + 2 * h + c] = neg_inf();
+    }
+}
+
+// Online softmax step (log2 domain): sacc becomes P = exp2(S*scale - m) in place, m and the
+// per-thread partial l are updated, alpha = the factor O must be rescaled by.
+__device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)[2], float (&l_i)[2],
+                                             float (&alpha)[2], float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+            mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_i[h], mx * scale_log2);
+        // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
+        const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+        alpha[h] = ex2(m_i[h] - m_use);
+        m_i[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float p = ex2(fmaf(sacc[4 * j + 2 * h + c], scale_log2, -m_use));
+                sacc[4 * j + 2 * h + c] = p;
+                sum += p;
+            }
+        l_i[h] = l_i[h] * alpha[h] + sum;  // per-thread partial; quad-reduced at the end
+    }
+}
+
+// P to 16 bit in the wgmma A-fragment layout: k16 step kk = 8-column blocks 2kk, 2kk+1;
+// registers (row g, k 0-7), (row g+8, k 0-7), (row g, k 8-15), (row g+8, k 8-15).
+__device__ __forceinline__ void pack_p(const float (&sacc)[BN / 2], u32 (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            pa[j >> 1][(j & 1) * 2 + h] = pack2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
+}
+
+__device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            oacc[4 * j + 2 * h] *= alpha[h];
+            oacc[4 * j + 2 * h + 1] *= alpha[h];
+        }
+}
+
+// This warp's wgmmas reading the slot are complete: one arrival per consumer warp.
+__device__ __forceinline__ void release(u32 bar, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
 }
 
 // Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64).
@@ -157,93 +257,100 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
     for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
     float m_i[2] = {neg_inf(), neg_inf()};
     float l_i[2] = {0.f, 0.f};
+    float alpha[2];
+    float sacc[BN / 2];
+    u32 pa[BN / 16][4];
 
     const u64 dq = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
     const u64 dk = smem_desc_sw128(sK, 16, 1024);
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
-    if (n_tiles > 0) mbar_wait(bar.q_full(), 0);
-    int s = 0;
-    u32 ph = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-        const int n0 = (n_tiles - 1 - it) * BN;
-        float sacc[BN / 2];
-        // ---- S = Q K^T ----
-        mbar_wait(bar.k_full(s), ph);
+    if (n_tiles > 0) {
+        mbar_wait(bar.q_full(), 0);
+#if FM_PIPE
+        // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
+        // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
+        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
+        mbar_wait(bar.k_full(0), 0);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const u32 inner = (kk & 3) * 32;  // k16 step inside the 128-byte row
-            wgmma_ss<0, 0>(sacc, desc_add(dq, (kk >> 2) * HALF_Q + inner),
-                           desc_add(dk, s * KV_BYTES + (kk >> 2) * HALF_KV + inner), kk > 0 ? 1 : 0);
-        }
+        issue_qk(sacc, dq, dk, 0);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(sacc);
-
-        // ---- mask (block-uniform branch) ----
-        if (it < n_masked) {
-            const int col0 = n0 + 2 * (lane & 3);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                int limit = seqlen_k;
-                if (CAUSAL) limit = min(limit, row0 + 8 * h + diag + 1);
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                    for (int c = 0; c < 2; ++c)
-                        if (col0 + j * 8 + c >= limit) sacc[4 * j + 2 * h + c] = neg_inf();
+        release(bar.k_empty(0), lane);
+        if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
+        softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+        pack_p(sacc, pa);
+        int ps = 0;  // slot of the tile whose P is in pa
+        u32 pph = 0;
+        int s = STAGES > 1 ? 1 : 0;
+        u32 ph = 0;
+        for (int it = 1; it < n_tiles; ++it) {
+            mbar_wait(bar.k_full(s), ph);
+            mbar_wait(bar.v_full(ps), pph);
+            reg_fence(oacc);
+            wgmma_fence();
+            issue_qk(sacc, dq, dk, s);
+            wgmma_commit();
+            issue_pv(oacc, pa, dv, ps);
+            wgmma_commit();
+            wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
+            reg_fence(sacc);
+            release(bar.k_empty(s), lane);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            wgmma_wait<0>();
+            reg_fence(oacc);
+            reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
+            release(bar.v_empty(ps), lane);
+            rescale_o(oacc, alpha);
+            pack_p(sacc, pa);
+            ps = s;
+            pph = ph;
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
             }
         }
-
-        // ---- online softmax; P packed to 16 bit as wgmma A fragments ----
-        u32 pa[BN / 16][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = neg_inf();
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-                mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m_i[h], mx * scale_log2);
-            // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
-            const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
-            const float alpha = ex2(m_i[h] - m_use);
-            m_i[h] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                const float p0 = ex2(fmaf(sacc[4 * j + 2 * h], scale_log2, -m_use));
-                const float p1 = ex2(fmaf(sacc[4 * j + 2 * h + 1], scale_log2, -m_use));
-                sum += p0 + p1;
-                pa[j >> 1][(j & 1) * 2 + h] = pack2(p0, p1);
-            }
-            l_i[h] = l_i[h] * alpha + sum;  // per-thread partial; quad-reduced at the end
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                oacc[4 * j + 2 * h] *= alpha;
-                oacc[4 * j + 2 * h + 1] *= alpha;
-            }
-        }
-
-        // ---- O += P V ----
-        mbar_wait(bar.v_full(s), ph);
+        mbar_wait(bar.v_full(ps), pph);
         reg_fence(oacc);
         wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-            wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+        issue_pv(oacc, pa, dv, ps);
         wgmma_commit();
         wgmma_wait<0>();
         reg_fence(oacc);
-        // This warp's wgmmas that read slot s are complete: release it.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar.kv_empty(s));
-        if (++s == STAGES) {
-            s = 0;
-            ph ^= 1;
+        release(bar.v_empty(ps), lane);
+#else
+        // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
+        // other's softmax with their GEMMs, unsynchronised).
+        int s = 0;
+        u32 ph = 0;
+        for (int it = 0; it < n_tiles; ++it) {
+            mbar_wait(bar.k_full(s), ph);
+            wgmma_fence();
+            issue_qk(sacc, dq, dk, s);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(sacc);
+            release(bar.k_empty(s), lane);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            rescale_o(oacc, alpha);
+            pack_p(sacc, pa);
+            mbar_wait(bar.v_full(s), ph);
+            reg_fence(oacc);
+            wgmma_fence();
+            issue_pv(oacc, pa, dv, s);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(oacc);
+            release(bar.v_empty(s), lane);
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
         }
+#endif
     }
 
     // ---- epilogue: normalise, LSE, 16-bit O straight from registers ----
@@ -300,7 +407,8 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar.k_full(s), 1);
             mbar_init(bar.v_full(s), 1);
-            mbar_init(bar.kv_empty(s), NCW * 4);
+            mbar_init(bar.k_empty(s), NCW * 4);
+            mbar_init(bar.v_empty(s), NCW * 4);
         }
         mbar_init_fence();
     }

@@ -63,6 +63,14 @@ __device__ __forceinline__ void reg_fence(float (&d)[R]) {
 #pragma unroll
     for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for register A fragments (u32[K][4]) an in-flight wgmma still reads.
+template <int K>
+__device__ __forceinline__ void reg_fence_u32(u32 (&a)[K][4]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[k][i])::"memory");
+}
 
 // ---------------------------------------------------------------------------------------
 // Register reallocation between warpgroups (needs a register cap at kernel entry:

@@ -338,6 +338,9 @@ pub struct Sm90Tile {
     pub stages: u32,
     /// Consumer warpgroups, 64 query rows each (plus one producer warpgroup).
     pub consumers: u32,
+    /// Intra-warpgroup software pipeline (S of the next tile overlaps this tile's
+    /// softmax and P·V); false = serial S, softmax, P·V.
+    pub pipe: bool,
 }
 
 impl Sm90Tile {
@@ -349,10 +352,10 @@ impl Sm90Tile {
     }
     /// Dynamic shared memory, THE formula (mirrored by `SMEM_BYTES` in
     /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, and
-    /// 1 + 3·STAGES mbarriers of 8 bytes.
+    /// 1 + 4·STAGES mbarriers of 8 bytes.
     pub const fn shared_mem_bytes(&self) -> u32 {
         1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
-            + 8 * (1 + 3 * self.stages)
+            + 8 * (1 + 4 * self.stages)
     }
     /// The constraints the .cu static_asserts plus the shared-memory limit.
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -389,22 +392,24 @@ impl Sm90Tile {
             kv("FM_BLOCK_N", self.block_n),
             kv("FM_STAGES", self.stages),
             kv("FM_CONSUMERS", self.consumers),
+            kv("FM_PIPE", self.pipe as u32),
         ]
     }
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
 pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
-    let t = |head_dim, block_n, stages, consumers| Sm90Tile {
+    let t = |head_dim, block_n, stages, consumers, pipe| Sm90Tile {
         head_dim,
         block_n,
         stages,
         consumers,
+        pipe,
     };
-    //                  D   BN  ST  CONSUMERS
+    //                  D   BN  ST  CONSUMERS PIPE
     Some(match head_dim {
-        64 => t(64, 128, 3, 2),
-        128 => t(128, 128, 2, 2),
+        64 => t(64, 128, 3, 2, true),
+        128 => t(128, 128, 2, 2, true),
         _ => return None,
     })
 }
@@ -742,13 +747,14 @@ mod tests {
             assert_eq!(def_u32(v, "FM_BLOCK_N"), t.block_n);
             assert_eq!(def_u32(v, "FM_STAGES"), t.stages);
             assert_eq!(def_u32(v, "FM_CONSUMERS"), t.consumers);
+            assert_eq!(def_u32(v, "FM_PIPE"), t.pipe as u32);
             assert_eq!(v.abi, KernelAbi::TensorMaps { block_n: t.block_n });
             assert!(v.runs_on(90).is_ok());
             assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
         }
         // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack and barriers.
         let t = sm90_tile(128).unwrap();
-        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 7);
+        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 9);
         assert_eq!((t.block_m(), t.threads()), (128, 384));
     }
 
@@ -756,7 +762,7 @@ mod tests {
     fn sm90_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
         assert!(src.contains(
-            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 3 * STAGES);"
+            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 4 * STAGES);"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));
