@@ -13,6 +13,8 @@
 //   FM_CONSUMERS   consumer warpgroups (2); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
 //   FM_PIPE        1: S of tile i+1 is issued before the softmax of tile i+1 while P V of
 //                  tile i runs (intra-warpgroup overlap); 0: serial S, softmax, P V
+//   FM_PINGPONG    1 (with FM_PIPE): the consumer warpgroups take turns issuing their GEMMs
+//                  (named barriers), so one's softmax overlaps the other's GEMMs
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -59,6 +61,9 @@
 #ifndef FM_PIPE
 #define FM_PIPE 1
 #endif
+#ifndef FM_PINGPONG
+#define FM_PINGPONG 0
+#endif
 #include "fm_sm90.cuh"
 
 namespace fm90 {
@@ -89,6 +94,7 @@ static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192
 static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
+static_assert(!FM_PINGPONG || (NCW == 2 && FM_PIPE), "ping-pong needs 2 consumers and FM_PIPE");
 static_assert(SMEM_BYTES == 1024 + OFF_BAR + 8 * NBAR, "smem formula");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
 
@@ -229,6 +235,16 @@ __device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&al
         }
 }
 
+// Ping-pong schedule between the consumer warpgroups: warpgroup cw waits for its turn
+// (named barrier 1 + cw, 256 threads: its own 128 sync, the other's 128 arrive) before
+// issuing GEMMs and hands the turn over right after issuing.
+__device__ __forceinline__ void turn_wait(int cw) {
+    if (FM_PINGPONG) named_bar_sync(1 + cw, 256);
+}
+__device__ __forceinline__ void turn_pass(int cw) {
+    if (FM_PINGPONG) named_bar_arrive(1 + (cw ^ 1), 256);
+}
+
 // This warp's wgmmas reading the slot are complete: one arrival per consumer warp.
 __device__ __forceinline__ void release(u32 bar, int lane) {
     __syncwarp();
@@ -271,10 +287,13 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
         // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
+        if (cw == 1) turn_pass(cw);  // warpgroup 0 issues first
         mbar_wait(bar.k_full(0), 0);
+        turn_wait(cw);
         wgmma_fence();
         issue_qk(sacc, dq, dk, 0);
         wgmma_commit();
+        turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(sacc);
         release(bar.k_empty(0), lane);
@@ -289,11 +308,13 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             mbar_wait(bar.k_full(s), ph);
             mbar_wait(bar.v_full(ps), pph);
             reg_fence(oacc);
+            turn_wait(cw);
             wgmma_fence();
             issue_qk(sacc, dq, dk, s);
             wgmma_commit();
             issue_pv(oacc, pa, dv, ps);
             wgmma_commit();
+            turn_pass(cw);
             wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
@@ -314,9 +335,11 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         }
         mbar_wait(bar.v_full(ps), pph);
         reg_fence(oacc);
+        turn_wait(cw);
         wgmma_fence();
         issue_pv(oacc, pa, dv, ps);
         wgmma_commit();
+        turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(oacc);
         release(bar.v_empty(ps), lane);

@@ -341,6 +341,9 @@ pub struct Sm90Tile {
     /// Intra-warpgroup software pipeline (S of the next tile overlaps this tile's
     /// softmax and P·V); false = serial S, softmax, P·V.
     pub pipe: bool,
+    /// The two consumer warpgroups take turns issuing GEMMs (named barriers), so one's
+    /// softmax overlaps the other's GEMMs. Needs `pipe` and 2 consumers.
+    pub pingpong: bool,
 }
 
 impl Sm90Tile {
@@ -375,6 +378,9 @@ impl Sm90Tile {
         if !(2..=3).contains(&self.consumers) {
             return Err(format!("consumers {} must be 2 or 3", self.consumers));
         }
+        if self.pingpong && !(self.pipe && self.consumers == 2) {
+            return Err("pingpong needs pipe and 2 consumers".into());
+        }
         if self.shared_mem_bytes() > MAX_SMEM_SM90 {
             return Err(format!(
                 "{} bytes of shared memory exceed the 227 KB per block",
@@ -393,23 +399,25 @@ impl Sm90Tile {
             kv("FM_STAGES", self.stages),
             kv("FM_CONSUMERS", self.consumers),
             kv("FM_PIPE", self.pipe as u32),
+            kv("FM_PINGPONG", self.pingpong as u32),
         ]
     }
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
 pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
-    let t = |head_dim, block_n, stages, consumers, pipe| Sm90Tile {
+    let t = |head_dim, block_n, stages, consumers, pipe, pingpong| Sm90Tile {
         head_dim,
         block_n,
         stages,
         consumers,
         pipe,
+        pingpong,
     };
-    //                  D   BN  ST  CONSUMERS PIPE
+    //                  D   BN  ST  CONS  PIPE  PINGPONG
     Some(match head_dim {
-        64 => t(64, 128, 3, 2, true),
-        128 => t(128, 128, 2, 2, true),
+        64 => t(64, 128, 3, 2, true, false),
+        128 => t(128, 128, 2, 2, true, false),
         _ => return None,
     })
 }
@@ -748,6 +756,7 @@ mod tests {
             assert_eq!(def_u32(v, "FM_STAGES"), t.stages);
             assert_eq!(def_u32(v, "FM_CONSUMERS"), t.consumers);
             assert_eq!(def_u32(v, "FM_PIPE"), t.pipe as u32);
+            assert_eq!(def_u32(v, "FM_PINGPONG"), t.pingpong as u32);
             assert_eq!(v.abi, KernelAbi::TensorMaps { block_n: t.block_n });
             assert!(v.runs_on(90).is_ok());
             assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
