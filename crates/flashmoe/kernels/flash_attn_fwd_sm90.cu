@@ -14,7 +14,10 @@
 //   FM_PIPE        1: S of tile i+1 is issued before the softmax of tile i+1 while P V of
 //                  tile i runs (intra-warpgroup overlap); 0: serial S, softmax, P V
 //   FM_PINGPONG    1 (with FM_PIPE): the consumer warpgroups take turns issuing their GEMMs
-//                  (named barriers), so one's softmax overlaps the other's GEMMs
+//                  (named barriers, round robin), so one's softmax overlaps the others' GEMMs
+//   FM_POLY_EXP    0..8: that many eighths of the exponentials are computed with an FMA
+//                  polynomial instead of MUFU ex2 (relieves the MUFU unit, 16/clk/SM)
+//   FM_SKIP_RESCALE 1: skip the O rescale when no row of the warp changed its max
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -64,6 +67,12 @@
 #ifndef FM_PINGPONG
 #define FM_PINGPONG 0
 #endif
+#ifndef FM_POLY_EXP
+#define FM_POLY_EXP 0
+#endif
+#ifndef FM_SKIP_RESCALE
+#define FM_SKIP_RESCALE 0
+#endif
 #include "fm_sm90.cuh"
 
 namespace fm90 {
@@ -94,7 +103,8 @@ static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192
 static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
-static_assert(!FM_PINGPONG || (NCW == 2 && FM_PIPE), "ping-pong needs 2 consumers and FM_PIPE");
+static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
+static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_BAR + 8 * NBAR, "smem formula");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
 
@@ -103,6 +113,24 @@ __device__ __forceinline__ float lg2(float x) {
     float r;
     asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
     return r;
+}
+
+// 2^x on the FMA pipe: x = j + f with j = round(x) (the 1.5*2^23 trick: j lands in the low
+// mantissa bits), 2^f on [-0.5, 0.5] by a degree-4 polynomial (rel. error < 6e-6, far below
+// the 16-bit rounding of P), then j added to the exponent bits. x is clamped at -127, so
+// -inf gives 2^-127 instead of 0: negligible next to any visible key, and a row that sees
+// no key at all is recognised by its max staying -inf (the epilogue writes O = 0 there).
+__device__ __forceinline__ float exp2_poly(float x) {
+    x = fmaxf(x, -127.f);
+    const float t = x + 12582912.f;  // 1.5 * 2^23
+    const float f = x - (t - 12582912.f);
+    // Least-squares fit of 2^f in relative error (max 5.3e-6 on [-0.5, 0.5]).
+    float p = 9.5541109e-3f;
+    p = fmaf(p, f, 5.5870376e-2f);
+    p = fmaf(p, f, 2.4024696e-1f);
+    p = fmaf(p, f, 6.9312803e-1f);
+    p = fmaf(p, f, 9.9999944e-1f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
 struct Bars {
@@ -207,7 +235,9 @@ __device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const float p = ex2(fmaf(sacc[4 * j + 2 * h + c], scale_log2, -m_use));
+                const float x = fmaf(sacc[4 * j + 2 * h + c], scale_log2, -m_use);
+                // FM_POLY_EXP eighths of the elements go to the FMA pipe (compile-time split).
+                const float p = ((2 * j + c) % 8 < FM_POLY_EXP) ? exp2_poly(x) : ex2(x);
                 sacc[4 * j + 2 * h + c] = p;
                 sum += p;
             }
@@ -226,6 +256,8 @@ __device__ __forceinline__ void pack_p(const float (&sacc)[BN / 2], u32 (&pa)[BN
 }
 
 __device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2]) {
+    // Once the running max settles, alpha is exactly 1 for every row of the warp.
+    if (FM_SKIP_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
@@ -242,7 +274,7 @@ __device__ __forceinline__ void turn_wait(int cw) {
     if (FM_PINGPONG) named_bar_sync(1 + cw, 256);
 }
 __device__ __forceinline__ void turn_pass(int cw) {
-    if (FM_PINGPONG) named_bar_arrive(1 + (cw ^ 1), 256);
+    if (FM_PINGPONG) named_bar_arrive(1 + (cw + 1 == NCW ? 0 : cw + 1), 256);
 }
 
 // This warp's wgmmas reading the slot are complete: one arrival per consumer warp.
@@ -287,7 +319,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
         // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
-        if (cw == 1) turn_pass(cw);  // warpgroup 0 issues first
+        if (cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
         mbar_wait(bar.k_full(0), 0);
         turn_wait(cw);
         wgmma_fence();
@@ -383,11 +415,13 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         float l = l_i[h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // A row that saw no key keeps m = -inf (its l may hold 2^-127 terms of exp2_poly).
+        const bool seen = m_i[h] != neg_inf() && l > 0.f;
         float inv = 0.f;
-        if (l > 0.f) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
+        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
         const int row = row0 + 8 * h;
         if ((lane & 3) == 0 && row < seqlen_q)
-            lseg[row] = l > 0.f ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
+            lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
         if (row < seqlen_q) {
             u16* orow = og + (i64)row * q_stride + 2 * (lane & 3);
 #pragma unroll

@@ -341,9 +341,14 @@ pub struct Sm90Tile {
     /// Intra-warpgroup software pipeline (S of the next tile overlaps this tile's
     /// softmax and P·V); false = serial S, softmax, P·V.
     pub pipe: bool,
-    /// The two consumer warpgroups take turns issuing GEMMs (named barriers), so one's
-    /// softmax overlaps the other's GEMMs. Needs `pipe` and 2 consumers.
+    /// The consumer warpgroups take turns issuing GEMMs (named barriers, round robin),
+    /// so one's softmax overlaps the others' GEMMs. Needs `pipe`.
     pub pingpong: bool,
+    /// Eighths (0..=8) of the exponentials computed by an FMA polynomial instead of the
+    /// MUFU `ex2` (relieves the MUFU unit, the binding one at D=64).
+    pub poly_exp: u32,
+    /// Skip the O rescale when no row of a warp changed its running max.
+    pub skip_rescale: bool,
 }
 
 impl Sm90Tile {
@@ -378,8 +383,11 @@ impl Sm90Tile {
         if !(2..=3).contains(&self.consumers) {
             return Err(format!("consumers {} must be 2 or 3", self.consumers));
         }
-        if self.pingpong && !(self.pipe && self.consumers == 2) {
-            return Err("pingpong needs pipe and 2 consumers".into());
+        if self.pingpong && !self.pipe {
+            return Err("pingpong needs pipe".into());
+        }
+        if self.poly_exp > 8 {
+            return Err(format!("poly_exp {} must be 0..=8 eighths", self.poly_exp));
         }
         if self.shared_mem_bytes() > MAX_SMEM_SM90 {
             return Err(format!(
@@ -400,24 +408,29 @@ impl Sm90Tile {
             kv("FM_CONSUMERS", self.consumers),
             kv("FM_PIPE", self.pipe as u32),
             kv("FM_PINGPONG", self.pingpong as u32),
+            kv("FM_POLY_EXP", self.poly_exp),
+            kv("FM_SKIP_RESCALE", self.skip_rescale as u32),
         ]
     }
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
 pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
-    let t = |head_dim, block_n, stages, consumers, pipe, pingpong| Sm90Tile {
-        head_dim,
-        block_n,
-        stages,
-        consumers,
-        pipe,
-        pingpong,
-    };
-    //                  D   BN  ST  CONS  PIPE  PINGPONG
+    let t =
+        |head_dim, (block_n, stages, consumers), pipe, pingpong, poly_exp, skip_rescale| Sm90Tile {
+            head_dim,
+            block_n,
+            stages,
+            consumers,
+            pipe,
+            pingpong,
+            poly_exp,
+            skip_rescale,
+        };
+    //                D    (BN, ST, CONS)  PIPE  PINGPONG POLY SKIP
     Some(match head_dim {
-        64 => t(64, 128, 3, 2, true, false),
-        128 => t(128, 128, 2, 2, true, false),
+        64 => t(64, (128, 3, 3), true, false, 0, false),
+        128 => t(128, (128, 2, 2), true, false, 0, false),
         _ => return None,
     })
 }
@@ -757,6 +770,8 @@ mod tests {
             assert_eq!(def_u32(v, "FM_CONSUMERS"), t.consumers);
             assert_eq!(def_u32(v, "FM_PIPE"), t.pipe as u32);
             assert_eq!(def_u32(v, "FM_PINGPONG"), t.pingpong as u32);
+            assert_eq!(def_u32(v, "FM_POLY_EXP"), t.poly_exp);
+            assert_eq!(def_u32(v, "FM_SKIP_RESCALE"), t.skip_rescale as u32);
             assert_eq!(v.abi, KernelAbi::TensorMaps { block_n: t.block_n });
             assert!(v.runs_on(90).is_ok());
             assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
