@@ -117,11 +117,11 @@ __device__ __forceinline__ float lg2(float x) {
 
 // 2^x on the FMA pipe: x = j + f with j = round(x) (the 1.5*2^23 trick: j lands in the low
 // mantissa bits), 2^f on [-0.5, 0.5] by a degree-4 polynomial (rel. error < 6e-6, far below
-// the 16-bit rounding of P), then j added to the exponent bits. x is clamped at -127, so
-// -inf gives 2^-127 instead of 0: negligible next to any visible key, and a row that sees
+// the 16-bit rounding of P), then j added to the exponent bits. x is clamped at -125, so
+// -inf gives 2^-125 instead of 0: negligible next to any visible key, and a row that sees
 // no key at all is recognised by its max staying -inf (the epilogue writes O = 0 there).
 __device__ __forceinline__ float exp2_poly(float x) {
-    x = fmaxf(x, -127.f);
+    x = fmaxf(x, -125.f);  // keeps the exponent add below from wrapping (j >= -125)
     const float t = x + 12582912.f;  // 1.5 * 2^23
     const float f = x - (t - 12582912.f);
     // Least-squares fit of 2^f in relative error (max 5.3e-6 on [-0.5, 0.5]).
@@ -415,7 +415,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         float l = l_i[h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // A row that saw no key keeps m = -inf (its l may hold 2^-127 terms of exp2_poly).
+        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
         const bool seen = m_i[h] != neg_inf() && l > 0.f;
         float inv = 0.f;
         if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));

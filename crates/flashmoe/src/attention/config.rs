@@ -19,6 +19,12 @@
 //! Dynamic shared memory above 48 KB needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 //! set to shared_mem_bytes before the launch.)
 //!
+//! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
+//! same layouts, masking, outputs and grid, but q/k/v are passed as three TMA tensor maps
+//! by value (see [`super::tma`]) and the block is 128·(consumers + 1) threads with
+//! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
+//! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
+//!
 //! `kernels/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
 //! same parameter list but o is f32 (`float* o`), same layouts and masking.
