@@ -170,10 +170,20 @@ fn add_baselines(lab: &mut Lab, suite: Suite, python: &Path, seed: u64) {
 }
 
 fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) -> Lab {
-    let mut implementations: Vec<Box<dyn Implementation>> = vec![Box::new(GpuAttention {
+    let mut implementations: Vec<Box<dyn Implementation>> = Vec::new();
+    // On Hopper the sm_90a kernel is the candidate; v1 stays in the lab as the portable
+    // path (and as the fallback for shapes the sm_90a kernel does not serve).
+    let hopper = session.device.arch() == 90;
+    if hopper {
+        implementations.push(Box::new(GpuAttention {
+            kernel: GpuAttentionKernel::Sm90,
+            session: session.clone(),
+        }));
+    }
+    implementations.push(Box::new(GpuAttention {
         kernel: GpuAttentionKernel::V1,
         session: session.clone(),
-    })];
+    }));
     if for_check {
         implementations.push(Box::new(GpuAttention {
             kernel: GpuAttentionKernel::Reference,
@@ -189,7 +199,12 @@ fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) ->
             session: session.clone(),
             cpu_max_flops: CPU_REFERENCE_MAX_FLOPS,
         }),
-        default_candidate: "flashmoe-v1".into(),
+        default_candidate: if hopper {
+            "flashmoe-sm90"
+        } else {
+            "flashmoe-v1"
+        }
+        .into(),
         settings: gpu_settings(seed, session.flush_bytes()),
         manifest,
         session: Some(session),

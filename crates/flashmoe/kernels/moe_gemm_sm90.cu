@@ -91,21 +91,6 @@ static_assert(STAGES >= 2 && STAGES <= 6, "FM_STAGES must be 2..6");
 static_assert(GROUP_M >= 1, "FM_GROUP_M must be positive");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
 
-template <int N>
-struct Wgmma;
-template <>
-struct Wgmma<128> {
-    static __device__ __forceinline__ void ss(float (&d)[64], u64 a, u64 b) {
-        wgmma_m64n128k16_ss<1>(d, a, b, 1);
-    }
-};
-template <>
-struct Wgmma<256> {
-    static __device__ __forceinline__ void ss(float (&d)[128], u64 a, u64 b) {
-        wgmma_m64n256k16_ss<1>(d, a, b, 1);
-    }
-};
-
 struct Tile {
     int expert;
     u32 row0;   // first permuted row of the tile
@@ -177,7 +162,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
             mbar_init(bars + 8 * s, 1);                 // the producer's arrive + tx bytes
             mbar_init(bars + 8 * (STAGES + s), 2);      // one arrive per consumer warpgroup
         }
-        fence_barrier_init();
+        mbar_init_fence();
     }
     __syncthreads();
 
@@ -221,12 +206,12 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BK / 16; ++kk) {
-                const u64 da = wgmma_desc_sw128(st + wm * 64 * 128 + kk * 32, 16, 1024);
+                const u64 da = smem_desc_sw128(st + wm * 64 * 128 + kk * 32, 16, 1024);
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
                     const u32 bb = st + A_BYTES +
                                    (b * (BN / 64) + wn * (NWG / 64)) * BOX_BYTES + kk * 2048;
-                    Wgmma<NWG>::ss(acc[b], da, wgmma_desc_sw128(bb, BOX_BYTES, 1024));
+                    wgmma_ss<0, 1>(acc[b], da, smem_desc_sw128(bb, BOX_BYTES, 1024), 1);
                 }
             }
             wgmma_commit();
@@ -235,7 +220,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
         }
         wgmma_wait<0>();
 #pragma unroll
-        for (int b = 0; b < NB; ++b) wgmma_fence_regs(acc[b]);
+        for (int b = 0; b < NB; ++b) reg_fence(acc[b]);
         store_tile(out, N, tile, acc, tid);
     }
 }

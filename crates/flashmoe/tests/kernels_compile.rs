@@ -8,7 +8,9 @@
 //!
 //! Run with `--nocapture` to see the resource report of each variant.
 
-use flashmoe::attention::config::{all_reference_variants, all_v1_variants, KernelVariant};
+use flashmoe::attention::config::{
+    all_reference_variants, all_sm90_variants, all_v1_variants, KernelVariant,
+};
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::{nvrtc_compile, CompiledKernel, ImageKind, KernelCache};
 use flashmoe::Error;
@@ -259,6 +261,8 @@ fn every_attention_variant_compiles_without_spills() {
         eprintln!("note: config::all_reference_variants() is empty");
     }
     let mut rows = compile_variants("v1", v1);
+    // The sm_90a kernel has min_arch 90: compiled for sm_90a only.
+    rows.extend(compile_variants("sm90", all_sm90_variants()));
     rows.extend(compile_variants("reference", reference));
 
     let mut failures = Vec::new();
@@ -304,10 +308,23 @@ fn every_attention_variant_compiles_without_spills() {
                             .collect::<Vec<_>>()
                             .join(", ")
                     );
-                    if row.kind == "v1" {
+                    if row.kind == "v1" || row.kind == "sm90" {
                         failures.push(msg);
                     } else {
                         eprintln!("  warning (reference kernel, not hot): {msg}");
+                    }
+                }
+                if row.kind == "sm90" {
+                    // Hot Hopper kernel: no stack frame either, and setmaxnreg must take
+                    // effect (ptxas warns C7508 when it cannot).
+                    if r.stack_frame != 0 {
+                        failures.push(format!("{what}: {} B stack frame", r.stack_frame));
+                    }
+                    if k.log.contains("C7508") || k.log.contains("setmaxnreg") {
+                        failures.push(format!("{what}: setmaxnreg ignored:\n{}", k.log));
+                    }
+                    if r.registers as u64 * row.variant.block_threads as u64 > regs_per_sm {
+                        failures.push(format!("{what}: register cap at entry too high"));
                     }
                 }
                 if smem > smem_limit {

@@ -50,6 +50,8 @@ impl GpuSession {
 pub enum GpuAttentionKernel {
     /// The v1 FlashAttention-2 kernel (mma.sync, sm_80+).
     V1,
+    /// The Hopper kernel (wgmma, TMA, warp specialisation; sm_90a, compute capability 9.0).
+    Sm90,
     /// The simple fp32-accumulation reference kernel.
     Reference,
 }
@@ -63,6 +65,7 @@ impl Implementation for GpuAttention {
     fn name(&self) -> &str {
         match self.kernel {
             GpuAttentionKernel::V1 => "flashmoe-v1",
+            GpuAttentionKernel::Sm90 => "flashmoe-sm90",
             GpuAttentionKernel::Reference => "gpu-reference",
         }
     }
@@ -75,17 +78,14 @@ impl Implementation for GpuAttention {
         };
         let variant = match self.kernel {
             GpuAttentionKernel::V1 => config::select_v1(p),
+            GpuAttentionKernel::Sm90 => config::select_sm90(p),
             GpuAttentionKernel::Reference => config::select_reference(p),
         }
         .map_err(|e| e.to_string())?;
         let arch = self.session.device.arch();
-        if arch < variant.min_arch {
-            return Err(format!(
-                "needs sm_{} or newer, this GPU is sm_{arch}",
-                variant.min_arch
-            ));
-        }
-        Ok(())
+        variant
+            .runs_on(arch)
+            .map_err(|why| format!("{why} (this GPU is sm_{arch})"))
     }
     fn prepare<'a>(
         &'a self,
@@ -98,8 +98,27 @@ impl Implementation for GpuAttention {
         let dev = &self.session.device;
         Ok(match self.kernel {
             GpuAttentionKernel::V1 => Box::new(V1Prepared {
-                runner: AttentionRunner::new(dev, p, &x.q, &x.k, &x.v)
-                    .context("preparing the v1 kernel")?,
+                runner: AttentionRunner::with_variant(
+                    dev,
+                    p,
+                    &x.q,
+                    &x.k,
+                    &x.v,
+                    config::select_v1(p)?,
+                )
+                .context("preparing the v1 kernel")?,
+                session: self.session.clone(),
+            }),
+            GpuAttentionKernel::Sm90 => Box::new(V1Prepared {
+                runner: AttentionRunner::with_variant(
+                    dev,
+                    p,
+                    &x.q,
+                    &x.k,
+                    &x.v,
+                    config::select_sm90(p)?,
+                )
+                .context("preparing the sm_90a kernel")?,
                 session: self.session.clone(),
             }),
             GpuAttentionKernel::Reference => Box::new(ReferencePrepared::new(&self.session, p, x)?),
@@ -107,6 +126,7 @@ impl Implementation for GpuAttention {
     }
 }
 
+/// A flash kernel (v1 or sm_90a) with its buffers.
 struct V1Prepared {
     runner: AttentionRunner,
     session: Rc<GpuSession>,

@@ -19,6 +19,12 @@
 //! Dynamic shared memory above 48 KB needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 //! set to shared_mem_bytes before the launch.)
 //!
+//! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
+//! same layouts, masking, outputs and grid, but q/k/v are passed as three TMA tensor maps
+//! by value (see [`super::tma`]) and the block is 128·(consumers + 1) threads with
+//! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
+//! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
+//!
 //! `kernels/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
 //! same parameter list but o is f32 (`float* o`), same layouts and masking.
@@ -45,6 +51,19 @@ pub struct KernelVariant {
     pub shared_mem_bytes: u32,
     /// Oldest architecture (compute capability ×10) the variant runs on, e.g. 80.
     pub min_arch: u32,
+    /// How the kernel takes Q/K/V: raw pointers (v1, reference) or TMA tensor maps
+    /// (sm_90a kernel, which also runs only on compute capability 9.0 exactly).
+    pub abi: KernelAbi,
+}
+
+/// Parameter convention of a kernel (the first three parameters; the rest is common).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelAbi {
+    /// `(const u16* q, const u16* k, const u16* v, ...)`.
+    Pointers,
+    /// `(FmTensorMap tm_q, tm_k, tm_v, ...)` by value, see [`super::tma`]; q/k boxes of
+    /// `block_m` / `block_n` rows. Compiled for sm_90a: runs on compute capability 9.0 only.
+    TensorMaps { block_n: u32 },
 }
 
 /// File and entry point of the v1 (portable, mma.sync) flash kernel.
@@ -241,6 +260,7 @@ pub fn v1_variant_for(tile: &TileConfig, dtype: DType, causal: bool) -> Result<K
         block_threads: tile.threads(),
         shared_mem_bytes: smem,
         min_arch: if smem <= MAX_SMEM_SM80 { 80 } else { 90 },
+        abi: KernelAbi::Pointers,
     })
 }
 
@@ -307,6 +327,225 @@ pub fn all_v1_variants() -> Vec<KernelVariant> {
     out
 }
 
+/// File and entry point of the Hopper (sm_90a: wgmma, TMA, warp specialisation) kernel.
+pub const SM90_SOURCE: &str = "flash_attn_fwd_sm90.cu";
+pub const SM90_ENTRY: &str = "flash_attn_fwd_sm90";
+/// Head dims the sm_90a kernel serves; others fall back to v1 on Hopper.
+pub const SM90_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Tile configuration of one sm_90a variant: the compile-time constants of
+/// `flash_attn_fwd_sm90.cu` (FM_BLOCK_N, FM_STAGES, FM_CONSUMERS) for one head dim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sm90Tile {
+    pub head_dim: u32,
+    /// Keys per K/V tile (the wgmma N of S = Q Kᵀ).
+    pub block_n: u32,
+    /// Depth of the K/V ring.
+    pub stages: u32,
+    /// Consumer warpgroups, 64 query rows each (plus one producer warpgroup).
+    pub consumers: u32,
+    /// Intra-warpgroup software pipeline (S of the next tile overlaps this tile's
+    /// softmax and P·V); false = serial S, softmax, P·V.
+    pub pipe: bool,
+    /// The consumer warpgroups take turns issuing GEMMs (named barriers, round robin),
+    /// so one's softmax overlaps the others' GEMMs. Needs `pipe`.
+    pub pingpong: bool,
+    /// Eighths (0..=8) of the exponentials computed by an FMA polynomial instead of the
+    /// MUFU `ex2` (relieves the MUFU unit, the binding one at D=64).
+    pub poly_exp: u32,
+    /// Skip the O rescale when no row of a warp changed its running max.
+    pub skip_rescale: bool,
+}
+
+impl Sm90Tile {
+    pub const fn block_m(&self) -> u32 {
+        64 * self.consumers
+    }
+    pub const fn threads(&self) -> u32 {
+        128 * (self.consumers + 1)
+    }
+    /// Dynamic shared memory, THE formula (mirrored by `SMEM_BYTES` in
+    /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, and
+    /// 1 + 4·STAGES mbarriers of 8 bytes.
+    pub const fn shared_mem_bytes(&self) -> u32 {
+        1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
+            + 8 * (1 + 4 * self.stages)
+    }
+    /// The constraints the .cu static_asserts plus the shared-memory limit.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let d = self.head_dim;
+        if d == 0 || d % 64 != 0 || d > 256 {
+            return Err(format!("head dim {d} must be 64, 128, 192 or 256"));
+        }
+        if self.block_n == 0 || self.block_n % 64 != 0 || self.block_n > 256 {
+            return Err(format!(
+                "block_n {} must be 64, 128, 192 or 256",
+                self.block_n
+            ));
+        }
+        if !(2..=4).contains(&self.stages) {
+            return Err(format!("stages {} must be 2..=4", self.stages));
+        }
+        if !(2..=3).contains(&self.consumers) {
+            return Err(format!("consumers {} must be 2 or 3", self.consumers));
+        }
+        if self.pingpong && !self.pipe {
+            return Err("pingpong needs pipe".into());
+        }
+        if self.poly_exp > 8 {
+            return Err(format!("poly_exp {} must be 0..=8 eighths", self.poly_exp));
+        }
+        if self.shared_mem_bytes() > MAX_SMEM_SM90 {
+            return Err(format!(
+                "{} bytes of shared memory exceed the 227 KB per block",
+                self.shared_mem_bytes()
+            ));
+        }
+        Ok(())
+    }
+    pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
+        let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
+        vec![
+            kv("FM_HEAD_DIM", self.head_dim),
+            kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
+            kv("FM_CAUSAL", causal as u32),
+            kv("FM_BLOCK_N", self.block_n),
+            kv("FM_STAGES", self.stages),
+            kv("FM_CONSUMERS", self.consumers),
+            kv("FM_PIPE", self.pipe as u32),
+            kv("FM_PINGPONG", self.pingpong as u32),
+            kv("FM_POLY_EXP", self.poly_exp),
+            kv("FM_SKIP_RESCALE", self.skip_rescale as u32),
+        ]
+    }
+}
+
+/// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
+pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
+    let t =
+        |head_dim, (block_n, stages, consumers), pipe, pingpong, poly_exp, skip_rescale| Sm90Tile {
+            head_dim,
+            block_n,
+            stages,
+            consumers,
+            pipe,
+            pingpong,
+            poly_exp,
+            skip_rescale,
+        };
+    //                D    (BN, ST, CONS)  PIPE  PINGPONG POLY SKIP
+    Some(match head_dim {
+        64 => t(64, (128, 3, 3), true, false, 0, false),
+        128 => t(128, (128, 2, 2), true, false, 0, false),
+        _ => return None,
+    })
+}
+
+/// The sm_90a variant of a tile for a dtype and masking (no problem-size checks).
+pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<KernelVariant> {
+    if dtype == DType::F32 {
+        return Err(Error::unsupported(
+            "flash-sm90",
+            "dtype f32 is not supported (the sm_90a kernel takes f16 or bf16 inputs)",
+        ));
+    }
+    tile.check()
+        .map_err(|e| Error::unsupported("flash-sm90", format!("invalid tile {tile:?}: {e}")))?;
+    Ok(KernelVariant {
+        source_file: SM90_SOURCE,
+        entry: SM90_ENTRY,
+        defines: tile.defines(dtype, causal),
+        block_m: tile.block_m(),
+        block_threads: tile.threads(),
+        shared_mem_bytes: tile.shared_mem_bytes(),
+        min_arch: 90,
+        abi: KernelAbi::TensorMaps {
+            block_n: tile.block_n,
+        },
+    })
+}
+
+/// The sm_90a kernel variant for a problem, or `Error::Unsupported` naming why not (the
+/// caller then uses v1: see [`select`]).
+pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
+    problem.validate()?;
+    if problem.dtype == DType::F32 {
+        return Err(Error::unsupported(
+            "flash-sm90",
+            "dtype f32 is not supported (the sm_90a kernel takes f16 or bf16 inputs)",
+        ));
+    }
+    let tile = sm90_tile(problem.head_dim).ok_or_else(|| {
+        Error::unsupported(
+            "flash-sm90",
+            format!(
+                "head dim {} is not supported (supported head dims: {})",
+                problem.head_dim,
+                SM90_HEAD_DIMS.map(|d| d.to_string()).join(", ")
+            ),
+        )
+    })?;
+    check_launch_limits("flash-sm90", problem)?;
+    // The tensor maps must be encodable (dims, strides); same check the launch does.
+    super::tma::bshd_tile_params(
+        problem.batch,
+        problem.seqlen_q,
+        problem.heads_q,
+        problem.head_dim,
+        tile.block_m(),
+    )?;
+    super::tma::bshd_tile_params(
+        problem.batch,
+        problem.seqlen_k,
+        problem.heads_kv,
+        problem.head_dim,
+        tile.block_n,
+    )?;
+    sm90_variant_for(&tile, problem.dtype, problem.causal)
+}
+
+/// The kernel a device of architecture `arch` (compute capability ×10) runs for a problem:
+/// the sm_90a kernel on Hopper (9.0) when it serves the problem, else v1.
+pub fn select(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
+    if arch == 90 {
+        if let Ok(v) = select_sm90(problem) {
+            return Ok(v);
+        }
+    }
+    select_v1(problem)
+}
+
+/// Every sm_90a variant that can be selected (for the compile-everything test).
+pub fn all_sm90_variants() -> Vec<KernelVariant> {
+    let mut out = Vec::new();
+    for &d in SM90_HEAD_DIMS.iter() {
+        let tile = sm90_tile(d).expect("table covers SM90_HEAD_DIMS");
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+            }
+        }
+    }
+    out
+}
+
+impl KernelVariant {
+    /// Whether the variant can run on a device of architecture `arch`; Err says why not.
+    pub fn runs_on(&self, arch: u32) -> std::result::Result<(), String> {
+        if arch < self.min_arch {
+            return Err(format!(
+                "needs compute capability {}.{} or newer",
+                self.min_arch / 10,
+                self.min_arch % 10
+            ));
+        }
+        if matches!(self.abi, KernelAbi::TensorMaps { .. }) && arch != 90 {
+            return Err("is compiled for sm_90a and runs on compute capability 9.0 only".into());
+        }
+        Ok(())
+    }
+}
+
 /// The reference variant for a head dim, dtype and masking (no problem-size checks).
 pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Result<KernelVariant> {
     if dtype == DType::F32 {
@@ -337,6 +576,7 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Res
         block_threads: REFERENCE_BLOCK_M * 32,
         shared_mem_bytes: 0,
         min_arch: 80,
+        abi: KernelAbi::Pointers,
     })
 }
 
@@ -516,6 +756,91 @@ mod tests {
             seen += 1;
         }
         assert_eq!(seen, V1_HEAD_DIMS.len());
+    }
+
+    #[test]
+    fn sm90_variants_are_consistent() {
+        let all = all_sm90_variants();
+        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4);
+        for v in &all {
+            assert_eq!(v.source_file, SM90_SOURCE);
+            assert_eq!(v.entry, SM90_ENTRY);
+            let d: u32 = def_u32(v, "FM_HEAD_DIM");
+            let t = sm90_tile(d as usize).unwrap();
+            t.check().unwrap();
+            assert_eq!(v.block_m, t.block_m());
+            assert_eq!(v.block_threads, t.threads());
+            assert_eq!(v.shared_mem_bytes, t.shared_mem_bytes());
+            assert_eq!(def_u32(v, "FM_BLOCK_N"), t.block_n);
+            assert_eq!(def_u32(v, "FM_STAGES"), t.stages);
+            assert_eq!(def_u32(v, "FM_CONSUMERS"), t.consumers);
+            assert_eq!(def_u32(v, "FM_PIPE"), t.pipe as u32);
+            assert_eq!(def_u32(v, "FM_PINGPONG"), t.pingpong as u32);
+            assert_eq!(def_u32(v, "FM_POLY_EXP"), t.poly_exp);
+            assert_eq!(def_u32(v, "FM_SKIP_RESCALE"), t.skip_rescale as u32);
+            assert_eq!(v.abi, KernelAbi::TensorMaps { block_n: t.block_n });
+            assert!(v.runs_on(90).is_ok());
+            assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
+        }
+        // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack and barriers.
+        let t = sm90_tile(128).unwrap();
+        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 9);
+        assert_eq!((t.block_m(), t.threads()), (128, 384));
+    }
+
+    #[test]
+    fn sm90_source_states_the_same_formula() {
+        let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
+        assert!(src.contains(
+            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 4 * STAGES);"
+        ));
+        assert!(src.contains("constexpr int BM = 64 * NCW;"));
+        assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));
+        for name in [
+            "FM_HEAD_DIM",
+            "FM_DTYPE_BF16",
+            "FM_CAUSAL",
+            "FM_BLOCK_N",
+            "FM_STAGES",
+            "FM_CONSUMERS",
+        ] {
+            assert!(src.contains(name), "{name} not used by the .cu");
+        }
+        assert!(src.contains("flash_attn_fwd_sm90("));
+    }
+
+    #[test]
+    fn hopper_selects_sm90_where_it_applies_and_v1_elsewhere() {
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                for d in [64, 128] {
+                    let p = AttentionProblem::new(2, 4, 100, d, causal, dtype);
+                    let v = select(&p, 90).unwrap();
+                    assert_eq!(v.entry, SM90_ENTRY, "{p}");
+                    assert_eq!(v.grid(&p), (1, 4, 2));
+                    // A100 / L40 / Blackwell: v1.
+                    for arch in [80, 89, 100] {
+                        assert_eq!(select(&p, arch).unwrap().entry, FLASH_ENTRY);
+                    }
+                }
+                // Head dims the sm_90a kernel does not serve fall back to v1 on Hopper.
+                for d in [32, 96, 256] {
+                    let p = AttentionProblem::new(1, 2, 10, d, causal, dtype);
+                    assert_eq!(select(&p, 90).unwrap().entry, FLASH_ENTRY, "{p}");
+                }
+            }
+        }
+        let p = AttentionProblem::new(1, 2, 10, 80, false, DType::Bf16);
+        let e = select_sm90(&p).unwrap_err().to_string();
+        assert!(e.contains("head dim 80") && e.contains("flash-sm90"), "{e}");
+        assert!(select(&p, 90).is_err(), "neither kernel serves D=80");
+        // GQA / MQA and Sq != Sk are served.
+        let p = AttentionProblem {
+            heads_kv: 1,
+            seqlen_k: 77,
+            ..AttentionProblem::new(1, 4, 33, 64, true, DType::Bf16)
+        };
+        assert_eq!(select(&p, 90).unwrap().entry, SM90_ENTRY);
     }
 
     #[test]

@@ -12,12 +12,13 @@
 //!   launch with no per-call validation, for benchmarking loops.
 
 pub mod config;
+pub mod tma;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::{check_len, Device, DeviceData, DeviceTensor};
 use crate::problem::AttentionProblem;
-use config::KernelVariant;
+use config::{KernelAbi, KernelVariant};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
@@ -127,6 +128,9 @@ pub struct AttentionLaunch {
     heads_q: i32,
     heads_kv: i32,
     scale_log2: f32,
+    dtype: DType,
+    /// (q, k/v) tensor-map shapes for [`KernelAbi::TensorMaps`] kernels.
+    tma_params: Option<(tma::TensorMapParams, tma::TensorMapParams)>,
 }
 
 impl std::fmt::Debug for AttentionLaunch {
@@ -147,19 +151,36 @@ impl AttentionLaunch {
         variant: KernelVariant,
     ) -> Result<AttentionLaunch> {
         problem.validate()?;
-        if dev.arch() < variant.min_arch {
+        if let Err(why) = variant.runs_on(dev.arch()) {
             return Err(Error::unsupported(
                 variant.entry,
                 format!(
-                    "needs compute capability {}.{} or newer but {} is {}.{}",
-                    variant.min_arch / 10,
-                    variant.min_arch % 10,
+                    "{why}, but {} is {}.{}",
                     dev.info().name,
                     dev.info().compute_capability.0,
                     dev.info().compute_capability.1
                 ),
             ));
         }
+        let tma_params = match variant.abi {
+            KernelAbi::Pointers => None,
+            KernelAbi::TensorMaps { block_n } => Some((
+                tma::bshd_tile_params(
+                    problem.batch,
+                    problem.seqlen_q,
+                    problem.heads_q,
+                    problem.head_dim,
+                    variant.block_m,
+                )?,
+                tma::bshd_tile_params(
+                    problem.batch,
+                    problem.seqlen_k,
+                    problem.heads_kv,
+                    problem.head_dim,
+                    block_n,
+                )?,
+            )),
+        };
         let cfg = launch_config(problem, &variant)?;
         let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
         dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
@@ -171,6 +192,8 @@ impl AttentionLaunch {
             heads_q: problem.heads_q as i32,
             heads_kv: problem.heads_kv as i32,
             scale_log2: softmax_scale_log2(problem),
+            dtype: problem.dtype,
+            tma_params,
             variant,
         })
     }
@@ -194,8 +217,27 @@ impl AttentionLaunch {
         let (q, k, v) = (q.as_u16("q")?, k.as_u16("k")?, v.as_u16("v")?);
         let lse = lse.as_f32_mut("lse")?;
         let stream = dev.stream();
+        // Tensor maps hold the buffer addresses, so they are encoded per launch (host
+        // work only, a few microseconds; the GPU is busy with earlier work meanwhile).
+        let maps = match &self.tma_params {
+            None => None,
+            Some((pq, pkv)) => {
+                use cudarc::driver::DevicePtr;
+                let (aq, _gq) = q.device_ptr(stream);
+                let (ak, _gk) = k.device_ptr(stream);
+                let (av, _gv) = v.device_ptr(stream);
+                Some([
+                    tma::encode("q", pq, self.dtype, aq)?,
+                    tma::encode("k", pkv, self.dtype, ak)?,
+                    tma::encode("v", pkv, self.dtype, av)?,
+                ])
+            }
+        };
         let mut b = stream.launch_builder(&self.func);
-        b.arg(q).arg(k).arg(v);
+        match &maps {
+            None => b.arg(q).arg(k).arg(v),
+            Some([mq, mk, mv]) => b.arg(mq).arg(mk).arg(mv),
+        };
         match o.data_mut() {
             DeviceData::U16(s) => b.arg(s),
             DeviceData::F32(s) => b.arg(s),
@@ -237,7 +279,8 @@ fn check_call(
     )
 }
 
-/// Attention forward with the v1 kernel (mma.sync; used on sm_80 and sm_90 for now):
+/// Attention forward with the kernel [`config::select`] picks for this device (the sm_90a
+/// kernel on Hopper where it applies, else v1):
 /// `o = softmax(scale · q kᵀ [+ causal mask]) v` and the natural-log `lse` per query row.
 /// q/k/v/o in the problem's dtype (f16 or bf16), lse in f32, layouts as in
 /// [`AttentionProblem`]. Asynchronous: the outputs are ready after the stream syncs.
@@ -251,7 +294,7 @@ pub fn forward(
     lse: &mut DeviceTensor,
 ) -> Result<()> {
     check_call(problem, problem.dtype, q, k, v, o, lse)?;
-    let variant = config::select_v1(problem)?;
+    let variant = config::select(problem, dev.arch())?;
     AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
 }
 
@@ -271,7 +314,7 @@ pub fn reference_forward(
     AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
 }
 
-/// Owns the device buffers of one attention problem and the resolved v1 kernel.
+/// Owns the device buffers of one attention problem and the resolved kernel.
 ///
 /// ```ignore
 /// let mut r = AttentionRunner::new(&dev, &problem, &q, &k, &v)?;
@@ -292,7 +335,7 @@ pub struct AttentionRunner {
 
 impl AttentionRunner {
     /// Upload q, k, v (f32 values, rounded to the problem's dtype), allocate poisoned o
-    /// and lse, and resolve the v1 kernel for this device.
+    /// and lse, and resolve the kernel [`config::select`] picks for this device.
     pub fn new(
         dev: &Device,
         problem: &AttentionProblem,
@@ -301,10 +344,24 @@ impl AttentionRunner {
         v: &[f32],
     ) -> Result<AttentionRunner> {
         problem.validate()?;
+        let variant = config::select(problem, dev.arch())?;
+        Self::with_variant(dev, problem, q, k, v, variant)
+    }
+
+    /// Like [`AttentionRunner::new`] with a given kernel variant (e.g.
+    /// [`config::select_v1`] to run v1 on Hopper).
+    pub fn with_variant(
+        dev: &Device,
+        problem: &AttentionProblem,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        variant: KernelVariant,
+    ) -> Result<AttentionRunner> {
+        problem.validate()?;
         check_len("q", problem.q_elems(), q.len())?;
         check_len("k", problem.kv_elems(), k.len())?;
         check_len("v", problem.kv_elems(), v.len())?;
-        let variant = config::select_v1(problem)?;
         let launch = AttentionLaunch::prepare(dev, problem, variant)?;
         let dt = problem.dtype;
         Ok(AttentionRunner {
@@ -396,6 +453,7 @@ mod tests {
             block_threads: 128,
             shared_mem_bytes: 64 * 1024,
             min_arch: 80,
+            abi: config::KernelAbi::Pointers,
         }
     }
 

@@ -257,33 +257,42 @@ fn attention_v1_matches_gpu_reference() {
                 gen(p.kv_elems(), 2),
                 gen(p.kv_elems(), 3),
             );
-            let mut r = AttentionRunner::new(dev, &p, &q, &k, &v).unwrap();
-            r.poison_outputs(dev).unwrap();
-            r.run(dev).unwrap();
-            let o = r.output(dev).unwrap();
-            let lse = r.lse(dev).unwrap();
-            assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
-            assert!(lse.iter().all(|x| !x.is_nan()), "{p}: unwritten lse");
-            match r.run_reference(dev) {
-                Ok((ro, rlse)) => {
-                    let max_err = o
-                        .iter()
-                        .zip(&ro)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max);
-                    let max_lse = lse
-                        .iter()
-                        .zip(&rlse)
-                        .filter(|(a, b)| a.is_finite() || b.is_finite())
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0f32, f32::max);
-                    eprintln!(
-                        "attention {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}"
+            // The kernel this device selects (sm_90a on Hopper) and v1.
+            let mut variants = vec![attention::config::select(&p, dev.arch()).unwrap()];
+            let v1 = attention::config::select_v1(&p).unwrap();
+            if variants[0] != v1 {
+                variants.push(v1);
+            }
+            for variant in variants {
+                let name = variant.entry;
+                let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
+                r.poison_outputs(dev).unwrap();
+                r.run(dev).unwrap();
+                let o = r.output(dev).unwrap();
+                let lse = r.lse(dev).unwrap();
+                assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
+                assert!(lse.iter().all(|x| !x.is_nan()), "{p}: unwritten lse");
+                match r.run_reference(dev) {
+                    Ok((ro, rlse)) => {
+                        let max_err = o
+                            .iter()
+                            .zip(&ro)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0f32, f32::max);
+                        let max_lse = lse
+                            .iter()
+                            .zip(&rlse)
+                            .filter(|(a, b)| a.is_finite() || b.is_finite())
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0.0f32, f32::max);
+                        eprintln!(
+                        "attention {name} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}"
                     );
-                    assert!(max_err < 2e-2, "{p}: max error {max_err}");
-                    assert!(max_lse < 1e-2, "{p}: lse error {max_lse}");
+                        assert!(max_err < 2e-2, "{p}: max error {max_err}");
+                        assert!(max_lse < 1e-2, "{p}: lse error {max_lse}");
+                    }
+                    Err(e) => eprintln!("attention {p}: no GPU reference: {e}"),
                 }
-                Err(e) => eprintln!("attention {p}: no GPU reference: {e}"),
             }
         }
     });

@@ -7,6 +7,8 @@
 //! Every map here uses the 128-byte swizzle the wgmma descriptors expect and reads
 //! out-of-bounds elements as zero.
 
+#![allow(clippy::manual_is_multiple_of)] // rust-version 1.80: no is_multiple_of
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::device::Device;
@@ -92,7 +94,8 @@ impl TiledLayout {
     }
 }
 
-/// Encode a tensor map over the 16-bit buffer `buf` (dtype f16 or bf16).
+/// Encode a tensor map over the 16-bit buffer `buf` (dtype f16 or bf16), checking that
+/// the layout stays inside the buffer.
 pub fn encode_tiled(
     dev: &Device,
     name: &str,
@@ -111,6 +114,19 @@ pub fn encode_tiled(
             ),
         ));
     }
+    let (ptr, _guard) = buf.device_ptr(dev.stream());
+    encode_raw(name, ptr, dtype, layout)
+}
+
+/// Encode a tensor map over the device address `ptr`, which the caller keeps alive (and
+/// large enough for `layout`) while the map is used.
+pub fn encode_raw(name: &str, ptr: u64, dtype: DType, layout: &TiledLayout) -> Result<TensorMap> {
+    layout.check(name)?;
+    if ptr % 16 != 0 {
+        return Err(Error::invalid(format!(
+            "{name}: device address {ptr:#x} is not 16-byte aligned (TMA requires it)"
+        )));
+    }
     let data_type = match dtype {
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -123,10 +139,9 @@ pub fn encode_tiled(
     };
     let strides_bytes: Vec<u64> = layout.strides.iter().map(|s| s * 2).collect();
     let elem_strides = vec![1u32; layout.dims.len()];
-    let (ptr, _guard) = buf.device_ptr(dev.stream());
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array has `rank` (strides: rank-1) entries, checked above; the map is
-    // written by the driver; `ptr` is a live device allocation of at least `span` elements.
+    // written by the driver; `ptr` is a device allocation the caller keeps alive.
     let rc = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
@@ -145,7 +160,7 @@ pub fn encode_tiled(
     };
     if rc != sys::CUresult::CUDA_SUCCESS {
         return Err(Error::cuda(
-            format!("cuTensorMapEncodeTiled({name}, {layout:?})"),
+            format!("cuTensorMapEncodeTiled({name}, {layout:?}, {dtype})"),
             format!("{rc:?}"),
         ));
     }
@@ -163,6 +178,13 @@ mod tests {
             strides: vec![4096],
             box_dims: vec![64, 128],
         }
+    }
+
+    #[test]
+    fn tensor_map_is_128_bytes_64_aligned() {
+        assert_eq!(std::mem::size_of::<TensorMap>(), 128);
+        // cudarc's CUtensorMap may carry a stricter alignment; the driver needs >= 64.
+        assert!(std::mem::align_of::<TensorMap>() >= 64);
     }
 
     #[test]

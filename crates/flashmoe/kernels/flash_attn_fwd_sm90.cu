@@ -1,0 +1,487 @@
+// flashmoe — FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier-guarded
+// shared-memory ring, warpgroup MMAs (wgmma) with fp32 accumulators, warp specialisation.
+//
+// Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table of
+// variants lives in crates/flashmoe/src/attention/config.rs, `sm90_tile`):
+//
+//   FM_HEAD_DIM    D: 64 or 128 (a multiple of 64: K/Q/V rows are loaded as 64-column halves,
+//                  each a 128-byte swizzled row)
+//   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
+//   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+//   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
+//   FM_STAGES      depth of the K/V ring (2..4)
+//   FM_CONSUMERS   consumer warpgroups (2); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
+//   FM_PIPE        1: S of tile i+1 is issued before the softmax of tile i+1 while P V of
+//                  tile i runs (intra-warpgroup overlap); 0: serial S, softmax, P V
+//   FM_PINGPONG    1 (with FM_PIPE): the consumer warpgroups take turns issuing their GEMMs
+//                  (named barriers, round robin), so one's softmax overlaps the others' GEMMs
+//   FM_POLY_EXP    0..8: that many eighths of the exponentials are computed with an FMA
+//                  polynomial instead of MUFU ex2 (relieves the MUFU unit, 16/clk/SM)
+//   FM_SKIP_RESCALE 1: skip the O rescale when no row of the warp changed its max
+//
+// ABI (extern "C" flash_attn_fwd_sm90):
+//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
+//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)
+//   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
+//         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
+//   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1).
+//   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
+//   Grid (ceil(Sq / BLOCK_M), heads_q, batch), block 128 * (CONSUMERS + 1) threads.
+//   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
+//
+// Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
+// its registers away with setmaxnreg.dec); warpgroups 1..CONSUMERS each own 64 query rows:
+//   S = Q K^T     wgmma SS (Q and K K-major from swizzled smem), N = BLOCK_N
+//   softmax       online, fp32, log2 domain (scale*log2e folded into one FFMA before ex2)
+//   O += P V      wgmma RS: P packed to 16 bit in registers (the accumulator layout of two
+//                 8-column blocks is the A-fragment layout of one k16 step), V MN-major
+// Barriers per ring slot: k_full, v_full (TMA bytes landed; V separately so S can start
+// first) and k_empty, v_empty (one arrival per consumer warp once its wgmmas reading that
+// half of the slot are complete). K/V tiles are visited last to first so the masked tiles come first.
+//
+// Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (1 + 4 * STAGES)
+//   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers.)
+
+#ifndef FM_HEAD_DIM
+#error "FM_HEAD_DIM must be defined"
+#endif
+#ifndef FM_DTYPE_BF16
+#define FM_DTYPE_BF16 1
+#endif
+#ifndef FM_CAUSAL
+#define FM_CAUSAL 0
+#endif
+#ifndef FM_BLOCK_N
+#define FM_BLOCK_N 128
+#endif
+#ifndef FM_STAGES
+#define FM_STAGES 2
+#endif
+#ifndef FM_CONSUMERS
+#define FM_CONSUMERS 2
+#endif
+#ifndef FM_PIPE
+#define FM_PIPE 1
+#endif
+#ifndef FM_PINGPONG
+#define FM_PINGPONG 0
+#endif
+#ifndef FM_POLY_EXP
+#define FM_POLY_EXP 0
+#endif
+#ifndef FM_SKIP_RESCALE
+#define FM_SKIP_RESCALE 0
+#endif
+#include "fm_sm90.cuh"
+
+namespace fm90 {
+
+constexpr int D = FM_HEAD_DIM;
+constexpr int BN = FM_BLOCK_N;
+constexpr int STAGES = FM_STAGES;
+constexpr int NCW = FM_CONSUMERS;
+constexpr int BM = 64 * NCW;
+constexpr int THREADS = 128 * (NCW + 1);
+constexpr bool CAUSAL = FM_CAUSAL != 0;
+constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
+constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
+constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
+constexpr int Q_BYTES = DH * HALF_Q;
+constexpr int KV_BYTES = DH * HALF_KV;
+constexpr int OFF_K = Q_BYTES;
+constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+constexpr int NBAR = 1 + 4 * STAGES;
+constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 4 * STAGES);
+// Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
+// 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = NCW == 2 ? 240 : 160;
+
+static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192 or 256");
+static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
+static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
+static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
+static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
+static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
+static_assert(SMEM_BYTES == 1024 + OFF_BAR + 8 * NBAR, "smem formula");
+static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float lg2(float x) {
+    float r;
+    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// 2^x on the FMA pipe: x = j + f with j = round(x) (the 1.5*2^23 trick: j lands in the low
+// mantissa bits), 2^f on [-0.5, 0.5] by a degree-4 polynomial (rel. error < 6e-6, far below
+// the 16-bit rounding of P), then j added to the exponent bits. x is clamped at -125, so
+// -inf gives 2^-125 instead of 0: negligible next to any visible key, and a row that sees
+// no key at all is recognised by its max staying -inf (the epilogue writes O = 0 there).
+__device__ __forceinline__ float exp2_poly(float x) {
+    x = fmaxf(x, -125.f);  // keeps the exponent add below from wrapping (j >= -125)
+    const float t = x + 12582912.f;  // 1.5 * 2^23
+    const float f = x - (t - 12582912.f);
+    // Least-squares fit of 2^f in relative error (max 5.3e-6 on [-0.5, 0.5]).
+    float p = 9.5541109e-3f;
+    p = fmaf(p, f, 5.5870376e-2f);
+    p = fmaf(p, f, 2.4024696e-1f);
+    p = fmaf(p, f, 6.9312803e-1f);
+    p = fmaf(p, f, 9.9999944e-1f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+struct Bars {
+    u32 base;
+    __device__ u32 q_full() const { return base; }
+    __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
+    __device__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
+    __device__ u32 k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
+    __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
+};
+
+// Producer: one thread. Q once, then K and V of every visited tile into the ring.
+__device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
+                                        const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
+                                        const Bars& bar, int head, int kv_head, int batch, int m0,
+                                        int n_tiles) {
+    tma_prefetch_desc(tq);
+    tma_prefetch_desc(tk);
+    tma_prefetch_desc(tv);
+    mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
+#pragma unroll
+    for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
+    int s = 0;
+    u32 ph = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+        // Slot s was last used by iteration it - STAGES: wait until every consumer warp
+        // released it (phase parity of that round). K and V are released separately: K as
+        // soon as S is computed, V after P V, so the next K load starts early.
+        const int n0 = (n_tiles - 1 - it) * BN;
+        if (it >= STAGES) mbar_wait(bar.k_empty(s), ph ^ 1);
+        mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
+        if (it >= STAGES) mbar_wait(bar.v_empty(s), ph ^ 1);
+        mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
+        if (++s == STAGES) {
+            s = 0;
+            ph ^= 1;
+        }
+    }
+}
+
+// ---- consumer building blocks (one warpgroup, 64 query rows) ----
+
+// S = Q K^T for ring slot s: issued, not waited for.
+__device__ __forceinline__ void issue_qk(float (&sacc)[BN / 2], u64 dq, u64 dk, int s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 inner = (kk & 3) * 32;  // k16 step inside the 128-byte row
+        wgmma_ss<0, 0>(sacc, desc_add(dq, (kk >> 2) * HALF_Q + inner),
+                       desc_add(dk, s * KV_BYTES + (kk >> 2) * HALF_KV + inner), kk > 0 ? 1 : 0);
+    }
+}
+
+// O += P V for ring slot s: issued, not waited for.
+__device__ __forceinline__ void issue_pv(float (&oacc)[D / 2], const u32 (&pa)[BN / 16][4], u64 dv,
+                                         int s) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+}
+
+// Ragged key tail and causal diagonal: scores of keys a row must not see become -inf.
+__device__ __forceinline__ void mask_tile(float (&sacc)[BN / 2], int n0, int row0, int lane,
+                                          int seqlen_k, int diag) {
+    const int col0 = n0 + 2 * (lane & 3);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int limit = seqlen_k;
+        if (CAUSAL) limit = min(limit, row0 + 8 * h + diag + 1);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                if (col0 + j * 8 + c >= limit) sacc[4 * j + 2 * h + c] = neg_inf();
+    }
+}
+
+// Online softmax step (log2 domain): sacc becomes P = exp2(S*scale - m) in place, m and the
+// per-thread partial l are updated, alpha = the factor O must be rescaled by.
+__device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)[2], float (&l_i)[2],
+                                             float (&alpha)[2], float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+            mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_i[h], mx * scale_log2);
+        // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
+        const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+        alpha[h] = ex2(m_i[h] - m_use);
+        m_i[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float x = fmaf(sacc[4 * j + 2 * h + c], scale_log2, -m_use);
+                // FM_POLY_EXP eighths of the elements go to the FMA pipe (compile-time split).
+                const float p = ((2 * j + c) % 8 < FM_POLY_EXP) ? exp2_poly(x) : ex2(x);
+                sacc[4 * j + 2 * h + c] = p;
+                sum += p;
+            }
+        l_i[h] = l_i[h] * alpha[h] + sum;  // per-thread partial; quad-reduced at the end
+    }
+}
+
+// P to 16 bit in the wgmma A-fragment layout: k16 step kk = 8-column blocks 2kk, 2kk+1;
+// registers (row g, k 0-7), (row g+8, k 0-7), (row g, k 8-15), (row g+8, k 8-15).
+__device__ __forceinline__ void pack_p(const float (&sacc)[BN / 2], u32 (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            pa[j >> 1][(j & 1) * 2 + h] = pack2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
+}
+
+__device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2]) {
+    // Once the running max settles, alpha is exactly 1 for every row of the warp.
+    if (FM_SKIP_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            oacc[4 * j + 2 * h] *= alpha[h];
+            oacc[4 * j + 2 * h + 1] *= alpha[h];
+        }
+}
+
+// Ping-pong schedule between the consumer warpgroups: warpgroup cw waits for its turn
+// (named barrier 1 + cw, 256 threads: its own 128 sync, the other's 128 arrive) before
+// issuing GEMMs and hands the turn over right after issuing.
+__device__ __forceinline__ void turn_wait(int cw) {
+    if (FM_PINGPONG) named_bar_sync(1 + cw, 256);
+}
+__device__ __forceinline__ void turn_pass(int cw) {
+    if (FM_PINGPONG) named_bar_arrive(1 + (cw + 1 == NCW ? 0 : cw + 1), 256);
+}
+
+// This warp's wgmmas reading the slot are complete: one arrival per consumer warp.
+__device__ __forceinline__ void release(u32 bar, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+}
+
+// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64).
+__device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
+                                        int n_tiles, int seqlen_q, int seqlen_k, int diag,
+                                        float scale_log2, u16* __restrict__ og, i64 q_stride,
+                                        float* __restrict__ lseg) {
+    const int t = threadIdx.x & 127;
+    const int warp = t >> 5;
+    const int lane = t & 31;
+    const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+
+    // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
+    // (n0 + BN > Sk) or, when causal, a key beyond this warpgroup's first row's limit.
+    int thr = seqlen_k - BN + 1;
+    if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
+    const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
+    const int n_masked = max(0, n_tiles - first_masked);
+
+    float oacc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+    float m_i[2] = {neg_inf(), neg_inf()};
+    float l_i[2] = {0.f, 0.f};
+    float alpha[2];
+    float sacc[BN / 2];
+    u32 pa[BN / 16][4];
+
+    const u64 dq = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
+    const u64 dk = smem_desc_sw128(sK, 16, 1024);
+    const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
+
+    if (n_tiles > 0) {
+        mbar_wait(bar.q_full(), 0);
+#if FM_PIPE
+        // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
+        // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
+        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
+        if (cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
+        mbar_wait(bar.k_full(0), 0);
+        turn_wait(cw);
+        wgmma_fence();
+        issue_qk(sacc, dq, dk, 0);
+        wgmma_commit();
+        turn_pass(cw);
+        wgmma_wait<0>();
+        reg_fence(sacc);
+        release(bar.k_empty(0), lane);
+        if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
+        softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+        pack_p(sacc, pa);
+        int ps = 0;  // slot of the tile whose P is in pa
+        u32 pph = 0;
+        int s = STAGES > 1 ? 1 : 0;
+        u32 ph = 0;
+        for (int it = 1; it < n_tiles; ++it) {
+            mbar_wait(bar.k_full(s), ph);
+            mbar_wait(bar.v_full(ps), pph);
+            reg_fence(oacc);
+            turn_wait(cw);
+            wgmma_fence();
+            issue_qk(sacc, dq, dk, s);
+            wgmma_commit();
+            issue_pv(oacc, pa, dv, ps);
+            wgmma_commit();
+            turn_pass(cw);
+            wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
+            reg_fence(sacc);
+            release(bar.k_empty(s), lane);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            wgmma_wait<0>();
+            reg_fence(oacc);
+            reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
+            release(bar.v_empty(ps), lane);
+            rescale_o(oacc, alpha);
+            pack_p(sacc, pa);
+            ps = s;
+            pph = ph;
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+        mbar_wait(bar.v_full(ps), pph);
+        reg_fence(oacc);
+        turn_wait(cw);
+        wgmma_fence();
+        issue_pv(oacc, pa, dv, ps);
+        wgmma_commit();
+        turn_pass(cw);
+        wgmma_wait<0>();
+        reg_fence(oacc);
+        release(bar.v_empty(ps), lane);
+#else
+        // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
+        // other's softmax with their GEMMs, unsynchronised).
+        int s = 0;
+        u32 ph = 0;
+        for (int it = 0; it < n_tiles; ++it) {
+            mbar_wait(bar.k_full(s), ph);
+            wgmma_fence();
+            issue_qk(sacc, dq, dk, s);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(sacc);
+            release(bar.k_empty(s), lane);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            rescale_o(oacc, alpha);
+            pack_p(sacc, pa);
+            mbar_wait(bar.v_full(s), ph);
+            reg_fence(oacc);
+            wgmma_fence();
+            issue_pv(oacc, pa, dv, s);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(oacc);
+            release(bar.v_empty(s), lane);
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+#endif
+    }
+
+    // ---- epilogue: normalise, LSE, 16-bit O straight from registers ----
+    constexpr float LN2 = 0.693147180559945309f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_i[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
+        const bool seen = m_i[h] != neg_inf() && l > 0.f;
+        float inv = 0.f;
+        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
+        const int row = row0 + 8 * h;
+        if ((lane & 3) == 0 && row < seqlen_q)
+            lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
+        if (row < seqlen_q) {
+            u16* orow = og + (i64)row * q_stride + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<u32*>(orow + j * 8) =
+                    pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv);
+        }
+    }
+}
+
+}  // namespace fm90
+
+extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
+    flash_attn_fwd_sm90(const __grid_constant__ FmTensorMap tm_q,
+                        const __grid_constant__ FmTensorMap tm_k,
+                        const __grid_constant__ FmTensorMap tm_v, u16* __restrict__ o,
+                        float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
+                        int heads_kv, float softmax_scale_log2) {
+    using namespace fm90;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // 128B-swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
+    const Bars bar{base + OFF_BAR};
+
+    // Causal: the last query blocks see the most keys; start them first.
+    const int m_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int kv_head = head / (heads_q / heads_kv);
+    const int m0 = m_block * BM;
+    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
+    int n_end = seqlen_k;
+    if (CAUSAL) n_end = max(0, min(seqlen_k, m0 + BM + diag));
+    const int n_tiles = (n_end + BN - 1) / BN;
+
+    if (threadIdx.x == 0) {
+        mbar_init(bar.q_full(), 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar.k_full(s), 1);
+            mbar_init(bar.v_full(s), 1);
+            mbar_init(bar.k_empty(s), NCW * 4);
+            mbar_init(bar.v_empty(s), NCW * 4);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0 && n_tiles > 0)
+            produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, kv_head, batch, m0, n_tiles);
+    } else {
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const i64 q_stride = (i64)heads_q * D;
+        u16* og = o + ((i64)batch * seqlen_q * heads_q + head) * D;
+        float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
+        consume(sQ, sK, sV, bar, wg - 1, m0 + (wg - 1) * 64, n_tiles, seqlen_q, seqlen_k, diag,
+                softmax_scale_log2, og, q_stride, lseg);
+    }
+}

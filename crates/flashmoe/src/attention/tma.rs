@@ -1,0 +1,139 @@
+//! TMA tensor maps (CUtensorMap) for the sm_90a attention kernel.
+//!
+//! The kernel loads Q, K and V tiles with `cp.async.bulk.tensor.4d`, described by tensor
+//! maps made here on the host with `cuTensorMapEncodeTiled` and passed by value as
+//! `__grid_constant__` kernel parameters. [`bshd_tile_params`] is the pure part (dims,
+//! strides, box; unit-tested without a GPU); [`encode`] calls the driver.
+//!
+//! Layout (the v1 contract, config.rs): a (batch, seq, heads, head_dim) contiguous tensor of
+//! 16-bit elements is described innermost first as (head_dim, heads, seq, batch). The box
+//! is (64, 1, rows, 1): 64 elements = one 128-byte row of the 128B swizzle, one head, `rows`
+//! sequence positions. Rows past `seq` are out of bounds of their own batch and are written
+//! as zeros, which is what makes ragged lengths safe without a bounds check in the kernel.
+
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::tensor_map::{self, TensorMap, TiledLayout};
+
+/// Elements per box row: 128 bytes of 16-bit values, the width of the 128B swizzle.
+pub const BOX_COLS: u32 = 64;
+
+/// Shape of one 4-D tiled tensor map, innermost dimension first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMapParams {
+    /// (head_dim, heads, seq, batch) in elements.
+    pub dims: [u64; 4],
+    /// Byte strides of dims 1..3 (dim 0 is contiguous).
+    pub strides_bytes: [u64; 3],
+    /// Box (64, 1, rows, 1) in elements.
+    pub box_dims: [u32; 4],
+}
+
+impl TensorMapParams {
+    /// The same map as a generic [`TiledLayout`] (element strides).
+    pub fn layout(&self) -> TiledLayout {
+        TiledLayout {
+            dims: self.dims.to_vec(),
+            strides: self.strides_bytes.iter().map(|s| s / 2).collect(),
+            box_dims: self.box_dims.to_vec(),
+        }
+    }
+    /// Bytes one box load writes to shared memory (out-of-bounds elements included).
+    pub fn box_bytes(&self) -> u64 {
+        self.box_dims.iter().map(|&b| b as u64).product::<u64>() * 2
+    }
+}
+
+/// Tensor-map shape for a contiguous (batch, seq, heads, head_dim) 16-bit tensor, loaded
+/// in boxes of `box_rows` sequence positions × 64 columns of one head. Errors name the
+/// limit of cuTensorMapEncodeTiled that the shape breaks.
+pub fn bshd_tile_params(
+    batch: usize,
+    seq: usize,
+    heads: usize,
+    head_dim: usize,
+    box_rows: u32,
+) -> Result<TensorMapParams> {
+    let what = "tensor map";
+    if head_dim == 0 || head_dim % BOX_COLS as usize != 0 {
+        return Err(Error::unsupported(
+            what,
+            format!("head dim {head_dim} is not a multiple of {BOX_COLS}"),
+        ));
+    }
+    if box_rows == 0 || box_rows > 256 {
+        return Err(Error::unsupported(
+            what,
+            format!("box of {box_rows} rows (1..=256)"),
+        ));
+    }
+    let dims = [head_dim as u64, heads as u64, seq as u64, batch as u64];
+    for (name, d) in ["head_dim", "heads", "seq", "batch"].iter().zip(dims) {
+        if d == 0 || d > 1 << 32 {
+            return Err(Error::unsupported(
+                what,
+                format!("{name} = {d} is outside 1..=2^32"),
+            ));
+        }
+    }
+    let s_head = head_dim as u64 * 2;
+    let s_seq = s_head * heads as u64;
+    let s_batch = s_seq * seq as u64;
+    for s in [s_head, s_seq, s_batch] {
+        // Strides are multiples of 16 because head_dim is a multiple of 64.
+        if s >= 1 << 40 {
+            return Err(Error::unsupported(
+                what,
+                format!("stride of {s} bytes exceeds 2^40"),
+            ));
+        }
+    }
+    Ok(TensorMapParams {
+        dims,
+        strides_bytes: [s_head, s_seq, s_batch],
+        box_dims: [BOX_COLS, 1, box_rows, 1],
+    })
+}
+
+/// Encode a tensor map over the device buffer at `ptr` (16-byte aligned): 128-byte
+/// swizzle, zero fill out of bounds, 256-byte L2 promotion (see [`crate::gpu::tensor_map`]).
+/// `what` names the tensor in errors.
+pub fn encode(what: &str, params: &TensorMapParams, dtype: DType, ptr: u64) -> Result<TensorMap> {
+    tensor_map::encode_raw(what, ptr, dtype, &params.layout())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn params_follow_the_bshd_layout() {
+        // q of B=2, S=100, H=8, D=128, boxes of 128 rows.
+        let p = bshd_tile_params(2, 100, 8, 128, 128).unwrap();
+        assert_eq!(p.dims, [128, 8, 100, 2]);
+        assert_eq!(p.strides_bytes, [256, 256 * 8, 256 * 8 * 100]);
+        assert_eq!(p.box_dims, [64, 1, 128, 1]);
+        assert_eq!(p.box_bytes(), 64 * 128 * 2);
+        for s in p.strides_bytes {
+            assert_eq!(s % 16, 0);
+        }
+        p.layout().check("q").unwrap();
+        // D=64, MQA k: one head.
+        let p = bshd_tile_params(1, 7, 1, 64, 128).unwrap();
+        assert_eq!(p.dims, [64, 1, 7, 1]);
+        assert_eq!(p.strides_bytes, [128, 128, 128 * 7]);
+    }
+
+    #[test]
+    fn params_reject_what_tma_cannot_do() {
+        let e = bshd_tile_params(1, 10, 2, 96, 128).unwrap_err().to_string();
+        assert!(e.contains("head dim 96"), "{e}");
+        let e = bshd_tile_params(1, 10, 2, 64, 512).unwrap_err().to_string();
+        assert!(e.contains("512 rows"), "{e}");
+        let e = bshd_tile_params(1, 0, 2, 64, 128).unwrap_err().to_string();
+        assert!(e.contains("seq = 0"), "{e}");
+    }
+}
