@@ -289,27 +289,47 @@ fn check_launch_limits(backend: &str, p: &AttentionProblem) -> Result<()> {
     Ok(())
 }
 
-/// The v1 (mma.sync, sm_80+) kernel variant for a problem, or `Error::Unsupported`
-/// naming the head dim / dtype that is not served.
-pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
+/// What every flash kernel requires before its tile is used: a valid problem, a 16-bit
+/// dtype, a tile for the head dim (`tile`, None when there is none) and the launch limits.
+fn admit<T>(
+    backend: &str,
+    kernel: &str,
+    problem: &AttentionProblem,
+    tile: Option<T>,
+    head_dims: &[usize],
+) -> Result<T> {
     problem.validate()?;
     if problem.dtype == DType::F32 {
         return Err(Error::unsupported(
-            "flash-v1",
-            "dtype f32 is not supported (the v1 kernel takes f16 or bf16 inputs)",
+            backend,
+            format!("dtype f32 is not supported ({kernel} takes f16 or bf16 inputs)"),
         ));
     }
-    let tile = v1_tile(problem.head_dim).ok_or_else(|| {
+    let tile = tile.ok_or_else(|| {
+        let dims: Vec<String> = head_dims.iter().map(|d| d.to_string()).collect();
         Error::unsupported(
-            "flash-v1",
+            backend,
             format!(
                 "head dim {} is not supported (supported head dims: {})",
                 problem.head_dim,
-                V1_HEAD_DIMS.map(|d| d.to_string()).join(", ")
+                dims.join(", ")
             ),
         )
     })?;
-    check_launch_limits("flash-v1", problem)?;
+    check_launch_limits(backend, problem)?;
+    Ok(tile)
+}
+
+/// The v1 (mma.sync, sm_80+) kernel variant for a problem, or `Error::Unsupported`
+/// naming the head dim / dtype that is not served.
+pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
+    let tile = admit(
+        "flash-v1",
+        "the v1 kernel",
+        problem,
+        v1_tile(problem.head_dim),
+        &V1_HEAD_DIMS,
+    )?;
     v1_variant_for(&tile, problem.dtype, problem.causal)
 }
 
@@ -468,24 +488,13 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<K
 /// The sm_90a kernel variant for a problem, or `Error::Unsupported` naming why not (the
 /// caller then uses v1: see [`select`]).
 pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
-    problem.validate()?;
-    if problem.dtype == DType::F32 {
-        return Err(Error::unsupported(
-            "flash-sm90",
-            "dtype f32 is not supported (the sm_90a kernel takes f16 or bf16 inputs)",
-        ));
-    }
-    let tile = sm90_tile(problem.head_dim).ok_or_else(|| {
-        Error::unsupported(
-            "flash-sm90",
-            format!(
-                "head dim {} is not supported (supported head dims: {})",
-                problem.head_dim,
-                SM90_HEAD_DIMS.map(|d| d.to_string()).join(", ")
-            ),
-        )
-    })?;
-    check_launch_limits("flash-sm90", problem)?;
+    let tile = admit(
+        "flash-sm90",
+        "the sm_90a kernel",
+        problem,
+        sm90_tile(problem.head_dim),
+        &SM90_HEAD_DIMS,
+    )?;
     // The tensor maps must be encodable (dims, strides); same check the launch does.
     super::tma::bshd_tile_params(
         problem.batch,

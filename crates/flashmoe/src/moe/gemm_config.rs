@@ -295,11 +295,12 @@ pub fn all_gemm_variants() -> Vec<MoeKernel> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::problem::Scoring;
 
-    fn prob(t: usize, h: usize, i: usize, e: usize, k: usize) -> MoeProblem {
+    /// A bf16 softmax problem (tokens, hidden, intermediate, experts, top_k).
+    pub(crate) fn prob(t: usize, h: usize, i: usize, e: usize, k: usize) -> MoeProblem {
         MoeProblem {
             tokens: t,
             hidden: h,

@@ -403,21 +403,7 @@ impl Sm90Gemms {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::Scoring;
-
-    fn prob(t: usize, h: usize, i: usize, e: usize, k: usize) -> MoeProblem {
-        MoeProblem {
-            tokens: t,
-            hidden: h,
-            intermediate: i,
-            experts: e,
-            top_k: k,
-            scoring: Scoring::Softmax,
-            renormalize: false,
-            dtype: DType::Bf16,
-            shared_expert: false,
-        }
-    }
+    use crate::moe::gemm_config::tests::prob;
 
     #[test]
     fn shared_memory_formula_and_limits() {
