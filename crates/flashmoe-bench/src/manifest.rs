@@ -14,6 +14,10 @@ pub struct Manifest {
     pub rustc: String,
     pub git_commit: String,
     pub git_dirty: bool,
+    /// The commit the binary was built from ("-dirty" when its tracked files had
+    /// changes): differs from `git_commit` when a binary runs in another checkout.
+    #[serde(default)]
+    pub build_commit: String,
     pub command_line: String,
     #[serde(default)]
     pub gpu: Option<GpuManifest>,
@@ -120,6 +124,7 @@ impl Manifest {
             rustc: env!("FLASHMOE_RUSTC_VERSION").to_string(),
             git_commit,
             git_dirty,
+            build_commit: build.to_string(),
             command_line: std::env::args().collect::<Vec<_>>().join(" "),
             gpu: None,
             python: None,
@@ -138,5 +143,20 @@ mod tests {
         assert!(m.rustc.starts_with("rustc"), "{}", m.rustc);
         assert!(m.timestamp_utc.ends_with('Z'));
         assert!(!m.os.is_empty());
+        // built inside this checkout: a 40-hex-digit commit (maybe "-dirty")
+        let hex = m.build_commit.trim_end_matches("-dirty");
+        assert!(
+            hex == "unknown" || (hex.len() == 40 && hex.chars().all(|c| c.is_ascii_hexdigit())),
+            "{}",
+            m.build_commit
+        );
+    }
+
+    #[test]
+    fn older_manifests_without_build_commit_still_load() {
+        let mut v = serde_json::to_value(Manifest::collect()).unwrap();
+        v.as_object_mut().unwrap().remove("build_commit");
+        let m: Manifest = serde_json::from_value(v).unwrap();
+        assert!(m.build_commit.is_empty());
     }
 }

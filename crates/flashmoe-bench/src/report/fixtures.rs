@@ -172,6 +172,7 @@ pub fn manifest(gpu: bool) -> Manifest {
         rustc: "rustc 1.95.0".to_string(),
         git_commit: "0123456789abcdef0123456789abcdef01234567".to_string(),
         git_dirty: false,
+        build_commit: "0123456789abcdef0123456789abcdef01234567".to_string(),
         command_line: "flashmoe bench --preset sweep".to_string(),
         gpu: gpu.then(|| GpuManifest {
             name: "NVIDIA H100 80GB HBM3".to_string(),

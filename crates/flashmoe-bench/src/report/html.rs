@@ -120,6 +120,7 @@ pub fn to_html(results: &RunResults) -> String {
                 if m.git_dirty { " (dirty)" } else { "" }
             ),
         ),
+        ("Binary built from", m.build_commit.clone()),
         ("Timestamp (UTC)", m.timestamp_utc.clone()),
         ("flashmoe", m.flashmoe_version.clone()),
         ("rustc", m.rustc.clone()),

@@ -87,6 +87,9 @@ pub fn to_markdown(results: &RunResults) -> String {
             if m.git_dirty { " (dirty)" } else { "" }
         ),
     );
+    if !m.build_commit.is_empty() {
+        kv("Binary built from", md_escape(&m.build_commit));
+    }
     kv("Timestamp (UTC)", md_escape(&m.timestamp_utc));
     kv(
         "flashmoe / rustc",
