@@ -71,6 +71,14 @@ for s in "$@"; do
                   cp /tmp/moe-sm90/results.json "$OUT/moe-sm90.json" 2>/dev/null
                   stage moe-sm90-portable 400 env FLASHMOE_MOE_GEMM=portable $BIN bench moe --config configs/moe-sm90.toml --impl flashmoe-moe --out /tmp/moe-sm90p
                   cp /tmp/moe-sm90p/results.json "$OUT/moe-sm90-portable.json" 2>/dev/null ;;
+    # compute-sanitizer memcheck + racecheck over the sm_90a kernels on small shapes
+    # (issue 6 asks for both on the attention kernel). Few samples: the tools are slow.
+    sanitize)     for tool in memcheck racecheck; do
+                    stage "sanitize-attn-$tool" 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      $BIN bench attention --config configs/attention-sanitize.toml --impl flashmoe-sm90 --no-baselines --max-time 0.2 --out /tmp/san-attn-$tool
+                    stage "sanitize-moe-$tool" 240 env FLASHMOE_MOE_GEMM=sm90 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      $BIN bench moe --config configs/moe-sanitize.toml --impl flashmoe-moe --no-baselines --max-time 0.2 --out /tmp/san-moe-$tool
+                  done ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
