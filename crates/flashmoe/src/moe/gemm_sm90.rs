@@ -10,7 +10,8 @@
 //! mirrors `SMEM_BYTES` at the top of the .cu.
 //!
 //! `FLASHMOE_MOE_GEMM=portable` forces the mma.sync kernels (for A/B comparisons);
-//! `FLASHMOE_MOE_GEMM=sm90` makes an unsupported shape an error instead of a fallback.
+//! `FLASHMOE_MOE_GEMM=sm90` makes an unsupported shape an error instead of a fallback;
+//! `sm90-bm64` / `sm90-bm128` also force the tile height.
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{MoeKernel, BACKEND, PERMUTE_SOURCE};
@@ -143,20 +144,28 @@ pub enum GemmPath {
 /// The path for `p` on compute capability `arch`, honouring `FLASHMOE_MOE_GEMM`
 /// (`override_` is its value).
 pub fn select_path(p: &MoeProblem, arch: u32, override_: Option<&str>) -> Result<GemmPath> {
-    let forced = match override_ {
-        None | Some("") | Some("auto") => false,
+    // sm90-bm64 / sm90-bm128 also force the tile height (for A/B timing of the tiles).
+    let (forced, forced_bm) = match override_ {
+        None | Some("") | Some("auto") => (false, None),
         Some("portable") => return Ok(GemmPath::Portable(format!("{PATH_ENV}=portable"))),
-        Some("sm90") => true,
+        Some("sm90") => (true, None),
+        Some("sm90-bm64") => (true, Some(64)),
+        Some("sm90-bm128") => (true, Some(128)),
         Some(other) => {
             return Err(Error::unsupported(
                 BACKEND,
-                format!("{PATH_ENV}={other}: choose auto, portable or sm90"),
+                format!("{PATH_ENV}={other}: choose auto, portable, sm90, sm90-bm64 or sm90-bm128"),
             ))
         }
     };
     let rows_per_expert = (p.tokens * p.top_k) as f64 / p.experts.max(1) as f64;
-    let t13 = sm90_tile(Gemm::G13, rows_per_expert);
-    let t2 = sm90_tile(Gemm::G2, rows_per_expert);
+    let tile_rows = match forced_bm {
+        Some(64) => SM90_MIN_ROWS_PER_EXPERT,
+        Some(_) => SM90_BM128_ROWS_PER_EXPERT,
+        None => rows_per_expert,
+    };
+    let t13 = sm90_tile(Gemm::G13, tile_rows);
+    let t2 = sm90_tile(Gemm::G2, tile_rows);
     let why_not = if arch != 90 {
         Some(format!(
             "compute capability {}.{} is not 9.0",
