@@ -478,7 +478,14 @@ mod tests {
         let e = select_path(&seed(16), 90, Some("fast"))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("auto, portable or sm90"), "{e}");
+        assert!(e.contains("auto, portable, sm90"), "{e}");
+        // forced tile heights
+        for (o, bm) in [("sm90-bm64", 64), ("sm90-bm128", 128)] {
+            match select_path(&seed(2048), 90, Some(o)).unwrap() {
+                GemmPath::Sm90(a, b) => assert_eq!((a.block_m, b.block_m), (bm, bm), "{o}"),
+                other => panic!("{other:?}"),
+            }
+        }
         // forcing takes small shapes to the sm_90 kernels too (used by the GPU tests)
         assert!(matches!(
             select_path(&prob(7, 512, 256, 4, 2), 90, Some("sm90")).unwrap(),
