@@ -260,15 +260,15 @@ __device__ __forceinline__ void fill_rowoff(i64* rowoff, const u32* __restrict__
     }
 }
 
-}  // namespace fm
-
-#if FM_GEMM == 13
-extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
-    moe_gemm13(const u16* __restrict__ x, const u32* __restrict__ row_token,
-               const u32* __restrict__ offsets, const u16* __restrict__ w13,
-               u16* __restrict__ h, int hidden, int inter, int experts) {
-    using namespace fm;
-    extern __shared__ __align__(128) unsigned char smem_raw[];
+// The whole block of either GEMM: K = reduction depth, N = output columns per matrix;
+// row_token gathers the A rows (gemm13) or is null when they are already in permuted
+// order (gemm2). Weights are [E][K][NB·N] (gemm13: gate | up). out: h (16-bit, gemm13)
+// or y (f32, gemm2), [rows][N].
+__device__ __forceinline__ void grouped_gemm(const u16* __restrict__ a,
+                                             const u32* __restrict__ row_token,
+                                             const u32* __restrict__ offsets,
+                                             const u16* __restrict__ w, void* out, int K, int N,
+                                             int experts, unsigned char* smem_raw) {
     const int tid = threadIdx.x;
     const u32 smem = smem_addr(smem_raw);
     i64* rowoff = reinterpret_cast<i64*>(smem_raw + STAGES * STAGE_BYTES);
@@ -278,16 +278,17 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     if (!moe_find_tile<BM, THREADS>(offsets, experts, scratch, tid, blockIdx.x, e, tile)) return;
     const u32 row0 = offsets[e] + (u32)tile * BM;
     const int nrows = min(BM, (int)(offsets[e + 1] - row0));
-    fill_rowoff(rowoff, row_token, row0, nrows, hidden, tid);
+    fill_rowoff(rowoff, row_token, row0, nrows, K, tid);
     __syncthreads();
 
     const int n0 = blockIdx.y * BN;
-    const i64 ldb = 2 * (i64)inter;
-    const u16* wg = w13 + (i64)e * hidden * ldb + n0;
+    const i64 ldb = (i64)NB * N;
+    const u16* wb = w + (i64)e * K * ldb + n0;
     float acc[NB][MT][NT][4];
-    gemm_block(x, wg, wg + inter, ldb, hidden, smem, rowoff, tid, acc);
+    gemm_block(a, wb, wb + (NB == 2 ? N : 0), ldb, K, smem, rowoff, tid, acc);
 
-    // epilogue: h = silu(g) * u, 16-bit pairs
+    // epilogue straight from the accumulators: gemm13 h = silu(g) * u as 16-bit pairs,
+    // gemm2 y as f32 pairs
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int wm = warp / WARPS_N;
@@ -299,15 +300,32 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
         for (int hh = 0; hh < 2; ++hh) {
             const int r = wm * WTM + mt * 16 + (lane >> 2) + hh * 8;
             if (r < nrows) {
-                u16* dst = h + (i64)(row0 + r) * inter + col;
+                const i64 off = (i64)(row0 + r) * N + col;
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    st_global_u32(dst + nt * 8,
+                for (int nt = 0; nt < NT; ++nt) {
+#if FM_GEMM == 13
+                    st_global_u32(static_cast<u16*>(out) + off + nt * 8,
                                   pack2(swiglu(acc[0][mt][nt][2 * hh], acc[1][mt][nt][2 * hh]),
                                         swiglu(acc[0][mt][nt][2 * hh + 1],
                                                acc[1][mt][nt][2 * hh + 1])));
+#else
+                    st_global_f32x2(static_cast<float*>(out) + off + nt * 8,
+                                    acc[0][mt][nt][2 * hh], acc[0][mt][nt][2 * hh + 1]);
+#endif
+                }
             }
         }
+}
+
+}  // namespace fm
+
+#if FM_GEMM == 13
+extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
+    moe_gemm13(const u16* __restrict__ x, const u32* __restrict__ row_token,
+               const u32* __restrict__ offsets, const u16* __restrict__ w13,
+               u16* __restrict__ h, int hidden, int inter, int experts) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    fm::grouped_gemm(x, row_token, offsets, w13, h, hidden, inter, experts, smem_raw);
 }
 #endif
 
@@ -316,43 +334,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     moe_gemm2(const u16* __restrict__ hin, const u32* __restrict__ offsets,
               const u16* __restrict__ w2, float* __restrict__ y, int hidden, int inter,
               int experts) {
-    using namespace fm;
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    const int tid = threadIdx.x;
-    const u32 smem = smem_addr(smem_raw);
-    i64* rowoff = reinterpret_cast<i64*>(smem_raw + STAGES * STAGE_BYTES);
-    u32* scratch = reinterpret_cast<u32*>(smem_raw + STAGES * STAGE_BYTES + ROWOFF_BYTES);
-
-    int e, tile;
-    if (!moe_find_tile<BM, THREADS>(offsets, experts, scratch, tid, blockIdx.x, e, tile)) return;
-    const u32 row0 = offsets[e] + (u32)tile * BM;
-    const int nrows = min(BM, (int)(offsets[e + 1] - row0));
-    fill_rowoff(rowoff, nullptr, row0, nrows, inter, tid);
-    __syncthreads();
-
-    const int n0 = blockIdx.y * BN;
-    const i64 ldb = hidden;
-    const u16* wd = w2 + (i64)e * inter * ldb + n0;
-    float acc[NB][MT][NT][4];
-    gemm_block(hin, wd, wd, ldb, inter, smem, rowoff, tid, acc);
-
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-    const int wm = warp / WARPS_N;
-    const int wn = warp % WARPS_N;
-    const int col = n0 + wn * WTN + 2 * (lane & 3);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = wm * WTM + mt * 16 + (lane >> 2) + hh * 8;
-            if (r < nrows) {
-                float* dst = y + (i64)(row0 + r) * hidden + col;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    st_global_f32x2(dst + nt * 8, acc[0][mt][nt][2 * hh],
-                                    acc[0][mt][nt][2 * hh + 1]);
-            }
-        }
+    fm::grouped_gemm(hin, nullptr, offsets, w2, y, inter, hidden, experts, smem_raw);
 }
 #endif
