@@ -6,7 +6,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/flashmoe-out}
 mkdir -p "$OUT"
-BIN=./target/release/flashmoe
+BIN=${FLASHMOE_BIN:-./target/release/flashmoe}
+NCU="/usr/local/cuda/bin/ncu --clock-control none"
+# Sections read by the ncu stages: throughput vs peak, pipes, memory, issue and stalls.
+NCU_SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy"
 LOG="$OUT/run.log"
 export PYTHONUNBUFFERED=1
 export FLASHMOE_CACHE_DIR=${FLASHMOE_CACHE_DIR:-/tmp/flashmoe-cache}
@@ -81,6 +84,19 @@ for s in "$@"; do
                     stage "sanitize-moe-$tool" 240 env FLASHMOE_MOE_GEMM=sm90 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
                       $BIN bench moe --config configs/moe-sanitize.toml --impl flashmoe-moe --no-baselines --max-time 0.2 --out /tmp/san-moe-$tool
                   done ;;
+    # ncu over the MoE layer at seed003 2048 tokens: every layer kernel's time and bytes
+    # (8 launches = one layer), then the full sections of both sm_90 GEMMs for the
+    # 64-row (auto) and 128-row tiles. Text in $OUT/ncu-moe.txt.
+    ncu-moe)      stage ncu-moe-layer 150 bash -c "$NCU -k regex:'^moe_(router|expert|permute|gather|gemm|combine)' --launch-count 8 \
+                      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+                      $BIN bench moe --config configs/moe-2048.toml --impl flashmoe-moe --no-baselines --max-time 0.1 --out /tmp/ncu-moe-l >>$OUT/ncu-moe.txt 2>&1"
+                  for o in sm90-bm64 sm90-bm128; do
+                    stage "ncu-moe-$o" 200 bash -c "FLASHMOE_MOE_GEMM=$o $NCU -k regex:'^moe_gemm' --launch-count 2 $NCU_SECTIONS \
+                      $BIN bench moe --config configs/moe-2048.toml --impl flashmoe-moe --no-baselines --max-time 0.1 --out /tmp/ncu-moe-$o >>$OUT/ncu-moe.txt 2>&1"
+                  done ;;
+    # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/attention-ncu.toml).
+    ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
+                      $BIN bench attention --config configs/attention-ncu.toml --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
