@@ -20,8 +20,9 @@
 //! set to shared_mem_bytes before the launch.)
 //!
 //! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
-//! same layouts, masking, outputs and grid, but q/k/v are passed as three TMA tensor maps
-//! by value (see [`super::tma`]) and the block is 128·(consumers + 1) threads with
+//! same layouts, masking and outputs, but q/k/v are passed as three TMA tensor maps by
+//! value (see [`super::tma`]) and an `int batch` follows `softmax_scale_log2`; the grid is
+//! 1-D over work tiles ([`sm90_grid_x`]) and the block is 128·(consumers + 1) threads with
 //! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
 //! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
 //!
