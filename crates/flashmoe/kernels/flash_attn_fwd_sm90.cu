@@ -21,12 +21,15 @@
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
-//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)
+//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2,
+//    int batch)
 //   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
 //         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
 //   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1).
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
-//   Grid (ceil(Sq / BLOCK_M), heads_q, batch), block 128 * (CONSUMERS + 1) threads.
+//   Grid (G, 1, 1): work tile t = (query block, head, batch) = (t % nb, t / nb % Hq,
+//   t / (nb * Hq)) with nb = ceil(Sq / BLOCK_M); CTA x takes t = x, x + G, ... (G = the
+//   number of tiles, or fewer for a persistent grid). Block 128 * (CONSUMERS + 1) threads.
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -40,7 +43,7 @@
 // half of the slot are complete). K/V tiles are visited last to first so the masked tiles come first.
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
-//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (1 + 4 * STAGES)
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (2 + 4 * STAGES)
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers.)
 
 #ifndef FM_HEAD_DIM
@@ -92,8 +95,8 @@ constexpr int KV_BYTES = DH * HALF_KV;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
-constexpr int NBAR = 1 + 4 * STAGES;
-constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (1 + 4 * STAGES);
+constexpr int NBAR = 2 + 4 * STAGES;
+constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES);
 // Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
 // 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
 constexpr int PRODUCER_REGS = 24;
@@ -136,44 +139,52 @@ __device__ __forceinline__ float exp2_poly(float x) {
 struct Bars {
     u32 base;
     __device__ u32 q_full() const { return base; }
+    __device__ u32 q_empty() const { return base + 8 * (1 + 4 * STAGES); }
     __device__ u32 k_full(int s) const { return base + 8 * (1 + s); }
     __device__ u32 v_full(int s) const { return base + 8 * (1 + STAGES + s); }
     __device__ u32 k_empty(int s) const { return base + 8 * (1 + 2 * STAGES + s); }
     __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
 };
 
-// Producer: one thread. Q once, then K and V of every visited tile into the ring.
-__device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
-                                        const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
-                                        const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles) {
-    tma_prefetch_desc(tq);
-    tma_prefetch_desc(tk);
-    tma_prefetch_desc(tv);
-    mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
-#pragma unroll
-    for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
+// Position in the K/V ring, carried across work tiles (persistent grid): slot and the
+// parity of the current round.
+struct Ring {
     int s = 0;
     u32 ph = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-        // Slot s was last used by iteration it - STAGES: wait until every consumer warp
-        // released it (phase parity of that round). K and V are released separately: K as
-        // soon as S is computed, V after P V, so the next K load starts early.
-        const int n0 = (n_tiles - 1 - it) * BN;
-        if (it >= STAGES) mbar_wait(bar.k_empty(s), ph ^ 1);
-        mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
-#pragma unroll
-        for (int h = 0; h < DH; ++h)
-            tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
-        if (it >= STAGES) mbar_wait(bar.v_empty(s), ph ^ 1);
-        mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
-#pragma unroll
-        for (int h = 0; h < DH; ++h)
-            tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
+    __device__ void advance() {
         if (++s == STAGES) {
             s = 0;
             ph ^= 1;
         }
+    }
+};
+
+// Producer: one thread. Per work tile: Q (once the consumers released the previous Q),
+// then K and V of every visited key tile into the ring.
+__device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
+                                        const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
+                                        const Bars& bar, int head, int kv_head, int batch, int m0,
+                                        int n_tiles, int q_iter, Ring& ring, int& issued) {
+    if (q_iter > 0) mbar_wait(bar.q_empty(), (q_iter - 1) & 1);
+    mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
+#pragma unroll
+    for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
+    for (int it = 0; it < n_tiles; ++it, ++issued, ring.advance()) {
+        // The slot was last filled STAGES loads ago: wait until every consumer warp released
+        // it (parity of that round). K and V are released separately: K as soon as S is
+        // computed, V after P V, so the next K load starts early.
+        const int s = ring.s;
+        const int n0 = (n_tiles - 1 - it) * BN;
+        if (issued >= STAGES) mbar_wait(bar.k_empty(s), ring.ph ^ 1);
+        mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
+        if (issued >= STAGES) mbar_wait(bar.v_empty(s), ring.ph ^ 1);
+        mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
+#pragma unroll
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
     }
 }
 
@@ -287,7 +298,7 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
                                         float scale_log2, u16* __restrict__ og, i64 q_stride,
-                                        float* __restrict__ lseg) {
+                                        float* __restrict__ lseg, int q_iter, Ring& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -314,29 +325,30 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
     if (n_tiles > 0) {
-        mbar_wait(bar.q_full(), 0);
+        mbar_wait(bar.q_full(), q_iter & 1);
 #if FM_PIPE
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
         // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
-        if (cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
-        mbar_wait(bar.k_full(0), 0);
+        mbar_wait(bar.k_full(ring.s), ring.ph);
         turn_wait(cw);
         wgmma_fence();
-        issue_qk(sacc, dq, dk, 0);
+        issue_qk(sacc, dq, dk, ring.s);
         wgmma_commit();
         turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(sacc);
-        release(bar.k_empty(0), lane);
+        release(bar.k_empty(ring.s), lane);
+        if (n_tiles == 1) release(bar.q_empty(), lane);  // last S of this work tile
         if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
         pack_p(sacc, pa);
-        int ps = 0;  // slot of the tile whose P is in pa
-        u32 pph = 0;
-        int s = STAGES > 1 ? 1 : 0;
-        u32 ph = 0;
+        int ps = ring.s;  // slot of the tile whose P is in pa
+        u32 pph = ring.ph;
+        ring.advance();
         for (int it = 1; it < n_tiles; ++it) {
+            const int s = ring.s;
+            const u32 ph = ring.ph;
             mbar_wait(bar.k_full(s), ph);
             mbar_wait(bar.v_full(ps), pph);
             reg_fence(oacc);
@@ -350,6 +362,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
+            if (it == n_tiles - 1) release(bar.q_empty(), lane);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             wgmma_wait<0>();
@@ -360,10 +373,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             pack_p(sacc, pa);
             ps = s;
             pph = ph;
-            if (++s == STAGES) {
-                s = 0;
-                ph ^= 1;
-            }
+            ring.advance();
         }
         mbar_wait(bar.v_full(ps), pph);
         reg_fence(oacc);
@@ -378,9 +388,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
 #else
         // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
         // other's softmax with their GEMMs, unsynchronised).
-        int s = 0;
-        u32 ph = 0;
-        for (int it = 0; it < n_tiles; ++it) {
+        for (int it = 0; it < n_tiles; ++it, ring.advance()) {
+            const int s = ring.s;
+            const u32 ph = ring.ph;
             mbar_wait(bar.k_full(s), ph);
             wgmma_fence();
             issue_qk(sacc, dq, dk, s);
@@ -388,6 +398,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<0>();
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
+            if (it == n_tiles - 1) release(bar.q_empty(), lane);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             rescale_o(oacc, alpha);
@@ -400,10 +411,6 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<0>();
             reg_fence(oacc);
             release(bar.v_empty(s), lane);
-            if (++s == STAGES) {
-                s = 0;
-                ph ^= 1;
-            }
         }
 #endif
     }
@@ -439,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                         const __grid_constant__ FmTensorMap tm_k,
                         const __grid_constant__ FmTensorMap tm_v, u16* __restrict__ o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
-                        int heads_kv, float softmax_scale_log2) {
+                        int heads_kv, float softmax_scale_log2, int batch_size) {
     using namespace fm90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 128B-swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
@@ -447,19 +454,9 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     const u32 sQ = base, sK = base + OFF_K, sV = base + OFF_V;
     const Bars bar{base + OFF_BAR};
 
-    // Causal: the last query blocks see the most keys; start them first.
-    const int m_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
-    const int kv_head = head / (heads_q / heads_kv);
-    const int m0 = m_block * BM;
-    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
-    int n_end = seqlen_k;
-    if (CAUSAL) n_end = max(0, min(seqlen_k, m0 + BM + diag));
-    const int n_tiles = (n_end + BN - 1) / BN;
-
     if (threadIdx.x == 0) {
         mbar_init(bar.q_full(), 1);
+        mbar_init(bar.q_empty(), NCW * 4);
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar.k_full(s), 1);
@@ -471,17 +468,56 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     }
     __syncthreads();
 
+    // Work tiles t = (query block, head, batch), query block fastest so that the CTAs
+    // running together share K/V in L2; causal: heaviest (last) query blocks first. The
+    // grid is either one CTA per tile or persistent (fewer CTAs, each striding over tiles).
+    const int n_mb = (seqlen_q + BM - 1) / BM;
+    const int total = n_mb * heads_q * batch_size;
+    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
+    const int group = heads_q / heads_kv;
+    Ring ring;
+    int q_iter = 0;  // work tiles with at least one key tile (they load Q)
+
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0 && n_tiles > 0)
-            produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, kv_head, batch, m0, n_tiles);
+        if (threadIdx.x == 0) {
+            tma_prefetch_desc(&tm_q);
+            tma_prefetch_desc(&tm_k);
+            tma_prefetch_desc(&tm_v);
+            int issued = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const int mb = t % n_mb;
+                const int m_block = CAUSAL ? n_mb - 1 - mb : mb;
+                const int head = (t / n_mb) % heads_q;
+                const int batch = t / (n_mb * heads_q);
+                const int m0 = m_block * BM;
+                const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
+                const int n_tiles = (n_end + BN - 1) / BN;
+                if (n_tiles == 0) continue;
+                produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, head / group, batch, m0,
+                        n_tiles, q_iter, ring, issued);
+                ++q_iter;
+            }
+        }
     } else {
         setmaxnreg_inc<CONSUMER_REGS>();
+        const int cw = wg - 1;
+        if (FM_PINGPONG && cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
         const i64 q_stride = (i64)heads_q * D;
-        u16* og = o + ((i64)batch * seqlen_q * heads_q + head) * D;
-        float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
-        consume(sQ, sK, sV, bar, wg - 1, m0 + (wg - 1) * 64, n_tiles, seqlen_q, seqlen_k, diag,
-                softmax_scale_log2, og, q_stride, lseg);
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const int mb = t % n_mb;
+            const int m_block = CAUSAL ? n_mb - 1 - mb : mb;
+            const int head = (t / n_mb) % heads_q;
+            const int batch = t / (n_mb * heads_q);
+            const int m0 = m_block * BM;
+            const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
+            const int n_tiles = (n_end + BN - 1) / BN;
+            u16* og = o + ((i64)batch * seqlen_q * heads_q + head) * D;
+            float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
+            consume(sQ, sK, sV, bar, cw, m0 + cw * 64, n_tiles, seqlen_q, seqlen_k, diag,
+                    softmax_scale_log2, og, q_stride, lseg, q_iter, ring);
+            if (n_tiles > 0) ++q_iter;
+        }
     }
 }

@@ -128,6 +128,7 @@ pub struct AttentionLaunch {
     heads_q: i32,
     heads_kv: i32,
     scale_log2: f32,
+    batch: i32,
     dtype: DType,
     /// (q, k/v) tensor-map shapes for [`KernelAbi::TensorMaps`] kernels.
     tma_params: Option<(tma::TensorMapParams, tma::TensorMapParams)>,
@@ -164,7 +165,7 @@ impl AttentionLaunch {
         }
         let tma_params = match variant.abi {
             KernelAbi::Pointers => None,
-            KernelAbi::TensorMaps { block_n } => Some((
+            KernelAbi::TensorMaps { block_n, .. } => Some((
                 tma::bshd_tile_params(
                     problem.batch,
                     problem.seqlen_q,
@@ -181,7 +182,15 @@ impl AttentionLaunch {
                 )?,
             )),
         };
-        let cfg = launch_config(problem, &variant)?;
+        let mut cfg = launch_config(problem, &variant)?;
+        if let KernelAbi::TensorMaps { persistent, .. } = variant.abi {
+            // 1-D grid over work tiles (config::sm90_grid_x).
+            cfg.grid_dim = (
+                config::sm90_grid_x(problem, variant.block_m, persistent, dev.info().sm_count),
+                1,
+                1,
+            );
+        }
         let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
         dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
         Ok(AttentionLaunch {
@@ -192,6 +201,7 @@ impl AttentionLaunch {
             heads_q: problem.heads_q as i32,
             heads_kv: problem.heads_kv as i32,
             scale_log2: softmax_scale_log2(problem),
+            batch: problem.batch as i32,
             dtype: problem.dtype,
             tma_params,
             variant,
@@ -248,6 +258,9 @@ impl AttentionLaunch {
             .arg(&self.heads_q)
             .arg(&self.heads_kv)
             .arg(&self.scale_log2);
+        if maps.is_some() {
+            b.arg(&self.batch);
+        }
         // SAFETY: the argument list follows the contract in config.rs; buffer lengths and
         // element types were checked against the problem, and the grid covers it.
         let r = unsafe { b.launch(self.cfg) };
