@@ -52,6 +52,12 @@ for s in "$@"; do
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
                   for f in results.json results.md report.html; do cp /tmp/sweep/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
+    # The sweep with the kernels that matter for issue 6 only (faster than the full list):
+    # bf16 (the preset) and fp16 (configs/attention-sweep-fp16.toml).
+    sweep-core)   stage sweep-bf16 300 $BIN bench attention --preset sweep --impl flashmoe-sm90,flashmoe-v1,sdpa-cudnn,sdpa-flash,flex --max-time 1 --out /tmp/sweep-bf16
+                  for f in results.json results.md; do cp /tmp/sweep-bf16/$f "$OUT/sweep-bf16-$f" 2>/dev/null; done ;;
+    sweep-fp16)   stage sweep-fp16 300 $BIN bench attention --config configs/attention-sweep-fp16.toml --impl flashmoe-sm90,sdpa-cudnn,sdpa-flash --max-time 1 --out /tmp/sweep-fp16
+                  for f in results.json results.md; do cp /tmp/sweep-fp16/$f "$OUT/sweep-fp16-$f" 2>/dev/null; done ;;
     check-moe)    stage check-moe 240 $BIN check --suite moe ;;
     unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
     # The four MoE model presets with the PyTorch baselines, each with its own limit
@@ -75,6 +81,11 @@ for s in "$@"; do
     moe-tiles)    for o in sm90-bm64 sm90-bm128 portable; do
                     stage "moe-tiles-$o" 150 env FLASHMOE_MOE_GEMM=$o $BIN bench moe --config configs/moe-2048.toml --impl flashmoe-moe,moe-grouped-mm --out /tmp/moe-tiles-$o
                     cp /tmp/moe-tiles-$o/results.json "$OUT/moe-tiles-$o.json" 2>/dev/null
+                  done ;;
+    # seed003 at 768-1536 tokens: 64-row tiles against the automatic 128-row choice.
+    moe-tile-range) for o in sm90-bm64 auto; do
+                    stage "moe-range-$o" 120 env FLASHMOE_MOE_GEMM=$o $BIN bench moe --config configs/moe-tile-range.toml --impl flashmoe-moe --no-baselines --out /tmp/moe-range-$o
+                    cp /tmp/moe-range-$o/results.json "$OUT/moe-range-$o.json" 2>/dev/null
                   done ;;
     # compute-sanitizer memcheck + racecheck over the sm_90a kernels on small shapes
     # (issue 6 asks for both on the attention kernel). Few samples: the tools are slow.

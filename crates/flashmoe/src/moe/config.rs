@@ -6,8 +6,13 @@
 //! w2 [E, I, H], out [T, H]. T tokens, H hidden, I intermediate, E experts, k = top_k.
 //!
 //! Pipeline (one stream, all deterministic: no floating-point atomics):
-//! 1. `moe_router_logits` (kernels/moe_router.cu): logits [T, E] f32 = x · router, fp32
-//!    accumulation, one fmaf chain per (t, e) over h ascending. Parameters: (const u16* x,
+//! 1. Router logits [T, E] f32 = x · router, fp32 accumulation. When E is a multiple of
+//!    32: `moe_gemm2` of step 6 as a one-group GEMM on tensor cores (A = x with K = H,
+//!    offsets = [0, T], B = router [H, E], y = logits; tile from
+//!    [`super::gemm_config::router_logits_tile`], launched like step 6 with T rows, one
+//!    expert and N = E), a fixed mma summation order. Otherwise the CUDA-core kernels:
+//!    `moe_router_logits` (kernels/moe_router.cu), one fmaf chain per (t, e) over h
+//!    ascending. Parameters: (const u16* x,
 //!    const u16* router, float* logits, int tokens, int hidden, int experts). Defines
 //!    FM_DTYPE_BF16. Block 256 threads = (256 / EPAD) token groups × EPAD experts
 //!    (EPAD = E rounded up to 32), 4 tokens per thread: grid.x = ceil(T / (4·256/EPAD)).
@@ -275,7 +280,9 @@ pub fn select(problem: &MoeProblem) -> Result<Vec<MoeKernel>> {
             ));
         }
     }
-    if use_small_logits(problem) {
+    if let Some(t) = gemm_config::router_logits_tile(problem.tokens, problem.experts) {
+        v[K_LOGITS] = t.kernel(problem.dtype);
+    } else if use_small_logits(problem) {
         v[K_LOGITS].entry = LOGITS_SMALL_ENTRY;
     }
     let combine = v.pop().expect("five kernels");
@@ -406,7 +413,10 @@ mod tests {
         match select(&problem()) {
             Ok(v) => {
                 let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
-                let logits = if use_small_logits(&problem()) {
+                let p = problem();
+                let logits = if gemm_config::router_logits_tile(p.tokens, p.experts).is_some() {
+                    GEMM2_ENTRY
+                } else if use_small_logits(&p) {
                     LOGITS_SMALL_ENTRY
                 } else {
                     LOGITS_ENTRY
@@ -430,7 +440,7 @@ mod tests {
     }
 
     #[test]
-    fn few_tokens_use_the_small_logits_kernel() {
+    fn router_logits_kernel_choice() {
         let pick = |tokens, experts| {
             let p = MoeProblem {
                 tokens,
@@ -440,16 +450,21 @@ mod tests {
                 intermediate: 1024,
                 ..problem()
             };
-            select(&p).map(|k| k[K_LOGITS].entry)
+            select(&p).map(|k| (k[K_LOGITS].entry, k[K_LOGITS].block_m, k[K_LOGITS].block_n))
         };
-        // E = 256: 4 tokens per tiled block, so up to 508 tokens the tiled grid is < 128.
-        assert_eq!(pick(16, 256).unwrap(), LOGITS_SMALL_ENTRY);
-        assert_eq!(pick(508, 256).unwrap(), LOGITS_SMALL_ENTRY);
-        assert_eq!(pick(509, 256).unwrap(), LOGITS_ENTRY);
-        // E = 32: 32 tokens per tiled block.
-        assert_eq!(pick(2048, 32).unwrap(), LOGITS_SMALL_ENTRY);
-        assert_eq!(pick(4096, 32).unwrap(), LOGITS_ENTRY);
-        assert_eq!(pick(32768, 32).unwrap(), LOGITS_ENTRY);
+        // E a multiple of 32: the one-group tensor-core GEMM, the tallest tile that still
+        // launches 128 blocks, else 16 x 32 tiles.
+        assert_eq!(pick(32768, 32).unwrap(), (GEMM2_ENTRY, 128, 32));
+        assert_eq!(pick(2048, 32).unwrap(), (GEMM2_ENTRY, 16, 32));
+        assert_eq!(pick(16, 32).unwrap(), (GEMM2_ENTRY, 16, 32));
+        assert_eq!(pick(8192, 256).unwrap(), (GEMM2_ENTRY, 128, 128));
+        assert_eq!(pick(16, 256).unwrap(), (GEMM2_ENTRY, 16, 32));
+        assert_eq!(pick(2048, 128).unwrap(), (GEMM2_ENTRY, 32, 64));
+        // Otherwise the CUDA-core kernels. E = 8: 32 tokens per tiled block, so up to
+        // 4064 tokens the tiled grid is < 128 blocks and the few-token kernel runs.
+        assert_eq!(pick(2048, 8).unwrap().0, LOGITS_SMALL_ENTRY);
+        assert_eq!(pick(4096, 8).unwrap().0, LOGITS_ENTRY);
+        assert_eq!(pick(4096, 48).unwrap().0, LOGITS_ENTRY);
     }
 
     #[test]

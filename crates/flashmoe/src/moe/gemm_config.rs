@@ -225,6 +225,30 @@ pub fn tile_for(r: Regime, g: Gemm, n: usize) -> Option<GemmTile> {
         .map(|bn| base.with_block_n(bn))
 }
 
+/// Blocks below which a router-logits tile gives way to a shorter one (about one per SM
+/// of an H100).
+pub const ROUTER_MIN_BLOCKS: u64 = 128;
+
+/// The tile of `moe_gemm2` that computes the router logits [T, E] f32 = x [T, H] ·
+/// router [H, E] as a one-group GEMM on tensor cores (contract step 1), or None when E is
+/// not a multiple of 32 (the narrowest column tile): then the CUDA-core logits kernels
+/// run. The tallest tile that still launches [`ROUTER_MIN_BLOCKS`] blocks; below that,
+/// 16-row tiles 32 columns wide, so that few tokens still spread the router weights over
+/// several blocks.
+pub fn router_logits_tile(tokens: usize, experts: usize) -> Option<GemmTile> {
+    if experts == 0 || experts % 32 != 0 {
+        return None;
+    }
+    let blocks = |t: &GemmTile| {
+        (tokens as u64).div_ceil(t.block_m as u64) * (experts as u64 / t.block_n as u64)
+    };
+    [Regime::Large, Regime::Medium, Regime::Small, Regime::Decode]
+        .into_iter()
+        .filter_map(|r| tile_for(r, Gemm::G2, experts))
+        .find(|t| blocks(t) >= ROUTER_MIN_BLOCKS)
+        .or_else(|| Some(regime_tile(Regime::Decode, Gemm::G2).with_block_n(32)))
+}
+
 /// (gemm13, gemm2) for the problem, or `Error::Unsupported` naming the constraint.
 pub fn gemm_kernels(p: &MoeProblem) -> Result<(MoeKernel, MoeKernel)> {
     p.validate()?;

@@ -127,15 +127,24 @@ pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<Launc
         ));
     }
     let (t, e, k) = (p.tokens as u64, p.experts as u64, p.top_k as u64);
-    let logits_blocks = if kernels[config::K_LOGITS].entry == config::LOGITS_SMALL_ENTRY {
-        (t * e).div_ceil(config::LOGITS_THREADS as u64)
-    } else {
-        t.div_ceil(config::tiled_logits_tokens_per_block(p.experts))
+    let logits_kernel = &kernels[config::K_LOGITS];
+    let logits_cfg = match logits_kernel.entry {
+        gemm_config::GEMM2_ENTRY => gemm_launch_config(logits_kernel, p.tokens, 1, p.experts)?,
+        config::LOGITS_SMALL_ENTRY => grid_1d(
+            logits_kernel,
+            (t * e).div_ceil(config::LOGITS_THREADS as u64),
+            1,
+        )?,
+        _ => grid_1d(
+            logits_kernel,
+            t.div_ceil(config::tiled_logits_tokens_per_block(p.experts)),
+            1,
+        )?,
     };
     let topk_tokens = config::TOPK_THREADS as u64 / 32;
     let rows = (t * k) as usize;
     Ok(vec![
-        grid_1d(&kernels[config::K_LOGITS], logits_blocks, 1)?,
+        logits_cfg,
         grid_1d(&kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
         grid_1d(&kernels[config::K_STATS], e + 1, 1)?,
         grid_1d(&kernels[config::K_PERMUTE], e, 1)?,
@@ -286,6 +295,8 @@ pub struct MoeRunner {
     w2: DeviceTensor,
     shared: Option<SharedExpert>,
     logits: DeviceTensor,
+    /// [0, T]: the one-group offsets of the router-logits GEMM.
+    router_offsets: CudaSlice<u32>,
     probs: DeviceTensor,
     lse: DeviceTensor,
     topk_ids: CudaSlice<u32>,
@@ -404,6 +415,7 @@ impl MoeRunner {
             w2,
             shared,
             logits: DeviceTensor::alloc(dev, DType::F32, t * e)?,
+            router_offsets: upload_u32(dev, "router offsets", &[0, t as u32])?,
             probs: DeviceTensor::alloc(dev, DType::F32, t * e)?,
             lse: DeviceTensor::alloc(dev, DType::F32, t)?,
             topk_ids: alloc_u32(dev, "topk_ids", rows)?,
@@ -455,6 +467,7 @@ impl MoeRunner {
         b += 4
             * (self.topk_ids.len()
                 + self.counts.len()
+                + self.router_offsets.len()
                 + self.offsets.len()
                 + self.row_token.len()
                 + self.row_slot.len()
@@ -510,15 +523,31 @@ impl MoeRunner {
         // 1. logits
         {
             let mut b = stream.launch_builder(&self.funcs[config::K_LOGITS]);
-            b.arg(self.x.as_u16("x")?)
-                .arg(self.router.as_u16("router")?)
-                .arg(self.logits.as_f32_mut("logits")?)
-                .arg(&t)
-                .arg(&hid)
-                .arg(&e);
-            // SAFETY: arguments follow the contract in config.rs; buffers sized for p.
-            let r = unsafe { b.launch(self.cfgs[config::K_LOGITS]) };
-            dev.check_launch(name(config::K_LOGITS), r)?;
+            if self.kernels[config::K_LOGITS].entry == gemm_config::GEMM2_ENTRY {
+                // One-group moe_gemm2: (A = x, offsets [0, T], B = router, y = logits,
+                // N = E, K = H, 1 group).
+                let one = 1i32;
+                b.arg(self.x.as_u16("x")?)
+                    .arg(&self.router_offsets)
+                    .arg(self.router.as_u16("router")?)
+                    .arg(self.logits.as_f32_mut("logits")?)
+                    .arg(&e)
+                    .arg(&hid)
+                    .arg(&one);
+                // SAFETY: moe_gemm2's contract (config.rs step 6) with one group of T rows.
+                let r = unsafe { b.launch(self.cfgs[config::K_LOGITS]) };
+                dev.check_launch("moe_gemm2 (router logits)", r)?;
+            } else {
+                b.arg(self.x.as_u16("x")?)
+                    .arg(self.router.as_u16("router")?)
+                    .arg(self.logits.as_f32_mut("logits")?)
+                    .arg(&t)
+                    .arg(&hid)
+                    .arg(&e);
+                // SAFETY: arguments follow the contract in config.rs; buffers sized for p.
+                let r = unsafe { b.launch(self.cfgs[config::K_LOGITS]) };
+                dev.check_launch(name(config::K_LOGITS), r)?;
+            }
         }
         // 2. scoring + top-k
         {
