@@ -10,6 +10,7 @@ use crate::results::{
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
 use flashmoe::inputs::checksum;
+use flashmoe::reference::moe::{compare_routing, ROUTING_TIE_REL};
 use flashmoe::DType;
 use std::sync::atomic::AtomicBool;
 
@@ -192,18 +193,32 @@ pub fn gate(
                 }
             }
             if let Some(ids) = topk_ids {
-                let mismatched = ids
-                    .iter()
-                    .zip(&r.routing.topk_ids)
-                    .filter(|(a, b)| a != b)
-                    .count()
-                    + ids.len().abs_diff(r.routing.topk_ids.len());
-                if mismatched > 0 {
+                let experts = match problem {
+                    ProblemSpec::Moe(p) => p.experts,
+                    ProblemSpec::Attention(_) => 0,
+                };
+                let c = compare_routing(ids, &r.routing, experts);
+                let note = if c.mismatched > 0 {
                     res.passed = false;
-                    let note = format!(
-                        "routing differs from the reference in {mismatched} of {} top-k slots",
-                        r.routing.topk_ids.len()
-                    );
+                    Some(format!(
+                        "routing differs from the reference in {} of {} top-k slots{}",
+                        c.mismatched + c.near_ties,
+                        c.slots,
+                        if c.near_ties > 0 {
+                            format!(" ({} of them near-ties)", c.near_ties)
+                        } else {
+                            String::new()
+                        }
+                    ))
+                } else if c.near_ties > 0 {
+                    Some(format!(
+                        "routing: {} of {} top-k slots pick a near-tied expert (reference logits within {:.0e} of the token's max |logit|), accepted",
+                        c.near_ties, c.slots, ROUTING_TIE_REL
+                    ))
+                } else {
+                    None
+                };
+                if let Some(note) = note {
                     res.note = Some(match res.note.take() {
                         Some(n) => format!("{note}; {n}"),
                         None => note,

@@ -29,9 +29,10 @@
 //!    Defines FM_SIGMOID (0/1), FM_RENORM (0/1). One warp per token, 128 threads:
 //!    grid.x = ceil(T / 4). Ranking is by logit (monotonic in either score; avoids ties
 //!    made by rounding exp/sigmoid in fp32), total order of the IEEE bits, ties → lower
-//!    index. The CPU reference ranks f64 scores of f64 logits: two experts whose logits
-//!    differ by less than fp32 rounding can be ordered differently (the check reports a
-//!    routing mismatch, naming the token).
+//!    index. The references rank f64 scores of their own logits: two experts whose
+//!    logits differ by less than fp32 rounding can be ordered differently; the check
+//!    accepts such a slot as a near tie (`reference::moe::compare_routing`, logits within
+//!    1e-4 of the token's largest |logit|) and fails any other difference.
 //! 3. `moe_expert_stats` (moe_router.cu): per expert e (one block each, fixed-order
 //!    reductions): counts[e] (u32) = slots routed to e; prob_sum[e] (f32) = Σ_t probs[t, e].
 //!    Grid E + 1 blocks of 256 threads: block E computes lse_sq_sum[0] (f32) = Σ_t lse[t]².

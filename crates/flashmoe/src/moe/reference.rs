@@ -307,6 +307,7 @@ mod tests {
             expert_counts: vec![2, 2, 0, 2],
             aux_loss: 0.0,
             z_loss: 0.0,
+            logits: vec![0.0; 12],
         };
         let p = permutation(&routing, 3, 2);
         assert_eq!(p.row_token, [0, 2, 0, 1, 1, 2]);

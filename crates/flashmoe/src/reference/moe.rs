@@ -120,6 +120,9 @@ pub struct Routing {
     pub aux_loss: f64,
     /// Mean over tokens of logsumexp(logits)².
     pub z_loss: f64,
+    /// (tokens, experts) router logits the ranking was made from, for
+    /// [`compare_routing`]'s near-tie rule.
+    pub logits: Vec<f64>,
 }
 
 /// MoE layer output: `out` is (tokens, hidden).
@@ -174,6 +177,7 @@ struct TokenRoute {
     /// Router probabilities (sum 1) used by the aux loss.
     probs: Vec<f64>,
     lse: f64,
+    logits: Vec<f64>,
 }
 
 fn route_token(p: &MoeProblem, xt: &[f32], router: &[f32]) -> TokenRoute {
@@ -223,6 +227,7 @@ fn route_logits(p: &MoeProblem, logits: Vec<f64>) -> TokenRoute {
         weights,
         probs,
         lse,
+        logits,
     }
 }
 
@@ -261,7 +266,9 @@ fn aggregate(p: &MoeProblem, per_token: &[TokenRoute]) -> Routing {
     let mut expert_counts = vec![0usize; e];
     let mut prob_sum = vec![0f64; e];
     let mut z_sum = 0.0;
+    let mut logits = Vec::with_capacity(t * e);
     for r in per_token {
+        logits.extend_from_slice(&r.logits);
         for &id in &r.ids {
             expert_counts[id as usize] += 1;
         }
@@ -285,7 +292,61 @@ fn aggregate(p: &MoeProblem, per_token: &[TokenRoute]) -> Routing {
         expert_counts,
         aux_loss,
         z_loss: z_sum / t as f64,
+        logits,
     }
+}
+
+/// Near-tie tolerance of [`compare_routing`], relative to the token's largest |logit|.
+/// Any fp32 evaluation of a logit (fmaf chain, tensor-core tree) differs from the f64
+/// one by ~1e-6 relative on the H ≤ 8192 of the presets, and the bf16 rounding of x
+/// alone moves logits by ~1e-3: two experts closer than this are equally right.
+pub const ROUTING_TIE_REL: f64 = 1e-4;
+
+/// How an implementation's top-k ids compare with the reference's, slot by slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RoutingComparison {
+    /// Slots compared (tokens · top_k of the reference).
+    pub slots: usize,
+    /// Slots with a different expert whose reference logit is within [`ROUTING_TIE_REL`]
+    /// (of the token's largest |logit|) of the reference's choice for that slot.
+    pub near_ties: usize,
+    /// Slots with a different expert beyond that, an invalid id, or missing.
+    pub mismatched: usize,
+}
+
+/// Compare `ids` ((tokens, top_k), descending score) with the reference's routing: a
+/// slot whose expert differs counts as a near tie when the reference logits of the two
+/// experts differ by at most `ROUTING_TIE_REL · max_e |logit[t, e]|` (then both
+/// rankings are right within floating-point rounding), else as a mismatch.
+pub fn compare_routing(ids: &[u32], reference: &Routing, experts: usize) -> RoutingComparison {
+    let want = &reference.topk_ids;
+    let mut c = RoutingComparison {
+        slots: want.len(),
+        mismatched: ids.len().abs_diff(want.len()),
+        near_ties: 0,
+    };
+    let tokens = reference.logits.len() / experts.max(1);
+    let top_k = if tokens > 0 { want.len() / tokens } else { 0 };
+    for (slot, (&got, &exp)) in ids.iter().zip(want).enumerate() {
+        if got == exp {
+            continue;
+        }
+        let t = slot / top_k.max(1);
+        let row = reference.logits.get(t * experts..(t + 1) * experts);
+        let tie = match row {
+            Some(l) if (got as usize) < experts && (exp as usize) < experts => {
+                let scale = l.iter().fold(0f64, |m, v| m.max(v.abs()));
+                (l[got as usize] - l[exp as usize]).abs() <= ROUTING_TIE_REL * scale
+            }
+            _ => false,
+        };
+        if tie {
+            c.near_ties += 1;
+        } else {
+            c.mismatched += 1;
+        }
+    }
+    c
 }
 
 /// Assignments per weight-streaming block: every weight row read is used for this many

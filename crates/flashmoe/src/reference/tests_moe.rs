@@ -455,3 +455,54 @@ fn grouped_experts_match_a_naive_per_token_loop() {
         assert_close(&r.out, &want, 1e-13, "grouped vs naive");
     }
 }
+
+#[test]
+fn compare_routing_accepts_near_ties_only() {
+    use super::moe::{compare_routing, Routing, ROUTING_TIE_REL};
+    // 2 tokens, 4 experts, top-2. Token 0: experts 1 and 2 tie within 1e-6; token 1
+    // has clear gaps.
+    let routing = Routing {
+        topk_ids: vec![3, 1, 0, 2],
+        topk_weights: vec![0.5; 4],
+        expert_counts: vec![1, 1, 1, 1],
+        aux_loss: 0.0,
+        z_loss: 0.0,
+        logits: vec![-1.0, 1.0, 1.0 - 1e-6, 2.0, 3.0, -2.0, 1.0, 0.5],
+    };
+    let c = compare_routing(&[3, 1, 0, 2], &routing, 4);
+    assert_eq!((c.slots, c.near_ties, c.mismatched), (4, 0, 0));
+    // the near-tied expert instead of the reference's: accepted
+    let c = compare_routing(&[3, 2, 0, 2], &routing, 4);
+    assert_eq!((c.near_ties, c.mismatched), (1, 0));
+    // a clear gap (token 1: expert 3 at 0.5 vs expert 2 at 1.0): a mismatch
+    let c = compare_routing(&[3, 1, 0, 3], &routing, 4);
+    assert_eq!((c.near_ties, c.mismatched), (0, 1));
+    // an invalid id and a short list are mismatches
+    let c = compare_routing(&[3, 9, 0], &routing, 4);
+    assert_eq!((c.near_ties, c.mismatched), (0, 2));
+    // the tolerance scales with the token's largest |logit|
+    assert!(2e-6 < ROUTING_TIE_REL * 2.0);
+}
+
+#[test]
+fn reference_routing_keeps_its_logits() {
+    let p = MoeProblem {
+        tokens: 3,
+        hidden: 16,
+        intermediate: 8,
+        experts: 4,
+        top_k: 2,
+        scoring: Scoring::Softmax,
+        renormalize: true,
+        dtype: DType::F32,
+        shared_expert: false,
+    };
+    let x = MoeInputs::generate(&p, 7);
+    let r = route(&p, &x).unwrap();
+    assert_eq!(r.logits.len(), 12);
+    // token 1, expert 2: x[1] . router[:, 2]
+    let want: f64 = (0..16)
+        .map(|h| x.x[16 + h] as f64 * x.router[h * 4 + 2] as f64)
+        .sum();
+    assert!((r.logits[6] - want).abs() < 1e-12);
+}
