@@ -326,7 +326,7 @@ pub fn compare_routing(ids: &[u32], reference: &Routing, experts: usize) -> Rout
         near_ties: 0,
     };
     let tokens = reference.logits.len() / experts.max(1);
-    let top_k = if tokens > 0 { want.len() / tokens } else { 0 };
+    let top_k = want.len().checked_div(tokens).unwrap_or(0);
     for (slot, (&got, &exp)) in ids.iter().zip(want).enumerate() {
         if got == exp {
             continue;
