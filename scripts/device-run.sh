@@ -100,6 +100,15 @@ for s in "$@"; do
                     stage "sanitize-moe-$tool" 240 env FLASHMOE_MOE_GEMM=sm90 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 --kernel-name kns=moe_ \
                       $BIN bench moe --config configs/moe-sanitize.toml --impl flashmoe-moe --no-baselines --max-time 0.2 --out /tmp/san-moe-$tool
                   done ;;
+    # racecheck through the GPU unit tests instead (small sm_90a attention shapes: D 64
+    # and 128, causal and not, GQA; the forced sm_90 MoE GEMM matrix): no cuBLAS in them.
+    # (Run 12: racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
+    # "Sanitizer failed to handle a hardware exception", before our kernels ran.)
+    racecheck-unit)
+                  stage racecheck-attn 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
+                    ./target/release/flashmoe-gpu-tests attention_v1_matches_gpu_reference --test-threads=1
+                  stage racecheck-moe 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
+                    ./target/release/flashmoe-gpu-tests moe_sm90_gemms_match_cpu_reference --test-threads=1 ;;
     # ncu over the MoE layer at seed003 2048 tokens: every layer kernel's time and bytes
     # (8 launches = one layer), then the full sections of both sm_90 GEMMs for the
     # 64-row (auto) and 128-row tiles. Text in $OUT/ncu-moe.txt.
