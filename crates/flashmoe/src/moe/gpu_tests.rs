@@ -159,6 +159,26 @@ fn moe_matches_cpu_reference_matrix() {
 }
 
 #[test]
+fn router_gemm_matches_cpu_reference_at_ragged_token_counts() {
+    // 32 experts: the router logits take the tensor-core GEMM (config::select), whose
+    // 16-row tiles are ragged at 7 and 100 tokens; experts TIED_LOW and TIED_HIGH have
+    // equal router columns, so the tie-break is exercised through the GEMM too.
+    with_gpu("moe_router_gemm", |dev| {
+        for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
+            for tokens in [7, 100] {
+                let p = MoeProblem {
+                    experts: 32,
+                    ..problem(tokens, 2, scoring, DType::Bf16)
+                };
+                let k = config::select(&p).unwrap();
+                assert_eq!(k[config::K_LOGITS].entry, gemm_config::GEMM2_ENTRY, "{p}");
+                check_case(dev, &p);
+            }
+        }
+    });
+}
+
+#[test]
 fn moe_fp16_no_renorm_and_shared_expert() {
     with_gpu("moe_variants", |dev| {
         let mut p = problem(7, 2, Scoring::Softmax, DType::F16);
