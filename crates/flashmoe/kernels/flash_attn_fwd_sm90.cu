@@ -146,17 +146,26 @@ struct Bars {
     __device__ u32 v_empty(int s) const { return base + 8 * (1 + 3 * STAGES + s); }
 };
 
-// Position in the K/V ring, carried across work tiles (persistent grid): slot and the
-// parity of the current round.
-struct Ring {
-    int s = 0;
-    u32 ph = 0;
-    __device__ void advance() {
-        if (++s == STAGES) {
-            s = 0;
-            ph ^= 1;
+// Per-slot state of the K/V ring, carried across work tiles (persistent grid). Every work
+// tile starts at slot 0, so inside a tile the slot sequence 0, 1, .. is known from the
+// loop counter alone (and stays on the uniform datapath); what carries over is, per slot,
+// the parity of its uses so far and whether it was used at all.
+struct SlotPhases {
+    u32 par = 0;   // bit s: number of earlier uses of slot s, mod 2
+    u32 used = 0;  // bit s: slot s was used by an earlier work tile
+    // After a work tile of n key tiles: slot s was used ceil((n - s) / STAGES) times.
+    __device__ void advance(int n) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            const int cnt = n > s ? (n - s + STAGES - 1) / STAGES : 0;
+            par ^= (u32)(cnt & 1) << s;
+            if (cnt > 0) used |= 1u << s;
         }
     }
+    // Parity of the use of slot s in round `round` (= it / STAGES) of this tile.
+    __device__ u32 parity(int s, int round) const { return ((par >> s) ^ (u32)round) & 1u; }
+    // Whether the use of slot s in round `round` follows an earlier one.
+    __device__ bool reused(int s, int round) const { return round > 0 || ((used >> s) & 1u); }
 };
 
 // Producer: one thread. Per work tile: Q (once the consumers released the previous Q),
@@ -164,28 +173,35 @@ struct Ring {
 __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
                                         const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
                                         const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles, int q_iter, Ring& ring, int& issued) {
+                                        int n_tiles, int q_iter, SlotPhases& ring) {
     if (q_iter > 0) mbar_wait(bar.q_empty(), (q_iter - 1) & 1);
     mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
 #pragma unroll
     for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
-    for (int it = 0; it < n_tiles; ++it, ++issued, ring.advance()) {
-        // The slot was last filled STAGES loads ago: wait until every consumer warp released
-        // it (parity of that round). K and V are released separately: K as soon as S is
+    int s = 0, round = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+        // A reused slot: wait until every consumer warp released its previous contents
+        // (that use's parity). K and V are released separately: K as soon as S is
         // computed, V after P V, so the next K load starts early.
-        const int s = ring.s;
         const int n0 = (n_tiles - 1 - it) * BN;
-        if (issued >= STAGES) mbar_wait(bar.k_empty(s), ring.ph ^ 1);
+        const bool reused = ring.reused(s, round);
+        const u32 prev = ring.parity(s, round) ^ 1u;
+        if (reused) mbar_wait(bar.k_empty(s), prev);
         mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
 #pragma unroll
         for (int h = 0; h < DH; ++h)
             tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
-        if (issued >= STAGES) mbar_wait(bar.v_empty(s), ring.ph ^ 1);
+        if (reused) mbar_wait(bar.v_empty(s), prev);
         mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
 #pragma unroll
         for (int h = 0; h < DH; ++h)
             tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
+        if (++s == STAGES) {
+            s = 0;
+            ++round;
+        }
     }
+    ring.advance(n_tiles);
 }
 
 // ---- consumer building blocks (one warpgroup, 64 query rows) ----
@@ -298,7 +314,7 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
                                         float scale_log2, u16* __restrict__ og, i64 q_stride,
-                                        float* __restrict__ lseg, int q_iter, Ring& ring) {
+                                        float* __restrict__ lseg, int q_iter, SlotPhases& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -330,25 +346,25 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
         // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
-        mbar_wait(bar.k_full(ring.s), ring.ph);
+        mbar_wait(bar.k_full(0), ring.parity(0, 0));
         turn_wait(cw);
         wgmma_fence();
-        issue_qk(sacc, dq, dk, ring.s);
+        issue_qk(sacc, dq, dk, 0);
         wgmma_commit();
         turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(sacc);
-        release(bar.k_empty(ring.s), lane);
+        release(bar.k_empty(0), lane);
         if (n_tiles == 1) release(bar.q_empty(), lane);  // last S of this work tile
         if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
         pack_p(sacc, pa);
-        int ps = ring.s;  // slot of the tile whose P is in pa
-        u32 pph = ring.ph;
-        ring.advance();
+        int ps = 0;  // slot of the tile whose P is in pa
+        u32 pph = ring.parity(0, 0);
+        int s = STAGES > 1 ? 1 : 0;
+        int round = STAGES > 1 ? 0 : 1;
         for (int it = 1; it < n_tiles; ++it) {
-            const int s = ring.s;
-            const u32 ph = ring.ph;
+            const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
             mbar_wait(bar.v_full(ps), pph);
             reg_fence(oacc);
@@ -373,7 +389,10 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             pack_p(sacc, pa);
             ps = s;
             pph = ph;
-            ring.advance();
+            if (++s == STAGES) {
+                s = 0;
+                ++round;
+            }
         }
         mbar_wait(bar.v_full(ps), pph);
         reg_fence(oacc);
@@ -388,9 +407,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
 #else
         // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
         // other's softmax with their GEMMs, unsynchronised).
-        for (int it = 0; it < n_tiles; ++it, ring.advance()) {
-            const int s = ring.s;
-            const u32 ph = ring.ph;
+        int s = 0, round = 0;
+        for (int it = 0; it < n_tiles; ++it) {
+            const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
             wgmma_fence();
             issue_qk(sacc, dq, dk, s);
@@ -411,9 +430,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<0>();
             reg_fence(oacc);
             release(bar.v_empty(s), lane);
+            if (++s == STAGES) {
+                s = 0;
+                ++round;
+            }
         }
 #endif
     }
+    ring.advance(n_tiles);
 
     // ---- epilogue: normalise, LSE, 16-bit O straight from registers ----
     constexpr float LN2 = 0.693147180559945309f;
@@ -475,7 +499,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     const int total = n_mb * heads_q * batch_size;
     const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
     const int group = heads_q / heads_kv;
-    Ring ring;
+    SlotPhases ring;
     int q_iter = 0;  // work tiles with at least one key tile (they load Q)
 
     const int wg = threadIdx.x / 128;
@@ -485,7 +509,6 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            int issued = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const int mb = t % n_mb;
                 const int m_block = CAUSAL ? n_mb - 1 - mb : mb;
@@ -496,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                 const int n_tiles = (n_end + BN - 1) / BN;
                 if (n_tiles == 0) continue;
                 produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, head / group, batch, m0,
-                        n_tiles, q_iter, ring, issued);
+                        n_tiles, q_iter, ring);
                 ++q_iter;
             }
         }
