@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""Model check of the sm_90a attention kernel's K/V ring protocol (flash_attn_fwd_sm90.cu,
-SlotPhases): one producer and one consumer (standing for every consumer warp), per-slot
-full/empty mbarriers with parity waits, every work tile starting at slot 0, random work
-tile sizes and random interleavings. Asserts that the consumer reads exactly the key tile
-the producer wrote for it and that no slot is overwritten before it was released.
+"""Model check of the sm_90a attention kernel's work protocol (flash_attn_fwd_sm90.cu):
+the rank dispenser shared by the CTAs of a launch (drawn early, reset by the last CTA),
+each CTA's posted work tile under the q_full / q_empty barriers, and its K/V ring
+(SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0).
+Per CTA one producer and one consumer (standing for every consumer warp); random grids,
+work tile costs (0 key tiles included) and interleavings; two launches per dispenser.
+Asserts that every rank is done exactly once, that the consumer reads exactly the key tile
+the producer wrote for it, that no slot or posted tile is overwritten before it was
+consumed, and that the dispenser is back at zero after each launch.
 
   python3 python/dev/ring_protocol_model.py [--trials N]
 """
@@ -44,39 +48,68 @@ class SlotPhases:
                 self.used |= 1 << s
 
 
-def producer(tiles, stages, full, empty, slots, log):
+class Dispenser:
+    """fm90_dispenser: [0] next rank, [1] CTAs that drew past the end (atomics are steps)."""
+
+    def __init__(self):
+        self.next, self.left = 0, 0
+
+    def draw(self):
+        r, self.next = self.next, self.next + 1
+        return r
+
+    def leave(self, grid):
+        self.left += 1
+        if self.left == grid:  # the last CTA resets it for the next launch
+            self.next, self.left = 0, 0
+
+
+class Cta:
+    """One CTA's shared state: Q barriers, the posted work tile, the K/V ring."""
+
+    def __init__(self, stages):
+        self.q_full, self.q_empty = Barrier(), Barrier()
+        self.tile = None  # (rank, n) or "end"; "read" once every consumer has read it
+        self.q = None  # the rank whose Q tile is in shared memory
+        self.full = [Barrier() for _ in range(stages)]
+        self.empty = [Barrier() for _ in range(stages)]
+        self.slots = [None] * stages
+
+
+def producer(costs, grid, disp, cta, stages, log):
     ring = SlotPhases(stages)
-    for w, n in enumerate(tiles):
+    rank = disp.draw()
+    yield
+    i = 0
+    while True:
+        if i > 0:
+            while not cta.q_empty.done((i - 1) & 1):
+                yield
+        assert cta.tile in (None, "read"), f"work tile {cta.tile} overwritten before it was read"
+        if rank >= len(costs):
+            cta.tile = "end"
+            cta.q_full.arrive()
+            yield
+            disp.leave(grid)
+            return
+        n = costs[rank]
+        cta.tile = (rank, n)
+        if n > 0:
+            cta.q = rank  # the Q load of this tile (lands before q_full completes)
+        rank_now, rank = rank, disp.draw()  # drawn early, as the kernel does
+        i += 1
+        cta.q_full.arrive()
+        yield
         s = rnd = 0
         for it in range(n):
             if ring.reused(s, rnd):
                 par = ring.parity(s, rnd) ^ 1
-                while not empty[s].done(par):
+                while not cta.empty[s].done(par):
                     yield
-                assert empty[s].phase >= 1
-            assert slots[s] is None, f"slot {s} overwritten before release"
-            slots[s] = (w, it)
-            full[s].arrive()
-            log.append(("fill", w, it, s))
-            s += 1
-            if s == stages:
-                s, rnd = 0, rnd + 1
-        ring.advance(n)
-        yield
-
-
-def consumer(tiles, stages, full, empty, slots, log):
-    ring = SlotPhases(stages)
-    for w, n in enumerate(tiles):
-        s = rnd = 0
-        for it in range(n):
-            ph = ring.parity(s, rnd)
-            while not full[s].done(ph):
-                yield
-            assert full[s].phase - empty[s].phase == 1, "consumer two phases behind"
-            assert slots[s] == (w, it), f"tile {w} step {it} read {slots[s]} from slot {s}"
-            slots[s] = None
-            empty[s].arrive()
+                assert cta.empty[s].phase >= 1
+            assert cta.slots[s] is None, f"slot {s} overwritten before release"
+            cta.slots[s] = (rank_now, it)
+            cta.full[s].arrive()
             s += 1
             if s == stages:
                 s, rnd = 0, rnd + 1
@@ -84,15 +117,48 @@ def consumer(tiles, stages, full, empty, slots, log):
         ring.advance(n)
 
 
-def trial(rng, stages):
-    tiles = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9]) for _ in range(rng.randint(1, 12))]
-    full = [Barrier() for _ in range(stages)]
-    empty = [Barrier() for _ in range(stages)]
-    slots = [None] * stages
-    log = []
-    actors = [producer(tiles, stages, full, empty, slots, log),
-              consumer(tiles, stages, full, empty, slots, log)]
-    alive = list(actors)
+def consumer(cta, stages, done):
+    ring = SlotPhases(stages)
+    i = 0
+    while True:
+        while not cta.q_full.done(i & 1):
+            yield
+        assert cta.q_full.phase - cta.q_empty.phase == 1, "consumer two Q phases behind"
+        tile = cta.tile
+        assert tile not in (None, "read")
+        if tile == "end":
+            return
+        cta.tile = "read"
+        rank, n = tile
+        done.append(rank)
+        i += 1
+        if n == 0:
+            cta.q_empty.arrive()
+        s = rnd = 0
+        for it in range(n):
+            ph = ring.parity(s, rnd)
+            while not cta.full[s].done(ph):
+                yield
+            assert cta.full[s].phase - cta.empty[s].phase == 1, "consumer two phases behind"
+            assert cta.slots[s] == (rank, it), f"rank {rank} step {it} read {cta.slots[s]} from slot {s}"
+            assert cta.q == rank, f"rank {rank} step {it}: Q of rank {cta.q} in shared memory"
+            cta.slots[s] = None
+            cta.empty[s].arrive()
+            if it == n - 1:
+                cta.q_empty.arrive()  # last S of this work tile: Q and the posted tile are free
+            s += 1
+            if s == stages:
+                s, rnd = 0, rnd + 1
+            yield
+        ring.advance(n)
+
+
+def launch(rng, stages, costs, grid, disp):
+    ctas = [Cta(stages) for _ in range(grid)]
+    done, log = [], []
+    alive = []
+    for c in ctas:
+        alive += [producer(costs, grid, disp, c, stages, log), consumer(c, stages, done)]
     steps = 0
     while alive:
         a = rng.choice(alive)
@@ -101,9 +167,17 @@ def trial(rng, stages):
         except StopIteration:
             alive.remove(a)
         steps += 1
-        assert steps < 100000, f"deadlock: tiles {tiles}"
-    assert all(x is None for x in slots)
-    assert sum(1 for e in log if e[0] == "fill") == sum(tiles)
+        assert steps < 200000, f"deadlock: costs {costs} grid {grid}"
+    assert sorted(done) == list(range(len(costs))), "a work tile was lost or done twice"
+    assert all(x is None for c in ctas for x in c.slots)
+    assert (disp.next, disp.left) == (0, 0), "dispenser not reset"
+
+
+def trial(rng, stages):
+    disp = Dispenser()
+    for _ in range(2):  # two launches on one dispenser: the reset must hold
+        costs = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9]) for _ in range(rng.randint(0, 14))]
+        launch(rng, stages, costs, rng.randint(1, 4), disp)
 
 
 def main():
@@ -115,7 +189,7 @@ def main():
     for stages in (2, 3, 4):
         for _ in range(args.trials):
             trial(rng, stages)
-    print(f"ring protocol: {3 * args.trials} random schedules, stages 2-4: OK")
+    print(f"work protocol: {3 * args.trials} random trials (2 launches each), stages 2-4: OK")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,14 @@
 //         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
 //   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1).
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
-//   Grid (G, 1, 1): work tile t = (query block, head, batch) = (t % nb, t / nb % Hq,
-//   t / (nb * Hq)) with nb = ceil(Sq / BLOCK_M); CTA x takes t = x, x + G, ... (G = the
-//   number of tiles, or fewer for a persistent grid). Block 128 * (CONSUMERS + 1) threads.
+//   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
+//   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
+//   with nb = ceil(Sq / BLOCK_M); causal visits query blocks last to first, so the heaviest
+//   tiles of each head come first. Ranks are handed out by a dispenser in global memory
+//   (`fm90_dispenser`, one atomicAdd per tile): a CTA takes the next rank when it starts a
+//   tile, so CTAs that drew cheap (causal) tiles take more of them. The last CTA to find no
+//   work left resets the dispenser: launches of one loaded module must be stream-ordered
+//   (flashmoe launches on the device's one stream). Block 128 * (CONSUMERS + 1) threads.
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -43,8 +48,9 @@
 // half of the slot are complete). K/V tiles are visited last to first so the masked tiles come first.
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
-//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (2 + 4 * STAGES)
-//   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers.)
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (2 + 4 * STAGES) + 16
+//   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, barriers,
+//   the current work tile as the producer posts it to the consumers.)
 
 #ifndef FM_HEAD_DIM
 #error "FM_HEAD_DIM must be defined"
@@ -96,7 +102,8 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
 constexpr int NBAR = 2 + 4 * STAGES;
-constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES);
+constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (16 bytes)
+constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES) + 16;
 // Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
 // 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
 constexpr int PRODUCER_REGS = 24;
@@ -108,7 +115,8 @@ static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
 static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
-static_assert(SMEM_BYTES == 1024 + OFF_BAR + 8 * NBAR, "smem formula");
+static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
+static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
@@ -168,13 +176,58 @@ struct SlotPhases {
     __device__ bool reused(int s, int round) const { return round > 0 || ((used >> s) & 1u); }
 };
 
-// Producer: one thread. Per work tile: Q (once the consumers released the previous Q),
+// Rank dispenser of the work tiles: [0] the next rank, [1] CTAs that drew a rank past the
+// end. Zero when the module loads; the last CTA to finish puts it back to zero.
+__device__ int fm90_dispenser[2];
+
+__device__ __forceinline__ int draw_rank() { return atomicAdd(&fm90_dispenser[0], 1); }
+
+// Called once per CTA, after its last draw (a rank past the end). The fences order this
+// CTA's draws before its arrival, and every arrival before the reset.
+__device__ __forceinline__ void leave_dispenser() {
+    __threadfence();
+    if (atomicAdd(&fm90_dispenser[1], 1) == (int)gridDim.x - 1) {
+        __threadfence();
+        fm90_dispenser[0] = 0;
+        fm90_dispenser[1] = 0;
+    }
+}
+
+// One work tile as the producer posts it in shared memory: the first query row, the query
+// head, the batch, and the number of key tiles it visits. head = -1: no work left.
+struct WorkTile {
+    int m0, head, batch, n_tiles;
+};
+
+__device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
+                                                int seqlen_k, int diag) {
+    if (rank >= total) return WorkTile{0, -1, 0, 0};
+    const int mb = rank % n_mb;
+    const int m0 = (CAUSAL ? n_mb - 1 - mb : mb) * BM;
+    const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
+    return WorkTile{m0, (rank / n_mb) % heads_q, rank / (n_mb * heads_q), (n_end + BN - 1) / BN};
+}
+
+__device__ __forceinline__ void post_tile(u32 slot, const WorkTile& w) {
+    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(w.m0), "r"(w.head),
+                 "r"(w.batch), "r"(w.n_tiles)
+                 : "memory");
+}
+__device__ __forceinline__ WorkTile read_tile(u32 slot) {
+    WorkTile w;
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w.m0), "=r"(w.head), "=r"(w.batch), "=r"(w.n_tiles)
+                 : "r"(slot)
+                 : "memory");
+    return w;
+}
+
+// Producer: one thread. Per work tile (its Q slot already released by the consumers): Q,
 // then K and V of every visited key tile into the ring.
 __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
                                         const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
                                         const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles, int q_iter, SlotPhases& ring) {
-    if (q_iter > 0) mbar_wait(bar.q_empty(), (q_iter - 1) & 1);
+                                        int n_tiles, SlotPhases& ring) {
     mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
 #pragma unroll
     for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
@@ -310,11 +363,12 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
     if (lane == 0) mbar_arrive(bar);
 }
 
-// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64).
+// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
+// (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
                                         float scale_log2, u16* __restrict__ og, i64 q_stride,
-                                        float* __restrict__ lseg, int q_iter, SlotPhases& ring) {
+                                        float* __restrict__ lseg, SlotPhases& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -340,8 +394,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
     const u64 dk = smem_desc_sw128(sK, 16, 1024);
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
+    if (n_tiles == 0) release(bar.q_empty(), lane);  // no key visible: Q was not loaded
     if (n_tiles > 0) {
-        mbar_wait(bar.q_full(), q_iter & 1);
 #if FM_PIPE
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
@@ -492,15 +546,17 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     }
     __syncthreads();
 
-    // Work tiles t = (query block, head, batch), query block fastest so that the CTAs
-    // running together share K/V in L2; causal: heaviest (last) query blocks first. The
-    // grid is either one CTA per tile or persistent (fewer CTAs, each striding over tiles).
+    // Work tiles in rank order (see decode_tile): query block fastest, so that the CTAs
+    // running together share K/V in L2; causal: each head's heaviest (last) query blocks
+    // first. The producer draws the ranks and posts each tile to the consumers in shared
+    // memory, published by the q_full barrier (its arrive releases the post) and recycled
+    // after q_empty (every consumer warp has read it by then).
     const int n_mb = (seqlen_q + BM - 1) / BM;
     const int total = n_mb * heads_q * batch_size;
     const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
     const int group = heads_q / heads_kv;
+    const u32 tile_slot = base + OFF_TILE;
     SlotPhases ring;
-    int q_iter = 0;  // work tiles with at least one key tile (they load Q)
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
@@ -509,18 +565,23 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
-                const int mb = t % n_mb;
-                const int m_block = CAUSAL ? n_mb - 1 - mb : mb;
-                const int head = (t / n_mb) % heads_q;
-                const int batch = t / (n_mb * heads_q);
-                const int m0 = m_block * BM;
-                const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
-                const int n_tiles = (n_end + BN - 1) / BN;
-                if (n_tiles == 0) continue;
-                produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, head, head / group, batch, m0,
-                        n_tiles, q_iter, ring);
-                ++q_iter;
+            int rank = draw_rank();
+            for (int i = 0;; ++i) {
+                if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
+                const WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_k, diag);
+                post_tile(tile_slot, w);
+                if (w.head < 0) {
+                    mbar_arrive(bar.q_full());  // the consumers read "no work left" and stop
+                    leave_dispenser();
+                    break;
+                }
+                rank = draw_rank();  // the next tile's rank, drawn early to hide the atomic
+                if (w.n_tiles == 0) {
+                    mbar_arrive(bar.q_full());
+                    continue;
+                }
+                produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
+                        w.m0, w.n_tiles, ring);
             }
         }
     } else {
@@ -528,19 +589,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         const int cw = wg - 1;
         if (FM_PINGPONG && cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
         const i64 q_stride = (i64)heads_q * D;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            const int mb = t % n_mb;
-            const int m_block = CAUSAL ? n_mb - 1 - mb : mb;
-            const int head = (t / n_mb) % heads_q;
-            const int batch = t / (n_mb * heads_q);
-            const int m0 = m_block * BM;
-            const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
-            const int n_tiles = (n_end + BN - 1) / BN;
-            u16* og = o + ((i64)batch * seqlen_q * heads_q + head) * D;
-            float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
-            consume(sQ, sK, sV, bar, cw, m0 + cw * 64, n_tiles, seqlen_q, seqlen_k, diag,
-                    softmax_scale_log2, og, q_stride, lseg, q_iter, ring);
-            if (n_tiles > 0) ++q_iter;
+        for (int i = 0;; ++i) {
+            mbar_wait(bar.q_full(), i & 1);
+            const WorkTile w = read_tile(tile_slot);
+            if (w.head < 0) break;
+            u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
+            float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
+            consume(sQ, sK, sV, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
+                    softmax_scale_log2, og, q_stride, lseg, ring);
         }
     }
 }

@@ -378,11 +378,11 @@ pub struct Sm90Tile {
     pub poly_exp: u32,
     /// Skip the O rescale when no row of a warp changed its running max.
     pub skip_rescale: bool,
-    /// Persistent grid for non-causal problems: one CTA per SM striding over the work
-    /// tiles, so the next tile's loads overlap this tile's last GEMMs and epilogue. Causal
-    /// problems keep one CTA per tile: their tiles differ in cost, and the hardware block
-    /// scheduler balances them better than the kernel's static round robin (H100, this
-    /// session: persistent causal was 8 % slower at D=128 and 31 % at D=64).
+    /// Persistent grid: at most one CTA per SM, each taking work tiles from the kernel's
+    /// rank dispenser (one atomic per tile), so the next tile's loads overlap this tile's
+    /// last GEMMs and epilogue. Dynamic, so causal tiles of unequal cost balance too (a
+    /// static round robin made persistent causal 8 % slower at D=128 and 31 % at D=64;
+    /// docs/perf-notes.md §7.8). False: one CTA per work tile.
     pub persistent: bool,
 }
 
@@ -395,10 +395,11 @@ impl Sm90Tile {
     }
     /// Dynamic shared memory, THE formula (mirrored by `SMEM_BYTES` in
     /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, and
-    /// 2 + 4·STAGES mbarriers of 8 bytes.
+    /// 2 + 4·STAGES mbarriers of 8 bytes, and the 16-byte work tile the producer posts.
     pub const fn shared_mem_bytes(&self) -> u32 {
         1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
             + 8 * (2 + 4 * self.stages)
+            + 16
     }
     /// The constraints the .cu static_asserts plus the shared-memory limit.
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -490,7 +491,7 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<K
         min_arch: 90,
         abi: KernelAbi::TensorMaps {
             block_n: tile.block_n,
-            persistent: tile.persistent && !causal,
+            persistent: tile.persistent,
         },
     })
 }
@@ -832,15 +833,15 @@ mod tests {
                 v.abi,
                 KernelAbi::TensorMaps {
                     block_n: t.block_n,
-                    persistent: t.persistent && def_u32(v, "FM_CAUSAL") == 0
+                    persistent: t.persistent
                 }
             );
             assert!(v.runs_on(90).is_ok());
             assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
         }
-        // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack and barriers.
+        // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack, barriers, posted tile.
         let t = sm90_tile(128).unwrap();
-        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 10);
+        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 10 + 16);
         assert_eq!((t.block_m(), t.threads()), (128, 384));
     }
 
@@ -865,7 +866,7 @@ mod tests {
     fn sm90_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
         assert!(src.contains(
-            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES);"
+            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES) + 16;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));

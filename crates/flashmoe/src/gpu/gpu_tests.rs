@@ -242,6 +242,15 @@ fn attention_v1_matches_gpu_reference() {
             // persistent CTAs stride over several tiles each.
             AttentionProblem::new(2, 16, 1024, 128, false, DType::Bf16),
             AttentionProblem::new(2, 16, 1024, 64, false, DType::F16),
+            // Causal with more tiles than SMs: tiles of unequal cost from the dispenser.
+            AttentionProblem::new(2, 16, 1000, 128, true, DType::Bf16),
+            AttentionProblem::new(2, 16, 1000, 64, true, DType::Bf16),
+            // Causal with Sq > Sk: the first 300 query rows see no key, so whole work tiles
+            // visit no key tile (O = 0, LSE = -inf without loading Q).
+            AttentionProblem {
+                seqlen_k: 500,
+                ..AttentionProblem::new(1, 8, 800, 128, true, DType::Bf16)
+            },
         ];
         for p in problems {
             if let Err(e) = attention::config::select_v1(&p) {
@@ -270,12 +279,26 @@ fn attention_v1_matches_gpu_reference() {
             for variant in variants {
                 let name = variant.entry;
                 let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
-                r.poison_outputs(dev).unwrap();
-                r.run(dev).unwrap();
-                let o = r.output(dev).unwrap();
-                let lse = r.lse(dev).unwrap();
-                assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
-                assert!(lse.iter().all(|x| !x.is_nan()), "{p}: unwritten lse");
+                // Three launches: each must write everything (the sm_90a kernel's work-tile
+                // dispenser resets itself at the end of a launch) and give the same bits.
+                let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+                for launch in 0..3 {
+                    r.poison_outputs(dev).unwrap();
+                    r.run(dev).unwrap();
+                    let o = r.output(dev).unwrap();
+                    let lse = r.lse(dev).unwrap();
+                    assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
+                    assert!(lse.iter().all(|x| !x.is_nan()), "{p}: unwritten lse");
+                    match &first {
+                        None => first = Some((o, lse)),
+                        Some((o0, l0)) => {
+                            let same = o.iter().zip(o0).all(|(a, b)| a.to_bits() == b.to_bits())
+                                && lse.iter().zip(l0).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{p}: launch {launch} differs from launch 0");
+                        }
+                    }
+                }
+                let (o, lse) = first.unwrap();
                 match r.run_reference(dev) {
                     Ok((ro, rlse)) => {
                         let max_err = o

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Compile the production variants of the sm_90a attention kernel (bf16; D 64 and 128;
+causal and not; tile table of config.rs `sm90_tile`) with NVRTC, disassemble them and print
+the ptxas report plus the per-loop counts of sass_loops.py (docs/perf-notes.md §7.5b).
+
+  python3 python/dev/sm90_sass.py OUTDIR [--nvdisasm PATH] [-D NAME=VALUE ...]
+
+nvdisasm: the CUDA toolkit's, or the pip wheel nvidia-cuda-nvdisasm (13.x).
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from nvrtc_check import KDIR, Nvrtc, options_for, parse_report  # noqa: E402
+
+# Mirror of config.rs `sm90_tile`: D -> (BLOCK_N, STAGES, CONSUMERS, PIPE, PINGPONG).
+SM90_TILES = {64: (128, 3, 3, 1, 1), 128: (128, 2, 2, 1, 0)}
+
+
+def defines(d, causal, extra):
+    bn, st, cons, pipe, pp = SM90_TILES[d]
+    dd = {"FM_HEAD_DIM": d, "FM_DTYPE_BF16": 1, "FM_CAUSAL": causal, "FM_BLOCK_N": bn,
+          "FM_STAGES": st, "FM_CONSUMERS": cons, "FM_PIPE": pipe, "FM_PINGPONG": pp}
+    dd.update(extra)
+    return dd
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "/tmp/nvd/x/nvidia/cu13/bin/nvdisasm"))
+    ap.add_argument("-D", action="append", default=[])
+    a = ap.parse_args()
+    extra = dict(kv.split("=", 1) for kv in a.D)
+    os.makedirs(a.outdir, exist_ok=True)
+    nv = Nvrtc()
+    src = open(os.path.join(KDIR, "flash_attn_fwd_sm90.cu")).read()
+    sass_files = []
+    for d in (128, 64):
+        for causal in (1, 0):
+            ok, log, cubin = nv.compile(src, "flash_attn_fwd_sm90.cu", options_for("sm_90a", defines(d, causal, extra)))
+            tag = f"d{d}_c{causal}"
+            if not ok:
+                print(f"{tag}: compile error\n{log}")
+                sys.exit(1)
+            rep = parse_report(log)
+            print(f"{tag}: regs {rep['regs']} stack {rep.get('stack')} spills {rep.get('spill_st')}/{rep.get('spill_ld')}")
+            path = os.path.join(a.outdir, f"sm90_{tag}.cubin")
+            open(path, "wb").write(cubin)
+            sass = path[:-6] + ".sass"
+            with open(sass, "w") as f:
+                subprocess.run([a.nvdisasm, "-c", path], stdout=f, check=True)
+            sass_files.append(sass)
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sass_loops.py"), *sass_files], check=True)
+
+
+if __name__ == "__main__":
+    main()
