@@ -104,6 +104,26 @@ for s in "$@"; do
     # and 128, causal and not, GQA; the forced sm_90 MoE GEMM matrix): no cuBLAS in them.
     # (Run 12: racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
     # "Sanitizer failed to handle a hardware exception", before our kernels ran.)
+    # Whether racecheck models mbarrier hand-offs (python/dev/racecheck_mbarrier_probe.cu):
+    # mode 0 mbarriers, 1 __syncthreads (expect 0 hazards), 2 unsynchronised (expect hazards).
+    racecheck-probe)
+                  stage racecheck-probe-build 120 /usr/local/cuda/bin/nvcc -arch=sm_90a -o /tmp/rc-probe python/dev/racecheck_mbarrier_probe.cu
+                  for m in 0 1 2; do
+                    stage "racecheck-probe-mode$m" 60 /usr/local/cuda/bin/compute-sanitizer --tool racecheck /tmp/rc-probe $m
+                  done ;;
+    # A/B of sm_90a tiles on configs/attention-tile-ab.toml: "default" plus each entry of
+    # $TILE_AB (FLASHMOE_SM90_TILE values separated by '|'); one JSON per variant.
+    tile-ab)      i=0
+                  for t in default ${TILE_AB//|/ }; do
+                    if [ "$t" = default ]; then envs=(); else envs=(FLASHMOE_SM90_TILE="$t"); fi
+                    stage "tile-ab-$i" 150 env "${envs[@]}" $BIN bench attention --config configs/attention-tile-ab.toml --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/tile-ab-$i
+                    cp /tmp/tile-ab-$i/results.json "$OUT/tile-ab-$i.json" 2>/dev/null
+                    echo "tile-ab-$i: $t" | tee -a "$LOG"
+                    i=$((i + 1))
+                  done ;;
+    memcheck-unit)
+                  stage memcheck-attn 200 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
+                    ./target/release/flashmoe-gpu-tests attention_v1_matches_gpu_reference --test-threads=1 ;;
     racecheck-unit)
                   stage racecheck-attn 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
                     ./target/release/flashmoe-gpu-tests attention_v1_matches_gpu_reference --test-threads=1

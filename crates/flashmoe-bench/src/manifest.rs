@@ -19,6 +19,10 @@ pub struct Manifest {
     #[serde(default)]
     pub build_commit: String,
     pub command_line: String,
+    /// Environment variables that change which kernel or tile runs
+    /// ([`KERNEL_OVERRIDE_VARS`]), as NAME=value; empty for the default choice.
+    #[serde(default)]
+    pub kernel_overrides: Vec<String>,
     #[serde(default)]
     pub gpu: Option<GpuManifest>,
     #[serde(default)]
@@ -90,6 +94,12 @@ fn os_name() -> String {
     }
 }
 
+/// The variables a result must name because they change the kernels measured.
+pub const KERNEL_OVERRIDE_VARS: [&str; 2] = [
+    flashmoe::attention::config::SM90_TILE_ENV,
+    flashmoe::moe::gemm_sm90::PATH_ENV,
+];
+
 impl Manifest {
     /// Collect the host part of the manifest now.
     pub fn collect() -> Manifest {
@@ -126,6 +136,10 @@ impl Manifest {
             git_dirty,
             build_commit: build.to_string(),
             command_line: std::env::args().collect::<Vec<_>>().join(" "),
+            kernel_overrides: KERNEL_OVERRIDE_VARS
+                .iter()
+                .filter_map(|v| std::env::var(v).ok().map(|x| format!("{v}={x}")))
+                .collect(),
             gpu: None,
             python: None,
         }

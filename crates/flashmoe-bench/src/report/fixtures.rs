@@ -174,6 +174,7 @@ pub fn manifest(gpu: bool) -> Manifest {
         git_dirty: false,
         build_commit: "0123456789abcdef0123456789abcdef01234567".to_string(),
         command_line: "flashmoe bench --preset sweep".to_string(),
+        kernel_overrides: Vec::new(),
         gpu: gpu.then(|| GpuManifest {
             name: "NVIDIA H100 80GB HBM3".to_string(),
             compute_capability: "9.0".to_string(),

@@ -121,6 +121,7 @@ pub fn to_html(results: &RunResults) -> String {
             ),
         ),
         ("Binary built from", m.build_commit.clone()),
+        ("Kernel overrides", m.kernel_overrides.join(" ")),
         ("Timestamp (UTC)", m.timestamp_utc.clone()),
         ("flashmoe", m.flashmoe_version.clone()),
         ("rustc", m.rustc.clone()),

@@ -90,6 +90,9 @@ pub fn to_markdown(results: &RunResults) -> String {
     if !m.build_commit.is_empty() {
         kv("Binary built from", md_escape(&m.build_commit));
     }
+    if !m.kernel_overrides.is_empty() {
+        kv("Kernel overrides", md_escape(&m.kernel_overrides.join(" ")));
+    }
     kv("Timestamp (UTC)", md_escape(&m.timestamp_utc));
     kv(
         "flashmoe / rustc",

@@ -450,6 +450,59 @@ impl Sm90Tile {
     }
 }
 
+/// Development override of the sm_90a tile table, for A/B timing of tiles without a
+/// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[;D:...]"`, e.g.
+/// `128:192,2,2,1,0`. Head dims it does not name keep the table's tile. Benchmark
+/// manifests record it (flashmoe-bench `Manifest::kernel_overrides`).
+pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
+
+/// Parse a [`SM90_TILE_ENV`] value into (head dim, tile) pairs; errors name the bad part.
+pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>, String> {
+    let mut tiles = Vec::new();
+    for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+        let bad = |why: &str| format!("{SM90_TILE_ENV} entry '{entry}': {why}");
+        let (d, rest) = entry
+            .split_once(':')
+            .ok_or_else(|| bad("expected D:BN,STAGES,CONSUMERS,PIPE,PINGPONG"))?;
+        let num = |x: &str| x.trim().parse::<u32>().map_err(|_| bad(&format!("'{x}' is not a number")));
+        let f: Vec<u32> = rest.split(',').map(num).collect::<std::result::Result<_, _>>()?;
+        if f.len() != 5 {
+            return Err(bad("expected 5 numbers after the head dim"));
+        }
+        let flag = |v: u32, name: &str| match v {
+            0 | 1 => Ok(v == 1),
+            _ => Err(bad(&format!("{name} must be 0 or 1"))),
+        };
+        let tile = Sm90Tile {
+            head_dim: num(d)?,
+            block_n: f[0],
+            stages: f[1],
+            consumers: f[2],
+            pipe: flag(f[3], "PIPE")?,
+            pingpong: flag(f[4], "PINGPONG")?,
+            poly_exp: 0,
+            skip_rescale: false,
+            persistent: true,
+        };
+        tile.check().map_err(|e| bad(&e))?;
+        tiles.push(tile);
+    }
+    Ok(tiles)
+}
+
+/// The tile for `head_dim`: the [`SM90_TILE_ENV`] override when it names this head dim,
+/// else the table's.
+fn sm90_tile_in_use(head_dim: usize) -> Result<Option<Sm90Tile>> {
+    if let Ok(spec) = std::env::var(SM90_TILE_ENV) {
+        let tiles = parse_sm90_tile_override(&spec)
+            .map_err(|e| Error::unsupported("flash-sm90", e))?;
+        if let Some(t) = tiles.into_iter().find(|t| t.head_dim as usize == head_dim) {
+            return Ok(Some(t));
+        }
+    }
+    Ok(sm90_tile(head_dim))
+}
+
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
 pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
     let t = |head_dim, (block_n, stages, consumers), pipe, pingpong, persistent| Sm90Tile {
@@ -503,7 +556,7 @@ pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
         "flash-sm90",
         "the sm_90a kernel",
         problem,
-        sm90_tile(problem.head_dim),
+        sm90_tile_in_use(problem.head_dim)?,
         &SM90_HEAD_DIMS,
     )?;
     let tiles = sm90_work_tiles(problem, tile.block_m());
@@ -559,6 +612,8 @@ pub fn sm90_grid_x(
 /// the sm_90a kernel on Hopper (9.0) when it serves the problem, else v1.
 pub fn select(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
     if arch == 90 {
+        // A malformed tile override is an error, not a silent fallback to v1.
+        sm90_tile_in_use(problem.head_dim)?;
         if let Ok(v) = select_sm90(problem) {
             return Ok(v);
         }
@@ -843,6 +898,26 @@ mod tests {
         let t = sm90_tile(128).unwrap();
         assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 10 + 16);
         assert_eq!((t.block_m(), t.threads()), (128, 384));
+    }
+
+    #[test]
+    fn sm90_tile_override_parses_and_names_bad_parts() {
+        let t = parse_sm90_tile_override("128:192,2,2,1,0; 64:128,2,2,1,1").unwrap();
+        assert_eq!(t.len(), 2);
+        assert_eq!((t[0].head_dim, t[0].block_n, t[0].consumers), (128, 192, 2));
+        assert!(t[1].pingpong && t[1].persistent);
+        assert!(parse_sm90_tile_override("").unwrap().is_empty());
+        for (spec, needle) in [
+            ("128", "expected D:BN"),
+            ("128:192,2,2,1", "5 numbers"),
+            ("128:x,2,2,1,0", "'x' is not a number"),
+            ("128:128,2,2,2,0", "PIPE must be 0 or 1"),
+            ("128:100,2,2,1,0", "block_n 100"),
+            ("128:256,4,2,1,0", "shared memory"),
+        ] {
+            let e = parse_sm90_tile_override(spec).unwrap_err();
+            assert!(e.contains(needle) && e.contains(SM90_TILE_ENV), "{spec}: {e}");
+        }
     }
 
     #[test]
