@@ -105,10 +105,10 @@ for s in "$@"; do
     # (Run 12: racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
     # "Sanitizer failed to handle a hardware exception", before our kernels ran.)
     # Whether racecheck models mbarrier hand-offs (python/dev/racecheck_mbarrier_probe.cu):
-    # mode 0 mbarriers, 1 __syncthreads (expect 0 hazards), 2 unsynchronised (expect hazards).
+    # mode 0 mbarriers (warp arrival), 1 __syncthreads, 2 unsynchronised, 3 mbarriers (thread arrival).
     racecheck-probe)
                   stage racecheck-probe-build 120 /usr/local/cuda/bin/nvcc -arch=sm_90a -o /tmp/rc-probe python/dev/racecheck_mbarrier_probe.cu
-                  for m in 0 1 2; do
+                  for m in 0 1 2 3; do
                     stage "racecheck-probe-mode$m" 60 /usr/local/cuda/bin/compute-sanitizer --tool racecheck /tmp/rc-probe $m
                   done ;;
     # A/B of sm_90a tiles on configs/attention-tile-ab.toml: "default" plus each entry of

@@ -5,7 +5,10 @@
 //   mode 0: mbarriers, as the attention kernel does (producer: wait "empty", write, arrive
 //           "full"; consumer warps: wait "full", read, __syncwarp, lane 0 arrives "empty");
 //   mode 1: the same hand-off with __syncthreads (racecheck's own model: expect 0 hazards);
-//   mode 2: no synchronisation at all (a real race: expect hazards).
+//   mode 2: no synchronisation at all (a real race: expect hazards);
+//   mode 3: mbarriers with every consumer thread arriving on "empty" (no __syncwarp).
+// Run 17 (H100, compute-sanitizer of CUDA 13.0): mode 0 reported a read-then-write hazard
+// (112: every later round of every consumer warp), mode 1 none, mode 2 208.
 // Each mode also checks the values read, so a wrong hand-off is visible without the tool.
 //   nvcc -arch=sm_90a -o probe racecheck_mbarrier_probe.cu
 //   compute-sanitizer --tool racecheck ./probe MODE
@@ -42,13 +45,13 @@ __global__ void handoff(int mode, int* bad) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (threadIdx.x == 0) {
         mbar_init(full, 1);
-        mbar_init(empty, CONSUMER_WARPS);
+        mbar_init(empty, mode == 3 ? 32 * CONSUMER_WARPS : CONSUMER_WARPS);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     for (int r = 0; r < ROUNDS; ++r) {
         const int value = 1000 * blockIdx.x + r;
-        if (mode == 0) {
+        if (mode == 0 || mode == 3) {
             if (threadIdx.x == 0) {  // producer: warp 0, one thread
                 if (r > 0) mbar_wait(empty, (r - 1) & 1);
                 slot = value;
@@ -57,8 +60,12 @@ __global__ void handoff(int mode, int* bad) {
                 mbar_wait(full, r & 1);
                 const int v = slot;
                 if (v != value) atomicAdd(bad, 1);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty);
+                if (mode == 3) {
+                    mbar_arrive(empty);
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty);
+                }
             }
         } else if (mode == 1) {
             if (threadIdx.x == 0) slot = value;

@@ -363,6 +363,12 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
     if (lane == 0) mbar_arrive(bar);
 }
 
+// This thread is done with Q and with the posted work tile: one arrival per consumer
+// thread, since the tile was read with ordinary loads by every thread (a warp-level
+// arrival after __syncwarp orders them as well, but compute-sanitizer racecheck only
+// credits a thread's own arrival: python/dev/racecheck_mbarrier_probe.cu).
+__device__ __forceinline__ void release_q(const Bars& bar) { mbar_arrive(bar.q_empty()); }
+
 // Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
 // (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar, int cw, int m0w,
@@ -394,7 +400,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
     const u64 dk = smem_desc_sw128(sK, 16, 1024);
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
-    if (n_tiles == 0) release(bar.q_empty(), lane);  // no key visible: Q was not loaded
+    if (n_tiles == 0) release_q(bar);  // no key visible: Q was not loaded
     if (n_tiles > 0) {
 #if FM_PIPE
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
@@ -409,7 +415,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
         wgmma_wait<0>();
         reg_fence(sacc);
         release(bar.k_empty(0), lane);
-        if (n_tiles == 1) release(bar.q_empty(), lane);  // last S of this work tile
+        if (n_tiles == 1) release_q(bar);  // last S of this work tile
         if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
         pack_p(sacc, pa);
@@ -432,7 +438,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
-            if (it == n_tiles - 1) release(bar.q_empty(), lane);  // last S of this work tile
+            if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             wgmma_wait<0>();
@@ -471,7 +477,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, const Bars& bar,
             wgmma_wait<0>();
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
-            if (it == n_tiles - 1) release(bar.q_empty(), lane);  // last S of this work tile
+            if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             rescale_o(oacc, alpha);
@@ -534,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
 
     if (threadIdx.x == 0) {
         mbar_init(bar.q_full(), 1);
-        mbar_init(bar.q_empty(), NCW * 4);
+        mbar_init(bar.q_empty(), NCW * 128);  // every consumer thread (release_q)
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar.k_full(s), 1);
@@ -550,7 +556,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     // running together share K/V in L2; causal: each head's heaviest (last) query blocks
     // first. The producer draws the ranks and posts each tile to the consumers in shared
     // memory, published by the q_full barrier (its arrive releases the post) and recycled
-    // after q_empty (every consumer warp has read it by then).
+    // after q_empty (every consumer thread has read it by then).
     const int n_mb = (seqlen_q + BM - 1) / BM;
     const int total = n_mb * heads_q * batch_size;
     const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag

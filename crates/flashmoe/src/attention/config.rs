@@ -464,8 +464,15 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
         let (d, rest) = entry
             .split_once(':')
             .ok_or_else(|| bad("expected D:BN,STAGES,CONSUMERS,PIPE,PINGPONG"))?;
-        let num = |x: &str| x.trim().parse::<u32>().map_err(|_| bad(&format!("'{x}' is not a number")));
-        let f: Vec<u32> = rest.split(',').map(num).collect::<std::result::Result<_, _>>()?;
+        let num = |x: &str| {
+            x.trim()
+                .parse::<u32>()
+                .map_err(|_| bad(&format!("'{x}' is not a number")))
+        };
+        let f: Vec<u32> = rest
+            .split(',')
+            .map(num)
+            .collect::<std::result::Result<_, _>>()?;
         if f.len() != 5 {
             return Err(bad("expected 5 numbers after the head dim"));
         }
@@ -490,17 +497,40 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
     Ok(tiles)
 }
 
-/// The tile for `head_dim`: the [`SM90_TILE_ENV`] override when it names this head dim,
-/// else the table's.
-fn sm90_tile_in_use(head_dim: usize) -> Result<Option<Sm90Tile>> {
+/// The tile for a problem: the [`SM90_TILE_ENV`] override when it names this head dim,
+/// else [`sm90_tile_for`].
+fn sm90_tile_in_use(problem: &AttentionProblem) -> Result<Option<Sm90Tile>> {
     if let Ok(spec) = std::env::var(SM90_TILE_ENV) {
-        let tiles = parse_sm90_tile_override(&spec)
-            .map_err(|e| Error::unsupported("flash-sm90", e))?;
-        if let Some(t) = tiles.into_iter().find(|t| t.head_dim as usize == head_dim) {
+        let tiles =
+            parse_sm90_tile_override(&spec).map_err(|e| Error::unsupported("flash-sm90", e))?;
+        if let Some(t) = tiles
+            .into_iter()
+            .find(|t| t.head_dim as usize == problem.head_dim)
+        {
             return Ok(Some(t));
         }
     }
-    Ok(sm90_tile(head_dim))
+    Ok(sm90_tile_for(
+        problem.head_dim,
+        problem.causal,
+        problem.seqlen_q,
+    ))
+}
+
+/// Longest query sequence for which causal D=64 problems use two consumer warpgroups
+/// (128 query rows per tile) instead of the table's three: H100, run 17 (docs/perf-notes.md
+/// §7.8): +7 % at S=512 and +10 % at S=1024, -3.5 % at S=2048.
+pub const SM90_SHORT_CAUSAL_D64_MAX_SQ: usize = 1024;
+
+/// The tile for a head dim, masking and query length: the table's ([`sm90_tile`]) except
+/// for short causal D=64 problems ([`SM90_SHORT_CAUSAL_D64_MAX_SQ`]).
+pub fn sm90_tile_for(head_dim: usize, causal: bool, seqlen_q: usize) -> Option<Sm90Tile> {
+    let mut t = sm90_tile(head_dim)?;
+    if head_dim == 64 && causal && seqlen_q <= SM90_SHORT_CAUSAL_D64_MAX_SQ {
+        t.consumers = 2;
+        t.stages = 2;
+    }
+    Some(t)
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
@@ -556,7 +586,7 @@ pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
         "flash-sm90",
         "the sm_90a kernel",
         problem,
-        sm90_tile_in_use(problem.head_dim)?,
+        sm90_tile_in_use(problem)?,
         &SM90_HEAD_DIMS,
     )?;
     let tiles = sm90_work_tiles(problem, tile.block_m());
@@ -613,7 +643,7 @@ pub fn sm90_grid_x(
 pub fn select(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
     if arch == 90 {
         // A malformed tile override is an error, not a silent fallback to v1.
-        sm90_tile_in_use(problem.head_dim)?;
+        sm90_tile_in_use(problem)?;
         if let Ok(v) = select_sm90(problem) {
             return Ok(v);
         }
@@ -625,10 +655,20 @@ pub fn select(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
 pub fn all_sm90_variants() -> Vec<KernelVariant> {
     let mut out = Vec::new();
     for &d in SM90_HEAD_DIMS.iter() {
-        let tile = sm90_tile(d).expect("table covers SM90_HEAD_DIMS");
         for dtype in [DType::F16, DType::Bf16] {
             for causal in [false, true] {
-                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+                // Long and short query sequences (they differ for causal D=64).
+                let long = sm90_tile_for(d, causal, usize::MAX).expect("table covers the dims");
+                let short = sm90_tile_for(d, causal, 1).expect("table covers the dims");
+                for tile in if long == short {
+                    vec![long]
+                } else {
+                    vec![long, short]
+                } {
+                    out.push(
+                        sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"),
+                    );
+                }
             }
         }
     }
@@ -867,12 +907,15 @@ mod tests {
     #[test]
     fn sm90_variants_are_consistent() {
         let all = all_sm90_variants();
-        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4);
+        // 2 dtypes x 2 maskings per head dim, plus short causal D=64 in 2 dtypes.
+        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4 + 2);
         for v in &all {
             assert_eq!(v.source_file, SM90_SOURCE);
             assert_eq!(v.entry, SM90_ENTRY);
             let d: u32 = def_u32(v, "FM_HEAD_DIM");
-            let t = sm90_tile(d as usize).unwrap();
+            let causal = def_u32(v, "FM_CAUSAL") == 1;
+            let short = v.block_m == 128 && d == 64;
+            let t = sm90_tile_for(d as usize, causal, if short { 1 } else { usize::MAX }).unwrap();
             t.check().unwrap();
             assert_eq!(v.block_m, t.block_m());
             assert_eq!(v.block_threads, t.threads());
@@ -901,6 +944,20 @@ mod tests {
     }
 
     #[test]
+    fn short_causal_d64_uses_two_consumers() {
+        let cons = |d, causal, sq| sm90_tile_for(d, causal, sq).unwrap().consumers;
+        assert_eq!(cons(64, true, 512), 2);
+        assert_eq!(cons(64, true, SM90_SHORT_CAUSAL_D64_MAX_SQ), 2);
+        assert_eq!(cons(64, true, SM90_SHORT_CAUSAL_D64_MAX_SQ + 1), 3);
+        assert_eq!(cons(64, false, 512), 3);
+        assert_eq!(sm90_tile_for(128, true, 512), sm90_tile(128));
+        let p = AttentionProblem::new(2, 4, 1000, 64, true, DType::Bf16);
+        assert_eq!(select_sm90(&p).unwrap().block_m, 128);
+        let p = AttentionProblem::new(2, 4, 2048, 64, true, DType::Bf16);
+        assert_eq!(select_sm90(&p).unwrap().block_m, 192);
+    }
+
+    #[test]
     fn sm90_tile_override_parses_and_names_bad_parts() {
         let t = parse_sm90_tile_override("128:192,2,2,1,0; 64:128,2,2,1,1").unwrap();
         assert_eq!(t.len(), 2);
@@ -916,7 +973,10 @@ mod tests {
             ("128:256,4,2,1,0", "shared memory"),
         ] {
             let e = parse_sm90_tile_override(spec).unwrap_err();
-            assert!(e.contains(needle) && e.contains(SM90_TILE_ENV), "{spec}: {e}");
+            assert!(
+                e.contains(needle) && e.contains(SM90_TILE_ENV),
+                "{spec}: {e}"
+            );
         }
     }
 
