@@ -33,5 +33,15 @@ fn main() {
     if let Some(index) = git(&["rev-parse", "--git-path", "index"]) {
         println!("cargo:rerun-if-changed={index}");
     }
+    // Edits to tracked sources change "dirty" without touching HEAD or the index: rerun
+    // on them too, or a binary built from an edited tree would claim the clean commit.
+    for dir in [
+        "src",
+        "../flashmoe/src",
+        "../flashmoe/kernels",
+        "../flashmoe-cli/src",
+    ] {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     println!("cargo:rerun-if-changed=build.rs");
 }
