@@ -46,6 +46,9 @@
 // Barriers per ring slot: k_full, v_full (TMA bytes landed; V separately so S can start
 // first) and k_empty, v_empty (one arrival per consumer warp once its wgmmas reading that
 // half of the slot are complete). K/V tiles are visited last to first so the masked tiles come first.
+// Per work tile: q_full (the posted tile is readable and Q landed; a tile that sees no key
+// loads no Q) and q_empty (one arrival per consumer thread after its last S = Q K^T: Q and
+// the posted tile may be replaced).
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
 //   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + 8 * (2 + 4 * STAGES) + 16
