@@ -19,7 +19,7 @@ step "numpy for the Python input-generator tests"
 python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 python3 -c "import numpy; print('numpy', numpy.__version__)"
 
-step "K/V ring protocol model of the sm_90a attention kernel"
+step "Work protocol model of the sm_90a attention kernel (dispenser, posted tile, K/V ring)"
 python3 python/dev/ring_protocol_model.py --trials 1000
 
 step "cargo fmt --check"
