@@ -491,6 +491,12 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             skip_rescale: false,
             persistent: true,
         };
+        if !SM90_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
+            return Err(bad(&format!(
+                "head dim {} is not served by the sm_90a kernel ({SM90_HEAD_DIMS:?})",
+                tile.head_dim
+            )));
+        }
         tile.check().map_err(|e| bad(&e))?;
         tiles.push(tile);
     }
@@ -590,10 +596,12 @@ pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
         &SM90_HEAD_DIMS,
     )?;
     let tiles = sm90_work_tiles(problem, tile.block_m());
-    if tiles > i32::MAX as u64 {
+    // The kernel's int rank dispenser counts past the last tile by one draw per CTA (at
+    // most one CTA per tile): tiles + grid must fit an int.
+    if 2 * tiles > i32::MAX as u64 {
         return Err(Error::unsupported(
             "flash-sm90",
-            format!("{tiles} work tiles exceed the kernel's int index"),
+            format!("{tiles} work tiles exceed the kernel's int work-tile counter"),
         ));
     }
     // The tensor maps must be encodable (dims, strides); same check the launch does.
@@ -971,6 +979,7 @@ mod tests {
             ("128:128,2,2,2,0", "PIPE must be 0 or 1"),
             ("128:100,2,2,1,0", "block_n 100"),
             ("128:256,4,2,1,0", "shared memory"),
+            ("192:128,2,2,1,0", "head dim 192 is not served"),
         ] {
             let e = parse_sm90_tile_override(spec).unwrap_err();
             assert!(
