@@ -141,7 +141,7 @@ for s in "$@"; do
                   done ;;
     # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/attention-ncu.toml).
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
-                      $BIN bench attention --config configs/attention-ncu.toml --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
+                      $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
