@@ -203,10 +203,8 @@ impl TileConfig {
     /// NVRTC defines for this tile, dtype and masking.
     pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
         let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
-        vec![
-            kv("FM_HEAD_DIM", self.head_dim),
-            kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
-            kv("FM_CAUSAL", causal as u32),
+        let mut d = problem_defines(self.head_dim, dtype, causal);
+        d.extend([
             kv("FM_BLOCK_M", self.block_m),
             kv("FM_BLOCK_N", self.block_n),
             kv("FM_WARPS", self.warps),
@@ -214,7 +212,8 @@ impl TileConfig {
             kv("FM_Q_IN_REGS", self.q_in_regs as u32),
             kv("FM_MIN_BLOCKS", self.min_blocks),
             kv("FM_SUB_N", self.sub_n),
-        ]
+        ]);
+        d
     }
 }
 
@@ -435,10 +434,8 @@ impl Sm90Tile {
     }
     pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
         let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
-        vec![
-            kv("FM_HEAD_DIM", self.head_dim),
-            kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
-            kv("FM_CAUSAL", causal as u32),
+        let mut d = problem_defines(self.head_dim, dtype, causal);
+        d.extend([
             kv("FM_BLOCK_N", self.block_n),
             kv("FM_STAGES", self.stages),
             kv("FM_CONSUMERS", self.consumers),
@@ -446,7 +443,8 @@ impl Sm90Tile {
             kv("FM_PINGPONG", self.pingpong as u32),
             kv("FM_POLY_EXP", self.poly_exp),
             kv("FM_SKIP_RESCALE", self.skip_rescale as u32),
-        ]
+        ]);
+        d
     }
 }
 
@@ -537,6 +535,19 @@ pub fn sm90_tile_for(head_dim: usize, causal: bool, seqlen_q: usize) -> Option<S
         t.stages = 2;
     }
     Some(t)
+}
+
+/// The defines every attention kernel (v1, sm_90a, reference) takes from the problem:
+/// head dim, storage type and masking; each kernel appends its tile's.
+fn problem_defines(head_dim: u32, dtype: DType, causal: bool) -> Vec<(String, String)> {
+    vec![
+        ("FM_HEAD_DIM".to_string(), head_dim.to_string()),
+        (
+            "FM_DTYPE_BF16".to_string(),
+            ((dtype == DType::Bf16) as u32).to_string(),
+        ),
+        ("FM_CAUSAL".to_string(), (causal as u32).to_string()),
+    ]
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
@@ -717,15 +728,11 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Res
     Ok(KernelVariant {
         source_file: REFERENCE_SOURCE,
         entry: REFERENCE_ENTRY,
-        defines: vec![
-            ("FM_HEAD_DIM".to_string(), head_dim.to_string()),
-            (
-                "FM_DTYPE_BF16".to_string(),
-                ((dtype == DType::Bf16) as u32).to_string(),
-            ),
-            ("FM_CAUSAL".to_string(), (causal as u32).to_string()),
-            ("FM_BLOCK_M".to_string(), REFERENCE_BLOCK_M.to_string()),
-        ],
+        defines: {
+            let mut d = problem_defines(head_dim as u32, dtype, causal);
+            d.push(("FM_BLOCK_M".to_string(), REFERENCE_BLOCK_M.to_string()));
+            d
+        },
         block_m: REFERENCE_BLOCK_M,
         block_threads: REFERENCE_BLOCK_M * 32,
         shared_mem_bytes: 0,
