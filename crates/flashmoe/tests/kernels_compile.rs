@@ -323,6 +323,11 @@ fn every_attention_variant_compiles_without_spills() {
                     if k.log.contains("C7508") || k.log.contains("setmaxnreg") {
                         failures.push(format!("{what}: setmaxnreg ignored:\n{}", k.log));
                     }
+                    // C7515: ptxas could not prove the wgmma pipeline safe and serialised
+                    // every wgmma of the kernel (a wait after each one): correct, but slow.
+                    if k.log.contains("C7515") {
+                        failures.push(format!("{what}: wgmma serialised by ptxas:\n{}", k.log));
+                    }
                     if r.registers as u64 * row.variant.block_threads as u64 > regs_per_sm {
                         failures.push(format!("{what}: register cap at entry too high"));
                     }
