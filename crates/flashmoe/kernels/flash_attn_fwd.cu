@@ -116,20 +116,6 @@ __device__ __forceinline__ float lg2(float x) {
 }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-__device__ __forceinline__ void st_global_v4(void* p, u32 a, u32 b, u32 c, u32 d) {
-    asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c),
-                 "r"(d)
-                 : "memory");
-}
-__device__ __forceinline__ void ld_shared_v4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
 
 // Byte offset of 16-byte chunk `ch` of row `r` inside a swizzled tile.
 __device__ __forceinline__ u32 swz(int r, int ch) {

@@ -393,10 +393,12 @@ impl Sm90Tile {
         128 * (self.consumers + 1)
     }
     /// Dynamic shared memory, THE formula (mirrored by `SMEM_BYTES` in
-    /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, and
-    /// 2 + 4·STAGES mbarriers of 8 bytes, and the 16-byte work tile the producer posts.
+    /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, the
+    /// epilogue's O staging rows (row pitch 2·D + 16 bytes), 2 + 4·STAGES mbarriers of 8
+    /// bytes, and the 16-byte work tile the producer posts.
     pub const fn shared_mem_bytes(&self) -> u32 {
         1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
+            + self.block_m() * (2 * self.head_dim + 16)
             + 8 * (2 + 4 * self.stages)
             + 16
     }
@@ -450,7 +452,7 @@ impl Sm90Tile {
 
 /// Development override of the sm_90a tile table, for A/B timing of tiles without a
 /// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[;D:...]"`, e.g.
-/// `128:192,2,2,1,0`. Head dims it does not name keep the table's tile. Benchmark
+/// `128:128,2,2,1,1`. Head dims it does not name keep the table's tile. Benchmark
 /// manifests record it (flashmoe-bench `Manifest::kernel_overrides`).
 pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
 
@@ -954,7 +956,10 @@ mod tests {
         }
         // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack, barriers, posted tile.
         let t = sm90_tile(128).unwrap();
-        assert_eq!(t.shared_mem_bytes(), 1024 + 32768 + 4 * 32768 + 8 * 10 + 16);
+        assert_eq!(
+            t.shared_mem_bytes(),
+            1024 + 32768 + 4 * 32768 + 128 * 272 + 8 * 10 + 16
+        );
         assert_eq!((t.block_m(), t.threads()), (128, 384));
     }
 
@@ -974,9 +979,9 @@ mod tests {
 
     #[test]
     fn sm90_tile_override_parses_and_names_bad_parts() {
-        let t = parse_sm90_tile_override("128:192,2,2,1,0; 64:128,2,2,1,1").unwrap();
+        let t = parse_sm90_tile_override("128:64,2,2,1,0; 64:128,2,2,1,1").unwrap();
         assert_eq!(t.len(), 2);
-        assert_eq!((t[0].head_dim, t[0].block_n, t[0].consumers), (128, 192, 2));
+        assert_eq!((t[0].head_dim, t[0].block_n, t[0].consumers), (128, 64, 2));
         assert!(t[1].pingpong && t[1].persistent);
         assert!(parse_sm90_tile_override("").unwrap().is_empty());
         for (spec, needle) in [
@@ -986,6 +991,8 @@ mod tests {
             ("128:128,2,2,2,0", "PIPE must be 0 or 1"),
             ("128:100,2,2,1,0", "block_n 100"),
             ("128:256,4,2,1,0", "shared memory"),
+            // With the O staging rows, D=128 has room for 2 stages of 128-key tiles only.
+            ("128:192,2,2,1,0", "shared memory"),
             ("192:128,2,2,1,0", "head dim 192 is not served"),
         ] {
             let e = parse_sm90_tile_override(spec).unwrap_err();
@@ -1017,7 +1024,7 @@ mod tests {
     fn sm90_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
         assert!(src.contains(
-            "constexpr int SMEM_BYTES = 1024 + 2 * D * (BM + 2 * STAGES * BN) + 8 * (2 + 4 * STAGES) + 16;"
+            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * (2 * D + 16) + 8 * (2 + 4 * STAGES) + 16;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));
