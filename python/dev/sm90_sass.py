@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile the production variants of the sm_90a attention kernel (bf16; D 64 and 128;
 causal and not; tile table of config.rs `sm90_tile`) with NVRTC, disassemble them and print
-the ptxas report plus the per-loop counts of sass_loops.py (docs/perf-notes.md §7.5b).
+the ptxas report plus the per-loop counts and event order of sass_loops.py (docs/perf-notes.md §7.5b).
 
   python3 python/dev/sm90_sass.py OUTDIR [--nvdisasm PATH] [-D NAME=VALUE ...]
 
@@ -53,7 +53,7 @@ def main():
             with open(sass, "w") as f:
                 subprocess.run([a.nvdisasm, "-c", path], stdout=f, check=True)
             sass_files.append(sass)
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sass_loops.py"), *sass_files], check=True)
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "sass_loops.py"), "--order", *sass_files], check=True)
 
 
 if __name__ == "__main__":

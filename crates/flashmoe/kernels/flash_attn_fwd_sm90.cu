@@ -427,15 +427,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         if (n_tiles == 1) release_q(bar);  // last S of this work tile
         if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+        mbar_wait(bar.v_full(0), ring.parity(0, 0));  // V of tile 0 (see the loop)
         pack_p(sacc, pa);
-        int ps = 0;  // slot of the tile whose P is in pa
-        u32 pph = ring.parity(0, 0);
+        int ps = 0;  // slot of the tile whose P is in pa (its V has landed)
         int s = STAGES > 1 ? 1 : 0;
         int round = STAGES > 1 ? 0 : 1;
         for (int it = 1; it < n_tiles; ++it) {
             const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
-            mbar_wait(bar.v_full(ps), pph);
             reg_fence(oacc);
             turn_wait(cw);
             wgmma_fence();
@@ -450,6 +449,13 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            // V of tile it (needed by the next P V) is waited for here, between the
+            // softmax and the wait for P V of tile it-1, for a second reason: ptxas
+            // schedules a wgmma wait at the top of its basic block, so without the
+            // try-wait's branch in between, the wait for P V would be hoisted above the
+            // whole softmax and the softmax would no longer overlap P V (SASS before:
+            // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
+            mbar_wait(bar.v_full(s), ph);
             wgmma_wait<0>();
             reg_fence(oacc);
             reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
@@ -457,14 +463,12 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             rescale_o(oacc, alpha);
             pack_p(sacc, pa);
             ps = s;
-            pph = ph;
             if (++s == STAGES) {
                 s = 0;
                 ++round;
             }
         }
-        mbar_wait(bar.v_full(ps), pph);
-        reg_fence(oacc);
+        reg_fence(oacc);  // V of the last tile was waited for after its softmax
         turn_wait(cw);
         wgmma_fence();
         issue_pv(oacc, pa, dv, ps);
