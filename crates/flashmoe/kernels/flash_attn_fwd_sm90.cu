@@ -17,7 +17,9 @@
 //                  (named barriers, round robin), so one's softmax overlaps the others' GEMMs
 //   FM_POLY_EXP    0..8: that many eighths of the exponentials are computed with an FMA
 //                  polynomial instead of MUFU ex2 (relieves the MUFU unit, 16/clk/SM)
-//   FM_SKIP_RESCALE 1: skip the O rescale when no row of the warp changed its max
+//   FM_LAZY_RESCALE 1: a row's reference max moves only when the row max passes it by more
+//                  than RESCALE_SLACK, and a warp skips the O rescale when none of its rows
+//                  moved (after the first key tiles, almost every tile)
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -83,8 +85,8 @@
 #ifndef FM_POLY_EXP
 #define FM_POLY_EXP 0
 #endif
-#ifndef FM_SKIP_RESCALE
-#define FM_SKIP_RESCALE 0
+#ifndef FM_LAZY_RESCALE
+#define FM_LAZY_RESCALE 0
 #endif
 #include "fm_sm90.cuh"
 
@@ -302,10 +304,18 @@ __device__ __forceinline__ void mask_tile(float (&sacc)[BN / 2], int n0, int row
     }
 }
 
+// Lazy rescale: P = exp2(S*scale - m) with m up to RESCALE_SLACK below the true row max,
+// so P <= 2^8 (exact in 16 bit, far from overflow in the fp32 O and l). O and l are relative
+// to the same m, so O / l and the LSE m + log2(l) are unchanged.
+constexpr float RESCALE_SLACK = 8.f;
+
 // Online softmax step (log2 domain): sacc becomes P = exp2(S*scale - m) in place, m and the
-// per-thread partial l are updated, alpha = the factor O must be rescaled by.
-__device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)[2], float (&l_i)[2],
+// per-thread partial l are updated, alpha = the factor O must be rescaled by. Returns
+// whether O needs the rescale: always, or with FM_LAZY_RESCALE, whether some row of the
+// warp moved its m (a warp-uniform answer, so the skip is a uniform branch).
+__device__ __forceinline__ bool softmax_tile(float (&sacc)[BN / 2], float (&m_i)[2], float (&l_i)[2],
                                              float (&alpha)[2], float scale_log2) {
+    bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = neg_inf();
@@ -314,10 +324,15 @@ __device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)
             mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m_i[h], mx * scale_log2);
+        float m_new = fmaxf(m_i[h], mx * scale_log2);
+        // Lazy: keep m unless the row max passed it by more than the slack (m = -inf: any
+        // visible key moves it). alpha is then exactly 1 for the rows that kept m.
+        if (FM_LAZY_RESCALE && !(m_new > m_i[h] + RESCALE_SLACK)) m_new = m_i[h];
         // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
         const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
-        alpha[h] = ex2(m_i[h] - m_use);
+        const bool row_moved = m_new != m_i[h];
+        alpha[h] = (FM_LAZY_RESCALE && !row_moved) ? 1.f : ex2(m_i[h] - m_use);
+        moved = moved || row_moved;
         m_i[h] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -332,6 +347,7 @@ __device__ __forceinline__ void softmax_tile(float (&sacc)[BN / 2], float (&m_i)
             }
         l_i[h] = l_i[h] * alpha[h] + sum;  // per-thread partial; quad-reduced at the end
     }
+    return !FM_LAZY_RESCALE || __any_sync(0xffffffffu, moved);
 }
 
 // P to 16 bit in the wgmma A-fragment layout: k16 step kk = 8-column blocks 2kk, 2kk+1;
@@ -344,9 +360,9 @@ __device__ __forceinline__ void pack_p(const float (&sacc)[BN / 2], u32 (&pa)[BN
             pa[j >> 1][(j & 1) * 2 + h] = pack2(sacc[4 * j + 2 * h], sacc[4 * j + 2 * h + 1]);
 }
 
-__device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2]) {
-    // Once the running max settles, alpha is exactly 1 for every row of the warp.
-    if (FM_SKIP_RESCALE && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
+// need: softmax_tile's answer (false only with FM_LAZY_RESCALE, when alpha is 1 for the warp).
+__device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2], bool need) {
+    if (!need) return;
 #pragma unroll
     for (int j = 0; j < D / 8; ++j)
 #pragma unroll
@@ -448,7 +464,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             release(bar.k_empty(s), lane);
             if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             // V of tile it (needed by the next P V) is waited for here, between the
             // softmax and the wait for P V of tile it-1, for a second reason: ptxas
             // schedules a wgmma wait at the top of its basic block, so without the
@@ -460,7 +476,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             reg_fence(oacc);
             reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
             release(bar.v_empty(ps), lane);
-            rescale_o(oacc, alpha);
+            rescale_o(oacc, alpha, need_rescale);
             pack_p(sacc, pa);
             ps = s;
             if (++s == STAGES) {
@@ -492,8 +508,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             release(bar.k_empty(s), lane);
             if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
-            rescale_o(oacc, alpha);
+            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            rescale_o(oacc, alpha, need_rescale);
             pack_p(sacc, pa);
             mbar_wait(bar.v_full(s), ph);
             reg_fence(oacc);

@@ -375,8 +375,9 @@ pub struct Sm90Tile {
     /// Eighths (0..=8) of the exponentials computed by an FMA polynomial instead of the
     /// MUFU `ex2` (relieves the MUFU unit, the binding one at D=64).
     pub poly_exp: u32,
-    /// Skip the O rescale when no row of a warp changed its running max.
-    pub skip_rescale: bool,
+    /// Lazy O rescale: a row's reference max moves only when the row max passes it by more
+    /// than 8 (log2 units), and a warp skips the O rescale when none of its rows moved.
+    pub lazy_rescale: bool,
     /// Persistent grid: at most one CTA per SM, each taking work tiles from the kernel's
     /// rank dispenser (one atomic per tile), so the next tile's loads overlap this tile's
     /// last GEMMs and epilogue. Dynamic, so causal tiles of unequal cost balance too (a
@@ -444,16 +445,18 @@ impl Sm90Tile {
             kv("FM_PIPE", self.pipe as u32),
             kv("FM_PINGPONG", self.pingpong as u32),
             kv("FM_POLY_EXP", self.poly_exp),
-            kv("FM_SKIP_RESCALE", self.skip_rescale as u32),
+            kv("FM_LAZY_RESCALE", self.lazy_rescale as u32),
         ]);
         d
     }
 }
 
 /// Development override of the sm_90a tile table, for A/B timing of tiles without a
-/// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[;D:...]"`, e.g.
-/// `128:128,2,2,1,1`. Head dims it does not name keep the table's tile. Benchmark
-/// manifests record it (flashmoe-bench `Manifest::kernel_overrides`).
+/// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[,key=value..][;D:...]"`,
+/// e.g. `128:128,2,2,1,1` or `128:128,2,2,1,0,lazy=1`. Optional keys: `lazy` (0/1, the
+/// lazy O rescale) and `poly` (0..=8, eighths of the exponentials on the FMA pipe). Head
+/// dims it does not name keep the table's tile. Benchmark manifests record it
+/// (flashmoe-bench `Manifest::kernel_overrides`).
 pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
 
 /// Parse a [`SM90_TILE_ENV`] value into (head dim, tile) pairs; errors name the bad part.
@@ -469,18 +472,19 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
                 .parse::<u32>()
                 .map_err(|_| bad(&format!("'{x}' is not a number")))
         };
-        let f: Vec<u32> = rest
-            .split(',')
-            .map(num)
-            .collect::<std::result::Result<_, _>>()?;
-        if f.len() != 5 {
+        let fields: Vec<&str> = rest.split(',').map(str::trim).collect();
+        if fields.iter().take(5).filter(|x| !x.contains('=')).count() != 5 {
             return Err(bad("expected 5 numbers after the head dim"));
         }
+        let f: Vec<u32> = fields[..5]
+            .iter()
+            .map(|x| num(x))
+            .collect::<std::result::Result<_, _>>()?;
         let flag = |v: u32, name: &str| match v {
             0 | 1 => Ok(v == 1),
             _ => Err(bad(&format!("{name} must be 0 or 1"))),
         };
-        let tile = Sm90Tile {
+        let mut tile = Sm90Tile {
             head_dim: num(d)?,
             block_n: f[0],
             stages: f[1],
@@ -488,9 +492,19 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             pipe: flag(f[3], "PIPE")?,
             pingpong: flag(f[4], "PINGPONG")?,
             poly_exp: 0,
-            skip_rescale: false,
+            lazy_rescale: false,
             persistent: true,
         };
+        for opt in &fields[5..] {
+            let (key, value) = opt
+                .split_once('=')
+                .ok_or_else(|| bad(&format!("'{opt}' is not key=value")))?;
+            match key.trim() {
+                "lazy" => tile.lazy_rescale = flag(num(value)?, "lazy")?,
+                "poly" => tile.poly_exp = num(value)?,
+                other => return Err(bad(&format!("unknown key '{other}' (lazy, poly)"))),
+            }
+        }
         if !SM90_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
             return Err(bad(&format!(
                 "head dim {} is not served by the sm_90a kernel ({SM90_HEAD_DIMS:?})",
@@ -562,7 +576,7 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
         pipe,
         pingpong,
         poly_exp: 0,
-        skip_rescale: false,
+        lazy_rescale: false,
         persistent,
     };
     //                D    (BN, ST, CONS)  PIPE  PINGPONG PERSISTENT
@@ -943,7 +957,7 @@ mod tests {
             assert_eq!(def_u32(v, "FM_PIPE"), t.pipe as u32);
             assert_eq!(def_u32(v, "FM_PINGPONG"), t.pingpong as u32);
             assert_eq!(def_u32(v, "FM_POLY_EXP"), t.poly_exp);
-            assert_eq!(def_u32(v, "FM_SKIP_RESCALE"), t.skip_rescale as u32);
+            assert_eq!(def_u32(v, "FM_LAZY_RESCALE"), t.lazy_rescale as u32);
             assert_eq!(
                 v.abi,
                 KernelAbi::TensorMaps {
@@ -983,12 +997,20 @@ mod tests {
         assert_eq!(t.len(), 2);
         assert_eq!((t[0].head_dim, t[0].block_n, t[0].consumers), (128, 64, 2));
         assert!(t[1].pingpong && t[1].persistent);
+        assert!(!t[0].lazy_rescale && t[0].poly_exp == 0);
+        let t = parse_sm90_tile_override("128:128,2,2,1,0,lazy=1,poly=2").unwrap();
+        assert!(t[0].lazy_rescale && t[0].poly_exp == 2);
         assert!(parse_sm90_tile_override("").unwrap().is_empty());
         for (spec, needle) in [
             ("128", "expected D:BN"),
             ("128:192,2,2,1", "5 numbers"),
             ("128:x,2,2,1,0", "'x' is not a number"),
             ("128:128,2,2,2,0", "PIPE must be 0 or 1"),
+            ("128:128,2,2,1,0,lazy", "'lazy' is not key=value"),
+            ("128:128,2,2,1,0,lazy=2", "lazy must be 0 or 1"),
+            ("128:128,2,2,1,0,fast=1", "unknown key 'fast'"),
+            ("128:128,2,2,1,0,poly=9", "poly_exp 9"),
+            ("128:128,2,lazy=1", "5 numbers"),
             ("128:100,2,2,1,0", "block_n 100"),
             ("128:256,4,2,1,0", "shared memory"),
             // With the O staging rows, D=128 has room for 2 stages of 128-key tiles only.
