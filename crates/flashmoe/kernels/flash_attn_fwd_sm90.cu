@@ -20,6 +20,9 @@
 //   FM_LAZY_RESCALE 1: a row's reference max moves only when the row max passes it by more
 //                  than RESCALE_SLACK, and a warp skips the O rescale when none of its rows
 //                  moved (after the first key tiles, almost every tile)
+//   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
+//                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
+//                  shared-memory traffic per QK^T, and Q is released at the tile's start
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -87,6 +90,9 @@
 #endif
 #ifndef FM_LAZY_RESCALE
 #define FM_LAZY_RESCALE 0
+#endif
+#ifndef FM_Q_REGS
+#define FM_Q_REGS 0
 #endif
 #include "fm_sm90.cuh"
 
@@ -280,6 +286,36 @@ __device__ __forceinline__ void issue_qk(float (&sacc)[BN / 2], u64 dq, u64 dk, 
     }
 }
 
+// The same with Q from registers (FM_Q_REGS): qa[kk] is the A fragment of k16 step kk.
+__device__ __forceinline__ void issue_qk_rs(float (&sacc)[BN / 2], const u32 (&qa)[D / 16][4], u64 dk,
+                                            int s) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_rs<0>(sacc, qa[kk], desc_add(dk, s * KV_BYTES + (kk >> 2) * HALF_KV + (kk & 3) * 32),
+                    kk > 0 ? 1 : 0);
+}
+
+// This warp's 16 query rows of Q as wgmma A fragments, read from the 128B-swizzled Q tile
+// (chunk c of row r sits at chunk c ^ (r & 7)). ldmatrix x4: lanes 8m..8m+7 address the
+// rows of matrix m = (rows +8 if m is odd, k +8 if m >= 2), the fragment order of pack_p.
+__device__ __forceinline__ void load_q_frags(u32 (&qa)[D / 16][4], u32 sQ, int cw, int warp, int lane) {
+    const int m = lane >> 3;
+    const int r = cw * 64 + warp * 16 + (lane & 7) + 8 * (m & 1);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int chunk = (kk & 3) * 2 + (m >> 1);
+        const u32 addr = sQ + (kk >> 2) * HALF_Q + r * 128 + ((chunk ^ (r & 7)) << 4);
+        ldsm_x4(addr, qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3]);
+    }
+}
+
+// S = Q K^T for ring slot s, Q from shared memory or from registers (FM_Q_REGS).
+__device__ __forceinline__ void issue_s(float (&sacc)[BN / 2], const u32 (&qa)[D / 16][4], u64 dq,
+                                        u64 dk, int s) {
+    if (FM_Q_REGS) issue_qk_rs(sacc, qa, dk, s);
+    else issue_qk(sacc, dq, dk, s);
+}
+
 // O += P V for ring slot s: issued, not waited for.
 __device__ __forceinline__ void issue_pv(float (&oacc)[D / 2], const u32 (&pa)[BN / 16][4], u64 dv,
                                          int s) {
@@ -425,7 +461,11 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     const u64 dk = smem_desc_sw128(sK, 16, 1024);
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
-    if (n_tiles == 0) release_q(bar);  // no key visible: Q was not loaded
+    u32 qa[D / 16][4];  // Q fragments (FM_Q_REGS; unused and eliminated otherwise)
+    if (FM_Q_REGS && n_tiles > 0) load_q_frags(qa, sQ, cw, warp, lane);
+    // Q and the posted tile are free: with FM_Q_REGS at once, else after the last S.
+    const int q_last = FM_Q_REGS ? -1 : n_tiles - 1;
+    if (n_tiles == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q was not loaded)
     if (n_tiles > 0) {
 #if FM_PIPE
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
@@ -434,13 +474,13 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         mbar_wait(bar.k_full(0), ring.parity(0, 0));
         turn_wait(cw);
         wgmma_fence();
-        issue_qk(sacc, dq, dk, 0);
+        issue_s(sacc, qa, dq, dk, 0);
         wgmma_commit();
         turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(sacc);
         release(bar.k_empty(0), lane);
-        if (n_tiles == 1) release_q(bar);  // last S of this work tile
+        if (q_last == 0) release_q(bar);  // last S of this work tile
         if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
         mbar_wait(bar.v_full(0), ring.parity(0, 0));  // V of tile 0 (see the loop)
@@ -454,7 +494,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             reg_fence(oacc);
             turn_wait(cw);
             wgmma_fence();
-            issue_qk(sacc, dq, dk, s);
+            issue_s(sacc, qa, dq, dk, s);
             wgmma_commit();
             issue_pv(oacc, pa, dv, ps);
             wgmma_commit();
@@ -462,7 +502,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
-            if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
+            if (it == q_last) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             // V of tile it (needed by the next P V) is waited for here, between the
@@ -501,12 +541,12 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
             wgmma_fence();
-            issue_qk(sacc, dq, dk, s);
+            issue_s(sacc, qa, dq, dk, s);
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
-            if (it == n_tiles - 1) release_q(bar);  // last S of this work tile
+            if (it == q_last) release_q(bar);  // last S of this work tile
             if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
             const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             rescale_o(oacc, alpha, need_rescale);

@@ -378,6 +378,9 @@ pub struct Sm90Tile {
     /// Lazy O rescale: a row's reference max moves only when the row max passes it by more
     /// than 8 (log2 units), and a warp skips the O rescale when none of its rows moved.
     pub lazy_rescale: bool,
+    /// Q in registers: each consumer reads its Q rows once per work tile and S = QKᵀ takes
+    /// A from registers (wgmma RS). Two consumers only (three have 160 registers each).
+    pub q_regs: bool,
     /// Persistent grid: at most one CTA per SM, each taking work tiles from the kernel's
     /// rank dispenser (one atomic per tile), so the next tile's loads overlap this tile's
     /// last GEMMs and epilogue. Dynamic, so causal tiles of unequal cost balance too (a
@@ -427,6 +430,9 @@ impl Sm90Tile {
         if self.poly_exp > 8 {
             return Err(format!("poly_exp {} must be 0..=8 eighths", self.poly_exp));
         }
+        if self.q_regs && self.consumers != 2 {
+            return Err("q_regs needs 2 consumers (3 spill at 160 registers per thread)".into());
+        }
         if self.shared_mem_bytes() > MAX_SMEM_SM90 {
             return Err(format!(
                 "{} bytes of shared memory exceed the 227 KB per block",
@@ -446,6 +452,7 @@ impl Sm90Tile {
             kv("FM_PINGPONG", self.pingpong as u32),
             kv("FM_POLY_EXP", self.poly_exp),
             kv("FM_LAZY_RESCALE", self.lazy_rescale as u32),
+            kv("FM_Q_REGS", self.q_regs as u32),
         ]);
         d
     }
@@ -454,8 +461,8 @@ impl Sm90Tile {
 /// Development override of the sm_90a tile table, for A/B timing of tiles without a
 /// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[,key=value..][;D:...]"`,
 /// e.g. `128:128,2,2,1,1` or `128:128,2,2,1,0,lazy=0`. Optional keys: `lazy` (0/1, the
-/// lazy O rescale, default 1 as in the table) and `poly` (0..=8, eighths of the
-/// exponentials on the FMA pipe, default 0). Head
+/// lazy O rescale, default 1 as in the table), `poly` (0..=8, eighths of the
+/// exponentials on the FMA pipe, default 0) and `qregs` (0/1, Q in registers, default 0). Head
 /// dims it does not name keep the table's tile. Benchmark manifests record it
 /// (flashmoe-bench `Manifest::kernel_overrides`).
 pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
@@ -495,6 +502,7 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             // Optional keys default to the table's choice.
             poly_exp: 0,
             lazy_rescale: true,
+            q_regs: false,
             persistent: true,
         };
         for opt in &fields[5..] {
@@ -504,7 +512,8 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             match key.trim() {
                 "lazy" => tile.lazy_rescale = flag(num(value)?, "lazy")?,
                 "poly" => tile.poly_exp = num(value)?,
-                other => return Err(bad(&format!("unknown key '{other}' (lazy, poly)"))),
+                "qregs" => tile.q_regs = flag(num(value)?, "qregs")?,
+                other => return Err(bad(&format!("unknown key '{other}' (lazy, poly, qregs)"))),
             }
         }
         if !SM90_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
@@ -580,6 +589,9 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
         poly_exp: 0,
         // Lazy O rescale: +1 % geomean over the A/B shapes (run 33, H100).
         lazy_rescale: true,
+        // Q in registers at D=128: +1.2 % geomean over the D=128 A/B shapes, ncu -2.6 % at
+        // S=4096 (run 34, H100). D=64's three consumers have no registers for it.
+        q_regs: head_dim == 128,
         persistent,
     };
     //                D    (BN, ST, CONS)  PIPE  PINGPONG PERSISTENT
@@ -961,6 +973,7 @@ mod tests {
             assert_eq!(def_u32(v, "FM_PINGPONG"), t.pingpong as u32);
             assert_eq!(def_u32(v, "FM_POLY_EXP"), t.poly_exp);
             assert_eq!(def_u32(v, "FM_LAZY_RESCALE"), t.lazy_rescale as u32);
+            assert_eq!(def_u32(v, "FM_Q_REGS"), t.q_regs as u32);
             assert_eq!(
                 v.abi,
                 KernelAbi::TensorMaps {
@@ -1001,8 +1014,8 @@ mod tests {
         assert_eq!((t[0].head_dim, t[0].block_n, t[0].consumers), (128, 64, 2));
         assert!(t[1].pingpong && t[1].persistent);
         assert!(t[0].lazy_rescale && t[0].poly_exp == 0);
-        let t = parse_sm90_tile_override("128:128,2,2,1,0,lazy=0,poly=2").unwrap();
-        assert!(!t[0].lazy_rescale && t[0].poly_exp == 2);
+        let t = parse_sm90_tile_override("128:128,2,2,1,0,lazy=0,poly=2,qregs=1").unwrap();
+        assert!(!t[0].lazy_rescale && t[0].poly_exp == 2 && t[0].q_regs);
         assert!(parse_sm90_tile_override("").unwrap().is_empty());
         for (spec, needle) in [
             ("128", "expected D:BN"),
@@ -1014,6 +1027,7 @@ mod tests {
             ("128:128,2,2,1,0,fast=1", "unknown key 'fast'"),
             ("128:128,2,2,1,0,poly=9", "poly_exp 9"),
             ("128:128,2,lazy=1", "5 numbers"),
+            ("64:128,3,3,1,1,qregs=1", "q_regs needs 2 consumers"),
             ("128:100,2,2,1,0", "block_n 100"),
             ("128:256,4,2,1,0", "shared memory"),
             // With the O staging rows, D=128 has room for 2 stages of 128-key tiles only.

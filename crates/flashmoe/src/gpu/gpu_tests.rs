@@ -327,7 +327,7 @@ fn attention_v1_matches_gpu_reference() {
     });
 }
 
-/// The sm_90a kernel with the eager and the lazy O rescale on inputs whose row max grows by
+/// The sm_90a kernel with the eager and the lazy O rescale (and Q from registers) on inputs whose row max grows by
 /// far more than the lazy slack (2^8) as the key tiles are visited (last to first): the
 /// keys' magnitude rises towards key 0, so the lazy path must move its reference max in
 /// the middle of a row. Each is compared with the GPU reference.
@@ -388,8 +388,13 @@ fn attention_sm90_rescale_paths_match_reference() {
             }
             let mut tile = attention::config::sm90_tile_for(p.head_dim, p.causal, p.seqlen_q)
                 .expect("an sm_90a head dim");
-            for lazy in [false, true] {
+            // Eager and lazy rescale, and Q from registers where the tile allows it.
+            for (lazy, q_regs) in [(false, false), (true, false), (true, true)] {
                 tile.lazy_rescale = lazy;
+                tile.q_regs = q_regs;
+                if tile.check().is_err() {
+                    continue;
+                }
                 let variant =
                     attention::config::sm90_variant_for(&tile, p.dtype, p.causal).unwrap();
                 let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
@@ -408,13 +413,19 @@ fn attention_sm90_rescale_paths_match_reference() {
                     .filter(|(a, b)| a.is_finite() || b.is_finite())
                     .map(|(a, b)| (a - b).abs())
                     .fold(0.0f32, f32::max);
-                eprintln!("attention sm90 lazy={lazy} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
+                eprintln!("attention sm90 lazy={lazy} q_regs={q_regs} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
                 assert!(
                     o.iter().all(|x| x.is_finite()),
-                    "{p} lazy={lazy}: unwritten/NaN output"
+                    "{p} lazy={lazy} q_regs={q_regs}: unwritten/NaN output"
                 );
-                assert!(max_err < 2e-2, "{p} lazy={lazy}: max error {max_err}");
-                assert!(max_lse < 1e-2, "{p} lazy={lazy}: lse error {max_lse}");
+                assert!(
+                    max_err < 2e-2,
+                    "{p} lazy={lazy} q_regs={q_regs}: max error {max_err}"
+                );
+                assert!(
+                    max_lse < 1e-2,
+                    "{p} lazy={lazy} q_regs={q_regs}: lse error {max_lse}"
+                );
             }
         }
     });
