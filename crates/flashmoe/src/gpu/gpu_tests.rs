@@ -225,6 +225,32 @@ fn attention_api_rejects_bad_buffers_before_launching() {
     });
 }
 
+/// n values in [-1, 1), a cheap hash of (index, seed): distinct inputs per tensor.
+fn test_values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+            (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Max |o - ref| and max |lse - ref| (LSE rows where both are -inf are skipped).
+fn max_abs_errors(o: &[f32], ro: &[f32], lse: &[f32], rlse: &[f32]) -> (f32, f32) {
+    let max_o = o
+        .iter()
+        .zip(ro)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let max_lse = lse
+        .iter()
+        .zip(rlse)
+        .filter(|(a, b)| a.is_finite() || b.is_finite())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    (max_o, max_lse)
+}
+
 /// Runs the v1 kernel and the GPU reference on a small problem when the kernel
 /// engineer's variants exist; compares them and checks every output was written.
 #[test]
@@ -259,18 +285,10 @@ fn attention_v1_matches_gpu_reference() {
                 eprintln!("attention: skipped {p}: {e}");
                 continue;
             }
-            let gen = |n: usize, seed: u32| -> Vec<f32> {
-                (0..n)
-                    .map(|i| {
-                        let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
-                        (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-                    })
-                    .collect()
-            };
             let (q, k, v) = (
-                gen(p.q_elems(), 1),
-                gen(p.kv_elems(), 2),
-                gen(p.kv_elems(), 3),
+                test_values(p.q_elems(), 1),
+                test_values(p.kv_elems(), 2),
+                test_values(p.kv_elems(), 3),
             );
             // The kernel this device selects (sm_90a on Hopper) and v1.
             let mut variants = vec![attention::config::select(&p, dev.arch()).unwrap()];
@@ -303,17 +321,7 @@ fn attention_v1_matches_gpu_reference() {
                 let (o, lse) = first.unwrap();
                 match r.run_reference(dev) {
                     Ok((ro, rlse)) => {
-                        let max_err = o
-                            .iter()
-                            .zip(&ro)
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0.0f32, f32::max);
-                        let max_lse = lse
-                            .iter()
-                            .zip(&rlse)
-                            .filter(|(a, b)| a.is_finite() || b.is_finite())
-                            .map(|(a, b)| (a - b).abs())
-                            .fold(0.0f32, f32::max);
+                        let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
                         eprintln!(
                         "attention {name} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}"
                     );
@@ -351,23 +359,18 @@ fn attention_sm90_rescale_paths_match_reference() {
                 eprintln!("attention sm90 rescale: skipped (not an sm_90a device)");
                 return;
             }
-            let unit = |n: usize, seed: u32| -> Vec<f32> {
-                (0..n)
-                    .map(|i| {
-                        let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
-                        (x >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-                    })
-                    .collect()
-            };
             let row = p.heads_kv * p.head_dim; // elements per key position
             let gain = |j: usize| 1.0 + 7.0 * (1.0 - j as f32 / p.seqlen_k as f32);
-            let q: Vec<f32> = unit(p.q_elems(), 11).iter().map(|x| 3.0 * x).collect();
-            let k: Vec<f32> = unit(p.kv_elems(), 12)
+            let q: Vec<f32> = test_values(p.q_elems(), 11)
+                .iter()
+                .map(|x| 3.0 * x)
+                .collect();
+            let k: Vec<f32> = test_values(p.kv_elems(), 12)
                 .iter()
                 .enumerate()
                 .map(|(i, x)| x * gain(i / row % p.seqlen_k))
                 .collect();
-            let v = unit(p.kv_elems(), 13);
+            let v = test_values(p.kv_elems(), 13);
             // The inputs do what the test is for: query row 0 of head 0 (it sees every key
             // when not causal; causal rows see a prefix) has a max over all keys far above
             // its max over the first key tile visited (the last one).
@@ -402,17 +405,7 @@ fn attention_sm90_rescale_paths_match_reference() {
                 r.run(dev).unwrap();
                 let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
                 let (ro, rlse) = r.run_reference(dev).unwrap();
-                let max_err = o
-                    .iter()
-                    .zip(&ro)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
-                let max_lse = lse
-                    .iter()
-                    .zip(&rlse)
-                    .filter(|(a, b)| a.is_finite() || b.is_finite())
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0f32, f32::max);
+                let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
                 eprintln!("attention sm90 lazy={lazy} q_regs={q_regs} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
                 assert!(
                     o.iter().all(|x| x.is_finite()),
