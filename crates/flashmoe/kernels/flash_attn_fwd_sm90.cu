@@ -430,6 +430,34 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
 // credits a thread's own arrival: python/dev/racecheck_mbarrier_probe.cu).
 __device__ __forceinline__ void release_q(const Bars& bar) { mbar_arrive(bar.q_empty()); }
 
+// A consumer warpgroup whose 64 rows all lie past the last query row (in the ragged last
+// query block, e.g. S=512 with 192-row tiles: 2 x 192 + 128): it computes nothing, so
+// the tensor cores serve the other warpgroups alone, but it keeps the protocol. It
+// releases Q and each ring slot as soon as the slot is full (so its arrivals count for
+// that use of the slot), and with ping-pong it passes on as many turns as consume() takes.
+__device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, int lane, SlotPhases& ring) {
+    release_q(bar);
+    int s = 0, round = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+        const u32 ph = ring.parity(s, round);
+        mbar_wait(bar.k_full(s), ph);
+        release(bar.k_empty(s), lane);
+        turn_wait(cw);
+        turn_pass(cw);
+        mbar_wait(bar.v_full(s), ph);
+        release(bar.v_empty(s), lane);
+        if (++s == STAGES) {
+            s = 0;
+            ++round;
+        }
+    }
+    if (FM_PIPE && n_tiles > 0) {  // consume()'s last turn: the final P V
+        turn_wait(cw);
+        turn_pass(cw);
+    }
+    ring.advance(n_tiles);
+}
+
 // Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
 // (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
@@ -439,6 +467,12 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
+    // No row of this warpgroup exists. (The vote tells ptxas the branch is warp-uniform;
+    // a plain compare costs the loop its uniform datapath: R2UR 0 -> 32, 673 -> 765 SASS.)
+    if (__all_sync(0xffffffffu, m0w >= seqlen_q)) {
+        pass_tile(bar, cw, n_tiles, lane, ring);
+        return;
+    }
     const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
 
     // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
