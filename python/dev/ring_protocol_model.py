@@ -3,34 +3,77 @@
 the rank dispenser shared by the CTAs of a launch (drawn early, reset by the last CTA),
 each CTA's posted work tile under the q_full / q_empty barriers, and its K/V ring
 (SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0).
-Per CTA one producer and one consumer (standing for every consumer warp); random grids,
-work tile costs (0 key tiles included) and interleavings; two launches per dispenser.
-Asserts that every rank is done exactly once, that the consumer reads exactly the key tile
-the producer wrote for it, that no slot or posted tile is overwritten before it was
-consumed, and that the dispenser is back at zero after each launch.
 
-  python3 python/dev/ring_protocol_model.py [--trials N]
+Per CTA one producer and NCW consumer warpgroups (2 or 3 per trial), each its own role.
+Barriers have arrival counts as the kernel initialises them: q_full and the slots' full
+barriers 1 (the producer), q_empty and the slots' empty barriers NCW (one arrival per
+consumer warpgroup standing for its 128 threads / 4 warps); K and V of a slot share one
+full/empty pair. Every arrival names the use it releases (the arriver's own count of its
+uses of that barrier) and must land in the phase in progress, so an early arrival mixing
+into an earlier phase is caught. Per work tile, a random number of trailing warpgroups
+(0..NCW-1, drawn with the tile costs) have no query row and take pass_tile: they release
+Q at once and each slot right after its full wait. The others consume(): they release a
+slot after reading it and Q either at the tile start (FM_Q_REGS, drawn per trial) or
+after the last S. Random grids, work tile costs (0 key tiles included) and interleavings;
+two launches per dispenser. Not modelled: the ping-pong turns (named barriers) and the
+separate K / V halves of a slot.
+
+Asserts that every rank is done exactly once by every consumer, that each consumer (idle
+ones included) sees exactly the key tile the producer wrote for it and, while it reads Q
+from shared memory, the Q tile of its rank; that no slot or posted tile is overwritten
+before every consumer released / read it; that no arrival falls into the wrong phase; that
+every barrier ends the launch with no partial phase and the dispenser back at zero; and
+no deadlock (every live role spinning on a wait).
+
+At the end, mutation self-tests: deliberately broken variants of the protocol, each of
+which the model must catch (an assertion or a deadlock); one line per mutation.
+
+  python3 python/dev/ring_protocol_model.py [--trials N] [--no-mutations]
 """
 import argparse
 import random
+import sys
+import time
+
+WAIT = "wait"  # yielded by a role whose step was only a failed re-check of a wait
+
+
+def spin(cond):
+    """Wait until cond() holds. The first failed check yields as a normal step (the step
+    that reached the wait may have changed state before it); every later failed check
+    yields WAIT: a step that changed nothing, which the scheduler's deadlock check counts."""
+    if cond():
+        return
+    yield
+    while not cond():
+        yield WAIT
 
 
 class Barrier:
-    """mbarrier reduced to its phase counter: a phase completes per arrival (count 1)."""
+    """mbarrier reduced to its completed phases and the arrivals of the phase in progress:
+    a phase completes after `count` arrivals."""
 
-    def __init__(self):
-        self.phase = 0  # completed phases
+    def __init__(self, count=1):
+        self.count, self.phase, self.pending = count, 0, 0
 
-    def arrive(self):
-        self.phase += 1
+    def arrive(self, use):
+        # `use`: the phase the arriver means to complete (its own count of earlier uses).
+        # Hardware counts any arrival into the phase in progress; one meant for another
+        # phase would complete that phase early or late, so the model rejects it.
+        assert use == self.phase, f"arrival for phase {use} while phase {self.phase} is in progress"
+        self.pending += 1
+        if self.pending == self.count:
+            self.phase, self.pending = self.phase + 1, 0
 
     def done(self, parity):
-        # try_wait.parity(P) succeeds once the phase of parity P has completed; the
-        # protocol never lets a waiter fall two phases behind, which the model asserts.
+        # try_wait.parity(P) succeeds once the phase of parity P has completed; the waiters
+        # also assert the exact phase number, so none falls two phases behind unnoticed.
         return self.phase % 2 != parity
 
 
 class SlotPhases:
+    """The kernel's per-thread ring state: per slot, parity of its uses and whether used."""
+
     def __init__(self, stages):
         self.stages, self.par, self.used = stages, 0, 0
 
@@ -67,49 +110,58 @@ class Dispenser:
 class Cta:
     """One CTA's shared state: Q barriers, the posted work tile, the K/V ring."""
 
-    def __init__(self, stages):
-        self.q_full, self.q_empty = Barrier(), Barrier()
-        self.tile = None  # (rank, n) or "end"; "read" once every consumer has read it
+    def __init__(self, stages, ncw, bug):
+        self.ncw = ncw
+        self.q_full, self.q_empty = Barrier(1), Barrier(ncw)  # q_empty: NCW * 128 threads
+        self.tile = None  # (rank, n key tiles, n idle consumers) or "end"
+        self.unread = set()  # consumers that have not read the posted tile yet
         self.q = None  # the rank whose Q tile is in shared memory
-        self.full = [Barrier() for _ in range(stages)]
-        self.empty = [Barrier() for _ in range(stages)]
-        self.slots = [None] * stages
+        n_empty = ncw - 1 if bug == "empty_count" else ncw  # k/v_empty: NCW * 4 warps
+        self.full = [Barrier(1) for _ in range(stages)]
+        self.empty = [Barrier(n_empty) for _ in range(stages)]
+        self.slots = [None] * stages  # (rank, key step) as written; None once all released
+        self.holders = [set() for _ in range(stages)]  # consumers that still have to release
 
 
-def producer(costs, grid, disp, cta, stages, log):
+def producer(tiles, grid, disp, cta, stages):
     ring = SlotPhases(stages)
+    uses = [0] * stages  # model only: how often each slot was written (its use index)
     rank = disp.draw()
     yield
-    i = 0
+    i = 0  # work tiles posted (the q_full / q_empty use index)
     while True:
         if i > 0:
-            while not cta.q_empty.done((i - 1) & 1):
-                yield
-        assert cta.tile in (None, "read"), f"work tile {cta.tile} overwritten before it was read"
-        if rank >= len(costs):
+            yield from spin(lambda: cta.q_empty.done((i - 1) & 1))
+            assert cta.q_empty.phase == i, "producer: Q released for the wrong tile"
+        assert not cta.unread, f"work tile {cta.tile} overwritten before consumers {cta.unread} read it"
+        cta.unread = set(range(cta.ncw))
+        if rank >= len(tiles):
             cta.tile = "end"
-            cta.q_full.arrive()
+            cta.q_full.arrive(i)
             yield
             disp.leave(grid)
             return
-        n = costs[rank]
-        cta.tile = (rank, n)
+        n, n_idle = tiles[rank]
+        cta.tile = (rank, n, n_idle)
         if n > 0:
             cta.q = rank  # the Q load of this tile (lands before q_full completes)
         rank_now, rank = rank, disp.draw()  # drawn early, as the kernel does
+        cta.q_full.arrive(i)
         i += 1
-        cta.q_full.arrive()
         yield
         s = rnd = 0
         for it in range(n):
+            u = uses[s]
+            assert ring.parity(s, rnd) == u & 1 and bool(ring.reused(s, rnd)) == (u > 0)
             if ring.reused(s, rnd):
-                par = ring.parity(s, rnd) ^ 1
-                while not cta.empty[s].done(par):
-                    yield
-                assert cta.empty[s].phase >= 1
-            assert cta.slots[s] is None, f"slot {s} overwritten before release"
+                yield from spin(lambda: cta.empty[s].done(ring.parity(s, rnd) ^ 1))
+                assert cta.empty[s].phase == u, f"slot {s}: use {u} written at empty phase {cta.empty[s].phase}"
+            assert cta.slots[s] is None and not cta.holders[s], \
+                f"slot {s} overwritten before release (holds {cta.slots[s]}, consumers {cta.holders[s]})"
             cta.slots[s] = (rank_now, it)
-            cta.full[s].arrive()
+            cta.holders[s] = set(range(cta.ncw))
+            cta.full[s].arrive(u)
+            uses[s] += 1
             s += 1
             if s == stages:
                 s, rnd = 0, rnd + 1
@@ -117,79 +169,186 @@ def producer(costs, grid, disp, cta, stages, log):
         ring.advance(n)
 
 
-def consumer(cta, stages, done):
+def read_slot(cta, s, c, rank, it):
+    """Consumer c reads slot s (or, idle, only checks that the slot is its use of it)."""
+    assert c in cta.holders[s], f"consumer {c} reads slot {s} after releasing it"
+    assert cta.slots[s] == (rank, it), f"consumer {c}: rank {rank} step {it} read {cta.slots[s]} from slot {s}"
+
+
+def release_slot(cta, s, c, use):
+    """Consumer c's arrival on slot s's empty barrier (k_empty / v_empty)."""
+    assert c in cta.holders[s], f"consumer {c} releases slot {s} it does not hold (use {use})"
+    cta.holders[s].remove(c)
+    if not cta.holders[s]:
+        cta.slots[s] = None  # the last consumer to release it frees the slot
+    cta.empty[s].arrive(use)
+
+
+def consumer(c, cta, stages, q_regs, done, bug):
+    """Consumer warpgroup c: consume() on its rows, or pass_tile() when it has none.
+    bug: None, or a mutation of MUTATIONS (the self-tests)."""
     ring = SlotPhases(stages)
-    i = 0
+    uses = [0] * stages  # model only: how often this consumer has consumed each slot
+    i = 0  # work tiles read (the q_full / q_empty use index)
     while True:
-        while not cta.q_full.done(i & 1):
-            yield
-        assert cta.q_full.phase - cta.q_empty.phase == 1, "consumer two Q phases behind"
+        yield from spin(lambda: cta.q_full.done(i & 1))
+        assert (cta.q_full.phase, cta.q_empty.phase) == (i + 1, i), \
+            f"consumer {c} at tile {i}: q_full phase {cta.q_full.phase}, q_empty phase {cta.q_empty.phase}"
         tile = cta.tile
-        assert tile not in (None, "read")
+        assert c in cta.unread
+        cta.unread.remove(c)
         if tile == "end":
             return
-        cta.tile = "read"
-        rank, n = tile
-        done.append(rank)
-        i += 1
-        if n == 0:
-            cta.q_empty.arrive()
+        rank, n, n_idle = tile
+        done.append((rank, c))
+        idle = c >= cta.ncw - n_idle  # the trailing warpgroups have no query row
+        if idle:
+            # pass_tile: Q at once, then each slot released as soon as it is full.
+            if bug != "idle_no_q":
+                cta.q_empty.arrive(i)
+            if bug == "idle_q_twice":
+                cta.q_empty.arrive(i)
+            yield
+            s = rnd = 0
+            for it in range(n):
+                u = uses[s]
+                ph = ring.parity(s, rnd)
+                assert ph == u & 1
+                if bug == "idle_release_early":
+                    release_slot(cta, s, c, u)
+                yield from spin(lambda: cta.full[s].done(ph))
+                assert cta.full[s].phase == u + 1, f"consumer {c}: slot {s} use {u} at full phase {cta.full[s].phase}"
+                if bug != "idle_release_early":
+                    read_slot(cta, s, c, rank, it)
+                    if not (bug == "idle_skip_slot" and it == 0):
+                        release_slot(cta, s, c, u)
+                uses[s] += 1
+                s += 1
+                if s == stages:
+                    s, rnd = 0, rnd + 1
+                yield
+            ring.advance(n)
+            i += 1
+            continue
+        # consume(): with FM_Q_REGS, Q into registers and released at once; a tile with no
+        # key loaded no Q and releases it at once too; otherwise Q goes after the last S.
+        if n > 0 and q_regs:
+            assert cta.q == rank, f"consumer {c} rank {rank}: Q of rank {cta.q} loaded into registers"
+        if n == 0 or q_regs or bug == "q_early":
+            cta.q_empty.arrive(i)
         s = rnd = 0
         for it in range(n):
+            u = uses[s]
             ph = ring.parity(s, rnd)
-            while not cta.full[s].done(ph):
-                yield
-            assert cta.full[s].phase - cta.empty[s].phase == 1, "consumer two phases behind"
-            assert cta.slots[s] == (rank, it), f"rank {rank} step {it} read {cta.slots[s]} from slot {s}"
-            assert cta.q == rank, f"rank {rank} step {it}: Q of rank {cta.q} in shared memory"
-            cta.slots[s] = None
-            cta.empty[s].arrive()
-            if it == n - 1:
-                cta.q_empty.arrive()  # last S of this work tile: Q and the posted tile are free
+            assert ph == u & 1
+            yield from spin(lambda: cta.full[s].done(ph))
+            assert cta.full[s].phase == u + 1, f"consumer {c}: slot {s} use {u} at full phase {cta.full[s].phase}"
+            read_slot(cta, s, c, rank, it)  # S = Q K^T (and later P V) read the slot
+            if not q_regs:
+                assert cta.q == rank, f"consumer {c} rank {rank} step {it}: Q of rank {cta.q} in shared memory"
+            yield  # softmax, P V
+            release_slot(cta, s, c, u)
+            if it == n - 1 and ((not q_regs and bug != "q_early") or bug == "q_twice"):
+                cta.q_empty.arrive(i)  # last S of this work tile: Q and the posted tile are free
+            uses[s] += 1
             s += 1
             if s == stages:
                 s, rnd = 0, rnd + 1
             yield
         ring.advance(n)
+        i += 1
 
 
-def launch(rng, stages, costs, grid, disp):
-    ctas = [Cta(stages) for _ in range(grid)]
-    done, log = [], []
+def launch(rng, stages, ncw, q_regs, tiles, grid, disp, bug):
+    ctas = [Cta(stages, ncw, bug) for _ in range(grid)]
+    done = []
     alive = []
-    for c in ctas:
-        alive += [producer(costs, grid, disp, c, stages, log), consumer(c, stages, done)]
+    for cta in ctas:
+        alive.append(producer(tiles, grid, disp, cta, stages))
+        alive += [consumer(c, cta, stages, q_regs, done, bug) for c in range(ncw)]
+    blocked = set()  # roles whose last step was a failed re-check, with no progress since
     steps = 0
     while alive:
         a = rng.choice(alive)
         try:
-            next(a)
+            r = next(a)
         except StopIteration:
             alive.remove(a)
+            r = None
+        if r == WAIT:
+            blocked.add(a)
+            assert len(blocked) < len(alive), f"deadlock (every live role waits): grid {grid} ncw {ncw} tiles {tiles}"
+        else:
+            blocked.clear()
         steps += 1
-        assert steps < 200000, f"deadlock: costs {costs} grid {grid}"
-    assert sorted(done) == list(range(len(costs))), "a work tile was lost or done twice"
-    assert all(x is None for c in ctas for x in c.slots)
+        assert steps < 10 ** 6, f"livelock: tiles {tiles} grid {grid}"
+    assert sorted(done) == [(r, c) for r in range(len(tiles)) for c in range(ncw)], \
+        "a work tile was lost or done twice"
+    for cta in ctas:
+        assert all(x is None for x in cta.slots) and not any(cta.holders), "a slot was never released"
+        for f, e in zip(cta.full, cta.empty):
+            assert e.phase == f.phase and e.pending == 0 == f.pending, \
+                f"slot barriers end at full {f.phase}, empty {e.phase} (+{e.pending} arrivals)"
+        assert not cta.unread and cta.q_full.pending == 0 == cta.q_empty.pending
+        assert cta.q_empty.phase == cta.q_full.phase - 1, "a posted tile's Q was not released"
     assert (disp.next, disp.left) == (0, 0), "dispenser not reset"
 
 
-def trial(rng, stages):
+def trial(rng, stages, bug=None):
+    ncw = rng.choice((2, 3))  # FM_CONSUMERS
+    q_regs = rng.random() < 0.5  # FM_Q_REGS
     disp = Dispenser()
     for _ in range(2):  # two launches on one dispenser: the reset must hold
-        costs = [rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9]) for _ in range(rng.randint(0, 14))]
-        launch(rng, stages, costs, rng.randint(1, 4), disp)
+        # Per rank: key tiles, and how many trailing consumers have no row (pass_tile).
+        tiles = [(rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9]), rng.randint(0, ncw - 1))
+                 for _ in range(rng.randint(0, 14))]
+        launch(rng, stages, ncw, q_regs, tiles, rng.randint(1, 4), disp, bug)
+
+
+MUTATIONS = [
+    ("idle_release_early", "(a) idle consumer releases a slot before waiting its full barrier"),
+    ("idle_q_twice", "(b) idle consumer releases Q twice"),
+    ("idle_skip_slot", "(c) idle consumer skips the release of its first key tile's slot"),
+    ("idle_no_q", "(d) idle consumer never releases Q"),
+    ("q_twice", "(e) FM_Q_REGS consumer releases Q at the tile start and again after the last S"),
+    ("q_early", "(f) consumer reading Q from shared memory releases it at the tile start"),
+    ("empty_count", "(g) slot empty barriers count NCW-1 arrivals"),
+]
+
+
+def mutations(max_trials=3000):
+    """Each broken variant must fail (assertion or deadlock) within max_trials trials."""
+    ok = True
+    for bug, what in MUTATIONS:
+        rng = random.Random(2)
+        for t in range(1, max_trials + 1):
+            try:
+                trial(rng, rng.choice((2, 3, 4)), bug)
+            except AssertionError as e:
+                print(f"mutation {what}: caught after {t} trials ({str(e).splitlines()[0][:90]})")
+                break
+        else:
+            print(f"mutation {what}: NOT caught in {max_trials} trials")
+            ok = False
+    return ok
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=3000)
+    ap.add_argument("--trials", type=int, default=3000, help="trials per ring depth (default 3000)")
+    ap.add_argument("--no-mutations", action="store_true", help="skip the mutation self-tests")
     args = ap.parse_args()
+    t0 = time.time()
     rng = random.Random(1)
     for stages in (2, 3, 4):
         for _ in range(args.trials):
             trial(rng, stages)
-    print(f"work protocol: {3 * args.trials} random trials (2 launches each), stages 2-4: OK")
+    print(f"work protocol: {3 * args.trials} random trials (2 launches each), stages 2-4, "
+          f"2-3 consumers, idle consumers, Q release at start or after the last S: OK "
+          f"({time.time() - t0:.1f} s)")
+    if not args.no_mutations and not mutations():
+        sys.exit(1)
 
 
 if __name__ == "__main__":
