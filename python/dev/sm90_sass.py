@@ -16,15 +16,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from nvrtc_check import KDIR, Nvrtc, options_for, parse_report  # noqa: E402
 
 # Mirror of config.rs `sm90_tile`:
-# D -> (BLOCK_N, STAGES, CONSUMERS, PIPE, PINGPONG, LAZY_RESCALE, Q_REGS).
-SM90_TILES = {64: (128, 3, 3, 1, 1, 1, 0), 128: (128, 2, 2, 1, 0, 1, 1)}
+# D -> (BLOCK_N, STAGES, CONSUMERS, PIPE, PINGPONG, LAZY_RESCALE, Q_REGS, LOOKAHEAD).
+SM90_TILES = {64: (128, 3, 3, 1, 1, 1, 0, 0), 128: (128, 2, 2, 1, 0, 1, 1, 0)}
 
 
 def defines(d, causal, extra):
-    bn, st, cons, pipe, pp, lazy, qregs = SM90_TILES[d]
+    bn, st, cons, pipe, pp, lazy, qregs, ahead = SM90_TILES[d]
     dd = {"FM_HEAD_DIM": d, "FM_DTYPE_BF16": 1, "FM_CAUSAL": causal, "FM_BLOCK_N": bn,
           "FM_STAGES": st, "FM_CONSUMERS": cons, "FM_PIPE": pipe, "FM_PINGPONG": pp,
-          "FM_LAZY_RESCALE": lazy, "FM_Q_REGS": qregs}
+          "FM_LAZY_RESCALE": lazy, "FM_Q_REGS": qregs, "FM_LOOKAHEAD": ahead}
     dd.update(extra)
     return dd
 
@@ -34,13 +34,14 @@ def main():
     ap.add_argument("outdir")
     ap.add_argument("--nvdisasm", default=os.environ.get("NVDISASM", "/tmp/nvd/x/nvidia/cu13/bin/nvdisasm"))
     ap.add_argument("-D", action="append", default=[])
+    ap.add_argument("--dims", default="128,64", help="head dims to compile, e.g. 128")
     a = ap.parse_args()
     extra = dict(kv.split("=", 1) for kv in a.D)
     os.makedirs(a.outdir, exist_ok=True)
     nv = Nvrtc()
     src = open(os.path.join(KDIR, "flash_attn_fwd_sm90.cu")).read()
     sass_files = []
-    for d in (128, 64):
+    for d in (int(x) for x in a.dims.split(",")):
         for causal in (1, 0):
             ok, log, cubin = nv.compile(src, "flash_attn_fwd_sm90.cu", options_for("sm_90a", defines(d, causal, extra)))
             tag = f"d{d}_c{causal}"
@@ -48,6 +49,9 @@ def main():
                 print(f"{tag}: compile error\n{log}")
                 sys.exit(1)
             rep = parse_report(log)
+            for line in log.splitlines():  # ptxas warnings, e.g. C7515 (serialised wgmma)
+                if "warning" in line.lower():
+                    print(f"{tag}: {line.strip()}")
             print(f"{tag}: regs {rep['regs']} stack {rep.get('stack')} spills {rep.get('spill_st')}/{rep.get('spill_ld')}")
             path = os.path.join(a.outdir, f"sm90_{tag}.cubin")
             open(path, "wb").write(cubin)

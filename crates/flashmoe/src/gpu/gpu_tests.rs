@@ -335,6 +335,79 @@ fn attention_v1_matches_gpu_reference() {
     });
 }
 
+/// The sm_90a look-ahead (the next work tile's first S issued with this tile's last P·V)
+/// against the same tile without it and the GPU reference, on problems with more work
+/// tiles than an H100 has SMs, so that each persistent CTA runs several in a row: causal
+/// (tiles of unequal length), a ragged query block (a warpgroup with no rows, which the
+/// look-ahead must not start), Sq > Sk causal (tiles that visit no key) and GQA.
+#[test]
+fn attention_sm90_lookahead_matches_reference() {
+    with_gpu("attention sm90 look-ahead", |dev| {
+        let problems = [
+            AttentionProblem::new(2, 16, 1024, 128, false, DType::Bf16),
+            AttentionProblem::new(4, 16, 1000, 128, true, DType::F16),
+            AttentionProblem::new(8, 32, 200, 128, false, DType::Bf16),
+            AttentionProblem {
+                seqlen_k: 500,
+                ..AttentionProblem::new(2, 16, 800, 128, true, DType::Bf16)
+            },
+            AttentionProblem {
+                heads_kv: 2,
+                ..AttentionProblem::new(4, 16, 640, 128, true, DType::Bf16)
+            },
+        ];
+        for p in problems {
+            let Ok(table) = attention::config::select(&p, dev.arch()) else {
+                continue;
+            };
+            if table.entry != attention::config::SM90_ENTRY {
+                eprintln!("attention sm90 look-ahead: skipped (not an sm_90a device)");
+                return;
+            }
+            let (q, k, v) = (
+                test_values(p.q_elems(), 21),
+                test_values(p.kv_elems(), 22),
+                test_values(p.kv_elems(), 23),
+            );
+            let mut tile = attention::config::sm90_tile_for(p.head_dim, p.causal, p.seqlen_q)
+                .expect("an sm_90a head dim");
+            tile.q_regs = true;
+            let mut outputs = Vec::new();
+            for lookahead in [false, true] {
+                tile.lookahead = lookahead;
+                let variant =
+                    attention::config::sm90_variant_for(&tile, p.dtype, p.causal).unwrap();
+                let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
+                r.poison_outputs(dev).unwrap();
+                r.run(dev).unwrap();
+                let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
+                let (ro, rlse) = r.run_reference(dev).unwrap();
+                let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
+                eprintln!("attention sm90 lookahead={lookahead} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
+                assert!(
+                    o.iter().all(|x| x.is_finite()),
+                    "{p} lookahead={lookahead}: unwritten/NaN output"
+                );
+                assert!(
+                    max_err < 2e-2,
+                    "{p} lookahead={lookahead}: max error {max_err}"
+                );
+                assert!(
+                    max_lse < 1e-2,
+                    "{p} lookahead={lookahead}: lse error {max_lse}"
+                );
+                outputs.push((o, lse));
+            }
+            // Same arithmetic in the same order per row: the look-ahead changes only when
+            // a tile's first S is issued, so O and the LSE match bit for bit.
+            assert!(
+                outputs[0] == outputs[1],
+                "{p}: the look-ahead changed the output"
+            );
+        }
+    });
+}
+
 /// The sm_90a kernel with the eager and the lazy O rescale (and Q from registers) on inputs whose row max grows by
 /// far more than the lazy slack (2^8) as the key tiles are visited (last to first): the
 /// keys' magnitude rises towards key 0, so the lazy path must move its reference max in
