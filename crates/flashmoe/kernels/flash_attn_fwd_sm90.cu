@@ -128,9 +128,13 @@ constexpr int NBAR = 2 + 4 * STAGES;
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (16 bytes)
 constexpr int SMEM_BYTES =
     1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * (2 * D + 16) + 8 * (2 + 4 * STAGES) + 16;
-// Register split (setmaxnreg): 24 for the producer, the rest for the consumers, within the
-// 64K register file: 128 * (24 + NCW * CONSUMER_REGS) <= 65536.
-constexpr int PRODUCER_REGS = 32;
+// Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
+// consumers take them from it, so the split must fit in what the launch allocated: the
+// __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
+// setmaxnreg.inc waits until the pool has the registers: a split above the allocation
+// hangs every consumer (a 32-register producer did at D=128, run 38: 4096 + 61440 > 64512).
+constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
+constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCW == 2 ? 240 : 160;
 
 static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192 or 256");
@@ -144,7 +148,7 @@ static_assert(!LOOKAHEAD || (FM_PIPE && FM_Q_REGS && !FM_PINGPONG), "FM_LOOKAHEA
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
-static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= 65536, "register split");
+static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREADS, "register split");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float lg2(float x) {

@@ -331,6 +331,16 @@ fn every_attention_variant_compiles_without_spills() {
                     if r.registers as u64 * row.variant.block_threads as u64 > regs_per_sm {
                         failures.push(format!("{what}: register cap at entry too high"));
                     }
+                    // The kernel's setmaxnreg split (static_assert against LAUNCH_REGS)
+                    // assumes the launch allocates the full cap per thread: with fewer,
+                    // setmaxnreg.inc would wait forever for registers the pool lacks.
+                    let cap = (65536 / row.variant.block_threads as u64) / 8 * 8;
+                    if r.registers as u64 != cap {
+                        failures.push(format!(
+                            "{what}: {} registers at entry, the setmaxnreg split assumes {cap}",
+                            r.registers
+                        ));
+                    }
                 }
                 if smem > smem_limit {
                     failures.push(format!(
