@@ -23,9 +23,6 @@
 //   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
 //                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
 //                  shared-memory traffic per QK^T, and Q is released at the tile's start
-//   FM_LOOKAHEAD   1 (with FM_Q_REGS, FM_PIPE, no ping-pong): the next work tile's first
-//                  S = Q K^T is issued right behind this tile's last P V and runs while
-//                  this tile's epilogue stores O
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
@@ -97,9 +94,6 @@
 #ifndef FM_Q_REGS
 #define FM_Q_REGS 0
 #endif
-#ifndef FM_LOOKAHEAD
-#define FM_LOOKAHEAD 0
-#endif
 #include "fm_sm90.cuh"
 
 namespace fm90 {
@@ -111,7 +105,6 @@ constexpr int NCW = FM_CONSUMERS;
 constexpr int BM = 64 * NCW;
 constexpr int THREADS = 128 * (NCW + 1);
 constexpr bool CAUSAL = FM_CAUSAL != 0;
-constexpr bool LOOKAHEAD = FM_LOOKAHEAD != 0;
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
@@ -142,9 +135,6 @@ static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 1
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
 static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
-// The look-ahead starts the next tile while this one runs: Q must be free at a tile's start
-// (Q in registers), and a started tile takes one ping-pong turn fewer than pass_tile passes.
-static_assert(!LOOKAHEAD || (FM_PIPE && FM_Q_REGS && !FM_PINGPONG), "FM_LOOKAHEAD needs FM_PIPE, FM_Q_REGS, no ping-pong");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
@@ -472,164 +462,87 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
     ring.advance(n_tiles);
 }
 
-// A consumer warpgroup's registers, carried from one work tile to the next when the
-// look-ahead (FM_LOOKAHEAD) started the next tile at the end of this one.
-struct ConsumerRegs {
-    float oacc[D / 2];  // O of this warpgroup's 64 rows, fp32
-    float sacc[BN / 2];  // S, then P in place
-    u32 pa[BN / 16][4];  // P in 16 bit, the A operand of O += P V
-    u32 qa[D / 16][4];  // Q fragments (FM_Q_REGS; unused and eliminated otherwise)
-    float m_i[2], l_i[2];  // per row: reference max (log2 domain), partial sum of P
-    __device__ __forceinline__ void reset_rows() {
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
-        m_i[0] = m_i[1] = neg_inf();
-        l_i[0] = l_i[1] = 0.f;
-    }
-};
-
-// Iterations [0, n_masked) of a work tile are the key tiles that need a mask: ragged key
-// tail (n0 + BN > Sk) or, when causal, a key beyond the warpgroup's first row's limit.
-__device__ __forceinline__ int masked_tiles(int m0w, int n_tiles, int seqlen_k, int diag) {
-    int thr = seqlen_k - BN + 1;
-    if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
-    const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
-    return max(0, n_tiles - first_masked);
-}
-
-// S of a work tile's first key tile (slot 0, waited for) to P: K released, mask, softmax
-// from the fresh row state, and P packed once V of that tile landed.
-__device__ __forceinline__ void first_p(ConsumerRegs& r, const Bars& bar, const SlotPhases& ring,
-                                        int n_tiles, int n_masked, int row0, int lane, int seqlen_k,
-                                        int diag, float scale_log2) {
-    float alpha[2];  // (1 or unused: O is zero)
-    release(bar.k_empty(0), lane);
-    if (0 < n_masked) mask_tile(r.sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
-    softmax_tile(r.sacc, r.m_i, r.l_i, alpha, scale_log2);
-    mbar_wait(bar.v_full(0), ring.parity(0, 0));  // V of key tile 0 (see consume's loop)
-    pack_p(r.sacc, r.pa);
-}
-
-// Epilogue of one work tile: normalise, LSE; 16-bit O through this warp's staging rows, so
-// that the global stores are whole 16-byte chunks of contiguous rows (from registers, each
-// store instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24).
-__device__ __forceinline__ void store_o(const ConsumerRegs& r, u32 sStage, int cw, int warp, int lane,
-                                        int m0w, int row0, int seqlen_q, u16* __restrict__ og,
-                                        i64 q_stride, float* __restrict__ lseg) {
-    constexpr float LN2 = 0.693147180559945309f;
-    const u32 stg = sStage + (cw * 4 + warp) * 16 * STAGE_PITCH;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = r.l_i[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
-        const bool seen = r.m_i[h] != neg_inf() && l > 0.f;
-        float inv = 0.f;
-        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
-        const int row = row0 + 8 * h;
-        if ((lane & 3) == 0 && row < seqlen_q)
-            lseg[row] = seen ? (r.m_i[h] + lg2(l)) * LN2 : neg_inf();
-        const u32 srow = stg + ((lane >> 2) + 8 * h) * STAGE_PITCH + 4 * (lane & 3);
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            st_shared_u32(srow + 16 * j, pack2(r.oacc[4 * j + 2 * h] * inv, r.oacc[4 * j + 2 * h + 1] * inv));
-    }
-    __syncwarp();
-    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-    const int wrow0 = m0w + warp * 16;
-#pragma unroll
-    for (int c = lane; c < 16 * CHUNKS; c += 32) {
-        const int rr = c / CHUNKS, col = c % CHUNKS;
-        u32 a, b, cc, d;
-        ld_shared_v4(stg + rr * STAGE_PITCH + col * 16, a, b, cc, d);
-        if (wrow0 + rr < seqlen_q) st_global_v4(og + (i64)(wrow0 + rr) * q_stride + col * 8, a, b, cc, d);
-    }
-    __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
-}
-
-// Where consume() leaves the consumer's walk over the posted work tiles.
-struct NextTile {
-    WorkTile w;
-    bool read;  // the next work tile was read here (its q_full phase waited for)
-    bool started;  // ... and its first S is done: Q in qa, P of key tile 0 in pa, the row
-                   // state from that key tile, Q released
-};
-
-// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of work tile i, `w` (its q_full
-// phase completed: Q landed, or no key is visible and Q was not loaded). `started`: the
-// look-ahead of tile i-1 already took this tile's first S.
-__device__ __forceinline__ NextTile consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, u32 tile_slot,
-                                            int cw, int i, const WorkTile& w, bool started, int seqlen_q,
-                                            int seqlen_k, int diag, float scale_log2, u16* __restrict__ og,
-                                            i64 q_stride, float* __restrict__ lseg, SlotPhases& ring,
-                                            ConsumerRegs& r) {
+// Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
+// (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
+__device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
+                                        int n_tiles, int seqlen_q, int seqlen_k, int diag,
+                                        float scale_log2, u16* __restrict__ og, i64 q_stride,
+                                        float* __restrict__ lseg, SlotPhases& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
-    const int n_tiles = w.n_tiles;
-    const int m0w = w.m0 + cw * 64;
-    NextTile next{w, false, false};
-    started = LOOKAHEAD && started;
     // No row of this warpgroup exists. (The vote tells ptxas the branch is warp-uniform;
     // a plain compare costs the loop its uniform datapath: R2UR 0 -> 32, 673 -> 765 SASS.)
     if (__all_sync(0xffffffffu, m0w >= seqlen_q)) {
         pass_tile(bar, cw, n_tiles, lane, ring);
-        return next;
+        return;
     }
     const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
-    const int n_masked = masked_tiles(m0w, n_tiles, seqlen_k, diag);
+
+    // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
+    // (n0 + BN > Sk) or, when causal, a key beyond this warpgroup's first row's limit.
+    int thr = seqlen_k - BN + 1;
+    if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
+    const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
+    const int n_masked = max(0, n_tiles - first_masked);
+
+    float oacc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
+    float m_i[2] = {neg_inf(), neg_inf()};
+    float l_i[2] = {0.f, 0.f};
     float alpha[2];
+    float sacc[BN / 2];
+    u32 pa[BN / 16][4];
 
     const u64 dq = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
     const u64 dk = smem_desc_sw128(sK, 16, 1024);
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
+    u32 qa[D / 16][4];  // Q fragments (FM_Q_REGS; unused and eliminated otherwise)
+    if (FM_Q_REGS && n_tiles > 0) load_q_frags(qa, sQ, cw, warp, lane);
     // Q and the posted tile are free: with FM_Q_REGS at once, else after the last S.
     const int q_last = FM_Q_REGS ? -1 : n_tiles - 1;
-    if (!started) {
-        r.reset_rows();
-        if (FM_Q_REGS && n_tiles > 0) load_q_frags(r.qa, sQ, cw, warp, lane);
-        if (n_tiles == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q was not loaded)
-    }
+    if (n_tiles == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q was not loaded)
     if (n_tiles > 0) {
 #if FM_PIPE
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
-        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0,
-        // unless the previous tile's look-ahead took it.
-        if (!started) {
-            mbar_wait(bar.k_full(0), ring.parity(0, 0));
-            turn_wait(cw);
-            wgmma_fence();
-            issue_s(r.sacc, r.qa, dq, dk, 0);
-            wgmma_commit();
-            turn_pass(cw);
-            wgmma_wait<0>();
-            reg_fence(r.sacc);
-            if (q_last == 0) release_q(bar);  // last S of this work tile
-            first_p(r, bar, ring, n_tiles, n_masked, row0, lane, seqlen_k, diag, scale_log2);
-        }
+        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
+        mbar_wait(bar.k_full(0), ring.parity(0, 0));
+        turn_wait(cw);
+        wgmma_fence();
+        issue_s(sacc, qa, dq, dk, 0);
+        wgmma_commit();
+        turn_pass(cw);
+        wgmma_wait<0>();
+        reg_fence(sacc);
+        release(bar.k_empty(0), lane);
+        if (q_last == 0) release_q(bar);  // last S of this work tile
+        if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
+        softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+        mbar_wait(bar.v_full(0), ring.parity(0, 0));  // V of tile 0 (see the loop)
+        pack_p(sacc, pa);
         int ps = 0;  // slot of the tile whose P is in pa (its V has landed)
         int s = STAGES > 1 ? 1 : 0;
         int round = STAGES > 1 ? 0 : 1;
         for (int it = 1; it < n_tiles; ++it) {
             const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
-            reg_fence(r.oacc);
+            reg_fence(oacc);
             turn_wait(cw);
             wgmma_fence();
-            issue_s(r.sacc, r.qa, dq, dk, s);
+            issue_s(sacc, qa, dq, dk, s);
             wgmma_commit();
-            issue_pv(r.oacc, r.pa, dv, ps);
+            issue_pv(oacc, pa, dv, ps);
             wgmma_commit();
             turn_pass(cw);
             wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
-            reg_fence(r.sacc);
+            reg_fence(sacc);
             release(bar.k_empty(s), lane);
             if (it == q_last) release_q(bar);  // last S of this work tile
-            if (it < n_masked) mask_tile(r.sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            const bool need_rescale = softmax_tile(r.sacc, r.m_i, r.l_i, alpha, scale_log2);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             // V of tile it (needed by the next P V) is waited for here, between the
             // softmax and the wait for P V of tile it-1, for a second reason: ptxas
             // schedules a wgmma wait at the top of its basic block, so without the
@@ -638,69 +551,25 @@ __device__ __forceinline__ NextTile consume(u32 sQ, u32 sK, u32 sV, u32 sStage, 
             // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
             mbar_wait(bar.v_full(s), ph);
             wgmma_wait<0>();
-            reg_fence(r.oacc);
-            reg_fence_u32(r.pa);  // pa stays live until the P V reading it has completed
+            reg_fence(oacc);
+            reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
             release(bar.v_empty(ps), lane);
-            rescale_o(r.oacc, alpha, need_rescale);
-            pack_p(r.sacc, r.pa);
+            rescale_o(oacc, alpha, need_rescale);
+            pack_p(sacc, pa);
             ps = s;
             if (++s == STAGES) {
                 s = 0;
                 ++round;
             }
         }
-        reg_fence(r.oacc);  // V of the last tile was waited for after its softmax
-        if (LOOKAHEAD) {
-            // sacc is dead (P is in pa). Defining it before the fence, on both paths of
-            // the look-ahead below, keeps ptxas from serialising every wgmma (C7515).
-#pragma unroll
-            for (int j = 0; j < BN / 2; ++j) r.sacc[j] = 0.f;
-            reg_fence(r.sacc);
-        }
+        reg_fence(oacc);  // V of the last tile was waited for after its softmax
         turn_wait(cw);
         wgmma_fence();
-        issue_pv(r.oacc, r.pa, dv, ps);
+        issue_pv(oacc, pa, dv, ps);
         wgmma_commit();
-        if (LOOKAHEAD) {
-            // The next work tile's first S, issued behind this tile's last P V so that it
-            // runs while this tile's epilogue stores O. Its Q landed while this tile ran
-            // (with FM_Q_REGS every tile releases Q at its start), and every tile starts
-            // at ring slot 0. ptxas tracks wgmma groups path-insensitively: both paths
-            // commit the same groups (an empty one without a next S) and wait
-            // unconditionally, or it serialises every wgmma of the kernel (C7515).
-            ring.advance(n_tiles);
-            mbar_wait(bar.q_full(), (i + 1) & 1);
-            next.w = read_tile(tile_slot);
-            next.read = true;
-            const int m0n = next.w.m0 + cw * 64;
-            next.started = __all_sync(0xffffffffu, next.w.head >= 0 && next.w.n_tiles > 0 && m0n < seqlen_q);
-            if (next.started) {
-                load_q_frags(r.qa, sQ, cw, warp, lane);
-                release_q(bar);
-                mbar_wait(bar.k_full(0), ring.parity(0, 0));
-                wgmma_fence();  // (qa was just written)
-                issue_s(r.sacc, r.qa, dq, dk, 0);
-                wgmma_commit();
-            } else {
-                wgmma_commit();  // an empty group: the waits below count the same groups
-            }
-            turn_pass(cw);
-            wgmma_wait<1>();  // the last P V is done; the next S may still run
-            reg_fence(r.oacc);
-            release(bar.v_empty(ps), lane);
-            store_o(r, sStage, cw, warp, lane, m0w, row0, seqlen_q, og, q_stride, lseg);
-            wgmma_wait<0>();
-            reg_fence(r.sacc);
-            if (next.started) {
-                r.reset_rows();
-                first_p(r, bar, ring, next.w.n_tiles, masked_tiles(m0n, next.w.n_tiles, seqlen_k, diag),
-                        m0n + warp * 16 + (lane >> 2), lane, seqlen_k, diag, scale_log2);
-            }
-            return next;
-        }
         turn_pass(cw);
         wgmma_wait<0>();
-        reg_fence(r.oacc);
+        reg_fence(oacc);
         release(bar.v_empty(ps), lane);
 #else
         // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
@@ -710,23 +579,23 @@ __device__ __forceinline__ NextTile consume(u32 sQ, u32 sK, u32 sV, u32 sStage, 
             const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
             wgmma_fence();
-            issue_s(r.sacc, r.qa, dq, dk, s);
+            issue_s(sacc, qa, dq, dk, s);
             wgmma_commit();
             wgmma_wait<0>();
-            reg_fence(r.sacc);
+            reg_fence(sacc);
             release(bar.k_empty(s), lane);
             if (it == q_last) release_q(bar);  // last S of this work tile
-            if (it < n_masked) mask_tile(r.sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            const bool need_rescale = softmax_tile(r.sacc, r.m_i, r.l_i, alpha, scale_log2);
-            rescale_o(r.oacc, alpha, need_rescale);
-            pack_p(r.sacc, r.pa);
+            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            rescale_o(oacc, alpha, need_rescale);
+            pack_p(sacc, pa);
             mbar_wait(bar.v_full(s), ph);
-            reg_fence(r.oacc);
+            reg_fence(oacc);
             wgmma_fence();
-            issue_pv(r.oacc, r.pa, dv, s);
+            issue_pv(oacc, pa, dv, s);
             wgmma_commit();
             wgmma_wait<0>();
-            reg_fence(r.oacc);
+            reg_fence(oacc);
             release(bar.v_empty(s), lane);
             if (++s == STAGES) {
                 s = 0;
@@ -736,8 +605,40 @@ __device__ __forceinline__ NextTile consume(u32 sQ, u32 sK, u32 sV, u32 sStage, 
 #endif
     }
     ring.advance(n_tiles);
-    store_o(r, sStage, cw, warp, lane, m0w, row0, seqlen_q, og, q_stride, lseg);
-    return next;
+
+    // ---- epilogue: normalise, LSE; 16-bit O through this warp's staging rows, so that
+    // the global stores are whole 16-byte chunks of contiguous rows (from registers, each
+    // store instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24).
+    constexpr float LN2 = 0.693147180559945309f;
+    const u32 stg = sStage + (cw * 4 + warp) * 16 * STAGE_PITCH;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_i[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
+        const bool seen = m_i[h] != neg_inf() && l > 0.f;
+        float inv = 0.f;
+        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
+        const int row = row0 + 8 * h;
+        if ((lane & 3) == 0 && row < seqlen_q)
+            lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
+        const u32 srow = stg + ((lane >> 2) + 8 * h) * STAGE_PITCH + 4 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            st_shared_u32(srow + 16 * j, pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
+    }
+    __syncwarp();
+    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+    const int wrow0 = m0w + warp * 16;
+#pragma unroll
+    for (int c = lane; c < 16 * CHUNKS; c += 32) {
+        const int r = c / CHUNKS, col = c % CHUNKS;
+        u32 a, b, cc, d;
+        ld_shared_v4(stg + r * STAGE_PITCH + col * 16, a, b, cc, d);
+        if (wrow0 + r < seqlen_q) st_global_v4(og + (i64)(wrow0 + r) * q_stride + col * 8, a, b, cc, d);
+    }
+    __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
 }
 
 }  // namespace fm90
@@ -812,19 +713,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         const int cw = wg - 1;
         if (FM_PINGPONG && cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
         const i64 q_stride = (i64)heads_q * D;
-        ConsumerRegs r;
-        NextTile at{WorkTile{}, false, false};  // what the previous tile's look-ahead read
         for (int i = 0;; ++i) {
-            if (!LOOKAHEAD || !at.read) {
-                mbar_wait(bar.q_full(), i & 1);
-                at.w = read_tile(tile_slot);
-            }
-            const WorkTile w = at.w;
+            mbar_wait(bar.q_full(), i & 1);
+            const WorkTile w = read_tile(tile_slot);
             if (w.head < 0) break;
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
-            at = consume(sQ, sK, sV, base + OFF_STAGE, bar, tile_slot, cw, i, w, at.started, seqlen_q, seqlen_k,
-                         diag, softmax_scale_log2, og, q_stride, lseg, ring, r);
+            consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
+                    softmax_scale_log2, og, q_stride, lseg, ring);
         }
     }
 }

@@ -381,10 +381,6 @@ pub struct Sm90Tile {
     /// Q in registers: each consumer reads its Q rows once per work tile and S = QKᵀ takes
     /// A from registers (wgmma RS). Two consumers only (three have 160 registers each).
     pub q_regs: bool,
-    /// Look-ahead: the next work tile's first S = QKᵀ is issued right behind this tile's
-    /// last P·V and runs while this tile's epilogue stores O. Needs `q_regs` (Q is free at
-    /// a tile's start), `pipe` and no `pingpong`.
-    pub lookahead: bool,
     /// Persistent grid: at most one CTA per SM, each taking work tiles from the kernel's
     /// rank dispenser (one atomic per tile), so the next tile's loads overlap this tile's
     /// last GEMMs and epilogue. Dynamic, so causal tiles of unequal cost balance too (a
@@ -437,9 +433,6 @@ impl Sm90Tile {
         if self.q_regs && self.consumers != 2 {
             return Err("q_regs needs 2 consumers (3 spill at 160 registers per thread)".into());
         }
-        if self.lookahead && !(self.q_regs && self.pipe && !self.pingpong) {
-            return Err("lookahead needs q_regs and pipe, without pingpong".into());
-        }
         if self.shared_mem_bytes() > MAX_SMEM_SM90 {
             return Err(format!(
                 "{} bytes of shared memory exceed the 227 KB per block",
@@ -460,7 +453,6 @@ impl Sm90Tile {
             kv("FM_POLY_EXP", self.poly_exp),
             kv("FM_LAZY_RESCALE", self.lazy_rescale as u32),
             kv("FM_Q_REGS", self.q_regs as u32),
-            kv("FM_LOOKAHEAD", self.lookahead as u32),
         ]);
         d
     }
@@ -470,8 +462,7 @@ impl Sm90Tile {
 /// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PIPE,PINGPONG[,key=value..][;D:...]"`,
 /// e.g. `128:128,2,2,1,1` or `128:128,2,2,1,0,lazy=0`. Optional keys: `lazy` (0/1, the
 /// lazy O rescale, default 1 as in the table), `poly` (0..=8, eighths of the
-/// exponentials on the FMA pipe, default 0), `qregs` (0/1, Q in registers, default 0) and
-/// `ahead` (0/1, the next work tile's first S issued with this one's last P·V, default 0). Head
+/// exponentials on the FMA pipe, default 0) and `qregs` (0/1, Q in registers, default 0). Head
 /// dims it does not name keep the table's tile. Benchmark manifests record it
 /// (flashmoe-bench `Manifest::kernel_overrides`).
 pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
@@ -512,7 +503,6 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             poly_exp: 0,
             lazy_rescale: true,
             q_regs: false,
-            lookahead: false,
             persistent: true,
         };
         for opt in &fields[5..] {
@@ -523,12 +513,7 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
                 "lazy" => tile.lazy_rescale = flag(num(value)?, "lazy")?,
                 "poly" => tile.poly_exp = num(value)?,
                 "qregs" => tile.q_regs = flag(num(value)?, "qregs")?,
-                "ahead" => tile.lookahead = flag(num(value)?, "ahead")?,
-                other => {
-                    return Err(bad(&format!(
-                        "unknown key '{other}' (lazy, poly, qregs, ahead)"
-                    )))
-                }
+                other => return Err(bad(&format!("unknown key '{other}' (lazy, poly, qregs)"))),
             }
         }
         if !SM90_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
@@ -607,7 +592,6 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
         // Q in registers at D=128: +1.2 % geomean over the D=128 A/B shapes, ncu -2.6 % at
         // S=4096 (run 34, H100). D=64's three consumers have no registers for it.
         q_regs: head_dim == 128,
-        lookahead: false,
         persistent,
     };
     //                D    (BN, ST, CONS)  PIPE  PINGPONG PERSISTENT
@@ -726,23 +710,11 @@ pub fn all_sm90_variants() -> Vec<KernelVariant> {
                 // Long and short query sequences (they differ for causal D=64).
                 let long = sm90_tile_for(d, causal, usize::MAX).expect("table covers the dims");
                 let short = sm90_tile_for(d, causal, 1).expect("table covers the dims");
-                let mut tiles = if long == short {
+                for tile in if long == short {
                     vec![long]
                 } else {
                     vec![long, short]
-                };
-                // The look-ahead toggled where the tile allows it (an A/B switch of
-                // FLASHMOE_SM90_TILE), so that it stays free of spills and C7515 too.
-                let toggled: Vec<Sm90Tile> = tiles
-                    .iter()
-                    .map(|t| Sm90Tile {
-                        lookahead: !t.lookahead,
-                        ..*t
-                    })
-                    .filter(|t| t.check().is_ok())
-                    .collect();
-                tiles.extend(toggled);
-                for tile in tiles {
+                } {
                     out.push(
                         sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"),
                     );
@@ -1002,7 +974,6 @@ mod tests {
             assert_eq!(def_u32(v, "FM_POLY_EXP"), t.poly_exp);
             assert_eq!(def_u32(v, "FM_LAZY_RESCALE"), t.lazy_rescale as u32);
             assert_eq!(def_u32(v, "FM_Q_REGS"), t.q_regs as u32);
-            assert_eq!(def_u32(v, "FM_LOOKAHEAD"), t.lookahead as u32);
             assert_eq!(
                 v.abi,
                 KernelAbi::TensorMaps {
@@ -1044,9 +1015,7 @@ mod tests {
         assert!(t[1].pingpong && t[1].persistent);
         assert!(t[0].lazy_rescale && t[0].poly_exp == 0);
         let t = parse_sm90_tile_override("128:128,2,2,1,0,lazy=0,poly=2,qregs=1").unwrap();
-        assert!(!t[0].lazy_rescale && t[0].poly_exp == 2 && t[0].q_regs && !t[0].lookahead);
-        let t = parse_sm90_tile_override("128:128,2,2,1,0,qregs=1,ahead=1").unwrap();
-        assert!(t[0].q_regs && t[0].lookahead);
+        assert!(!t[0].lazy_rescale && t[0].poly_exp == 2 && t[0].q_regs);
         assert!(parse_sm90_tile_override("").unwrap().is_empty());
         for (spec, needle) in [
             ("128", "expected D:BN"),
@@ -1059,11 +1028,6 @@ mod tests {
             ("128:128,2,2,1,0,poly=9", "poly_exp 9"),
             ("128:128,2,lazy=1", "5 numbers"),
             ("64:128,3,3,1,1,qregs=1", "q_regs needs 2 consumers"),
-            ("128:128,2,2,1,0,ahead=1", "lookahead needs q_regs"),
-            (
-                "128:128,2,2,1,1,qregs=1,ahead=1",
-                "lookahead needs q_regs and pipe, without pingpong",
-            ),
             ("128:100,2,2,1,0", "block_n 100"),
             ("128:256,4,2,1,0", "shared memory"),
             // With the O staging rows, D=128 has room for 2 stages of 128-key tiles only.
