@@ -412,6 +412,14 @@ __device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&al
         }
 }
 
+// Always 0, but computed from x: a wait whose parity takes it cannot be scheduled before x
+// is (ptxas reorders freely around a try-wait otherwise; see the V wait in consume()).
+__device__ __forceinline__ u32 zero_after(float x) {
+    u32 z;
+    asm volatile("min.u32 %0, %1, 0;\n" : "=r"(z) : "r"(__float_as_uint(x)));
+    return z;
+}
+
 // Ping-pong schedule between the consumer warpgroups: warpgroup cw waits for its turn
 // (named barrier 1 + cw, 256 threads: its own 128 sync, the other's 128 arrive) before
 // issuing GEMMs and hands the turn over right after issuing.
@@ -434,6 +442,23 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
 // credits a thread's own arrival: python/dev/racecheck_mbarrier_probe.cu).
 __device__ __forceinline__ void release_q(const Bars& bar) { mbar_arrive(bar.q_empty()); }
 
+// One key tile (ring slot s, round `round`) passed without computing: the slot is
+// released as soon as it is full, and the warpgroup's ping-pong turn is passed on.
+__device__ __forceinline__ void pass_key_tile(const Bars& bar, int cw, int lane, const SlotPhases& ring,
+                                              int& s, int& round) {
+    const u32 ph = ring.parity(s, round);
+    mbar_wait(bar.k_full(s), ph);
+    release(bar.k_empty(s), lane);
+    turn_wait(cw);
+    turn_pass(cw);
+    mbar_wait(bar.v_full(s), ph);
+    release(bar.v_empty(s), lane);
+    if (++s == STAGES) {
+        s = 0;
+        ++round;
+    }
+}
+
 // A consumer warpgroup whose 64 rows all lie past the last query row (in the ragged last
 // query block, e.g. S=512 with 192-row tiles: 2 x 192 + 128): it computes nothing, so
 // the tensor cores serve the other warpgroups alone, but it keeps the protocol. It
@@ -442,19 +467,7 @@ __device__ __forceinline__ void release_q(const Bars& bar) { mbar_arrive(bar.q_e
 __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, int lane, SlotPhases& ring) {
     release_q(bar);
     int s = 0, round = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-        const u32 ph = ring.parity(s, round);
-        mbar_wait(bar.k_full(s), ph);
-        release(bar.k_empty(s), lane);
-        turn_wait(cw);
-        turn_pass(cw);
-        mbar_wait(bar.v_full(s), ph);
-        release(bar.v_empty(s), lane);
-        if (++s == STAGES) {
-            s = 0;
-            ++round;
-        }
-    }
+    for (int it = 0; it < n_tiles; ++it) pass_key_tile(bar, cw, lane, ring, s, round);
     if (FM_PIPE && n_tiles > 0) {  // consume()'s last turn: the final P V
         turn_wait(cw);
         turn_pass(cw);
@@ -485,6 +498,20 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
     const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
     const int n_masked = max(0, n_tiles - first_masked);
+    // Causal: the first key tiles visited (the highest keys) can lie entirely past the
+    // limit of this warpgroup's last row. With 192-row work tiles and 128-key tiles that is
+    // one key tile for 1 or 2 of the 3 warpgroups of every work tile. The warpgroup passes
+    // them (pass_key_tile) and starts computing at iteration `skip`. (The reduction keeps
+    // skip, and with it the loop's slot arithmetic, on the uniform datapath.) Only where
+    // BM > BN: with BM = BN it is 0 on square problems, and the variable start costs the
+    // steady-state loop 20 instructions at D=128 (673 -> 693).
+    int skip = 0;
+    if (CAUSAL && FM_PIPE && BM > BN) {
+        const int lim = m0w + 63 + diag;  // the last row sees keys <= lim
+        const int visible = lim < 0 ? 0 : min(n_tiles, lim / BN + 1);
+        skip = __reduce_max_sync(0xffffffffu, n_tiles - visible);
+    }
+    const int n_vis = n_tiles - skip;  // key tiles this warpgroup computes
 
     float oacc[D / 2];
 #pragma unroll
@@ -500,33 +527,42 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     const u64 dv = smem_desc_sw128(sV, HALF_KV, 1024);  // MN-major: LBO = next 64 columns of D
 
     u32 qa[D / 16][4];  // Q fragments (FM_Q_REGS; unused and eliminated otherwise)
-    if (FM_Q_REGS && n_tiles > 0) load_q_frags(qa, sQ, cw, warp, lane);
+    if (FM_Q_REGS && n_vis > 0) load_q_frags(qa, sQ, cw, warp, lane);
     // Q and the posted tile are free: with FM_Q_REGS at once, else after the last S.
     const int q_last = FM_Q_REGS ? -1 : n_tiles - 1;
-    if (n_tiles == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q was not loaded)
+    if (n_vis == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q is not read)
     if (n_tiles > 0) {
 #if FM_PIPE
+        int s = 0, round = 0;  // ring slot of iteration `it` and its round
+        for (int it = 0; it < skip; ++it) pass_key_tile(bar, cw, lane, ring, s, round);
+        if (n_vis == 0) {  // consume()'s last turn (the final P V), as pass_tile
+            turn_wait(cw);
+            turn_pass(cw);
+        } else {
         // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
         // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
-        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of tile 0.
-        mbar_wait(bar.k_full(0), ring.parity(0, 0));
+        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of the first
+        // computed key tile (iteration skip, in slot s).
+        mbar_wait(bar.k_full(s), ring.parity(s, round));
         turn_wait(cw);
         wgmma_fence();
-        issue_s(sacc, qa, dq, dk, 0);
+        issue_s(sacc, qa, dq, dk, s);
         wgmma_commit();
         turn_pass(cw);
         wgmma_wait<0>();
         reg_fence(sacc);
-        release(bar.k_empty(0), lane);
-        if (q_last == 0) release_q(bar);  // last S of this work tile
-        if (0 < n_masked) mask_tile(sacc, (n_tiles - 1) * BN, row0, lane, seqlen_k, diag);
+        release(bar.k_empty(s), lane);
+        if (q_last == skip) release_q(bar);  // last S of this work tile
+        if (skip < n_masked) mask_tile(sacc, (n_tiles - 1 - skip) * BN, row0, lane, seqlen_k, diag);
         softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
-        mbar_wait(bar.v_full(0), ring.parity(0, 0));  // V of tile 0 (see the loop)
+        mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
         pack_p(sacc, pa);
-        int ps = 0;  // slot of the tile whose P is in pa (its V has landed)
-        int s = STAGES > 1 ? 1 : 0;
-        int round = STAGES > 1 ? 0 : 1;
-        for (int it = 1; it < n_tiles; ++it) {
+        int ps = s;  // slot of the tile whose P is in pa (its V has landed)
+        if (++s == STAGES) {
+            s = 0;
+            ++round;
+        }
+        for (int it = skip + 1; it < n_tiles; ++it) {
             const u32 ph = ring.parity(s, round);
             mbar_wait(bar.k_full(s), ph);
             reg_fence(oacc);
@@ -549,7 +585,10 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             // try-wait's branch in between, the wait for P V would be hoisted above the
             // whole softmax and the softmax would no longer overlap P V (SASS before:
             // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
-            mbar_wait(bar.v_full(s), ph);
+            // The parity takes the softmax's sums through zero_after, so the try-wait
+            // itself cannot move up into the softmax either (with the causal skip it did:
+            // 33 of the 66 MUFU.EX2 of D=64 after the wait; now all 66 before it).
+            mbar_wait(bar.v_full(s), ph ^ zero_after(l_i[0]) ^ zero_after(l_i[1]));
             wgmma_wait<0>();
             reg_fence(oacc);
             reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
@@ -571,6 +610,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         wgmma_wait<0>();
         reg_fence(oacc);
         release(bar.v_empty(ps), lane);
+        }
 #else
         // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
         // other's softmax with their GEMMs, unsynchronised).

@@ -271,8 +271,18 @@ fn attention_v1_matches_gpu_reference() {
             // Causal with more tiles than SMs: tiles of unequal cost from the dispenser.
             AttentionProblem::new(2, 16, 1000, 128, true, DType::Bf16),
             AttentionProblem::new(2, 16, 1000, 64, true, DType::Bf16),
-            // Causal D=64 past SM90_SHORT_CAUSAL_D64_MAX_SQ: the three-consumer tile.
+            // Causal D=64 past SM90_SHORT_CAUSAL_D64_MAX_SQ: the three-consumer tile, whose
+            // warpgroups pass the leading key tiles their rows cannot see; with Sk > Sq
+            // and Sk < Sq (some warpgroups then see no key of a tile that has keys).
             AttentionProblem::new(1, 8, 1500, 64, true, DType::F16),
+            AttentionProblem {
+                seqlen_k: 1900,
+                ..AttentionProblem::new(1, 4, 1300, 64, true, DType::Bf16)
+            },
+            AttentionProblem {
+                seqlen_k: 1100,
+                ..AttentionProblem::new(1, 4, 1500, 64, true, DType::Bf16)
+            },
             // Causal with Sq > Sk: the first 300 query rows see no key, so whole work tiles
             // visit no key tile (O = 0, LSE = -inf without loading Q).
             AttentionProblem {
