@@ -105,6 +105,9 @@ constexpr int NCW = FM_CONSUMERS;
 constexpr int BM = 64 * NCW;
 constexpr int THREADS = 128 * (NCW + 1);
 constexpr bool CAUSAL = FM_CAUSAL != 0;
+// Causal work tiles taller than a key tile: some warpgroups cannot see the first key tiles
+// visited, and pass them (consume()).
+constexpr bool SKIP_MASKED = CAUSAL && FM_PIPE && BM > FM_BLOCK_N;
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
@@ -506,7 +509,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     // BM > BN: with BM = BN it is 0 on square problems, and the variable start costs the
     // steady-state loop 20 instructions at D=128 (673 -> 693).
     int skip = 0;
-    if (CAUSAL && FM_PIPE && BM > BN) {
+    if (SKIP_MASKED) {
         const int lim = m0w + 63 + diag;  // the last row sees keys <= lim
         const int visible = lim < 0 ? 0 : min(n_tiles, lim / BN + 1);
         skip = __reduce_max_sync(0xffffffffu, n_tiles - visible);
@@ -585,10 +588,12 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             // try-wait's branch in between, the wait for P V would be hoisted above the
             // whole softmax and the softmax would no longer overlap P V (SASS before:
             // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
-            // The parity takes the softmax's sums through zero_after, so the try-wait
-            // itself cannot move up into the softmax either (with the causal skip it did:
-            // 33 of the 66 MUFU.EX2 of D=64 after the wait; now all 66 before it).
-            mbar_wait(bar.v_full(s), ph ^ zero_after(l_i[0]) ^ zero_after(l_i[1]));
+            // With the causal skip (BM > BN), the try-wait itself moved up into the softmax
+            // (33 of the 66 MUFU.EX2 after it): there its parity takes the softmax's sums
+            // through zero_after, which keeps all 66 before it. (Elsewhere that order measured
+            // 1-2 % slower at D=64 S <= 1024, run 42, so those variants keep main's schedule.)
+            const u32 after_softmax = SKIP_MASKED ? zero_after(l_i[0]) ^ zero_after(l_i[1]) : 0u;
+            mbar_wait(bar.v_full(s), ph ^ after_softmax);
             wgmma_wait<0>();
             reg_fence(oacc);
             reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
