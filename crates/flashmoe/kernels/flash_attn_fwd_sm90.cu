@@ -542,79 +542,79 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             turn_wait(cw);
             turn_pass(cw);
         } else {
-        // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
-        // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
-        // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of the first
-        // computed key tile (iteration skip, in slot s).
-        mbar_wait(bar.k_full(s), ring.parity(s, round));
-        turn_wait(cw);
-        wgmma_fence();
-        issue_s(sacc, qa, dq, dk, s);
-        wgmma_commit();
-        turn_pass(cw);
-        wgmma_wait<0>();
-        reg_fence(sacc);
-        release(bar.k_empty(s), lane);
-        if (q_last == skip) release_q(bar);  // last S of this work tile
-        if (skip < n_masked) mask_tile(sacc, (n_tiles - 1 - skip) * BN, row0, lane, seqlen_k, diag);
-        softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
-        mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
-        pack_p(sacc, pa);
-        int ps = s;  // slot of the tile whose P is in pa (its V has landed)
-        if (++s == STAGES) {
-            s = 0;
-            ++round;
-        }
-        for (int it = skip + 1; it < n_tiles; ++it) {
-            const u32 ph = ring.parity(s, round);
-            mbar_wait(bar.k_full(s), ph);
-            reg_fence(oacc);
+            // Software pipeline inside the warpgroup: the scores of tile i+1 are computed by
+            // the tensor cores while this warpgroup runs the softmax of tile i+1 and P V of
+            // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of the first
+            // computed key tile (iteration skip, in slot s).
+            mbar_wait(bar.k_full(s), ring.parity(s, round));
             turn_wait(cw);
             wgmma_fence();
             issue_s(sacc, qa, dq, dk, s);
             wgmma_commit();
-            issue_pv(oacc, pa, dv, ps);
-            wgmma_commit();
             turn_pass(cw);
-            wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
+            wgmma_wait<0>();
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
-            if (it == q_last) release_q(bar);  // last S of this work tile
-            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
-            // V of tile it (needed by the next P V) is waited for here, between the
-            // softmax and the wait for P V of tile it-1, for a second reason: ptxas
-            // schedules a wgmma wait at the top of its basic block, so without the
-            // try-wait's branch in between, the wait for P V would be hoisted above the
-            // whole softmax and the softmax would no longer overlap P V (SASS before:
-            // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
-            // With the causal skip (BM > BN), the try-wait itself moved up into the softmax
-            // (33 of the 66 MUFU.EX2 after it): there its parity takes the softmax's sums
-            // through zero_after, which keeps all 66 before it. (Elsewhere that order measured
-            // 1-2 % slower at D=64 S <= 1024, run 42, so those variants keep main's schedule.)
-            const u32 after_softmax = SKIP_MASKED ? zero_after(l_i[0]) ^ zero_after(l_i[1]) : 0u;
-            mbar_wait(bar.v_full(s), ph ^ after_softmax);
-            wgmma_wait<0>();
-            reg_fence(oacc);
-            reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
-            release(bar.v_empty(ps), lane);
-            rescale_o(oacc, alpha, need_rescale);
+            if (q_last == skip) release_q(bar);  // last S of this work tile
+            if (skip < n_masked) mask_tile(sacc, (n_tiles - 1 - skip) * BN, row0, lane, seqlen_k, diag);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
             pack_p(sacc, pa);
-            ps = s;
+            int ps = s;  // slot of the tile whose P is in pa (its V has landed)
             if (++s == STAGES) {
                 s = 0;
                 ++round;
             }
-        }
-        reg_fence(oacc);  // V of the last tile was waited for after its softmax
-        turn_wait(cw);
-        wgmma_fence();
-        issue_pv(oacc, pa, dv, ps);
-        wgmma_commit();
-        turn_pass(cw);
-        wgmma_wait<0>();
-        reg_fence(oacc);
-        release(bar.v_empty(ps), lane);
+            for (int it = skip + 1; it < n_tiles; ++it) {
+                const u32 ph = ring.parity(s, round);
+                mbar_wait(bar.k_full(s), ph);
+                reg_fence(oacc);
+                turn_wait(cw);
+                wgmma_fence();
+                issue_s(sacc, qa, dq, dk, s);
+                wgmma_commit();
+                issue_pv(oacc, pa, dv, ps);
+                wgmma_commit();
+                turn_pass(cw);
+                wgmma_wait<1>();  // S of tile it is ready; P V of tile it-1 may still run
+                reg_fence(sacc);
+                release(bar.k_empty(s), lane);
+                if (it == q_last) release_q(bar);  // last S of this work tile
+                if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+                const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+                // V of tile it (needed by the next P V) is waited for here, between the
+                // softmax and the wait for P V of tile it-1, for a second reason: ptxas
+                // schedules a wgmma wait at the top of its basic block, so without the
+                // try-wait's branch in between, the wait for P V would be hoisted above the
+                // whole softmax and the softmax would no longer overlap P V (SASS before:
+                // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
+                // With the causal skip (BM > BN), the try-wait itself moved up into the softmax
+                // (33 of the 66 MUFU.EX2 after it): there its parity takes the softmax's sums
+                // through zero_after, which keeps all 66 before it. (Elsewhere that order measured
+                // 1-2 % slower at D=64 S <= 1024, run 42, so those variants keep main's schedule.)
+                const u32 after_softmax = SKIP_MASKED ? zero_after(l_i[0]) ^ zero_after(l_i[1]) : 0u;
+                mbar_wait(bar.v_full(s), ph ^ after_softmax);
+                wgmma_wait<0>();
+                reg_fence(oacc);
+                reg_fence_u32(pa);  // pa stays live until the P V reading it has completed
+                release(bar.v_empty(ps), lane);
+                rescale_o(oacc, alpha, need_rescale);
+                pack_p(sacc, pa);
+                ps = s;
+                if (++s == STAGES) {
+                    s = 0;
+                    ++round;
+                }
+            }
+            reg_fence(oacc);  // V of the last tile was waited for after its softmax
+            turn_wait(cw);
+            wgmma_fence();
+            issue_pv(oacc, pa, dv, ps);
+            wgmma_commit();
+            turn_pass(cw);
+            wgmma_wait<0>();
+            reg_fence(oacc);
+            release(bar.v_empty(ps), lane);
         }
 #else
         // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
