@@ -12,9 +12,11 @@ full/empty pair. Every arrival names the use it releases (the arriver's own coun
 uses of that barrier) and must land in the phase in progress, so an early arrival mixing
 into an earlier phase is caught. Per work tile, a random number of trailing warpgroups
 (0..NCW-1, drawn with the tile costs) have no query row and take pass_tile: they release
-Q at once and each slot right after its full wait. The others consume(): they release a
-slot after reading it and Q either at the tile start (FM_Q_REGS, drawn per trial) or
-after the last S. Random grids, work tile costs (0 key tiles included) and interleavings;
+Q at once and each slot right after its full wait. The others consume(): they first pass a
+random number of leading key tiles the same way (the causal skip of key tiles past their
+last row; all of them at times, and then they release Q at once), then release each slot
+after reading it, and Q either at the tile start (FM_Q_REGS, drawn per trial) or after the
+last S. Random grids, work tile costs (0 key tiles included) and interleavings;
 two launches per dispenser. Not modelled: the ping-pong turns (named barriers) and the
 separate K / V halves of a slot.
 
@@ -113,7 +115,7 @@ class Cta:
     def __init__(self, stages, ncw, bug):
         self.ncw = ncw
         self.q_full, self.q_empty = Barrier(1), Barrier(ncw)  # q_empty: NCW * 128 threads
-        self.tile = None  # (rank, n key tiles, n idle consumers) or "end"
+        self.tile = None  # (rank, n key tiles, n idle consumers, skips) or "end"
         self.unread = set()  # consumers that have not read the posted tile yet
         self.q = None  # the rank whose Q tile is in shared memory
         n_empty = ncw - 1 if bug == "empty_count" else ncw  # k/v_empty: NCW * 4 warps
@@ -141,8 +143,8 @@ def producer(tiles, grid, disp, cta, stages):
             yield
             disp.leave(grid)
             return
-        n, n_idle = tiles[rank]
-        cta.tile = (rank, n, n_idle)
+        n, n_idle, skips = tiles[rank]
+        cta.tile = (rank, n, n_idle, skips)
         if n > 0:
             cta.q = rank  # the Q load of this tile (lands before q_full completes)
         rank_now, rank = rank, disp.draw()  # drawn early, as the kernel does
@@ -199,57 +201,44 @@ def consumer(c, cta, stages, q_regs, done, bug):
         cta.unread.remove(c)
         if tile == "end":
             return
-        rank, n, n_idle = tile
+        rank, n, n_idle, skips = tile
         done.append((rank, c))
         idle = c >= cta.ncw - n_idle  # the trailing warpgroups have no query row
-        if idle:
-            # pass_tile: Q at once, then each slot released as soon as it is full.
-            if bug != "idle_no_q":
+        # Leading key tiles this warpgroup passes without computing: all of them with no
+        # row (pass_tile), else those past its last row's causal limit (consume's skip).
+        passed = n if idle else skips[c]
+        # Q: released at once by pass_tile, by a warpgroup that computes no key tile, with
+        # FM_Q_REGS (Q into registers), and when the tile loaded no Q; else after the last S.
+        if n == 0 or q_regs or passed == n or bug == "q_early":
+            if not (idle and bug == "idle_no_q"):
                 cta.q_empty.arrive(i)
-            if bug == "idle_q_twice":
+            if idle and bug == "idle_q_twice":
                 cta.q_empty.arrive(i)
-            yield
-            s = rnd = 0
-            for it in range(n):
-                u = uses[s]
-                ph = ring.parity(s, rnd)
-                assert ph == u & 1
-                if bug == "idle_release_early":
-                    release_slot(cta, s, c, u)
-                yield from spin(lambda: cta.full[s].done(ph))
-                assert cta.full[s].phase == u + 1, f"consumer {c}: slot {s} use {u} at full phase {cta.full[s].phase}"
-                if bug != "idle_release_early":
-                    read_slot(cta, s, c, rank, it)
-                    if not (bug == "idle_skip_slot" and it == 0):
-                        release_slot(cta, s, c, u)
-                uses[s] += 1
-                s += 1
-                if s == stages:
-                    s, rnd = 0, rnd + 1
-                yield
-            ring.advance(n)
-            i += 1
-            continue
-        # consume(): with FM_Q_REGS, Q into registers and released at once; a tile with no
-        # key loaded no Q and releases it at once too; otherwise Q goes after the last S.
-        if n > 0 and q_regs:
+        if passed < n and q_regs:
             assert cta.q == rank, f"consumer {c} rank {rank}: Q of rank {cta.q} loaded into registers"
-        if n == 0 or q_regs or bug == "q_early":
-            cta.q_empty.arrive(i)
+        yield
         s = rnd = 0
         for it in range(n):
             u = uses[s]
             ph = ring.parity(s, rnd)
             assert ph == u & 1
+            if it < passed and bug == "idle_release_early":
+                release_slot(cta, s, c, u)
             yield from spin(lambda: cta.full[s].done(ph))
             assert cta.full[s].phase == u + 1, f"consumer {c}: slot {s} use {u} at full phase {cta.full[s].phase}"
-            read_slot(cta, s, c, rank, it)  # S = Q K^T (and later P V) read the slot
-            if not q_regs:
-                assert cta.q == rank, f"consumer {c} rank {rank} step {it}: Q of rank {cta.q} in shared memory"
-            yield  # softmax, P V
-            release_slot(cta, s, c, u)
-            if it == n - 1 and ((not q_regs and bug != "q_early") or bug == "q_twice"):
-                cta.q_empty.arrive(i)  # last S of this work tile: Q and the posted tile are free
+            if it < passed:  # pass_key_tile: released as soon as it is full
+                if bug != "idle_release_early":
+                    read_slot(cta, s, c, rank, it)
+                    if not (bug == "idle_skip_slot" and it == 0):
+                        release_slot(cta, s, c, u)
+            else:
+                read_slot(cta, s, c, rank, it)  # S = Q K^T (and later P V) read the slot
+                if not q_regs:
+                    assert cta.q == rank, f"consumer {c} rank {rank} step {it}: Q of rank {cta.q} in shared memory"
+                yield  # softmax, P V
+                release_slot(cta, s, c, u)
+                if it == n - 1 and ((not q_regs and bug != "q_early") or bug == "q_twice"):
+                    cta.q_empty.arrive(i)  # last S of this work tile: Q and the posted tile are free
             uses[s] += 1
             s += 1
             if s == stages:
@@ -299,9 +288,13 @@ def trial(rng, stages, bug=None):
     q_regs = rng.random() < 0.5  # FM_Q_REGS
     disp = Dispenser()
     for _ in range(2):  # two launches on one dispenser: the reset must hold
-        # Per rank: key tiles, and how many trailing consumers have no row (pass_tile).
-        tiles = [(rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9]), rng.randint(0, ncw - 1))
-                 for _ in range(rng.randint(0, 14))]
+        # Per rank: key tiles, how many trailing consumers have no row (pass_tile), and
+        # per consumer the leading key tiles it passes (the causal skip; all of them at times).
+        tiles = []
+        for _ in range(rng.randint(0, 14)):
+            n = rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9])
+            skips = tuple(rng.choice([0, 0, 1, 1, 2, n]) if n else 0 for _ in range(ncw))
+            tiles.append((n, rng.randint(0, ncw - 1), tuple(min(k, n) for k in skips)))
         launch(rng, stages, ncw, q_regs, tiles, rng.randint(1, 4), disp, bug)
 
 
@@ -345,7 +338,7 @@ def main():
         for _ in range(args.trials):
             trial(rng, stages)
     print(f"work protocol: {3 * args.trials} random trials (2 launches each), stages 2-4, "
-          f"2-3 consumers, idle consumers, Q release at start or after the last S: OK "
+          f"2-3 consumers, idle consumers, passed key tiles, Q release at start or after the last S: OK "
           f"({time.time() - t0:.1f} s)")
     if not args.no_mutations and not mutations():
         sys.exit(1)
