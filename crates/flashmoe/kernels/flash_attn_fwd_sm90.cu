@@ -25,17 +25,26 @@
 //                  shared-memory traffic per QK^T, and Q is released at the tile's start
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
-//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, u16* o, float* lse,
+//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, float* lse,
 //    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2,
 //    int batch)
 //   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
 //         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
-//   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1).
+//   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1);
+//   tm_o: the same over o (D, heads_q, seqlen_q, batch), box (64, 1, 16, 1): each consumer
+//         warp stores its 16 rows with TMA (rows out of bounds are not written).
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
 //   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
 //   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
 //   with nb = ceil(Sq / BLOCK_M); causal visits query blocks last to first, so the heaviest
-//   tiles of each head come first. Ranks are handed out by a dispenser in global memory
+//   tiles of each head come first. Causal query blocks are aligned to the last query row
+//   (rounded up to a multiple of 16, Sq16): block b covers rows [Sq16 - (b+1) BLOCK_M,
+//   Sq16 - b BLOCK_M). So a ragged Sq makes the first block short (rows that see the fewest
+//   keys) instead of the last one (rows that see every key tile, with idle warpgroups).
+//   The first block starts below row 0: Q rows < 0 are TMA-filled with zeros, warpgroups
+//   with no row >= 0 pass (pass_tile), and warps with no row >= 0 store nothing. The
+//   rounding to 16 keeps every warp's 16 rows on one side of row 0: a TMA store whose box
+//   starts at a negative row raised an illegal instruction (run 46). Ranks are handed out by a dispenser in global memory
 //   (`fm90_dispenser`, one atomicAdd per tile): a CTA takes the next rank when it starts a
 //   tile, so CTAs that drew cheap (causal) tiles take more of them. The last CTA to find no
 //   work left resets the dispenser: launches of one loaded module must be stream-ordered
@@ -56,7 +65,7 @@
 // the posted tile may be replaced).
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
-//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * (2 * D + 16)
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * 2 * D
 //           + 8 * (2 + 4 * STAGES) + 16
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, the O
 //   staging rows of the epilogue, barriers, the current work tile as the producer posts it.)
@@ -108,6 +117,11 @@ constexpr bool CAUSAL = FM_CAUSAL != 0;
 // Causal work tiles taller than a key tile: some warpgroups cannot see the first key tiles
 // visited, and pass them (consume()).
 constexpr bool SKIP_MASKED = CAUSAL && FM_PIPE && BM > FM_BLOCK_N;
+// The V wait of the pipelined loop takes a data dependency on the softmax (zero_after):
+// without it, ptxas hoists the wait, and the P.V wait behind it, above the softmax in these
+// variants (sm90_sass.py event order: "W0 e10 b e56" instead of "e66 b W0"). The others
+// keep all exponentials before the wait on their own, and measured 1-2 % faster so (run 42).
+constexpr bool ORDER_V_WAIT = SKIP_MASKED || NCW == 3;
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
@@ -115,15 +129,16 @@ constexpr int Q_BYTES = DH * HALF_Q;
 constexpr int KV_BYTES = DH * HALF_KV;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-// O staging for the epilogue: each consumer warp's 16 rows, rows padded by 16 bytes so
-// that the 8 rows a fragment store touches fall in different banks.
-constexpr int STAGE_PITCH = 2 * D + 16;
+// O staging for the epilogue's TMA store: each consumer warp's 16 rows, as DH boxes of
+// 16 rows x 128 bytes in the 128B swizzle (which also keeps the 8 rows a fragment store
+// touches in different banks). 1024-byte aligned, as the swizzle atom requires.
+constexpr int STAGE_WARP_BYTES = DH * 16 * 128;
 constexpr int OFF_STAGE = OFF_V + STAGES * KV_BYTES;
-constexpr int OFF_BAR = OFF_STAGE + BM * STAGE_PITCH;
+constexpr int OFF_BAR = OFF_STAGE + BM * 2 * D;
 constexpr int NBAR = 2 + 4 * STAGES;
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (16 bytes)
 constexpr int SMEM_BYTES =
-    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * (2 * D + 16) + 8 * (2 + 4 * STAGES) + 16;
+    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * 2 * D + 8 * (2 + 4 * STAGES) + 16;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -141,6 +156,7 @@ static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
+static_assert(OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0, "staging boxes on swizzle atoms");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREADS, "register split");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
@@ -224,10 +240,12 @@ struct WorkTile {
 };
 
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
-                                                int seqlen_k, int diag) {
+                                                int seqlen_q, int seqlen_k, int diag) {
     if (rank >= total) return WorkTile{0, -1, 0, 0};
     const int mb = rank % n_mb;
-    const int m0 = (CAUSAL ? n_mb - 1 - mb : mb) * BM;
+    // Causal: aligned to the last row rounded up to 16 (see the ABI note); the first
+    // block may start below row 0.
+    const int m0 = CAUSAL ? ((seqlen_q + 15) & ~15) - (mb + 1) * BM : mb * BM;
     const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
     return WorkTile{m0, (rank / n_mb) % heads_q, rank / (n_mb * heads_q), (n_end + BN - 1) / BN};
 }
@@ -462,8 +480,8 @@ __device__ __forceinline__ void pass_key_tile(const Bars& bar, int cw, int lane,
     }
 }
 
-// A consumer warpgroup whose 64 rows all lie past the last query row (in the ragged last
-// query block, e.g. S=512 with 192-row tiles: 2 x 192 + 128): it computes nothing, so
+// A consumer warpgroup whose 64 rows all lie outside [0, Sq) (in the ragged query block,
+// e.g. S=512 with 192-row tiles: 2 x 192 + 128): it computes nothing, so
 // the tensor cores serve the other warpgroups alone, but it keeps the protocol. It
 // releases Q and each ring slot as soon as the slot is full (so its arrivals count for
 // that use of the slot), and with ping-pong it passes on as many turns as consume() takes.
@@ -482,14 +500,14 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
 // (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
-                                        float scale_log2, u16* __restrict__ og, i64 q_stride,
+                                        float scale_log2, const FmTensorMap* tm_o, int head, int batch,
                                         float* __restrict__ lseg, SlotPhases& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
     // No row of this warpgroup exists. (The vote tells ptxas the branch is warp-uniform;
     // a plain compare costs the loop its uniform datapath: R2UR 0 -> 32, 673 -> 765 SASS.)
-    if (__all_sync(0xffffffffu, m0w >= seqlen_q)) {
+    if (__all_sync(0xffffffffu, m0w >= seqlen_q || m0w + 64 <= 0)) {
         pass_tile(bar, cw, n_tiles, lane, ring);
         return;
     }
@@ -588,11 +606,10 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                 // try-wait's branch in between, the wait for P V would be hoisted above the
                 // whole softmax and the softmax would no longer overlap P V (SASS before:
                 // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
-                // With the causal skip (BM > BN), the try-wait itself moved up into the softmax
-                // (33 of the 66 MUFU.EX2 after it): there its parity takes the softmax's sums
-                // through zero_after, which keeps all 66 before it. (Elsewhere that order measured
-                // 1-2 % slower at D=64 S <= 1024, run 42, so those variants keep main's schedule.)
-                const u32 after_softmax = SKIP_MASKED ? zero_after(l_i[0]) ^ zero_after(l_i[1]) : 0u;
+                // In some variants (ORDER_V_WAIT) ptxas moved the try-wait itself up into the
+                // softmax: there its parity takes the softmax's sums through zero_after, which
+                // keeps all 66 MUFU.EX2 before it.
+                const u32 after_softmax = ORDER_V_WAIT ? zero_after(l_i[0]) ^ zero_after(l_i[1]) : 0u;
                 mbar_wait(bar.v_full(s), ph ^ after_softmax);
                 wgmma_wait<0>();
                 reg_fence(oacc);
@@ -651,11 +668,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     }
     ring.advance(n_tiles);
 
-    // ---- epilogue: normalise, LSE; 16-bit O through this warp's staging rows, so that
-    // the global stores are whole 16-byte chunks of contiguous rows (from registers, each
-    // store instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24).
+    // ---- epilogue: normalise, LSE; 16-bit O into this warp's staging boxes, stored by
+    // one TMA store per 64 columns (issued by lane 0; rows past Sq are not written, and a
+    // warp with no row in [0, Sq) stores nothing: its 16 rows start at a multiple of 16). From registers, each store instruction wrote 16 bytes into 8 rows (twice
+    // the ideal L2 sectors, ncu run 24); the async store also frees the LSU and the warp.
     constexpr float LN2 = 0.693147180559945309f;
-    const u32 stg = sStage + (cw * 4 + warp) * 16 * STAGE_PITCH;
+    const u32 stg = sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
+    if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
+    __syncwarp();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l = l_i[h];
@@ -666,24 +686,24 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         float inv = 0.f;
         if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
         const int row = row0 + 8 * h;
-        if ((lane & 3) == 0 && row < seqlen_q)
+        if ((lane & 3) == 0 && row >= 0 && row < seqlen_q)
             lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
-        const u32 srow = stg + ((lane >> 2) + 8 * h) * STAGE_PITCH + 4 * (lane & 3);
+        // Row r of the box, 16-byte chunk c of its 128 bytes sits at chunk c ^ (r & 7).
+        const int r = (lane >> 2) + 8 * h;
+        const u32 srow = stg + r * 128 + 4 * (lane & 3);
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
-            st_shared_u32(srow + 16 * j, pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
+            st_shared_u32(srow + (j >> 3) * 2048 + (((j & 7) ^ (r & 7)) << 4),
+                          pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
     }
+    fence_proxy_async_smem();  // the generic-proxy writes, before the TMA (async proxy) reads
     __syncwarp();
-    constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
     const int wrow0 = m0w + warp * 16;
+    if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
 #pragma unroll
-    for (int c = lane; c < 16 * CHUNKS; c += 32) {
-        const int r = c / CHUNKS, col = c % CHUNKS;
-        u32 a, b, cc, d;
-        ld_shared_v4(stg + r * STAGE_PITCH + col * 16, a, b, cc, d);
-        if (wrow0 + r < seqlen_q) st_global_v4(og + (i64)(wrow0 + r) * q_stride + col * 8, a, b, cc, d);
+        for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
+        bulk_commit();
     }
-    __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
 }
 
 }  // namespace fm90
@@ -691,7 +711,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
 extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     flash_attn_fwd_sm90(const __grid_constant__ FmTensorMap tm_q,
                         const __grid_constant__ FmTensorMap tm_k,
-                        const __grid_constant__ FmTensorMap tm_v, u16* __restrict__ o,
+                        const __grid_constant__ FmTensorMap tm_v,
+                        const __grid_constant__ FmTensorMap tm_o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
                         int heads_kv, float softmax_scale_log2, int batch_size) {
     using namespace fm90;
@@ -734,10 +755,11 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
+            tma_prefetch_desc(&tm_o);
             int rank = draw_rank();
             for (int i = 0;; ++i) {
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
-                const WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_k, diag);
+                const WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
                 post_tile(tile_slot, w);
                 if (w.head < 0) {
                     mbar_arrive(bar.q_full());  // the consumers read "no work left" and stop
@@ -757,15 +779,15 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         setmaxnreg_inc<CONSUMER_REGS>();
         const int cw = wg - 1;
         if (FM_PINGPONG && cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
-        const i64 q_stride = (i64)heads_q * D;
         for (int i = 0;; ++i) {
             mbar_wait(bar.q_full(), i & 1);
             const WorkTile w = read_tile(tile_slot);
             if (w.head < 0) break;
-            u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
             consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
-                    softmax_scale_log2, og, q_stride, lseg, ring);
+                    softmax_scale_log2, &tm_o, w.head, w.batch, lseg, ring);
         }
+        // The shared memory the last O stores read must outlive them.
+        if ((threadIdx.x & 31) == 0) bulk_wait<0>();
     }
 }

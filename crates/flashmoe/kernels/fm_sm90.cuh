@@ -153,6 +153,27 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const FmTensorMap* m, u32 b
         "l"(tmap_addr(m)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
 }
+// TMA store shared -> global of one box (coordinates as for the loads). Box elements past
+// the tensor's bounds are not written. (A box starting at a negative coordinate raised
+// CUDA_ERROR_ILLEGAL_INSTRUCTION on the H100, run 46: callers keep coordinates >= 0.) Completion is
+// tracked per issuing thread in bulk groups: commit, then wait until the shared source of
+// all but N groups has been read (`.read`: the buffer may be rewritten) or fully written.
+__device__ __forceinline__ void tma_store_4d(const FmTensorMap* m, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+            tmap_addr(m)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+        : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // Generic-proxy shared-memory writes (st.shared, stmatrix) that wgmma or TMA read next:
 // each writing thread fences before the barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async_smem() {

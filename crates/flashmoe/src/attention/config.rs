@@ -20,8 +20,9 @@
 //! set to shared_mem_bytes before the launch.)
 //!
 //! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
-//! same layouts, masking and outputs, but q/k/v are passed as three TMA tensor maps by
-//! value (see [`super::tma`]) and an `int batch` follows `softmax_scale_log2`; the grid is
+//! same layouts, masking and outputs, but q, k, v and o are passed as four TMA tensor maps
+//! by value (see [`super::tma`]; o's box is 16 rows, one consumer warp's TMA store) and an
+//! `int batch` follows `softmax_scale_log2`; the grid is
 //! 1-D over work tiles ([`sm90_grid_x`]) and the block is 128·(consumers + 1) threads with
 //! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
 //! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
@@ -402,7 +403,7 @@ impl Sm90Tile {
     /// bytes, and the 16-byte work tile the producer posts.
     pub const fn shared_mem_bytes(&self) -> u32 {
         1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
-            + self.block_m() * (2 * self.head_dim + 16)
+            + self.block_m() * 2 * self.head_dim
             + 8 * (2 + 4 * self.stages)
             + 16
     }
@@ -529,7 +530,7 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
 }
 
 /// The tile for a problem: the [`SM90_TILE_ENV`] override when it names this head dim,
-/// else [`sm90_tile_for`].
+/// else the table's ([`sm90_tile`]).
 fn sm90_tile_in_use(problem: &AttentionProblem) -> Result<Option<Sm90Tile>> {
     if let Ok(spec) = std::env::var(SM90_TILE_ENV) {
         let tiles =
@@ -541,27 +542,7 @@ fn sm90_tile_in_use(problem: &AttentionProblem) -> Result<Option<Sm90Tile>> {
             return Ok(Some(t));
         }
     }
-    Ok(sm90_tile_for(
-        problem.head_dim,
-        problem.causal,
-        problem.seqlen_q,
-    ))
-}
-
-/// Longest query sequence for which causal D=64 problems use two consumer warpgroups
-/// (128 query rows per tile) instead of the table's three: H100, run 17 (docs/perf-notes.md
-/// §7.8): +7 % at S=512 and +10 % at S=1024, -3.5 % at S=2048.
-pub const SM90_SHORT_CAUSAL_D64_MAX_SQ: usize = 1024;
-
-/// The tile for a head dim, masking and query length: the table's ([`sm90_tile`]) except
-/// for short causal D=64 problems ([`SM90_SHORT_CAUSAL_D64_MAX_SQ`]).
-pub fn sm90_tile_for(head_dim: usize, causal: bool, seqlen_q: usize) -> Option<Sm90Tile> {
-    let mut t = sm90_tile(head_dim)?;
-    if head_dim == 64 && causal && seqlen_q <= SM90_SHORT_CAUSAL_D64_MAX_SQ {
-        t.consumers = 2;
-        t.stages = 2;
-    }
-    Some(t)
+    Ok(sm90_tile(problem.head_dim))
 }
 
 /// The defines every attention kernel (v1, sm_90a, reference) takes from the problem:
@@ -707,18 +688,8 @@ pub fn all_sm90_variants() -> Vec<KernelVariant> {
     for &d in SM90_HEAD_DIMS.iter() {
         for dtype in [DType::F16, DType::Bf16] {
             for causal in [false, true] {
-                // Long and short query sequences (they differ for causal D=64).
-                let long = sm90_tile_for(d, causal, usize::MAX).expect("table covers the dims");
-                let short = sm90_tile_for(d, causal, 1).expect("table covers the dims");
-                for tile in if long == short {
-                    vec![long]
-                } else {
-                    vec![long, short]
-                } {
-                    out.push(
-                        sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"),
-                    );
-                }
+                let tile = sm90_tile(d).expect("table covers the dims");
+                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
             }
         }
     }
@@ -953,15 +924,13 @@ mod tests {
     #[test]
     fn sm90_variants_are_consistent() {
         let all = all_sm90_variants();
-        // 2 dtypes x 2 maskings per head dim, plus short causal D=64 in 2 dtypes.
-        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4 + 2);
+        // 2 dtypes x 2 maskings per head dim.
+        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4);
         for v in &all {
             assert_eq!(v.source_file, SM90_SOURCE);
             assert_eq!(v.entry, SM90_ENTRY);
             let d: u32 = def_u32(v, "FM_HEAD_DIM");
-            let causal = def_u32(v, "FM_CAUSAL") == 1;
-            let short = v.block_m == 128 && d == 64;
-            let t = sm90_tile_for(d as usize, causal, if short { 1 } else { usize::MAX }).unwrap();
+            let t = sm90_tile(d as usize).unwrap();
             t.check().unwrap();
             assert_eq!(v.block_m, t.block_m());
             assert_eq!(v.block_threads, t.threads());
@@ -984,25 +953,22 @@ mod tests {
             assert!(v.runs_on(90).is_ok());
             assert!(v.runs_on(80).is_err() && v.runs_on(100).is_err());
         }
-        // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + slack, barriers, posted tile.
+        // D=128: Q 32 KB + 2 stages x (K 32 KB + V 32 KB) + O staging 32 KB + slack,
+        // barriers, posted tile.
         let t = sm90_tile(128).unwrap();
         assert_eq!(
             t.shared_mem_bytes(),
-            1024 + 32768 + 4 * 32768 + 128 * 272 + 8 * 10 + 16
+            1024 + 32768 + 4 * 32768 + 128 * 256 + 8 * 10 + 16
         );
         assert_eq!((t.block_m(), t.threads()), (128, 384));
     }
 
     #[test]
-    fn short_causal_d64_uses_two_consumers() {
-        let cons = |d, causal, sq| sm90_tile_for(d, causal, sq).unwrap().consumers;
-        assert_eq!(cons(64, true, 512), 2);
-        assert_eq!(cons(64, true, SM90_SHORT_CAUSAL_D64_MAX_SQ), 2);
-        assert_eq!(cons(64, true, SM90_SHORT_CAUSAL_D64_MAX_SQ + 1), 3);
-        assert_eq!(cons(64, false, 512), 3);
-        assert_eq!(sm90_tile_for(128, true, 512), sm90_tile(128));
+    fn causal_d64_uses_the_table_tile_at_every_length() {
+        // Short causal D=64 problems had a 2-consumer tile until run 46 measured the
+        // 3-consumer one 7-10 % faster at S = 512 and 1024 (docs/perf-notes.md §7.18).
         let p = AttentionProblem::new(2, 4, 1000, 64, true, DType::Bf16);
-        assert_eq!(select_sm90(&p).unwrap().block_m, 128);
+        assert_eq!(select_sm90(&p).unwrap().block_m, 192);
         let p = AttentionProblem::new(2, 4, 2048, 64, true, DType::Bf16);
         assert_eq!(select_sm90(&p).unwrap().block_m, 192);
     }
@@ -1063,7 +1029,7 @@ mod tests {
     fn sm90_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
         assert!(src.contains(
-            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * (2 * D + 16) + 8 * (2 + 4 * STAGES) + 16;"
+            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * 2 * D + 8 * (2 + 4 * STAGES) + 16;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{check_len, Device, DeviceData, DeviceTensor};
 use crate::problem::AttentionProblem;
 use config::{KernelAbi, KernelVariant};
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
 
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
 const MAX_GRID: (u64, u64, u64) = ((1 << 31) - 1, 65_535, 65_535);
@@ -131,7 +131,12 @@ pub struct AttentionLaunch {
     batch: i32,
     dtype: DType,
     /// (q, k/v) tensor-map shapes for [`KernelAbi::TensorMaps`] kernels.
-    tma_params: Option<(tma::TensorMapParams, tma::TensorMapParams)>,
+    /// Tensor-map shapes of the sm_90a kernel: Q, K and V (one shape), O.
+    tma_params: Option<(
+        tma::TensorMapParams,
+        tma::TensorMapParams,
+        tma::TensorMapParams,
+    )>,
 }
 
 impl std::fmt::Debug for AttentionLaunch {
@@ -180,6 +185,13 @@ impl AttentionLaunch {
                     problem.head_dim,
                     block_n,
                 )?,
+                tma::bshd_tile_params(
+                    problem.batch,
+                    problem.seqlen_q,
+                    problem.heads_q,
+                    problem.head_dim,
+                    tma::O_STORE_BOX_ROWS,
+                )?,
             )),
         };
         let mut cfg = launch_config(problem, &variant)?;
@@ -227,44 +239,54 @@ impl AttentionLaunch {
         let (q, k, v) = (q.as_u16("q")?, k.as_u16("k")?, v.as_u16("v")?);
         let lse = lse.as_f32_mut("lse")?;
         let stream = dev.stream();
-        // Tensor maps hold the buffer addresses, so they are encoded per launch (host
-        // work only, a few microseconds; the GPU is busy with earlier work meanwhile).
-        let maps = match &self.tma_params {
-            None => None,
-            Some((pq, pkv)) => {
-                use cudarc::driver::DevicePtr;
+        // SAFETY (both launches): the argument list follows the contract in config.rs;
+        // buffer lengths and element types were checked against the problem, and the grid
+        // covers it.
+        let r = match &self.tma_params {
+            None => {
+                let mut b = stream.launch_builder(&self.func);
+                b.arg(q).arg(k).arg(v);
+                match o.data_mut() {
+                    DeviceData::U16(s) => b.arg(s),
+                    DeviceData::F32(s) => b.arg(s),
+                };
+                self.push_common_args(&mut b, lse);
+                unsafe { b.launch(self.cfg) }
+            }
+            Some((pq, pkv, po)) => {
+                use cudarc::driver::{DevicePtr, DevicePtrMut};
+                // Tensor maps hold the buffer addresses, so they are encoded per launch
+                // (host work only, a few microseconds; the GPU is busy with earlier work
+                // meanwhile). The guards record the buffers' use by the stream: they live
+                // until after the launch, and O's marks a write.
                 let (aq, _gq) = q.device_ptr(stream);
                 let (ak, _gk) = k.device_ptr(stream);
                 let (av, _gv) = v.device_ptr(stream);
-                Some([
+                let (ao, _go) = o.as_u16_mut("o")?.device_ptr_mut(stream);
+                let maps = [
                     tma::encode("q", pq, self.dtype, aq)?,
                     tma::encode("k", pkv, self.dtype, ak)?,
                     tma::encode("v", pkv, self.dtype, av)?,
-                ])
+                    tma::encode("o", po, self.dtype, ao)?,
+                ];
+                let mut b = stream.launch_builder(&self.func);
+                b.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
+                self.push_common_args(&mut b, lse);
+                b.arg(&self.batch);
+                unsafe { b.launch(self.cfg) }
             }
         };
-        let mut b = stream.launch_builder(&self.func);
-        match &maps {
-            None => b.arg(q).arg(k).arg(v),
-            Some([mq, mk, mv]) => b.arg(mq).arg(mk).arg(mv),
-        };
-        match o.data_mut() {
-            DeviceData::U16(s) => b.arg(s),
-            DeviceData::F32(s) => b.arg(s),
-        };
+        dev.check_launch(name, r)
+    }
+
+    /// The parameters after o that every attention kernel takes (config.rs contract).
+    fn push_common_args<'a>(&'a self, b: &mut LaunchArgs<'a>, lse: &'a mut CudaSlice<f32>) {
         b.arg(lse)
             .arg(&self.seqlen_q)
             .arg(&self.seqlen_k)
             .arg(&self.heads_q)
             .arg(&self.heads_kv)
             .arg(&self.scale_log2);
-        if maps.is_some() {
-            b.arg(&self.batch);
-        }
-        // SAFETY: the argument list follows the contract in config.rs; buffer lengths and
-        // element types were checked against the problem, and the grid covers it.
-        let r = unsafe { b.launch(self.cfg) };
-        dev.check_launch(name, r)
     }
 }
 

@@ -1,15 +1,18 @@
 //! TMA tensor maps (CUtensorMap) for the sm_90a attention kernel.
 //!
-//! The kernel loads Q, K and V tiles with `cp.async.bulk.tensor.4d`, described by tensor
-//! maps made here on the host with `cuTensorMapEncodeTiled` and passed by value as
-//! `__grid_constant__` kernel parameters. [`bshd_tile_params`] is the pure part (dims,
+//! The kernel loads Q, K and V tiles with `cp.async.bulk.tensor.4d` and stores O the same
+//! way (one 16-row box per consumer warp), described by tensor maps made here on the host
+//! with `cuTensorMapEncodeTiled` and passed by value as `__grid_constant__` kernel
+//! parameters. [`bshd_tile_params`] is the pure part (dims,
 //! strides, box; unit-tested without a GPU); [`encode`] calls the driver.
 //!
 //! Layout (the v1 contract, config.rs): a (batch, seq, heads, head_dim) contiguous tensor of
 //! 16-bit elements is described innermost first as (head_dim, heads, seq, batch). The box
 //! is (64, 1, rows, 1): 64 elements = one 128-byte row of the 128B swizzle, one head, `rows`
 //! sequence positions. Rows past `seq` are out of bounds of their own batch and are written
-//! as zeros, which is what makes ragged lengths safe without a bounds check in the kernel.
+//! as zeros, which is what makes ragged lengths safe without a bounds check in the kernel;
+//! a stored box's rows past `seq` are not written. (The kernel never passes a negative
+//! coordinate: an O store starting at a negative row raised an illegal instruction, run 46.)
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
@@ -20,6 +23,9 @@ use crate::gpu::tensor_map::{self, TensorMap, TiledLayout};
 
 /// Elements per box row: 128 bytes of 16-bit values, the width of the 128B swizzle.
 pub const BOX_COLS: u32 = 64;
+
+/// Rows of the sm_90a kernel's O store box: one consumer warp's 16 rows.
+pub const O_STORE_BOX_ROWS: u32 = 16;
 
 /// Shape of one 4-D tiled tensor map, innermost dimension first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -271,8 +271,8 @@ fn attention_v1_matches_gpu_reference() {
             // Causal with more tiles than SMs: tiles of unequal cost from the dispenser.
             AttentionProblem::new(2, 16, 1000, 128, true, DType::Bf16),
             AttentionProblem::new(2, 16, 1000, 64, true, DType::Bf16),
-            // Causal D=64 past SM90_SHORT_CAUSAL_D64_MAX_SQ: the three-consumer tile, whose
-            // warpgroups pass the leading key tiles their rows cannot see; with Sk > Sq
+            // Causal D=64 on the three-consumer tile, whose warpgroups pass the leading key
+            // tiles their rows cannot see; with Sk > Sq
             // and Sk < Sq (some warpgroups then see no key of a tile that has keys).
             AttentionProblem::new(1, 8, 1500, 64, true, DType::F16),
             AttentionProblem {
@@ -282,6 +282,16 @@ fn attention_v1_matches_gpu_reference() {
             AttentionProblem {
                 seqlen_k: 1100,
                 ..AttentionProblem::new(1, 4, 1500, 64, true, DType::Bf16)
+            },
+            // Causal query blocks are aligned to the last row rounded up to 16, so the
+            // first block starts below row 0: with Sq = 1190 (Sq16 = 1200 = 6 x 192 + 48)
+            // two of its three warpgroups hold only rows < 0 (they pass), the third's first
+            // warp too (it stores nothing), and the last block has 10 rows past Sq; with
+            // Sk > Sq the rows < 0 would see keys.
+            AttentionProblem::new(1, 4, 1190, 64, true, DType::Bf16),
+            AttentionProblem {
+                seqlen_k: 1400,
+                ..AttentionProblem::new(2, 2, 1190, 64, true, DType::F16)
             },
             // Causal with Sq > Sk: the first 300 query rows see no key, so whole work tiles
             // visit no key tile (O = 0, LSE = -inf without loading Q).
@@ -399,8 +409,7 @@ fn attention_sm90_rescale_paths_match_reference() {
                     all - first_tile
                 );
             }
-            let mut tile = attention::config::sm90_tile_for(p.head_dim, p.causal, p.seqlen_q)
-                .expect("an sm_90a head dim");
+            let mut tile = attention::config::sm90_tile(p.head_dim).expect("an sm_90a head dim");
             // Eager and lazy rescale, and Q from registers where the tile allows it.
             for (lazy, q_regs) in [(false, false), (true, false), (true, true)] {
                 tile.lazy_rescale = lazy;
