@@ -25,14 +25,15 @@
 //                  shared-memory traffic per QK^T, and Q is released at the tile's start
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
-//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, float* lse,
+//   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, u16* o, float* lse,
 //    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2,
 //    int batch)
 //   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
 //         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
 //   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1);
-//   tm_o: the same over o (D, heads_q, seqlen_q, batch), box (64, 1, 16, 1): each consumer
-//         warp stores its 16 rows with TMA (rows out of bounds are not written).
+//   tm_o: the same over o (D, heads_q, seqlen_q, batch), box (64, 1, 16, 1): with
+//         O_TMA_STORE each consumer warp stores its 16 rows with TMA (rows past Sq are not
+//         written); otherwise unused, and o is written with plain stores.
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
 //   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
 //   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
@@ -65,8 +66,8 @@
 // the posted tile may be replaced).
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
-//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * 2 * D
-//           + 8 * (2 + 4 * STAGES) + 16
+//   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * (2 * D + PAD)
+//           + 8 * (2 + 4 * STAGES) + 16,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, the O
 //   staging rows of the epilogue, barriers, the current work tile as the producer posts it.)
 
@@ -119,9 +120,10 @@ constexpr bool CAUSAL = FM_CAUSAL != 0;
 constexpr bool SKIP_MASKED = CAUSAL && FM_PIPE && BM > FM_BLOCK_N;
 // The V wait of the pipelined loop takes a data dependency on the softmax (zero_after):
 // without it, ptxas hoists the wait, and the P.V wait behind it, above the softmax in these
-// variants (sm90_sass.py event order: "W0 e10 b e56" instead of "e66 b W0"). The others
-// keep all exponentials before the wait on their own, and measured 1-2 % faster so (run 42).
-constexpr bool ORDER_V_WAIT = SKIP_MASKED || NCW == 3;
+// variants (sm90_sass.py event order: "W1 b3 *2 W0 e10 b e56" instead of "e66 b W0"). The
+// others keep (almost) all exponentials before the wait on their own, and measured 1-2 %
+// faster so (run 42).
+constexpr bool ORDER_V_WAIT = SKIP_MASKED;
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
@@ -129,16 +131,23 @@ constexpr int Q_BYTES = DH * HALF_Q;
 constexpr int KV_BYTES = DH * HALF_KV;
 constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-// O staging for the epilogue's TMA store: each consumer warp's 16 rows, as DH boxes of
-// 16 rows x 128 bytes in the 128B swizzle (which also keeps the 8 rows a fragment store
-// touches in different banks). 1024-byte aligned, as the swizzle atom requires.
-constexpr int STAGE_WARP_BYTES = DH * 16 * 128;
+// The epilogue stages each consumer warp's 16 rows of O in shared memory, then either one
+// TMA store per 64 columns writes them (O_TMA_STORE), or the warp copies them out as
+// whole 16-byte chunks of contiguous rows. Measured on the H100 (runs 46-50): the TMA
+// store gains 1-2 % at D=128 S <= 1024; at D=64 ptxas then schedules the steady-state
+// loop differently, and the build measured 1-3 % slower at S = 8192 (run 50).
+constexpr bool O_TMA_STORE = D >= 128;
+// TMA: DH boxes of 16 rows x 128 bytes in the 128B swizzle (which also keeps the 8 rows a
+// fragment store touches in different banks), 1024-byte aligned as the swizzle atom
+// requires. Plain: rows padded by 16 bytes, for the same bank spread.
+constexpr int STAGE_PITCH = 2 * D + (O_TMA_STORE ? 0 : 16);
+constexpr int STAGE_WARP_BYTES = 16 * STAGE_PITCH;
 constexpr int OFF_STAGE = OFF_V + STAGES * KV_BYTES;
-constexpr int OFF_BAR = OFF_STAGE + BM * 2 * D;
+constexpr int OFF_BAR = OFF_STAGE + BM * STAGE_PITCH;
 constexpr int NBAR = 2 + 4 * STAGES;
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (16 bytes)
 constexpr int SMEM_BYTES =
-    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * 2 * D + 8 * (2 + 4 * STAGES) + 16;
+    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 16;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -156,7 +165,8 @@ static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
-static_assert(OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0, "staging boxes on swizzle atoms");
+static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
+              "staging boxes on swizzle atoms");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREADS, "register split");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
@@ -501,7 +511,8 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
                                         float scale_log2, const FmTensorMap* tm_o, int head, int batch,
-                                        float* __restrict__ lseg, SlotPhases& ring) {
+                                        u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
+                                        SlotPhases& ring) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -668,14 +679,16 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     }
     ring.advance(n_tiles);
 
-    // ---- epilogue: normalise, LSE; 16-bit O into this warp's staging boxes, stored by
-    // one TMA store per 64 columns (issued by lane 0; rows past Sq are not written, and a
-    // warp with no row in [0, Sq) stores nothing: its 16 rows start at a multiple of 16). From registers, each store instruction wrote 16 bytes into 8 rows (twice
-    // the ideal L2 sectors, ncu run 24); the async store also frees the LSU and the warp.
+    // ---- epilogue: normalise, LSE; 16-bit O into this warp's staging rows (see
+    // O_TMA_STORE), then to global memory as whole rows. (From registers, each store
+    // instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24.)
+    // Rows outside [0, Sq) are not stored; a warp's 16 rows start at a multiple of 16.
     constexpr float LN2 = 0.693147180559945309f;
     const u32 stg = sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
-    if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
-    __syncwarp();
+    if (O_TMA_STORE) {
+        if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
+        __syncwarp();
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float l = l_i[h];
@@ -688,21 +701,36 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         const int row = row0 + 8 * h;
         if ((lane & 3) == 0 && row >= 0 && row < seqlen_q)
             lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
-        // Row r of the box, 16-byte chunk c of its 128 bytes sits at chunk c ^ (r & 7).
-        const int r = (lane >> 2) + 8 * h;
-        const u32 srow = stg + r * 128 + 4 * (lane & 3);
+        const int r = (lane >> 2) + 8 * h;  // row in the warp's 16
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            st_shared_u32(srow + (j >> 3) * 2048 + (((j & 7) ^ (r & 7)) << 4),
-                          pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
+        for (int j = 0; j < D / 8; ++j) {
+            // TMA box: 16-byte chunk c of a row's 128 bytes sits at chunk c ^ (r & 7).
+            const u32 addr = O_TMA_STORE ? stg + (j >> 3) * 2048 + r * 128 + (((j & 7) ^ (r & 7)) << 4)
+                                         : stg + r * STAGE_PITCH + 16 * j;
+            st_shared_u32(addr + 4 * (lane & 3), pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
+        }
     }
-    fence_proxy_async_smem();  // the generic-proxy writes, before the TMA (async proxy) reads
-    __syncwarp();
     const int wrow0 = m0w + warp * 16;
-    if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
+    if (O_TMA_STORE) {
+        fence_proxy_async_smem();  // the generic-proxy writes, before the TMA (async proxy) reads
+        __syncwarp();
+        if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
 #pragma unroll
-        for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
-        bulk_commit();
+            for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
+            bulk_commit();
+        }
+    } else {
+        __syncwarp();
+        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll
+        for (int c = lane; c < 16 * CHUNKS; c += 32) {
+            const int r = c / CHUNKS, col = c % CHUNKS;
+            u32 a, b, cc, d;
+            ld_shared_v4(stg + r * STAGE_PITCH + col * 16, a, b, cc, d);
+            if (wrow0 + r >= 0 && wrow0 + r < seqlen_q)
+                st_global_v4(og + (i64)(wrow0 + r) * q_stride + col * 8, a, b, cc, d);
+        }
+        __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
     }
 }
 
@@ -712,7 +740,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     flash_attn_fwd_sm90(const __grid_constant__ FmTensorMap tm_q,
                         const __grid_constant__ FmTensorMap tm_k,
                         const __grid_constant__ FmTensorMap tm_v,
-                        const __grid_constant__ FmTensorMap tm_o,
+                        const __grid_constant__ FmTensorMap tm_o, u16* __restrict__ o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
                         int heads_kv, float softmax_scale_log2, int batch_size) {
     using namespace fm90;
@@ -755,7 +783,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_q);
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
-            tma_prefetch_desc(&tm_o);
+            if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
             int rank = draw_rank();
             for (int i = 0;; ++i) {
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
@@ -779,15 +807,17 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         setmaxnreg_inc<CONSUMER_REGS>();
         const int cw = wg - 1;
         if (FM_PINGPONG && cw == NCW - 1) turn_pass(cw);  // warpgroup 0 issues first
+        const i64 q_stride = (i64)heads_q * D;
         for (int i = 0;; ++i) {
             mbar_wait(bar.q_full(), i & 1);
             const WorkTile w = read_tile(tile_slot);
             if (w.head < 0) break;
+            u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
             consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
-                    softmax_scale_log2, &tm_o, w.head, w.batch, lseg, ring);
+                    softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring);
         }
         // The shared memory the last O stores read must outlive them.
-        if ((threadIdx.x & 31) == 0) bulk_wait<0>();
+        if (O_TMA_STORE && (threadIdx.x & 31) == 0) bulk_wait<0>();
     }
 }

@@ -21,8 +21,9 @@
 //!
 //! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
 //! same layouts, masking and outputs, but q, k, v and o are passed as four TMA tensor maps
-//! by value (see [`super::tma`]; o's box is 16 rows, one consumer warp's TMA store) and an
-//! `int batch` follows `softmax_scale_log2`; the grid is
+//! by value (see [`super::tma`]; o's box is 16 rows, one consumer warp's TMA store),
+//! followed by o's address (`u16* o`, for the head dims whose epilogue stores O itself),
+//! and an `int batch` follows `softmax_scale_log2`; the grid is
 //! 1-D over work tiles ([`sm90_grid_x`]) and the block is 128·(consumers + 1) threads with
 //! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
 //! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
@@ -401,9 +402,18 @@ impl Sm90Tile {
     /// flash_attn_fwd_sm90.cu): 1024 bytes of alignment slack, Q, the K and V rings, the
     /// epilogue's O staging rows (row pitch 2·D + 16 bytes), 2 + 4·STAGES mbarriers of 8
     /// bytes, and the 16-byte work tile the producer posts.
+    /// Bytes of padding per staged O row: 0 where the kernel stores O with TMA (head dim
+    /// >= 128, `O_TMA_STORE` in the .cu), 16 where warps copy their rows out themselves.
+    pub const fn o_staging_pad(&self) -> u32 {
+        if self.head_dim >= 128 {
+            0
+        } else {
+            16
+        }
+    }
     pub const fn shared_mem_bytes(&self) -> u32 {
         1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
-            + self.block_m() * 2 * self.head_dim
+            + self.block_m() * (2 * self.head_dim + self.o_staging_pad())
             + 8 * (2 + 4 * self.stages)
             + 16
     }
@@ -1029,9 +1039,11 @@ mod tests {
     fn sm90_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
         assert!(src.contains(
-            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * 2 * D + 8 * (2 + 4 * STAGES) + 16;"
+            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 16;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
+        assert!(src.contains("constexpr bool O_TMA_STORE = D >= 128;"));
+        assert!(src.contains("constexpr int STAGE_PITCH = 2 * D + (O_TMA_STORE ? 0 : 16);"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));
         for name in [
             "FM_HEAD_DIM",

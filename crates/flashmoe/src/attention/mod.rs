@@ -270,7 +270,12 @@ impl AttentionLaunch {
                     tma::encode("o", po, self.dtype, ao)?,
                 ];
                 let mut b = stream.launch_builder(&self.func);
-                b.arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&maps[3]);
+                // O by map (the TMA-store epilogue) and by address (the plain one).
+                b.arg(&maps[0])
+                    .arg(&maps[1])
+                    .arg(&maps[2])
+                    .arg(&maps[3])
+                    .arg(&ao);
                 self.push_common_args(&mut b, lse);
                 b.arg(&self.batch);
                 unsafe { b.launch(self.cfg) }
