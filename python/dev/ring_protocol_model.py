@@ -203,7 +203,9 @@ def consumer(c, cta, stages, q_regs, done, bug):
             return
         rank, n, n_idle, skips = tile
         done.append((rank, c))
-        idle = c >= cta.ncw - n_idle  # the trailing warpgroups have no query row
+        # The warpgroups with no query row: trailing ones past Sq (n_idle > 0), or, in a
+        # causal first block that starts below row 0, leading ones (n_idle < 0).
+        idle = c >= cta.ncw - n_idle if n_idle >= 0 else c < -n_idle
         # Leading key tiles this warpgroup passes without computing: all of them with no
         # row (pass_tile), else those past its last row's causal limit (consume's skip).
         passed = n if idle else skips[c]
@@ -288,13 +290,14 @@ def trial(rng, stages, bug=None):
     q_regs = rng.random() < 0.5  # FM_Q_REGS
     disp = Dispenser()
     for _ in range(2):  # two launches on one dispenser: the reset must hold
-        # Per rank: key tiles, how many trailing consumers have no row (pass_tile), and
+        # Per rank: key tiles, how many trailing (> 0) or leading (< 0) consumers have no row
+        # (pass_tile), and
         # per consumer the leading key tiles it passes (the causal skip; all of them at times).
         tiles = []
         for _ in range(rng.randint(0, 14)):
             n = rng.choice([0, 1, 1, 2, 3, 4, 5, 7, 8, 9])
             skips = tuple(rng.choice([0, 0, 1, 1, 2, n]) if n else 0 for _ in range(ncw))
-            tiles.append((n, rng.randint(0, ncw - 1), tuple(min(k, n) for k in skips)))
+            tiles.append((n, rng.randint(-(ncw - 1), ncw - 1), tuple(min(k, n) for k in skips)))
         launch(rng, stages, ncw, q_regs, tiles, rng.randint(1, 4), disp, bug)
 
 

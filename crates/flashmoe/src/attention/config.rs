@@ -975,8 +975,8 @@ mod tests {
 
     #[test]
     fn causal_d64_uses_the_table_tile_at_every_length() {
-        // Short causal D=64 problems had a 2-consumer tile until run 46 measured the
-        // 3-consumer one 7-10 % faster at S = 512 and 1024 (docs/perf-notes.md §7.18).
+        // Short causal D=64 problems had a 2-consumer tile until run 48 measured the
+        // 3-consumer one 6.5 % / 7.5 % faster at S = 512 / 1024 (docs/perf-notes.md §7.18).
         let p = AttentionProblem::new(2, 4, 1000, 64, true, DType::Bf16);
         assert_eq!(select_sm90(&p).unwrap().block_m, 192);
         let p = AttentionProblem::new(2, 4, 2048, 64, true, DType::Bf16);
