@@ -130,8 +130,7 @@ pub struct AttentionLaunch {
     scale_log2: f32,
     batch: i32,
     dtype: DType,
-    /// (q, k/v) tensor-map shapes for [`KernelAbi::TensorMaps`] kernels.
-    /// Tensor-map shapes of the sm_90a kernel: Q, K and V (one shape), O.
+    /// Tensor-map shapes for [`KernelAbi::TensorMaps`] kernels: Q, K and V (one shape), O.
     tma_params: Option<(
         tma::TensorMapParams,
         tma::TensorMapParams,
