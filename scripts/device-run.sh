@@ -121,13 +121,14 @@ for s in "$@"; do
                     echo "tile-ab-$i: $t" | tee -a "$LOG"
                     i=$((i + 1))
                   done ;;
-    # A/B of builds (kernel sources differ) on configs/attention-tile-ab.toml: each entry of
+    # A/B of builds (kernel sources differ): each entry of
     # $AB_BINS (executables taking flashmoe's arguments; a wrapper script may set
-    # FLASHMOE_SM90_TILE) in turn, $AB_ROUNDS rounds (default 2); JSON bin-ab-<round>-<index>.
+    # FLASHMOE_SM90_TILE) in turn, $AB_ROUNDS rounds (default 2), on $AB_CONFIG (default
+    # configs/attention-tile-ab.toml); JSON bin-ab-<round>-<index>.
     bin-ab)       read -r -a bins <<<"${AB_BINS:-$BIN}"
                   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
                     for k in "${!bins[@]}"; do
-                      stage "bin-ab-$r-$k" 150 "${bins[$k]}" bench attention --config configs/attention-tile-ab.toml --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/bin-ab-$r-$k
+                      stage "bin-ab-$r-$k" 150 "${bins[$k]}" bench attention --config "${AB_CONFIG:-configs/attention-tile-ab.toml}" --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/bin-ab-$r-$k
                       cp /tmp/bin-ab-$r-$k/results.json "$OUT/bin-ab-$r-$k.json" 2>/dev/null
                       echo "bin-ab-$r-$k: ${bins[$k]}" | tee -a "$LOG"
                     done

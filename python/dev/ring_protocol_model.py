@@ -2,13 +2,18 @@
 """Model check of the sm_90a attention kernel's work protocol (flash_attn_fwd_sm90.cu):
 the rank dispenser shared by the CTAs of a launch (drawn early, reset by the last CTA),
 each CTA's posted work tile under the q_full / q_empty barriers, and its K/V ring
-(SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0).
+(SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0),
+with the K and V halves of a slot under their own barriers.
 
 Per CTA one producer and NCW consumer warpgroups (2 or 3 per trial), each its own role.
 Barriers have arrival counts as the kernel initialises them: q_full and the slots' full
 barriers 1 (the producer), q_empty and the slots' empty barriers NCW (one arrival per
-consumer warpgroup standing for its 128 threads / 4 warps); K and V of a slot share one
-full/empty pair. Every arrival names the use it releases (the arriver's own count of its
+consumer warpgroup standing for its 128 threads / 4 warps); K and V of a slot each have
+their pair (k_full/k_empty, v_full/v_empty). The producer issues K and V of each key
+tile in turn (producer_order); a computing consumer follows the kernel's pipeline:
+per key tile it waits K, releases K after S, waits V, and releases V of the key tile
+before (its P V completes in this iteration); V of the last one after the final P V.
+Every arrival names the use it releases (the arriver's own count of its
 uses of that barrier) and must land in the phase in progress, so an early arrival mixing
 into an earlier phase is caught. Per work tile, a random number of trailing warpgroups
 (0..NCW-1, drawn with the tile costs) have no query row and take pass_tile: they release
@@ -17,8 +22,7 @@ random number of leading key tiles the same way (the causal skip of key tiles pa
 last row; all of them at times, and then they release Q at once), then release each slot
 after reading it, and Q either at the tile start (FM_Q_REGS, drawn per trial) or after the
 last S. Random grids, work tile costs (0 key tiles included) and interleavings;
-two launches per dispenser. Not modelled: the ping-pong turns (named barriers) and the
-separate K / V halves of a slot.
+two launches per dispenser. Not modelled: the ping-pong turns (named barriers).
 
 Asserts that every rank is done exactly once by every consumer, that each consumer (idle
 ones included) sees exactly the key tile the producer wrote for it and, while it reads Q
@@ -109,25 +113,38 @@ class Dispenser:
             self.next, self.left = 0, 0
 
 
+HALVES = ("K", "V")
+
+
+def producer_order(n):
+    """The order the producer issues the key tiles' halves: K(0), V(0), K(1), V(1), ..
+    (A K-one-ahead order, K(0), K(1), V(0), K(2), V(1), .., also passes; run 55 measured it
+    no faster, docs/perf-notes.md §7.19.)"""
+    return [(h, i) for i in range(n) for h in HALVES]
+
+
 class Cta:
     """One CTA's shared state: Q barriers, the posted work tile, the K/V ring."""
 
     def __init__(self, stages, ncw, bug):
-        self.ncw = ncw
+        self.ncw, self.bug = ncw, bug
         self.q_full, self.q_empty = Barrier(1), Barrier(ncw)  # q_empty: NCW * 128 threads
         self.tile = None  # (rank, n key tiles, n idle consumers, skips) or "end"
         self.unread = set()  # consumers that have not read the posted tile yet
         self.q = None  # the rank whose Q tile is in shared memory
         n_empty = ncw - 1 if bug == "empty_count" else ncw  # k/v_empty: NCW * 4 warps
-        self.full = [Barrier(1) for _ in range(stages)]
-        self.empty = [Barrier(n_empty) for _ in range(stages)]
-        self.slots = [None] * stages  # (rank, key step) as written; None once all released
-        self.holders = [set() for _ in range(stages)]  # consumers that still have to release
+        # Per half ("K", "V") of the ring slots:
+        self.full = {h: [Barrier(1) for _ in range(stages)] for h in HALVES}
+        self.empty = {h: [Barrier(n_empty) for _ in range(stages)] for h in HALVES}
+        # (rank, key step) as written; None once every consumer released it
+        self.slots = {h: [None] * stages for h in HALVES}
+        # consumers that still have to release the half-slot
+        self.holders = {h: [set() for _ in range(stages)] for h in HALVES}
 
 
 def producer(tiles, grid, disp, cta, stages):
     ring = SlotPhases(stages)
-    uses = [0] * stages  # model only: how often each slot was written (its use index)
+    uses = {h: [0] * stages for h in HALVES}  # model only: writes of each half-slot (use index)
     rank = disp.draw()
     yield
     i = 0  # work tiles posted (the q_full / q_empty use index)
@@ -151,46 +168,45 @@ def producer(tiles, grid, disp, cta, stages):
         cta.q_full.arrive(i)
         i += 1
         yield
-        s = rnd = 0
-        for it in range(n):
-            u = uses[s]
+        for h, it in producer_order(n):
+            s, rnd = it % stages, it // stages  # every work tile starts at slot 0
+            u = uses[h][s]
             assert ring.parity(s, rnd) == u & 1 and bool(ring.reused(s, rnd)) == (u > 0)
             if ring.reused(s, rnd):
-                yield from spin(lambda: cta.empty[s].done(ring.parity(s, rnd) ^ 1))
-                assert cta.empty[s].phase == u, f"slot {s}: use {u} written at empty phase {cta.empty[s].phase}"
-            assert cta.slots[s] is None and not cta.holders[s], \
-                f"slot {s} overwritten before release (holds {cta.slots[s]}, consumers {cta.holders[s]})"
-            cta.slots[s] = (rank_now, it)
-            cta.holders[s] = set(range(cta.ncw))
-            cta.full[s].arrive(u)
-            uses[s] += 1
-            s += 1
-            if s == stages:
-                s, rnd = 0, rnd + 1
+                yield from spin(lambda: cta.empty[h][s].done(ring.parity(s, rnd) ^ 1))
+                assert cta.empty[h][s].phase == u, \
+                    f"{h} slot {s}: use {u} written at empty phase {cta.empty[h][s].phase}"
+            assert cta.slots[h][s] is None and not cta.holders[h][s], \
+                f"{h} slot {s} overwritten before release (holds {cta.slots[h][s]}, consumers {cta.holders[h][s]})"
+            cta.slots[h][s] = (rank_now, it)
+            cta.holders[h][s] = set(range(cta.ncw))
+            cta.full[h][s].arrive(u)
+            uses[h][s] += 1
             yield
         ring.advance(n)
 
 
-def read_slot(cta, s, c, rank, it):
-    """Consumer c reads slot s (or, idle, only checks that the slot is its use of it)."""
-    assert c in cta.holders[s], f"consumer {c} reads slot {s} after releasing it"
-    assert cta.slots[s] == (rank, it), f"consumer {c}: rank {rank} step {it} read {cta.slots[s]} from slot {s}"
+def read_slot(cta, h, s, c, rank, it):
+    """Consumer c reads half h of slot s (or, idle, only checks it is its use of it)."""
+    assert c in cta.holders[h][s], f"consumer {c} reads {h} slot {s} after releasing it"
+    assert cta.slots[h][s] == (rank, it), \
+        f"consumer {c}: rank {rank} step {it} read {cta.slots[h][s]} from {h} slot {s}"
 
 
-def release_slot(cta, s, c, use):
-    """Consumer c's arrival on slot s's empty barrier (k_empty / v_empty)."""
-    assert c in cta.holders[s], f"consumer {c} releases slot {s} it does not hold (use {use})"
-    cta.holders[s].remove(c)
-    if not cta.holders[s]:
-        cta.slots[s] = None  # the last consumer to release it frees the slot
-    cta.empty[s].arrive(use)
+def release_slot(cta, h, s, c, use):
+    """Consumer c's arrival on the empty barrier of half h of slot s (k_empty / v_empty)."""
+    assert c in cta.holders[h][s], f"consumer {c} releases {h} slot {s} it does not hold (use {use})"
+    cta.holders[h][s].remove(c)
+    if not cta.holders[h][s]:
+        cta.slots[h][s] = None  # the last consumer to release it frees the half-slot
+    cta.empty[h][s].arrive(use)
 
 
 def consumer(c, cta, stages, q_regs, done, bug):
     """Consumer warpgroup c: consume() on its rows, or pass_tile() when it has none.
     bug: None, or a mutation of MUTATIONS (the self-tests)."""
     ring = SlotPhases(stages)
-    uses = [0] * stages  # model only: how often this consumer has consumed each slot
+    uses = {h: [0] * stages for h in HALVES}  # model only: this consumer's uses of each half-slot
     i = 0  # work tiles read (the q_full / q_empty use index)
     while True:
         yield from spin(lambda: cta.q_full.done(i & 1))
@@ -219,33 +235,49 @@ def consumer(c, cta, stages, q_regs, done, bug):
         if passed < n and q_regs:
             assert cta.q == rank, f"consumer {c} rank {rank}: Q of rank {cta.q} loaded into registers"
         yield
-        s = rnd = 0
-        for it in range(n):
-            u = uses[s]
-            ph = ring.parity(s, rnd)
-            assert ph == u & 1
-            if it < passed and bug == "idle_release_early":
-                release_slot(cta, s, c, u)
-            yield from spin(lambda: cta.full[s].done(ph))
-            assert cta.full[s].phase == u + 1, f"consumer {c}: slot {s} use {u} at full phase {cta.full[s].phase}"
-            if it < passed:  # pass_key_tile: released as soon as it is full
-                if bug != "idle_release_early":
-                    read_slot(cta, s, c, rank, it)
-                    if not (bug == "idle_skip_slot" and it == 0):
-                        release_slot(cta, s, c, u)
-            else:
-                read_slot(cta, s, c, rank, it)  # S = Q K^T (and later P V) read the slot
-                if not q_regs:
-                    assert cta.q == rank, f"consumer {c} rank {rank} step {it}: Q of rank {cta.q} in shared memory"
-                yield  # softmax, P V
-                release_slot(cta, s, c, u)
-                if it == n - 1 and ((not q_regs and bug != "q_early") or bug == "q_twice"):
-                    cta.q_empty.arrive(i)  # last S of this work tile: Q and the posted tile are free
-            uses[s] += 1
-            s += 1
-            if s == stages:
-                s, rnd = 0, rnd + 1
+
+        def wait_full(h, it):  # the full wait of half h of key tile it
+            s, rnd = it % stages, it // stages
+            u = uses[h][s]
+            assert ring.parity(s, rnd) == u & 1
+            yield from spin(lambda: cta.full[h][s].done(ring.parity(s, rnd)))
+            assert cta.full[h][s].phase == u + 1, \
+                f"consumer {c}: {h} slot {s} use {u} at full phase {cta.full[h][s].phase}"
+
+        def release(h, it):  # read (the GEMM completes), then release half h of key tile it
+            s = it % stages
+            read_slot(cta, h, s, c, rank, it)
+            release_slot(cta, h, s, c, uses[h][s])
+            uses[h][s] += 1
+
+        for it in range(passed):  # pass_key_tile: each half released as soon as it is full
+            if bug == "idle_release_early":  # K released before its full wait
+                release_slot(cta, "K", it % stages, c, uses["K"][it % stages])
+                uses["K"][it % stages] += 1
+            yield from wait_full("K", it)
+            if bug == "idle_skip_slot" and it == 0:
+                uses["K"][0] += 1  # counted as used, never released
+            elif bug != "idle_release_early":
+                release("K", it)
+            yield from wait_full("V", it)
+            release("V", it)
             yield
+        for it in range(passed, n):  # consume(): the pipelined loop (prologue at it == passed)
+            yield from wait_full("K", it)
+            if not q_regs:
+                assert cta.q == rank, f"consumer {c} rank {rank} step {it}: Q of rank {cta.q} in shared memory"
+            yield  # S = Q K^T of key tile it (with P V of it - 1 in flight)
+            release("K", it)
+            if it == n - 1 and ((not q_regs and bug != "q_early") or bug == "q_twice"):
+                cta.q_empty.arrive(i)  # last S of this work tile: Q and the posted tile are free
+            yield from wait_full("V", it)
+            if bug == "v_release_early":  # before the P V of the next iteration has read it
+                release_slot(cta, "V", it % stages, c, uses["V"][it % stages])
+            if it > passed:
+                release("V", it - 1)  # P V of key tile it - 1 completed
+            yield  # softmax of key tile it
+        if passed < n:
+            release("V", n - 1)  # the final P V
         ring.advance(n)
         i += 1
 
@@ -276,10 +308,12 @@ def launch(rng, stages, ncw, q_regs, tiles, grid, disp, bug):
     assert sorted(done) == [(r, c) for r in range(len(tiles)) for c in range(ncw)], \
         "a work tile was lost or done twice"
     for cta in ctas:
-        assert all(x is None for x in cta.slots) and not any(cta.holders), "a slot was never released"
-        for f, e in zip(cta.full, cta.empty):
-            assert e.phase == f.phase and e.pending == 0 == f.pending, \
-                f"slot barriers end at full {f.phase}, empty {e.phase} (+{e.pending} arrivals)"
+        for h in HALVES:
+            assert all(x is None for x in cta.slots[h]) and not any(cta.holders[h]), \
+                f"a {h} slot was never released"
+            for f, e in zip(cta.full[h], cta.empty[h]):
+                assert e.phase == f.phase and e.pending == 0 == f.pending, \
+                    f"{h} slot barriers end at full {f.phase}, empty {e.phase} (+{e.pending} arrivals)"
         assert not cta.unread and cta.q_full.pending == 0 == cta.q_empty.pending
         assert cta.q_empty.phase == cta.q_full.phase - 1, "a posted tile's Q was not released"
     assert (disp.next, disp.left) == (0, 0), "dispenser not reset"
@@ -309,6 +343,7 @@ MUTATIONS = [
     ("q_twice", "(e) FM_Q_REGS consumer releases Q at the tile start and again after the last S"),
     ("q_early", "(f) consumer reading Q from shared memory releases it at the tile start"),
     ("empty_count", "(g) slot empty barriers count NCW-1 arrivals"),
+    ("v_release_early", "(h) computing consumer releases V before its P V has read it"),
 ]
 
 
@@ -321,7 +356,7 @@ def mutations(max_trials=3000):
             try:
                 trial(rng, rng.choice((2, 3, 4)), bug)
             except AssertionError as e:
-                print(f"mutation {what}: caught after {t} trials ({str(e).splitlines()[0][:90]})")
+                print(f"mutation {what}: caught after {t} trials ({(str(e) or repr(e)).splitlines()[0][:90]})")
                 break
         else:
             print(f"mutation {what}: NOT caught in {max_trials} trials")

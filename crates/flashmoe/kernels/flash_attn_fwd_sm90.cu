@@ -23,6 +23,9 @@
 //   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
 //                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
 //                  shared-memory traffic per QK^T, and Q is released at the tile's start
+//   FM_TRACE       1: development timeline (examples/sm90_trace.rs): clock64 stamps at the
+//                  phase boundaries of each warpgroup's work tiles into fm90_trace. Never
+//                  set by the production table.
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, u16* o, float* lse,
@@ -105,7 +108,18 @@
 #ifndef FM_Q_REGS
 #define FM_Q_REGS 0
 #endif
+#ifndef FM_TRACE
+#define FM_TRACE 0
+#endif
 #include "fm_sm90.cuh"
+
+#if FM_TRACE
+// The timeline of FM_TRACE (layout in namespace fm90 below); unmangled, so the host can
+// find it by name (cuModuleGetGlobal).
+extern "C" {
+__device__ long long fm90_trace[132 * (FM_CONSUMERS + 1) * 32 * 12];
+}
+#endif
 
 namespace fm90 {
 
@@ -169,6 +183,45 @@ static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared st
 static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
               "staging boxes on swizzle atoms");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREADS, "register split");
+
+// ---- development timeline (FM_TRACE) ----
+// Thread 0 of each warpgroup stamps clock64 (the SM's cycle counter, shared by the CTA's
+// warpgroups) at the phase boundaries of its first TRACE_TILES work tiles, in the first
+// TRACE_CTAS CTAs. Layout [cta][warpgroup][tile][event]; events below (consumer / producer).
+// examples/sm90_trace.rs reads the array back and reports the phase durations.
+enum TraceEvent {
+    TR_POSTED = 0,     // consumer: q_full passed (tile readable); producer: tile posted
+    TR_K0 = 1,         // consumer: first computed K landed; producer: first K issued
+    TR_S0 = 2,         // first S complete
+    TR_SOFTMAX0 = 3,   // its softmax done
+    TR_V0 = 4,         // its V landed
+    TR_K1 = 5,         // the second computed K landed (first loop iteration)
+    TR_LOOP_END = 6,   // last loop iteration done (the final P V not yet issued); producer:
+                       // the tile's last V issued
+    TR_LAST_PV = 7,    // final P V complete
+    TR_EPILOGUE = 8,   // O and LSE stores issued (end of the tile)
+    TR_N_TILES = 9,    // value: key tiles of the work tile
+    TR_N_VIS = 10,     // value: key tiles this warpgroup computes (-1: passed the tile)
+    TR_Q_EMPTY = 11,   // producer: q_empty wait starts (before the next post)
+};
+#if FM_TRACE
+constexpr int TRACE_CTAS = 132;
+constexpr int TRACE_TILES = 32;
+constexpr int TRACE_EVENTS = 12;
+static_assert(sizeof(fm90_trace) == 8 * TRACE_CTAS * (NCW + 1) * TRACE_TILES * TRACE_EVENTS, "trace layout");
+#endif
+__device__ __forceinline__ void trace_value(int tile, int ev, long long value) {
+#if FM_TRACE
+    if ((threadIdx.x & 127) == 0 && blockIdx.x < TRACE_CTAS && tile < TRACE_TILES)
+        fm90_trace[((blockIdx.x * (NCW + 1) + threadIdx.x / 128) * TRACE_TILES + tile) * TRACE_EVENTS + ev] =
+            value;
+#endif
+}
+__device__ __forceinline__ void trace(int tile, int ev) {
+#if FM_TRACE
+    trace_value(tile, ev, clock64());
+#endif
+}
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float lg2(float x) {
@@ -280,7 +333,7 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
 __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
                                         const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
                                         const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles, SlotPhases& ring) {
+                                        int n_tiles, SlotPhases& ring, int tile_i) {
     mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
 #pragma unroll
     for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
@@ -297,6 +350,7 @@ __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap
 #pragma unroll
         for (int h = 0; h < DH; ++h)
             tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
+        if (it == 0) trace(tile_i, TR_K0);
         if (reused) mbar_wait(bar.v_empty(s), prev);
         mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
 #pragma unroll
@@ -307,6 +361,7 @@ __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap
             ++round;
         }
     }
+    trace(tile_i, TR_LOOP_END);
     ring.advance(n_tiles);
 }
 
@@ -513,7 +568,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                                         int n_tiles, int seqlen_q, int seqlen_k, int diag,
                                         float scale_log2, const FmTensorMap* tm_o, int head, int batch,
                                         u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
-                                        SlotPhases& ring) {
+                                        SlotPhases& ring, int tile_i) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -521,6 +576,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     // a plain compare costs the loop its uniform datapath: R2UR 0 -> 32, 673 -> 765 SASS.)
     if (__all_sync(0xffffffffu, m0w >= seqlen_q || m0w + 64 <= 0)) {
         pass_tile(bar, cw, n_tiles, lane, ring);
+        trace_value(tile_i, TR_N_VIS, -1);
+        trace(tile_i, TR_EPILOGUE);
         return;
     }
     const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
@@ -545,6 +602,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         skip = __reduce_max_sync(0xffffffffu, n_tiles - visible);
     }
     const int n_vis = n_tiles - skip;  // key tiles this warpgroup computes
+    trace_value(tile_i, TR_N_TILES, n_tiles);
+    trace_value(tile_i, TR_N_VIS, n_vis);
 
     float oacc[D / 2];
 #pragma unroll
@@ -577,6 +636,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             // tile i is in flight (FA3's intra-warpgroup overlap). Prologue: S of the first
             // computed key tile (iteration skip, in slot s).
             mbar_wait(bar.k_full(s), ring.parity(s, round));
+            trace(tile_i, TR_K0);
             turn_wait(cw);
             wgmma_fence();
             issue_s(sacc, qa, dq, dk, s);
@@ -584,11 +644,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             turn_pass(cw);
             wgmma_wait<0>();
             reg_fence(sacc);
+            trace(tile_i, TR_S0);
             release(bar.k_empty(s), lane);
             if (q_last == skip) release_q(bar);  // last S of this work tile
             if (skip < n_masked) mask_tile(sacc, (n_tiles - 1 - skip) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            trace(tile_i, TR_SOFTMAX0);
             mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
+            trace(tile_i, TR_V0);
             pack_p(sacc, pa);
             int ps = s;  // slot of the tile whose P is in pa (its V has landed)
             if (++s == STAGES) {
@@ -598,6 +661,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             for (int it = skip + 1; it < n_tiles; ++it) {
                 const u32 ph = ring.parity(s, round);
                 mbar_wait(bar.k_full(s), ph);
+                if (FM_TRACE && it == skip + 1) trace(tile_i, TR_K1);
                 reg_fence(oacc);
                 turn_wait(cw);
                 wgmma_fence();
@@ -635,6 +699,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                     ++round;
                 }
             }
+            trace(tile_i, TR_LOOP_END);
             reg_fence(oacc);  // V of the last tile was waited for after its softmax
             turn_wait(cw);
             wgmma_fence();
@@ -643,6 +708,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             turn_pass(cw);
             wgmma_wait<0>();
             reg_fence(oacc);
+            trace(tile_i, TR_LAST_PV);
             release(bar.v_empty(ps), lane);
         }
 #else
@@ -733,6 +799,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         }
         __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
     }
+    trace(tile_i, TR_EPILOGUE);
 }
 
 }  // namespace fm90
@@ -787,9 +854,12 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
             int rank = draw_rank();
             for (int i = 0;; ++i) {
+                trace(i, TR_Q_EMPTY);
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
                 const WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
                 post_tile(tile_slot, w);
+                trace(i, TR_POSTED);
+                trace_value(i, TR_N_TILES, w.n_tiles);
                 if (w.head < 0) {
                     mbar_arrive(bar.q_full());  // the consumers read "no work left" and stop
                     leave_dispenser();
@@ -801,7 +871,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                     continue;
                 }
                 produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
-                        w.m0, w.n_tiles, ring);
+                        w.m0, w.n_tiles, ring, i);
             }
         }
     } else {
@@ -811,12 +881,13 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         const i64 q_stride = (i64)heads_q * D;
         for (int i = 0;; ++i) {
             mbar_wait(bar.q_full(), i & 1);
+            trace(i, TR_POSTED);
             const WorkTile w = read_tile(tile_slot);
             if (w.head < 0) break;
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
             consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
-                    softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring);
+                    softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i);
         }
         // The shared memory the last O stores read must outlive them.
         if (O_TMA_STORE && (threadIdx.x & 31) == 0) bulk_wait<0>();
