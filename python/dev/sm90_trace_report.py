@@ -16,7 +16,9 @@ The share column is each phase's part of all traced warpgroup time; the fixed co
 tile is tile cycles / loop-iteration cycles - key tiles computed (the b/a of a fit
 time = a n + b, in key tiles).
 Each CTA's first tile is left out (cold start). Producer: q_empty wait before each post,
-and post -> first K issued (the wait for a free ring slot).
+and post -> first K issued (the wait for a free ring slot). Launch tail: the SM time left
+idle after each CTA's last tile, against the CTA that ran longest (each span on its own SM's
+clock, so launch skew between SMs is not in it).
 """
 import json
 import statistics
@@ -101,6 +103,19 @@ def report(path):
         f"n={n}: {statistics.median(v):.0f} ({len(v)})" for n, v in sorted(by_n.items())))
     if passed:
         print(f"   warpgroup-tiles passed (no row in range): {passed}")
+    # Launch tail: each CTA's span (its SM's clock, first post to last stores) against the
+    # longest; the mean gap is the share of SM time idle at the end of the launch.
+    spans, counts = [], {}
+    for cta in range(min(head["ctas"], head["grid"])):
+        ends = [rec(cta, 1, i) for i in range(head["tiles"])]
+        ends = [r for r in ends if r[EV["POSTED"]] and r[EV["EPILOGUE"]]]
+        if ends:
+            spans.append(ends[-1][EV["EPILOGUE"]] - ends[0][EV["POSTED"]])
+            counts[len(ends)] = counts.get(len(ends), 0) + 1
+    if spans and max(counts) < head["tiles"]:  # else some CTA ran more tiles than traced
+        m = max(spans)
+        print(f"   launch tail: work tiles per CTA {dict(sorted(counts.items()))}; SM time idle "
+              f"after a CTA's last tile {100 * sum(m - x for x in spans) / (m * len(spans)):.1f}%")
     qe, k0 = [], []
     for cta in range(min(head["ctas"], head["grid"])):
         for tile in range(1, head["tiles"]):

@@ -40,8 +40,8 @@
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
 //   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
 //   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
-//   with nb = ceil(Sq / BLOCK_M); causal visits query blocks last to first, so the heaviest
-//   tiles of each head come first. Causal query blocks are aligned to the last query row
+//   with nb = ceil(Sq / BLOCK_M); causal: query blocks last to first (heaviest first), from
+//   nb >= 10 in groups of heads, all heads' block before the group's next (decode_tile). Causal query blocks are aligned to the last query row
 //   (rounded up to a multiple of 16, Sq16): block b covers rows [Sq16 - (b+1) BLOCK_M,
 //   Sq16 - b BLOCK_M). So a ragged Sq makes the first block short (rows that see the fewest
 //   keys) instead of the last one (rows that see every key tile, with idle warpgroups).
@@ -303,15 +303,53 @@ struct WorkTile {
     int m0, head, batch, n_tiles;
 };
 
+// Causal work tiles differ in cost (a query block visits as many key tiles as its last row
+// sees), and the dispenser hands them out in rank order, so the launch ends well balanced
+// only if it ends on light tiles. With every head's blocks in turn (heaviest first), the
+// last heads' heaviest tiles start late: 5.4-7.9 % of the SM time sat idle after the CTAs'
+// last tiles at S <= 1024 (run 54 timeline). Ranks therefore go through groups of heads
+// holding CAUSAL_GROUP_WAVES waves of tiles: inside a group, the heaviest query block of
+// every head first, then the next (longest first). The partial group goes first, so the
+// last one is full. Run 56 (H100): idle tail 2.6-4.3 %, +2-5 % at S >= 2048, but -3 % /
+// -6 % at S = 512 (D=128 / 64): there the launch is near the copy ceiling, and grouping
+// runs every head's light, memory-heavy tiles at the same time (slower key-tile steps).
+// So the groups apply from CAUSAL_GROUP_MIN_BLOCKS query blocks per head, and while a
+// group's K and V (upper bound, no GQA sharing) stay within CAUSAL_GROUP_MAX_KV_BYTES of L2.
+constexpr int CAUSAL_GROUP_WAVES = 2;
+constexpr int CAUSAL_GROUP_MIN_BLOCKS = 10;
+constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured up to 25 MB (D=128 S=16384)
+
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
                                                 int seqlen_q, int seqlen_k, int diag) {
     if (rank >= total) return WorkTile{0, -1, 0, 0};
-    const int mb = rank % n_mb;
+    int mb, bh;  // query block; batch * heads_q + head
+    if (CAUSAL && n_mb >= CAUSAL_GROUP_MIN_BLOCKS) {
+        const int n_bh = total / n_mb;
+        int g_heads = (CAUSAL_GROUP_WAVES * (int)gridDim.x + n_mb - 1) / n_mb;
+        if ((long long)g_heads * seqlen_k * (4 * D) > CAUSAL_GROUP_MAX_KV_BYTES) g_heads = 1;
+        const int first = n_bh % g_heads;  // heads of the partial group (0: none)
+        int r = rank, in_group = first, bh0 = 0;
+        if (rank >= first * n_mb) {
+            r = rank - first * n_mb;
+            const int g = r / (g_heads * n_mb);
+            r -= g * g_heads * n_mb;
+            in_group = g_heads;
+            bh0 = first + g * g_heads;
+        }
+        mb = r / in_group;
+        bh = bh0 + (r - mb * in_group);
+    } else {
+        // Each head's blocks in turn. (Its own branch: the group arithmetic's divisions
+        // on the producer's path to the next post cost 1-3.5 % on short causal tiles,
+        // run 57.)
+        mb = rank % n_mb;
+        bh = rank / n_mb;
+    }
     // Causal: aligned to the last row rounded up to 16 (see the ABI note); the first
     // block may start below row 0.
     const int m0 = CAUSAL ? ((seqlen_q + 15) & ~15) - (mb + 1) * BM : mb * BM;
     const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
-    return WorkTile{m0, (rank / n_mb) % heads_q, rank / (n_mb * heads_q), (n_end + BN - 1) / BN};
+    return WorkTile{m0, bh % heads_q, bh / heads_q, (n_end + BN - 1) / BN};
 }
 
 __device__ __forceinline__ void post_tile(u32 slot, const WorkTile& w) {

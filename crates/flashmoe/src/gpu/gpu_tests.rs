@@ -293,6 +293,11 @@ fn attention_v1_matches_gpu_reference() {
                 seqlen_k: 1400,
                 ..AttentionProblem::new(2, 2, 1190, 64, true, DType::F16)
             },
+            // Causal with >= 10 query blocks per head: the work order goes by groups of
+            // heads, heaviest block of each head first (decode_tile). 30 heads with 11
+            // blocks each on 132 CTAs: a partial group of 6 heads, then a full one of 24.
+            AttentionProblem::new(3, 10, 2000, 64, true, DType::Bf16),
+            AttentionProblem::new(2, 5, 1300, 128, true, DType::F16),
             // Causal with Sq > Sk: the first 300 query rows see no key, so whole work tiles
             // visit no key tile (O = 0, LSE = -inf without loading Q).
             AttentionProblem {
