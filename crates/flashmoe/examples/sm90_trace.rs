@@ -48,7 +48,7 @@ fn parse_config(spec: &str) -> Result<AttentionProblem, String> {
             ))
         }
     };
-    if d == 0 || s == 0 || TOKENS % s != 0 || MODEL_DIM % d != 0 {
+    if d == 0 || s == 0 || !TOKENS.is_multiple_of(s) || !MODEL_DIM.is_multiple_of(d) {
         return Err(format!(
             "config {spec:?}: S must divide {TOKENS} and D must divide {MODEL_DIM}"
         ));
