@@ -40,8 +40,9 @@
 //   o: (batch, seqlen_q, heads_q, D) 16-bit; lse: (batch, heads_q, seqlen_q) f32, natural log.
 //   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
 //   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
-//   with nb = ceil(Sq / BLOCK_M); causal: query blocks last to first (heaviest first), from
-//   nb >= 10 in groups of heads, all heads' block before the group's next (decode_tile). Causal query blocks are aligned to the last query row
+//   with nb = ceil(Sq / BLOCK_M); causal: query blocks last to first (heaviest first), and
+//   from nb >= 10 in groups of heads, each block of all the group's heads before the next
+//   (decode_tile). Causal query blocks are aligned to the last query row
 //   (rounded up to a multiple of 16, Sq16): block b covers rows [Sq16 - (b+1) BLOCK_M,
 //   Sq16 - b BLOCK_M). So a ragged Sq makes the first block short (rows that see the fewest
 //   keys) instead of the last one (rows that see every key tile, with idle warpgroups).
