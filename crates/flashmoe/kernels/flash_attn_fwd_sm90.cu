@@ -41,7 +41,7 @@
 //   Grid (G, 1, 1), G = the number of work tiles or fewer (persistent: one CTA per SM).
 //   Work tile of rank r = (query block, head, batch) = (r % nb, r / nb % Hq, r / (nb * Hq))
 //   with nb = ceil(Sq / BLOCK_M); causal: query blocks last to first (heaviest first), and
-//   from nb >= 10 in groups of heads, each block of all the group's heads before the next
+//   from nb >= 6 in groups of heads, each block of all the group's heads before the next
 //   (decode_tile). Causal query blocks are aligned to the last query row
 //   (rounded up to a multiple of 16, Sq16): block b covers rows [Sq16 - (b+1) BLOCK_M,
 //   Sq16 - b BLOCK_M). So a ragged Sq makes the first block short (rows that see the fewest
@@ -314,10 +314,12 @@ struct WorkTile {
 // last one is full. Run 56 (H100): idle tail 2.6-4.3 %, +2-5 % at S >= 2048, but -3 % /
 // -6 % at S = 512 (D=128 / 64): there the launch is near the copy ceiling, and grouping
 // runs every head's light, memory-heavy tiles at the same time (slower key-tile steps).
-// So the groups apply from CAUSAL_GROUP_MIN_BLOCKS query blocks per head, and while a
-// group's K and V (upper bound, no GQA sharing) stay within CAUSAL_GROUP_MAX_KV_BYTES of L2.
+// So the groups apply from CAUSAL_GROUP_MIN_BLOCKS query blocks per head (S = 1024 at
+// both head dims: +5 % at D=64 and +1 % at D=128 against the same kernel with 10, run 59),
+// and while a group's K and V (upper bound, no GQA sharing) stay within
+// CAUSAL_GROUP_MAX_KV_BYTES of L2.
 constexpr int CAUSAL_GROUP_WAVES = 2;
-constexpr int CAUSAL_GROUP_MIN_BLOCKS = 10;
+constexpr int CAUSAL_GROUP_MIN_BLOCKS = 6;
 constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured up to 25 MB (D=128 S=16384)
 
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
@@ -340,9 +342,9 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
         mb = r / in_group;
         bh = bh0 + (r - mb * in_group);
     } else {
-        // Each head's blocks in turn. (Its own branch: the group arithmetic's divisions
-        // on the producer's path to the next post cost 1-3.5 % on short causal tiles,
-        // run 57.)
+        // Each head's blocks in turn. (Its own branch, with fewer divisions: run 57
+        // measured the group arithmetic at 1-3.5 % on short causal tiles, while the
+        // decode still sat between the wait for Q's release and the next post.)
         mb = rank % n_mb;
         bh = rank / n_mb;
     }
@@ -892,10 +894,10 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_v);
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
             int rank = draw_rank();
+            WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
             for (int i = 0;; ++i) {
                 trace(i, TR_Q_EMPTY);
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
-                const WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
                 post_tile(tile_slot, w);
                 trace(i, TR_POSTED);
                 trace_value(i, TR_N_TILES, w.n_tiles);
@@ -905,12 +907,13 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                     break;
                 }
                 rank = draw_rank();  // the next tile's rank, drawn early to hide the atomic
-                if (w.n_tiles == 0) {
-                    mbar_arrive(bar.q_full());
-                    continue;
-                }
-                produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
-                        w.m0, w.n_tiles, ring, i);
+                if (w.n_tiles == 0) mbar_arrive(bar.q_full());
+                else
+                    produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
+                            w.m0, w.n_tiles, ring, i);
+                // The next tile is decoded before the wait for Q's release, not after it:
+                // off the path from the last S = Q K^T to the next post and Q load.
+                w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
             }
         }
     } else {

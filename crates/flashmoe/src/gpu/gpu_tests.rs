@@ -293,7 +293,7 @@ fn attention_v1_matches_gpu_reference() {
                 seqlen_k: 1400,
                 ..AttentionProblem::new(2, 2, 1190, 64, true, DType::F16)
             },
-            // Causal with >= 10 query blocks per head: the work order goes by groups of
+            // Causal with >= 6 query blocks per head: the work order goes by groups of
             // heads, heaviest block of each head first (decode_tile). 30 heads with 11
             // blocks each on 132 CTAs: a partial group of 6 heads, then a full one of 24.
             AttentionProblem::new(3, 10, 2000, 64, true, DType::Bf16),
