@@ -134,10 +134,10 @@ for s in "$@"; do
                     done
                   done ;;
     memcheck-unit)
-                  stage memcheck-attn 200 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
+                  stage memcheck-attn 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 9 \
                     ./target/release/flashmoe-gpu-tests attention_v1_matches_gpu_reference --test-threads=1 ;;
     racecheck-unit)
-                  stage racecheck-attn 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
+                  stage racecheck-attn 400 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
                     ./target/release/flashmoe-gpu-tests attention_v1_matches_gpu_reference --test-threads=1
                   stage racecheck-moe 200 /usr/local/cuda/bin/compute-sanitizer --tool racecheck --error-exitcode 9 \
                     ./target/release/flashmoe-gpu-tests moe_sm90_gemms_match_cpu_reference --test-threads=1 ;;

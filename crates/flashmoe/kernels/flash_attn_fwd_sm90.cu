@@ -54,7 +54,10 @@
 //   (`fm90_dispenser`, one atomicAdd per tile): a CTA takes the next rank when it starts a
 //   tile, so CTAs that drew cheap (causal) tiles take more of them. The last CTA to find no
 //   work left resets the dispenser: launches of one loaded module must be stream-ordered
-//   (flashmoe launches on the device's one stream). Block 128 * (CONSUMERS + 1) threads.
+//   (flashmoe launches on the device's one stream). D >= 128 non-causal with >= 32 key
+//   tiles per work tile: the last G + R tiles are cut over key ranges into G slots, one rank
+//   each, whose parts merge through records in module globals (SPLIT, make_schedule) — the
+//   same stream-order rule. Block 128 * (CONSUMERS + 1) threads.
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -72,7 +75,7 @@
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
 //   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * (2 * D + PAD)
-//           + 8 * (2 + 4 * STAGES) + 16,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
+//           + 8 * (2 + 4 * STAGES) + 32,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, the O
 //   staging rows of the epilogue, barriers, the current work tile as the producer posts it.)
 
@@ -138,8 +141,10 @@ constexpr bool SKIP_MASKED = CAUSAL && FM_PIPE && BM > FM_BLOCK_N;
 // without it, ptxas hoists the wait, and the P.V wait behind it, above the softmax in these
 // variants (sm90_sass.py event order: "W1 b3 *2 W0 e10 b e56" instead of "e66 b W0"). The
 // others keep (almost) all exponentials before the wait on their own, and measured 1-2 %
-// faster so (run 42).
+// faster so (run 42). (Run 61 again: the non-causal variants with the dependency measured
+// 1-4 % slower than without, though without it ptxas put the D=64 wait above the softmax.)
 constexpr bool ORDER_V_WAIT = SKIP_MASKED;
+
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
@@ -161,9 +166,9 @@ constexpr int STAGE_WARP_BYTES = 16 * STAGE_PITCH;
 constexpr int OFF_STAGE = OFF_V + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_STAGE + BM * STAGE_PITCH;
 constexpr int NBAR = 2 + 4 * STAGES;
-constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (16 bytes)
+constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (32 bytes)
 constexpr int SMEM_BYTES =
-    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 16;
+    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 32;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -179,8 +184,8 @@ static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
 static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
-static_assert(SMEM_BYTES == 1024 + OFF_TILE + 16, "smem formula");
-static_assert(OFF_TILE % 16 == 0, "the posted work tile is one 16-byte shared store");
+static_assert(SMEM_BYTES == 1024 + OFF_TILE + 32, "smem formula");
+static_assert(OFF_TILE % 16 == 0, "the posted work tile is two 16-byte shared stores");
 static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
               "staging boxes on swizzle atoms");
 static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREADS, "register split");
@@ -299,10 +304,75 @@ __device__ __forceinline__ void leave_dispenser() {
 }
 
 // One work tile as the producer posts it in shared memory: the first query row, the query
-// head, the batch, and the number of key tiles it visits. head = -1: no work left.
+// head, the batch, the number of key tiles it visits, key tiles kt_end - n_tiles .. kt_end
+// - 1 (last to first; kt_end = n_tiles unless split), and split: -1, or the part of a tile
+// split over two key ranges (see SPLIT below): 2 * boundary + part. head = -1: no work left.
 struct WorkTile {
     int m0, head, batch, n_tiles;
+    int kt_end, split, pad0, pad1;
 };
+
+// ---- split of the launch's last tiles over key ranges (non-causal) ----
+// Equal work tiles on G persistent CTAs leave the last wave partly empty: 2048 tiles of the
+// D=128 sweep shapes on 132 SMs are 15.5 waves, and 64 CTAs sit idle for the 16th (3.3 % of
+// the SM time in the run 54 timeline). So the last G + R tiles (R = total mod G) are not
+// dealt out whole: their key-tile iterations, in a row, are cut into G contiguous ranges
+// (slots), one per rank after the whole tiles, like stream-K GEMMs. A range is at least one
+// tile long, so a tile is cut at most once, into a part that starts it (part 0: the highest
+// keys, visited first) and one that ends it (part 1). Each part's warps meet at the tile's
+// boundary record: the first to finish publishes its unnormalised O, m and l there; the
+// second merges them into its own and writes O and LSE (merge_split). Neither part ever
+// waits for one that has not started, so any order of the ranks completes.
+// Measured (runs 61-64, H100, 6 alternated rounds in run 64): +1-4 % at D=128 S >= 4096,
+// but -1.4 % at S = 1024 (each slot pays 2-3 tile starts and a merge, against a 16th wave
+// of 8 key tiles) and -3 % at D=64 S <= 1024, where ptxas also scheduled the steady-state
+// loop worse (10 exponentials after the P V wait). So only D >= 128 splits, and only tiles
+// of at least SPLIT_MIN_KV_TILES key tiles. FM_SPLIT=0 builds without it (A/B).
+#ifndef FM_SPLIT
+#define FM_SPLIT 1
+#endif
+constexpr bool SPLIT = FM_SPLIT && !CAUSAL && D >= 128;
+constexpr int SPLIT_MIN_KV_TILES = 32;
+// Boundary records in the workspace: one per slot, so the grid splits only up to this.
+constexpr int SPLIT_MAX_CTAS = 132;
+constexpr int PART_CHUNKS = D / 8 + 1;  // float4s per thread: O (D / 2 floats), then m[2], l[2]
+// [boundary][consumer][warp][chunk][lane]; and per warp, a ticket and a ready flag.
+__device__ float4 fm90_split_parts[SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * PART_CHUNKS * 32 : 1];
+__device__ int fm90_split_sync[SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * 2 : 1];
+
+// The work-tile order of a launch, fixed by the problem and the grid (producer only).
+struct Schedule {
+    int total, n_mb, heads_q, seqlen_q, seqlen_k, diag;
+    int n_whole;   // ranks [0, n_whole) are whole tiles (rank = tile)
+    int n_ranks;   // ranks [n_whole, n_ranks) are the slots of the split tiles (SPLIT)
+    int kv_tiles;  // key tiles of every (non-causal) work tile
+    int sk_iters;  // key-tile iterations of the tiles [n_whole, total), cut into the slots
+};
+
+// Split only where the idle part of the last wave is worth more than the two extra tile
+// starts and the merge each slot costs: (G - R) idle CTAs x L key tiles >= 2 G iterations,
+// and L >= SPLIT_MIN_KV_TILES (see above).
+__device__ __forceinline__ Schedule make_schedule(int n_mb, int heads_q, int batch, int seqlen_q,
+                                                  int seqlen_k) {
+    Schedule sc;
+    sc.total = n_mb * heads_q * batch;
+    sc.n_mb = n_mb;
+    sc.heads_q = heads_q;
+    sc.seqlen_q = seqlen_q;
+    sc.seqlen_k = seqlen_k;
+    sc.diag = seqlen_k - seqlen_q;
+    sc.kv_tiles = (seqlen_k + BN - 1) / BN;
+    sc.n_whole = sc.n_ranks = sc.total;
+    sc.sk_iters = 0;
+    const int g = (int)gridDim.x, waves = sc.total / g, rest = sc.total % g;
+    if (SPLIT && g <= SPLIT_MAX_CTAS && waves >= 2 && rest != 0 && sc.kv_tiles >= SPLIT_MIN_KV_TILES &&
+        (long long)(g - rest) * sc.kv_tiles >= 2ll * g) {
+        sc.n_whole = (waves - 1) * g;
+        sc.n_ranks = sc.n_whole + g;
+        sc.sk_iters = (sc.total - sc.n_whole) * sc.kv_tiles;
+    }
+    return sc;
+}
 
 // Causal work tiles differ in cost (a query block visits as many key tiles as its last row
 // sees), and the dispenser hands them out in rank order, so the launch ends well balanced
@@ -324,7 +394,7 @@ constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured 
 
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
                                                 int seqlen_q, int seqlen_k, int diag) {
-    if (rank >= total) return WorkTile{0, -1, 0, 0};
+    if (rank >= total) return WorkTile{0, -1, 0, 0, 0, -1, 0, 0};
     int mb, bh;  // query block; batch * heads_q + head
     if (CAUSAL && n_mb >= CAUSAL_GROUP_MIN_BLOCKS) {
         const int n_bh = total / n_mb;
@@ -352,12 +422,52 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
     // block may start below row 0.
     const int m0 = CAUSAL ? ((seqlen_q + 15) & ~15) - (mb + 1) * BM : mb * BM;
     const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
-    return WorkTile{m0, bh % heads_q, bh / heads_q, (n_end + BN - 1) / BN};
+    const int n_tiles = (n_end + BN - 1) / BN;
+    return WorkTile{m0, bh % heads_q, bh / heads_q, n_tiles, n_tiles, -1, 0, 0};
+}
+
+// The producer's position in its slot of split tiles: key-tile iterations [pos, end) of
+// the tiles [n_whole, total), in a row. Empty (pos == end) outside a slot.
+struct SlotCursor {
+    int pos = 0, end = 0, slot = 0;
+};
+
+// The next segment of the cursor's slot: the rest of the tile at pos, up to the slot's end.
+__device__ __forceinline__ WorkTile next_segment(const Schedule& sc, SlotCursor& cur) {
+    const int L = sc.kv_tiles;
+    const int t = sc.n_whole + cur.pos / L;
+    const int i0 = cur.pos % L;                    // first iteration of the tile in this segment
+    const int i1 = min(L, i0 + (cur.end - cur.pos));  // one past its last
+    cur.pos += i1 - i0;
+    WorkTile w = decode_tile(t, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag);
+    w.n_tiles = i1 - i0;
+    w.kt_end = L - i0;  // iterations visit key tiles last to first
+    // Cut at a slot boundary: the part that ends the tile opens this slot (boundary = slot),
+    // the part that starts it closes this slot (boundary = slot + 1).
+    if (i0 > 0) w.split = 2 * cur.slot + 1;
+    else if (i1 < L) w.split = 2 * (cur.slot + 1);
+    return w;
+}
+
+// The work of a drawn rank: a whole tile, the first segment of a slot, or none.
+__device__ __forceinline__ WorkTile decode_rank(int rank, const Schedule& sc, SlotCursor& cur) {
+    if (!SPLIT || rank < sc.n_whole || rank >= sc.n_ranks) {
+        if (rank >= sc.n_ranks) rank = sc.total;  // past the slots: no work left
+        return decode_tile(rank, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag);
+    }
+    const int g = (int)gridDim.x;
+    cur.slot = rank - sc.n_whole;
+    cur.pos = (int)((long long)cur.slot * sc.sk_iters / g);
+    cur.end = (int)((long long)(cur.slot + 1) * sc.sk_iters / g);
+    return next_segment(sc, cur);
 }
 
 __device__ __forceinline__ void post_tile(u32 slot, const WorkTile& w) {
     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(w.m0), "r"(w.head),
                  "r"(w.batch), "r"(w.n_tiles)
+                 : "memory");
+    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(w.kt_end), "r"(w.split),
+                 "r"(w.pad0), "r"(w.pad1)
                  : "memory");
 }
 __device__ __forceinline__ WorkTile read_tile(u32 slot) {
@@ -365,6 +475,10 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(w.m0), "=r"(w.head), "=r"(w.batch), "=r"(w.n_tiles)
                  : "r"(slot)
+                 : "memory");
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w.kt_end), "=r"(w.split), "=r"(w.pad0), "=r"(w.pad1)
+                 : "r"(slot + 16)
                  : "memory");
     return w;
 }
@@ -374,7 +488,7 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
 __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
                                         const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
                                         const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles, SlotPhases& ring, int tile_i) {
+                                        int n_tiles, int kt_end, SlotPhases& ring, int tile_i) {
     mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
 #pragma unroll
     for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
@@ -383,7 +497,7 @@ __device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap
         // A reused slot: wait until every consumer warp released its previous contents
         // (that use's parity). K and V are released separately: K as soon as S is
         // computed, V after P V, so the next K load starts early.
-        const int n0 = (n_tiles - 1 - it) * BN;
+        const int n0 = (kt_end - 1 - it) * BN;
         const bool reused = ring.reused(s, round);
         const u32 prev = ring.parity(s, round) ^ 1u;
         if (reused) mbar_wait(bar.k_empty(s), prev);
@@ -603,12 +717,129 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
     ring.advance(n_tiles);
 }
 
+// The meeting of a split tile's two parts at their boundary record, per consumer warp (16
+// rows; both parts hold the same rows in the same warp of the same warpgroup). The warp
+// takes a ticket: the first publishes its O (unnormalised), m and l (per-thread partial)
+// and returns false; the second waits for that publication (the first is already storing
+// it), merges it into its own registers and returns true (it writes O and LSE). The merge
+// is symmetric (products, then one add), so the bits do not depend on which part came
+// second; the second resets the record for the next launch.
+__device__ __forceinline__ bool merge_split(float (&oacc)[D / 2], float (&m_i)[2], float (&l_i)[2],
+                                            int boundary, int cw, int warp, int lane) {
+    const int rec = (boundary * NCW + cw) * 4 + warp;
+    float4* part = fm90_split_parts + (size_t)rec * PART_CHUNKS * 32 + lane;
+    int* ticket = fm90_split_sync + 2 * rec;
+    int* ready = ticket + 1;
+    int first = 0;
+    if (lane == 0) first = atomicAdd(ticket, 1) == 0;
+    if (__shfl_sync(0xffffffffu, first, 0)) {
+#pragma unroll
+        for (int c = 0; c < D / 8; ++c)
+            __stcg(part + 32 * c, make_float4(oacc[4 * c], oacc[4 * c + 1], oacc[4 * c + 2], oacc[4 * c + 3]));
+        __stcg(part + 32 * (D / 8), make_float4(m_i[0], m_i[1], l_i[0], l_i[1]));
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) st_release_gpu(ready, 1);
+        return false;
+    }
+    // Every lane's own acquire load must see the flag (the vote ends the loop for all).
+    while (!__all_sync(0xffffffffu, ld_acquire_gpu(ready) != 0)) {
+    }
+    const float4 ml = __ldcg(part + 32 * (D / 8));
+    const float m_o[2] = {ml.x, ml.y}, l_o[2] = {ml.z, ml.w};
+    float a_self[2], a_other[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float m = fmaxf(m_i[h], m_o[h]);
+        const float m_use = m == neg_inf() ? 0.f : m;
+        a_self[h] = ex2(m_i[h] - m_use);
+        a_other[h] = ex2(m_o[h] - m_use);
+        l_i[h] = __fadd_rn(__fmul_rn(l_i[h], a_self[h]), __fmul_rn(l_o[h], a_other[h]));
+        m_i[h] = m;
+    }
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+        const float4 o = __ldcg(part + 32 * c);
+        const float other[4] = {o.x, o.y, o.z, o.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e >> 1;  // element 4c + 2h + col: row h
+            oacc[4 * c + e] = __fadd_rn(__fmul_rn(oacc[4 * c + e], a_self[h]), __fmul_rn(other[e], a_other[h]));
+        }
+    }
+    __syncwarp();  // every lane has seen `ready` before it is cleared
+    if (lane == 0) {
+        *ticket = 0;
+        *ready = 0;
+    }
+    return true;
+}
+
+// The epilogue of a work tile: normalise, LSE; 16-bit O into this warp's staging rows (see
+// O_TMA_STORE), then to global memory as whole rows. (From registers, each store
+// instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24.)
+// Rows outside [0, Sq) are not stored; a warp's 16 rows start at a multiple of 16.
+__device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float (&m_i)[2], const float (&l_i)[2],
+                                        u32 sStage, int cw, int warp, int lane, int m0w, int row0, int seqlen_q,
+                                        const FmTensorMap* tm_o, int head, int batch, u16* __restrict__ og,
+                                        i64 q_stride, float* __restrict__ lseg) {
+    constexpr float LN2 = 0.693147180559945309f;
+    const u32 stg = sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
+    if (O_TMA_STORE) {
+        if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
+        __syncwarp();
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = l_i[h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
+        const bool seen = m_i[h] != neg_inf() && l > 0.f;
+        float inv = 0.f;
+        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
+        const int row = row0 + 8 * h;
+        if ((lane & 3) == 0 && row >= 0 && row < seqlen_q)
+            lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
+        const int r = (lane >> 2) + 8 * h;  // row in the warp's 16
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            // TMA box: 16-byte chunk c of a row's 128 bytes sits at chunk c ^ (r & 7).
+            const u32 addr = O_TMA_STORE ? stg + (j >> 3) * 2048 + r * 128 + (((j & 7) ^ (r & 7)) << 4)
+                                         : stg + r * STAGE_PITCH + 16 * j;
+            st_shared_u32(addr + 4 * (lane & 3), pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
+        }
+    }
+    const int wrow0 = m0w + warp * 16;
+    if (O_TMA_STORE) {
+        fence_proxy_async_smem();  // the generic-proxy writes, before the TMA (async proxy) reads
+        __syncwarp();
+        if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
+#pragma unroll
+            for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
+            bulk_commit();
+        }
+    } else {
+        __syncwarp();
+        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+#pragma unroll
+        for (int c = lane; c < 16 * CHUNKS; c += 32) {
+            const int r = c / CHUNKS, col = c % CHUNKS;
+            u32 a, b, cc, d;
+            ld_shared_v4(stg + r * STAGE_PITCH + col * 16, a, b, cc, d);
+            if (wrow0 + r >= 0 && wrow0 + r < seqlen_q)
+                st_global_v4(og + (i64)(wrow0 + r) * q_stride + col * 8, a, b, cc, d);
+        }
+        __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
+    }
+}
+
 // Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
 // (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
-                                        int n_tiles, int seqlen_q, int seqlen_k, int diag,
-                                        float scale_log2, const FmTensorMap* tm_o, int head, int batch,
-                                        u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
+                                        int n_tiles, int kt_end_posted, int split, int seqlen_q,
+                                        int seqlen_k, int diag, float scale_log2, const FmTensorMap* tm_o, int head,
+                                        int batch, u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
                                         SlotPhases& ring, int tile_i) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
@@ -622,13 +853,15 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         return;
     }
     const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+    // Key tiles visited: kt_end - 1 down to kt_end - n_tiles (all of them unless split).
+    const int kt_end = SPLIT ? kt_end_posted : n_tiles;
 
     // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
     // (n0 + BN > Sk) or, when causal, a key beyond this warpgroup's first row's limit.
     int thr = seqlen_k - BN + 1;
     if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
     const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
-    const int n_masked = max(0, n_tiles - first_masked);
+    const int n_masked = max(0, kt_end - first_masked);
     // Causal: the first key tiles visited (the highest keys) can lie entirely past the
     // limit of this warpgroup's last row. With 192-row work tiles and 128-key tiles that is
     // one key tile for 1 or 2 of the 3 warpgroups of every work tile. The warpgroup passes
@@ -688,7 +921,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             trace(tile_i, TR_S0);
             release(bar.k_empty(s), lane);
             if (q_last == skip) release_q(bar);  // last S of this work tile
-            if (skip < n_masked) mask_tile(sacc, (n_tiles - 1 - skip) * BN, row0, lane, seqlen_k, diag);
+            if (skip < n_masked) mask_tile(sacc, (kt_end - 1 - skip) * BN, row0, lane, seqlen_k, diag);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             trace(tile_i, TR_SOFTMAX0);
             mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
@@ -715,7 +948,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                 reg_fence(sacc);
                 release(bar.k_empty(s), lane);
                 if (it == q_last) release_q(bar);  // last S of this work tile
-                if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+                if (it < n_masked) mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag);
                 const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
                 // V of tile it (needed by the next P V) is waited for here, between the
                 // softmax and the wait for P V of tile it-1, for a second reason: ptxas
@@ -766,7 +999,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             reg_fence(sacc);
             release(bar.k_empty(s), lane);
             if (it == q_last) release_q(bar);  // last S of this work tile
-            if (it < n_masked) mask_tile(sacc, (n_tiles - 1 - it) * BN, row0, lane, seqlen_k, diag);
+            if (it < n_masked) mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag);
             const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             rescale_o(oacc, alpha, need_rescale);
             pack_p(sacc, pa);
@@ -786,60 +1019,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
 #endif
     }
     ring.advance(n_tiles);
-
-    // ---- epilogue: normalise, LSE; 16-bit O into this warp's staging rows (see
-    // O_TMA_STORE), then to global memory as whole rows. (From registers, each store
-    // instruction wrote 16 bytes into 8 rows: twice the ideal L2 sectors, ncu run 24.)
-    // Rows outside [0, Sq) are not stored; a warp's 16 rows start at a multiple of 16.
-    constexpr float LN2 = 0.693147180559945309f;
-    const u32 stg = sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
-    if (O_TMA_STORE) {
-        if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
-        __syncwarp();
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float l = l_i[h];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
-        const bool seen = m_i[h] != neg_inf() && l > 0.f;
-        float inv = 0.f;
-        if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
-        const int row = row0 + 8 * h;
-        if ((lane & 3) == 0 && row >= 0 && row < seqlen_q)
-            lseg[row] = seen ? (m_i[h] + lg2(l)) * LN2 : neg_inf();
-        const int r = (lane >> 2) + 8 * h;  // row in the warp's 16
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            // TMA box: 16-byte chunk c of a row's 128 bytes sits at chunk c ^ (r & 7).
-            const u32 addr = O_TMA_STORE ? stg + (j >> 3) * 2048 + r * 128 + (((j & 7) ^ (r & 7)) << 4)
-                                         : stg + r * STAGE_PITCH + 16 * j;
-            st_shared_u32(addr + 4 * (lane & 3), pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
-        }
-    }
-    const int wrow0 = m0w + warp * 16;
-    if (O_TMA_STORE) {
-        fence_proxy_async_smem();  // the generic-proxy writes, before the TMA (async proxy) reads
-        __syncwarp();
-        if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
-#pragma unroll
-            for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
-            bulk_commit();
-        }
-    } else {
-        __syncwarp();
-        constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
-#pragma unroll
-        for (int c = lane; c < 16 * CHUNKS; c += 32) {
-            const int r = c / CHUNKS, col = c % CHUNKS;
-            u32 a, b, cc, d;
-            ld_shared_v4(stg + r * STAGE_PITCH + col * 16, a, b, cc, d);
-            if (wrow0 + r >= 0 && wrow0 + r < seqlen_q)
-                st_global_v4(og + (i64)(wrow0 + r) * q_stride + col * 8, a, b, cc, d);
-        }
-        __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
-    }
+    // A split tile: the first part to finish hands its O, m and l over and stores nothing.
+    if (!SPLIT || split < 0 || merge_split(oacc, m_i, l_i, split >> 1, cw, warp, lane))
+        store_o(oacc, m_i, l_i, sStage, cw, warp, lane, m0w, row0, seqlen_q, tm_o, head, batch, og, q_stride, lseg);
     trace(tile_i, TR_EPILOGUE);
 }
 
@@ -879,7 +1061,6 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     // memory, published by the q_full barrier (its arrive releases the post) and recycled
     // after q_empty (every consumer thread has read it by then).
     const int n_mb = (seqlen_q + BM - 1) / BM;
-    const int total = n_mb * heads_q * batch_size;
     const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
     const int group = heads_q / heads_kv;
     const u32 tile_slot = base + OFF_TILE;
@@ -893,8 +1074,10 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
+            const Schedule sc = make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k);
+            SlotCursor cur;
             int rank = draw_rank();
-            WorkTile w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
+            WorkTile w = decode_rank(rank, sc, cur);
             for (int i = 0;; ++i) {
                 trace(i, TR_Q_EMPTY);
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
@@ -906,14 +1089,16 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                     leave_dispenser();
                     break;
                 }
-                rank = draw_rank();  // the next tile's rank, drawn early to hide the atomic
+                // The next tile's rank, drawn early to hide the atomic (none while the
+                // slot of split tiles has segments left).
+                if (cur.pos == cur.end) rank = draw_rank();
                 if (w.n_tiles == 0) mbar_arrive(bar.q_full());
                 else
                     produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
-                            w.m0, w.n_tiles, ring, i);
+                            w.m0, w.n_tiles, w.kt_end, ring, i);
                 // The next tile is decoded before the wait for Q's release, not after it:
                 // off the path from the last S = Q K^T to the next post and Q load.
-                w = decode_tile(rank, total, n_mb, heads_q, seqlen_q, seqlen_k, diag);
+                w = cur.pos != cur.end ? next_segment(sc, cur) : decode_rank(rank, sc, cur);
             }
         }
     } else {
@@ -928,8 +1113,8 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             if (w.head < 0) break;
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
-            consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, seqlen_q, seqlen_k, diag,
-                    softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i);
+            consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, seqlen_q,
+                    seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i);
         }
         // The shared memory the last O stores read must outlive them.
         if (O_TMA_STORE && (threadIdx.x & 31) == 0) bulk_wait<0>();

@@ -298,6 +298,17 @@ fn attention_v1_matches_gpu_reference() {
             // blocks each on 132 CTAs: a partial group of 6 heads, then a full one of 24.
             AttentionProblem::new(3, 10, 2000, 64, true, DType::Bf16),
             AttentionProblem::new(2, 5, 1300, 128, true, DType::F16),
+            // D=128 non-causal with 2 waves and a bit on 132 SMs and >= 32 key tiles: the
+            // last 132 + R tiles are cut over key ranges into one slot per CTA, and the two
+            // parts of each cut tile merge (SPLIT in the .cu). 272 tiles of 33 key tiles,
+            // ragged Sq and Sk, one K/V head (MQA). The three launches below also check
+            // that the merge gives the same bits whichever part comes second, and that the
+            // boundary records reset. (One such problem: racecheck takes ~100 s for each.)
+            AttentionProblem {
+                heads_kv: 1,
+                seqlen_k: 4100,
+                ..AttentionProblem::new(2, 17, 1000, 128, false, DType::Bf16)
+            },
             // Causal with Sq > Sk: the first 300 query rows see no key, so whole work tiles
             // visit no key tile (O = 0, LSE = -inf without loading Q).
             AttentionProblem {
