@@ -22,6 +22,10 @@ python3 -c "import numpy; print('numpy', numpy.__version__)"
 step "Work protocol model of the sm_90a attention kernel (dispenser, posted tile, K/V ring)"
 python3 python/dev/ring_protocol_model.py --trials 1000
 
+step "Merge protocol of a split work tile (sm_90a): the kernel's passes, each mutation fails"
+python3 python/dev/split_merge_model.py
+python3 python/dev/split_merge_model.py --mutants
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
