@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Model check of the sm_90a attention kernel's work protocol (flash_attn_fwd_sm90.cu):
 the rank dispenser shared by the CTAs of a launch (drawn early, reset by the last CTA),
-each CTA's posted work tile under the q_full / q_empty barriers, and its K/V ring
+each CTA's two work-tile records under the q_full / q_empty barriers, and its K/V ring
 (SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0),
 with the K and V halves of a slot under their own barriers.
 
@@ -129,8 +129,10 @@ class Cta:
     def __init__(self, stages, ncw, bug):
         self.ncw, self.bug = ncw, bug
         self.q_full, self.q_empty = Barrier(1), Barrier(ncw)  # q_empty: NCW * 128 threads
-        self.tile = None  # (rank, n key tiles, n idle consumers, skips) or "end"
-        self.unread = set()  # consumers that have not read the posted tile yet
+        # The two work-tile records, used in turn: (rank, n key tiles, n idle consumers,
+        # skips) or "end"; and per record the consumers that have not read it yet.
+        self.records = [None, None]
+        self.unread = [set(), set()]
         self.q = None  # the rank whose Q tile is in shared memory
         n_empty = ncw - 1 if bug == "empty_count" else ncw  # k/v_empty: NCW * 4 warps
         # Per half ("K", "V") of the ring slots:
@@ -143,47 +145,79 @@ class Cta:
 
 
 def producer(tiles, grid, disp, cta, stages):
+    """The kernel's Producer: tile i's record is written during tile i - 1 (after that
+    tile's second key tile, or its first if it has one; at once for a tile of no key
+    tile), and after a tile's last V the next tile's first K is loaded ahead of the wait
+    for Q's release (k0_loaded)."""
     ring = SlotPhases(stages)
     uses = {h: [0] * stages for h in HALVES}  # model only: writes of each half-slot (use index)
+    bug = cta.bug
+
+    def post(i, rank):  # decode rank into work-tile record i % 2
+        r = (i & 1) if bug != "one_record" else 0
+        assert not cta.unread[r], \
+            f"work tile {cta.records[r]} overwritten before consumers {cta.unread[r]} read it"
+        cta.unread[r] = set(range(cta.ncw))
+        cta.records[r] = "end" if rank >= len(tiles) else (rank, *tiles[rank])
+
+    def load(h, it, rank_now):  # half h of key tile it of rank_now into its ring slot
+        s, rnd = it % stages, it // stages  # every work tile starts at slot 0
+        u = uses[h][s]
+        assert ring.parity(s, rnd) == u & 1 and bool(ring.reused(s, rnd)) == (u > 0)
+        if ring.reused(s, rnd):
+            yield from spin(lambda: cta.empty[h][s].done(ring.parity(s, rnd) ^ 1))
+            assert cta.empty[h][s].phase == u, \
+                f"{h} slot {s}: use {u} written at empty phase {cta.empty[h][s].phase}"
+        assert cta.slots[h][s] is None and not cta.holders[h][s], \
+            f"{h} slot {s} overwritten before release (holds {cta.slots[h][s]}, consumers {cta.holders[h][s]})"
+        cta.slots[h][s] = (rank_now, it)
+        cta.holders[h][s] = set(range(cta.ncw))
+        cta.full[h][s].arrive(u)
+        uses[h][s] += 1
+        yield
+
     rank = disp.draw()
     yield
+    post(0, rank)
+    k0_loaded = False
     i = 0  # work tiles posted (the q_full / q_empty use index)
     while True:
+        if bug == "record_early" and i > 0:
+            post(i + 1, len(tiles))  # the next record written before Q's release
         if i > 0:
             yield from spin(lambda: cta.q_empty.done((i - 1) & 1))
             assert cta.q_empty.phase == i, "producer: Q released for the wrong tile"
-        assert not cta.unread, f"work tile {cta.tile} overwritten before consumers {cta.unread} read it"
-        cta.unread = set(range(cta.ncw))
-        if rank >= len(tiles):
-            cta.tile = "end"
+        tile = cta.records[(i & 1) if bug != "one_record" else 0]
+        if tile == "end":
             cta.q_full.arrive(i)
             yield
             disp.leave(grid)
             return
-        n, n_idle, skips = tiles[rank]
-        cta.tile = (rank, n, n_idle, skips)
-        if n > 0:
-            cta.q = rank  # the Q load of this tile (lands before q_full completes)
-        rank_now, rank = rank, disp.draw()  # drawn early, as the kernel does
+        rank_now, n = tile[0], tile[1]
+        rank = disp.draw()  # drawn early, as the kernel does
+        yield
+        if n == 0:
+            post(i + 1, rank)
+            k0_loaded = False
+            cta.q_full.arrive(i)
+            i += 1
+            yield
+            continue
+        cta.q = rank_now  # the Q load of this tile (lands before q_full completes)
         cta.q_full.arrive(i)
-        i += 1
         yield
         for h, it in producer_order(n):
-            s, rnd = it % stages, it // stages  # every work tile starts at slot 0
-            u = uses[h][s]
-            assert ring.parity(s, rnd) == u & 1 and bool(ring.reused(s, rnd)) == (u > 0)
-            if ring.reused(s, rnd):
-                yield from spin(lambda: cta.empty[h][s].done(ring.parity(s, rnd) ^ 1))
-                assert cta.empty[h][s].phase == u, \
-                    f"{h} slot {s}: use {u} written at empty phase {cta.empty[h][s].phase}"
-            assert cta.slots[h][s] is None and not cta.holders[h][s], \
-                f"{h} slot {s} overwritten before release (holds {cta.slots[h][s]}, consumers {cta.holders[h][s]})"
-            cta.slots[h][s] = (rank_now, it)
-            cta.holders[h][s] = set(range(cta.ncw))
-            cta.full[h][s].arrive(u)
-            uses[h][s] += 1
-            yield
+            if not (h == "K" and it == 0 and k0_loaded):
+                yield from load(h, it, rank_now)
+            if h == "V" and it == min(1, n - 1):
+                post(i + 1, rank)
+                yield
         ring.advance(n)
+        nxt = cta.records[((i + 1) & 1) if bug != "one_record" else 0]
+        k0_loaded = nxt != "end" and nxt[1] > 0
+        if k0_loaded:
+            yield from load("K", 0, nxt[0])
+        i += 1
 
 
 def read_slot(cta, h, s, c, rank, it):
@@ -212,9 +246,10 @@ def consumer(c, cta, stages, q_regs, done, bug):
         yield from spin(lambda: cta.q_full.done(i & 1))
         assert (cta.q_full.phase, cta.q_empty.phase) == (i + 1, i), \
             f"consumer {c} at tile {i}: q_full phase {cta.q_full.phase}, q_empty phase {cta.q_empty.phase}"
-        tile = cta.tile
-        assert c in cta.unread
-        cta.unread.remove(c)
+        r = (i & 1) if bug != "one_record" else 0
+        tile = cta.records[r]
+        assert c in cta.unread[r], f"consumer {c} at tile {i} reads record {r} a second time"
+        cta.unread[r].remove(c)
         if tile == "end":
             return
         rank, n, n_idle, skips = tile
@@ -314,7 +349,7 @@ def launch(rng, stages, ncw, q_regs, tiles, grid, disp, bug):
             for f, e in zip(cta.full[h], cta.empty[h]):
                 assert e.phase == f.phase and e.pending == 0 == f.pending, \
                     f"{h} slot barriers end at full {f.phase}, empty {e.phase} (+{e.pending} arrivals)"
-        assert not cta.unread and cta.q_full.pending == 0 == cta.q_empty.pending
+        assert not any(cta.unread) and cta.q_full.pending == 0 == cta.q_empty.pending
         assert cta.q_empty.phase == cta.q_full.phase - 1, "a posted tile's Q was not released"
     assert (disp.next, disp.left) == (0, 0), "dispenser not reset"
 
@@ -344,6 +379,8 @@ MUTATIONS = [
     ("q_early", "(f) consumer reading Q from shared memory releases it at the tile start"),
     ("empty_count", "(g) slot empty barriers count NCW-1 arrivals"),
     ("v_release_early", "(h) computing consumer releases V before its P V has read it"),
+    ("one_record", "(i) one work-tile record: the next tile written while the current one is read"),
+    ("record_early", "(j) the next tile's record written before the wait for Q's release"),
 ]
 
 

@@ -75,7 +75,7 @@
 //
 // Shared memory (dynamic, one formula mirrored by Sm90Tile::shared_mem_bytes in config.rs):
 //   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * (2 * D + PAD)
-//           + 8 * (2 + 4 * STAGES) + 32,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
+//           + 8 * (2 + 4 * STAGES) + 64,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, the O
 //   staging rows of the epilogue, barriers, the current work tile as the producer posts it.)
 
@@ -166,9 +166,11 @@ constexpr int STAGE_WARP_BYTES = 16 * STAGE_PITCH;
 constexpr int OFF_STAGE = OFF_V + STAGES * KV_BYTES;
 constexpr int OFF_BAR = OFF_STAGE + BM * STAGE_PITCH;
 constexpr int NBAR = 2 + 4 * STAGES;
-constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;  // WorkTile posted by the producer (32 bytes)
+// The work tiles the producer posts (32 bytes each), two records used in turn: tile i in
+// record i % 2 (the next tile is written while the consumers still read the current one).
+constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;
 constexpr int SMEM_BYTES =
-    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 32;
+    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -184,7 +186,7 @@ static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
 static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
 static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
-static_assert(SMEM_BYTES == 1024 + OFF_TILE + 32, "smem formula");
+static_assert(SMEM_BYTES == 1024 + OFF_TILE + 64, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is two 16-byte shared stores");
 static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
               "staging boxes on swizzle atoms");
@@ -198,13 +200,13 @@ static_assert(128 * (PRODUCER_REGS + NCW * CONSUMER_REGS) <= LAUNCH_REGS * THREA
 enum TraceEvent {
     TR_POSTED = 0,     // consumer: q_full passed (tile readable); producer: tile posted
     TR_K0 = 1,         // consumer: first computed K landed; producer: first K issued
-    TR_S0 = 2,         // first S complete
-    TR_SOFTMAX0 = 3,   // its softmax done
-    TR_V0 = 4,         // its V landed
-    TR_K1 = 5,         // the second computed K landed (first loop iteration)
+    TR_S0 = 2,         // first S complete; producer: Q issued
+    TR_SOFTMAX0 = 3,   // its softmax done; producer: the first K's slot is free
+    TR_V0 = 4,         // its V landed; producer: the first V issued
+    TR_K1 = 5,         // the second computed K landed (first loop iteration); producer: issued
     TR_LOOP_END = 6,   // last loop iteration done (the final P V not yet issued); producer:
                        // the tile's last V issued
-    TR_LAST_PV = 7,    // final P V complete
+    TR_LAST_PV = 7,    // final P V complete; producer: the next tile decoded
     TR_EPILOGUE = 8,   // O and LSE stores issued (end of the tile)
     TR_N_TILES = 9,    // value: key tiles of the work tile
     TR_N_VIS = 10,     // value: key tiles this warpgroup computes (-1: passed the tile)
@@ -457,8 +459,11 @@ __device__ __forceinline__ WorkTile decode_rank(int rank, const Schedule& sc, Sl
     }
     const int g = (int)gridDim.x;
     cur.slot = rank - sc.n_whole;
-    cur.pos = (int)((long long)cur.slot * sc.sk_iters / g);
-    cur.end = (int)((long long)(cur.slot + 1) * sc.sk_iters / g);
+    // floor(slot * sk_iters / g) without 64-bit products (a 64-bit division is a call,
+    // around which ptxas spilled the producer's registers): sk_iters = q g + r.
+    const int q = sc.sk_iters / g, r = sc.sk_iters - q * g;
+    cur.pos = cur.slot * q + cur.slot * r / g;
+    cur.end = (cur.slot + 1) * q + (cur.slot + 1) * r / g;
     return next_segment(sc, cur);
 }
 
@@ -483,42 +488,77 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
     return w;
 }
 
-// Producer: one thread. Per work tile (its Q slot already released by the consumers): Q,
-// then K and V of every visited key tile into the ring.
-__device__ __forceinline__ void produce(const FmTensorMap* tq, const FmTensorMap* tk,
-                                        const FmTensorMap* tv, u32 sQ, u32 sK, u32 sV,
-                                        const Bars& bar, int head, int kv_head, int batch, int m0,
-                                        int n_tiles, int kt_end, SlotPhases& ring, int tile_i) {
-    mbar_arrive_expect_tx(bar.q_full(), Q_BYTES);
+// The producer: one thread. It draws the ranks, decodes and posts each work tile, and
+// loads Q and every K and V tile the consumers compute. The next tile is decoded and
+// written to the other work-tile record during the current tile (after its second key
+// tile's loads, where the producer waits for slots anyway), and its first K is loaded
+// right after the current tile's last V, ahead of the wait for Q's release: run 69's
+// timeline showed the producer thread taking about 3800 cycles from a tile's last V to
+// the next tile's first K (decode 1240, post to Q issued 1260, ...; no barrier wait was
+// long), so the next tile's first K tiles landed late.
+struct Producer {
+    const FmTensorMap *tq, *tk, *tv;
+    u32 base;   // the aligned shared memory (Q, the ring, the barriers, the work-tile records)
+    int group;  // query heads per KV head
+    Schedule sc;
+    SlotCursor cur;
+    int rank = 0;            // the last rank drawn (decoded when the cursor's slot is empty)
+    bool k0_loaded = false;  // the posted tile's first K is already loaded (into slot 0)
+    SlotPhases ring;
+
+    __device__ __forceinline__ Bars bar() const { return Bars{base + OFF_BAR}; }
+    __device__ __forceinline__ u32 record(int i) const { return base + OFF_TILE + (i & 1) * 32; }
+    // The work after the current tile (the rest of the cursor's slot, or the drawn rank),
+    // written to record i.
+    __device__ __forceinline__ void post_next(int i) {
+        post_tile(record(i), cur.pos != cur.end ? next_segment(sc, cur) : decode_rank(rank, sc, cur));
+    }
+    // K (or V) of key tile n0 into ring slot s: once every consumer warp released the
+    // slot's previous contents (that use's parity). K and V are released separately: K as
+    // soon as S is computed, V after P V, so the next K load starts early.
+    __device__ __forceinline__ void load_kv(bool is_v, int s, int round, int kv_head, int n0, int batch) {
+        const u32 full = is_v ? bar().v_full(s) : bar().k_full(s);
+        if (ring.reused(s, round)) mbar_wait(is_v ? bar().v_empty(s) : bar().k_empty(s), ring.parity(s, round) ^ 1u);
+        mbar_arrive_expect_tx(full, KV_BYTES);
+        const u32 dst = base + (is_v ? OFF_V : OFF_K) + s * KV_BYTES;
 #pragma unroll
-    for (int h = 0; h < DH; ++h) tma_load_4d(sQ + h * HALF_Q, tq, bar.q_full(), h * 64, head, m0, batch);
-    int s = 0, round = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-        // A reused slot: wait until every consumer warp released its previous contents
-        // (that use's parity). K and V are released separately: K as soon as S is
-        // computed, V after P V, so the next K load starts early.
-        const int n0 = (kt_end - 1 - it) * BN;
-        const bool reused = ring.reused(s, round);
-        const u32 prev = ring.parity(s, round) ^ 1u;
-        if (reused) mbar_wait(bar.k_empty(s), prev);
-        mbar_arrive_expect_tx(bar.k_full(s), KV_BYTES);
+        for (int h = 0; h < DH; ++h) tma_load_4d(dst + h * HALF_KV, is_v ? tv : tk, full, h * 64, kv_head, n0, batch);
+    }
+    // Work tile i, w (posted; its Q slot released by the consumers): Q, then K and V of
+    // every key tile it visits, posting tile i + 1 on the way; then that tile's first K.
+    __device__ __forceinline__ void produce(const WorkTile& w, int i) {
+        const int kv_head = w.head / group;
+        mbar_arrive_expect_tx(bar().q_full(), Q_BYTES);
 #pragma unroll
-        for (int h = 0; h < DH; ++h)
-            tma_load_4d(sK + s * KV_BYTES + h * HALF_KV, tk, bar.k_full(s), h * 64, kv_head, n0, batch);
-        if (it == 0) trace(tile_i, TR_K0);
-        if (reused) mbar_wait(bar.v_empty(s), prev);
-        mbar_arrive_expect_tx(bar.v_full(s), KV_BYTES);
-#pragma unroll
-        for (int h = 0; h < DH; ++h)
-            tma_load_4d(sV + s * KV_BYTES + h * HALF_KV, tv, bar.v_full(s), h * 64, kv_head, n0, batch);
-        if (++s == STAGES) {
-            s = 0;
-            ++round;
+        for (int h = 0; h < DH; ++h) tma_load_4d(base + h * HALF_Q, tq, bar().q_full(), h * 64, w.head, w.m0, w.batch);
+        trace(i, TR_S0);
+        int s = 0, round = 0;
+        for (int it = 0; it < w.n_tiles; ++it) {
+            const int n0 = (w.kt_end - 1 - it) * BN;
+            if (it > 0 || !k0_loaded) load_kv(false, s, round, kv_head, n0, w.batch);
+            if (it == 0 && !k0_loaded) trace(i, TR_K0);
+            if (it == 1) trace(i, TR_K1);
+            load_kv(true, s, round, kv_head, n0, w.batch);
+            if (it == 0) trace(i, TR_V0);
+            if (it == min(1, w.n_tiles - 1)) {
+                post_next(i + 1);
+                trace(i, TR_LAST_PV);
+            }
+            if (++s == STAGES) {
+                s = 0;
+                ++round;
+            }
+        }
+        trace(i, TR_LOOP_END);
+        ring.advance(w.n_tiles);
+        const WorkTile next = read_tile(record(i + 1));
+        k0_loaded = next.head >= 0 && next.n_tiles > 0;
+        if (k0_loaded) {
+            load_kv(false, 0, 0, next.head / group, (next.kt_end - 1) * BN, next.batch);
+            trace(i + 1, TR_K0);
         }
     }
-    trace(tile_i, TR_LOOP_END);
-    ring.advance(n_tiles);
-}
+};
 
 // ---- consumer building blocks (one warpgroup, 64 query rows) ----
 
@@ -1074,14 +1114,16 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
-            const Schedule sc = make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k);
-            SlotCursor cur;
-            int rank = draw_rank();
-            WorkTile w = decode_rank(rank, sc, cur);
+            Producer p{&tm_q, &tm_k, &tm_v, base, group,
+                       make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k)};
+            p.rank = draw_rank();
+            p.post_next(0);
             for (int i = 0;; ++i) {
+                // Record i was written during tile i - 1, whose consumers had read record
+                // i - 2 (the same one) before they released Q (q_empty of tile i - 2).
                 trace(i, TR_Q_EMPTY);
                 if (i > 0) mbar_wait(bar.q_empty(), (i - 1) & 1);
-                post_tile(tile_slot, w);
+                const WorkTile w = read_tile(p.record(i));
                 trace(i, TR_POSTED);
                 trace_value(i, TR_N_TILES, w.n_tiles);
                 if (w.head < 0) {
@@ -1091,14 +1133,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                 }
                 // The next tile's rank, drawn early to hide the atomic (none while the
                 // slot of split tiles has segments left).
-                if (cur.pos == cur.end) rank = draw_rank();
-                if (w.n_tiles == 0) mbar_arrive(bar.q_full());
-                else
-                    produce(&tm_q, &tm_k, &tm_v, sQ, sK, sV, bar, w.head, w.head / group, w.batch,
-                            w.m0, w.n_tiles, w.kt_end, ring, i);
-                // The next tile is decoded before the wait for Q's release, not after it:
-                // off the path from the last S = Q K^T to the next post and Q load.
-                w = cur.pos != cur.end ? next_segment(sc, cur) : decode_rank(rank, sc, cur);
+                if (p.cur.pos == p.cur.end) p.rank = draw_rank();
+                if (w.n_tiles == 0) {
+                    p.post_next(i + 1);
+                    p.k0_loaded = false;
+                    mbar_arrive(bar.q_full());
+                } else {
+                    p.produce(w, i);
+                }
             }
         }
     } else {
@@ -1109,7 +1151,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         for (int i = 0;; ++i) {
             mbar_wait(bar.q_full(), i & 1);
             trace(i, TR_POSTED);
-            const WorkTile w = read_tile(tile_slot);
+            const WorkTile w = read_tile(tile_slot + (i & 1) * 32);
             if (w.head < 0) break;
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
