@@ -145,8 +145,8 @@ class Cta:
 
 
 def producer(tiles, grid, disp, cta, stages):
-    """The kernel's Producer: tile i's record is written during tile i - 1 (after that
-    tile's second key tile, or its first if it has one; at once for a tile of no key
+    """The kernel's Producer: tile i's record is written during tile i - 1 (once that
+    tile's loads fill the ring, or after its last key tile; at once for a tile of no key
     tile), and after a tile's last V the next tile's first K is loaded ahead of the wait
     for Q's release (k0_loaded)."""
     ring = SlotPhases(stages)
@@ -209,7 +209,7 @@ def producer(tiles, grid, disp, cta, stages):
         for h, it in producer_order(n):
             if not (h == "K" and it == 0 and k0_loaded):
                 yield from load(h, it, rank_now)
-            if h == "V" and it == min(1, n - 1):
+            if h == "V" and it == min(stages - 1, n - 1):  # the ring is full
                 post(i + 1, rank)
                 yield
         ring.advance(n)

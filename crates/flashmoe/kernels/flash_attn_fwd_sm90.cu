@@ -490,8 +490,8 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
 
 // The producer: one thread. It draws the ranks, decodes and posts each work tile, and
 // loads Q and every K and V tile the consumers compute. The next tile is decoded and
-// written to the other work-tile record during the current tile (after its second key
-// tile's loads, where the producer waits for slots anyway), and its first K is loaded
+// written to the other work-tile record during the current tile (once its loads fill the
+// ring, where the producer waits for slots anyway), and its first K is loaded
 // right after the current tile's last V, ahead of the wait for Q's release: run 69's
 // timeline showed the producer thread taking about 3800 cycles from a tile's last V to
 // the next tile's first K (decode 1240, post to Q issued 1260, ...; no barrier wait was
@@ -540,7 +540,7 @@ struct Producer {
             if (it == 1) trace(i, TR_K1);
             load_kv(true, s, round, kv_head, n0, w.batch);
             if (it == 0) trace(i, TR_V0);
-            if (it == min(1, w.n_tiles - 1)) {
+            if (it == min(STAGES - 1, w.n_tiles - 1)) {  // the ring is full: slack until a slot frees
                 post_next(i + 1);
                 trace(i, TR_LAST_PV);
             }
