@@ -98,7 +98,7 @@ def report(path):
     if iters:
         print(f"   loop iteration: median {statistics.median(iters):.0f} cycles; fixed cost per "
               f"tile (tile / iteration - key tiles) median {statistics.median(overhead):.2f} iterations; "
-              f"K of the 2nd computed tile waited median {statistics.median(k1):.0f} cycles")
+              f"first V landed -> second K passed (pack of P, loop entry, the K wait) median {statistics.median(k1):.0f} cycles")
     print("   tile cycles by key tiles computed: " + ", ".join(
         f"n={n}: {statistics.median(v):.0f} ({len(v)})" for n, v in sorted(by_n.items())))
     if passed:

@@ -495,7 +495,8 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
 // right after the current tile's last V, ahead of the wait for Q's release: run 69's
 // timeline showed the producer thread taking about 3800 cycles from a tile's last V to
 // the next tile's first K (decode 1240, post to Q issued 1260, ...; no barrier wait was
-// long), so the next tile's first K tiles landed late.
+// long). Run 70: that K is now issued 2170 cycles before the last P V (710 after it
+// before); D=128 +1-2 % against cuDNN in the run-73 sweep (docs/perf-notes.md §7.21).
 struct Producer {
     const FmTensorMap *tq, *tk, *tv;
     u32 base;   // the aligned shared memory (Q, the ring, the barriers, the work-tile records)
