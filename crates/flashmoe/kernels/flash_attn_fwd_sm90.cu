@@ -77,7 +77,7 @@
 //   bytes = 1024 + 2 * D * (BLOCK_M + 2 * STAGES * BLOCK_N) + BLOCK_M * (2 * D + PAD)
 //           + 8 * (2 + 4 * STAGES) + 64,   PAD = 0 with O_TMA_STORE (D >= 128), else 16
 //   (1024: slack to align the base to the 128B-swizzle atom; Q, K ring, V ring, the O
-//   staging rows of the epilogue, barriers, the current work tile as the producer posts it.)
+//   staging rows of the epilogue, barriers, the two work-tile records the producer posts.)
 
 #ifndef FM_HEAD_DIM
 #error "FM_HEAD_DIM must be defined"
@@ -169,6 +169,7 @@ constexpr int NBAR = 2 + 4 * STAGES;
 // The work tiles the producer posts (32 bytes each), two records used in turn: tile i in
 // record i % 2 (the next tile is written while the consumers still read the current one).
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;
+__device__ __forceinline__ u32 tile_record(u32 base, int i) { return base + OFF_TILE + (i & 1) * 32; }
 constexpr int SMEM_BYTES =
     1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
@@ -201,7 +202,7 @@ enum TraceEvent {
     TR_POSTED = 0,     // consumer: q_full passed (tile readable); producer: tile posted
     TR_K0 = 1,         // consumer: first computed K landed; producer: first K issued
     TR_S0 = 2,         // first S complete; producer: Q issued
-    TR_SOFTMAX0 = 3,   // its softmax done; producer: the first K's slot is free
+    TR_SOFTMAX0 = 3,   // its softmax done
     TR_V0 = 4,         // its V landed; producer: the first V issued
     TR_K1 = 5,         // the second computed K landed (first loop iteration); producer: issued
     TR_LOOP_END = 6,   // last loop iteration done (the final P V not yet issued); producer:
@@ -508,7 +509,7 @@ struct Producer {
     SlotPhases ring;
 
     __device__ __forceinline__ Bars bar() const { return Bars{base + OFF_BAR}; }
-    __device__ __forceinline__ u32 record(int i) const { return base + OFF_TILE + (i & 1) * 32; }
+    __device__ __forceinline__ u32 record(int i) const { return tile_record(base, i); }
     // The work after the current tile (the rest of the cursor's slot, or the drawn rank),
     // written to record i.
     __device__ __forceinline__ void post_next(int i) {
@@ -1098,13 +1099,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
 
     // Work tiles in rank order (see decode_tile): query block fastest, so that the CTAs
     // running together share K/V in L2; causal: each head's heaviest (last) query blocks
-    // first. The producer draws the ranks and posts each tile to the consumers in shared
-    // memory, published by the q_full barrier (its arrive releases the post) and recycled
-    // after q_empty (every consumer thread has read it by then).
+    // first. The producer draws the ranks and posts each tile to the consumers in one of two
+    // shared-memory records (tile_record), published by the q_full barrier (its arrive
+    // releases the post) and rewritten two tiles later, after q_empty (every consumer thread
+    // has read it by then).
     const int n_mb = (seqlen_q + BM - 1) / BM;
     const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
     const int group = heads_q / heads_kv;
-    const u32 tile_slot = base + OFF_TILE;
+    const u32 tile_records = tile_record(base, 0);  // (hoisted: the consumers' address arithmetic)
     SlotPhases ring;
 
     const int wg = threadIdx.x / 128;
@@ -1152,7 +1154,7 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
         for (int i = 0;; ++i) {
             mbar_wait(bar.q_full(), i & 1);
             trace(i, TR_POSTED);
-            const WorkTile w = read_tile(tile_slot + (i & 1) * 32);
+            const WorkTile w = read_tile(tile_records + (i & 1) * 32);  // tile_record(base, i)
             if (w.head < 0) break;
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
