@@ -298,6 +298,12 @@ fn attention_v1_matches_gpu_reference() {
             // blocks each on 132 CTAs: a partial group of 6 heads, then a full one of 24.
             AttentionProblem::new(3, 10, 2000, 64, true, DType::Bf16),
             AttentionProblem::new(2, 5, 1300, 128, true, DType::F16),
+            // Causal with < 6 query blocks per head and more than two waves of tiles: each
+            // head's blocks in turn, then only the last group (two waves of tiles) heaviest
+            // block first (CAUSAL_TAIL_GROUP in the .cu). 4 blocks per head at both head
+            // dims, ragged Sq: 94 + 66 heads (D=128), 54 + 66 heads (D=64).
+            AttentionProblem::new(4, 40, 500, 128, true, DType::Bf16),
+            AttentionProblem::new(2, 60, 700, 64, true, DType::F16),
             // D=128 non-causal with 2 waves and a bit on 132 SMs and >= 32 key tiles: the
             // last 132 + R tiles are cut over key ranges into one slot per CTA, and the two
             // parts of each cut tile merge (SPLIT in the .cu). 272 tiles of 33 key tiles,
