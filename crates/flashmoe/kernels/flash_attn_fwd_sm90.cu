@@ -330,12 +330,18 @@ struct WorkTile {
 // but -1.4 % at S = 1024 (each slot pays 2-3 tile starts and a merge, against a 16th wave
 // of 8 key tiles) and -3 % at D=64 S <= 1024, where ptxas also scheduled the steady-state
 // loop worse (10 exponentials after the P V wait). So only D >= 128 splits, and only tiles
-// of at least SPLIT_MIN_KV_TILES key tiles. FM_SPLIT=0 builds without it (A/B).
+// of at least SPLIT_MIN_KV_TILES key tiles. FM_SPLIT=0 builds without it (A/B). Run 78
+// cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
+// cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
+// round trip through L2. FM_SPLIT_MIN_KV_TILES overrides the threshold (A/B).
 #ifndef FM_SPLIT
 #define FM_SPLIT 1
 #endif
 constexpr bool SPLIT = FM_SPLIT && !CAUSAL && D >= 128;
-constexpr int SPLIT_MIN_KV_TILES = 32;
+#ifndef FM_SPLIT_MIN_KV_TILES
+#define FM_SPLIT_MIN_KV_TILES 32
+#endif
+constexpr int SPLIT_MIN_KV_TILES = FM_SPLIT_MIN_KV_TILES;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;
 constexpr int PART_CHUNKS = D / 8 + 1;  // float4s per thread: O (D / 2 floats), then m[2], l[2]
