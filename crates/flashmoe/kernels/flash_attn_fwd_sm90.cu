@@ -30,7 +30,7 @@
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, u16* o, float* lse,
 //    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2,
-//    int batch)
+//    int batch, unsigned char* workspace)
 //   tm_q: 4-D tensor map over q (batch, seqlen_q, heads_q, D) — dims innermost first
 //         (D, heads_q, seqlen_q, batch), box (64, 1, BLOCK_M, 1), 128B swizzle, zero fill;
 //   tm_k, tm_v: the same over k / v (D, heads_kv, seqlen_k, batch), box (64, 1, BLOCK_N, 1);
@@ -50,14 +50,14 @@
 //   with no row >= 0 pass (pass_tile), and warps with no row >= 0 store nothing. The
 //   rounding to 16 keeps every warp's 16 rows on one side of row 0: a TMA store whose box
 //   starts at a negative row raised an illegal instruction (run 46).
-//   Ranks are handed out by a dispenser in global memory
-//   (`fm90_dispenser`, one atomicAdd per tile): a CTA takes the next rank when it starts a
-//   tile, so CTAs that drew cheap (causal) tiles take more of them. The last CTA to find no
-//   work left resets the dispenser: launches of one loaded module must be stream-ordered
-//   (flashmoe launches on the device's one stream). D >= 128 non-causal with >= 32 key
-//   tiles per work tile: the last G + R tiles are cut over key ranges into G slots, one rank
-//   each, whose parts merge through records in module globals (SPLIT, make_schedule) — the
-//   same stream-order rule. Block 128 * (CONSUMERS + 1) threads.
+//   Ranks are handed out by a dispenser in the workspace (one atomicAdd per tile): a CTA
+//   takes the next rank when it starts a tile, so CTAs that drew cheap (causal) tiles take
+//   more of them. The last CTA to find no work left resets the dispenser. D >= 128
+//   non-causal with >= 32 key tiles per work tile: the last G + R tiles are cut over key
+//   ranges into G slots, one rank each, whose parts merge through records in the workspace
+//   (SPLIT, make_schedule). workspace: WS_BYTES of global memory, zero before the launch
+//   and left zero by it; launches that may overlap (other streams) need their own.
+//   Block 128 * (CONSUMERS + 1) threads.
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -289,20 +289,19 @@ struct SlotPhases {
     __device__ bool reused(int s, int round) const { return round > 0 || ((used >> s) & 1u); }
 };
 
-// Rank dispenser of the work tiles: [0] the next rank, [1] CTAs that drew a rank past the
-// end. Zero when the module loads; the last CTA to finish puts it back to zero.
-__device__ int fm90_dispenser[2];
-
-__device__ __forceinline__ int draw_rank() { return atomicAdd(&fm90_dispenser[0], 1); }
+// Rank dispenser of the work tiles, the first two ints of the launch's workspace (see
+// WS_BYTES): [0] the next rank, [1] CTAs that drew a rank past the end. Zero before the
+// launch; the last CTA to finish puts it back to zero.
+__device__ __forceinline__ int draw_rank(int* disp) { return atomicAdd(&disp[0], 1); }
 
 // Called once per CTA, after its last draw (a rank past the end). The fences order this
 // CTA's draws before its arrival, and every arrival before the reset.
-__device__ __forceinline__ void leave_dispenser() {
+__device__ __forceinline__ void leave_dispenser(int* disp) {
     __threadfence();
-    if (atomicAdd(&fm90_dispenser[1], 1) == (int)gridDim.x - 1) {
+    if (atomicAdd(&disp[1], 1) == (int)gridDim.x - 1) {
         __threadfence();
-        fm90_dispenser[0] = 0;
-        fm90_dispenser[1] = 0;
+        disp[0] = 0;
+        disp[1] = 0;
     }
 }
 
@@ -345,9 +344,21 @@ constexpr int SPLIT_MIN_KV_TILES = FM_SPLIT_MIN_KV_TILES;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;
 constexpr int PART_CHUNKS = D / 8 + 1;  // float4s per thread: O (D / 2 floats), then m[2], l[2]
-// [boundary][consumer][warp][chunk][lane]; and per warp, a ticket and a ready flag.
-__device__ float4 fm90_split_parts[SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * PART_CHUNKS * 32 : 1];
-__device__ int fm90_split_sync[SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * 2 : 1];
+
+// The launch's workspace (the kernel's last parameter; the host sizes it with the same
+// formula, Sm90Tile::workspace_bytes in config.rs). No state lives in module globals, so
+// launches of one module on different streams, each with its own workspace, are
+// independent. Every byte is zero before a launch and zero again after it (the dispenser
+// and the split tickets reset themselves), so one zeroed workspace serves any number of
+// stream-ordered launches and CUDA-graph replays.
+//   [0, 8)                 the rank dispenser (draw_rank)
+//   [WS_SYNC, WS_PARTS)    SPLIT: per boundary record (boundary, consumer, warp) a ticket
+//                          and a ready flag
+//   [WS_PARTS, WS_BYTES)   SPLIT: per record [chunk][lane] float4s: the first part's O, m, l
+constexpr int WS_SYNC = 256;
+constexpr int WS_SYNC_BYTES = SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * 2 * 4 : 0;
+constexpr int WS_PARTS = WS_SYNC + (WS_SYNC_BYTES + 255) / 256 * 256;
+constexpr int WS_BYTES = WS_PARTS + (SPLIT ? SPLIT_MAX_CTAS * NCW * 4 * PART_CHUNKS * 32 * 16 : 0);
 
 // The work-tile order of a launch, fixed by the problem and the grid (producer only).
 struct Schedule {
@@ -794,10 +805,10 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
 // is symmetric (products, then one add), so the bits do not depend on which part came
 // second; the second resets the record for the next launch.
 __device__ __forceinline__ bool merge_split(float (&oacc)[D / 2], float (&m_i)[2], float (&l_i)[2],
-                                            int boundary, int cw, int warp, int lane) {
+                                            int boundary, int cw, int warp, int lane, unsigned char* ws) {
     const int rec = (boundary * NCW + cw) * 4 + warp;
-    float4* part = fm90_split_parts + (size_t)rec * PART_CHUNKS * 32 + lane;
-    int* ticket = fm90_split_sync + 2 * rec;
+    float4* part = reinterpret_cast<float4*>(ws + WS_PARTS) + (size_t)rec * PART_CHUNKS * 32 + lane;
+    int* ticket = reinterpret_cast<int*>(ws + WS_SYNC) + 2 * rec;
     int* ready = ticket + 1;
     int first = 0;
     if (lane == 0) first = atomicAdd(ticket, 1) == 0;
@@ -909,7 +920,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                                         int n_tiles, int kt_end_posted, int split, int seqlen_q,
                                         int seqlen_k, int diag, float scale_log2, const FmTensorMap* tm_o, int head,
                                         int batch, u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
-                                        SlotPhases& ring, int tile_i) {
+                                        SlotPhases& ring, int tile_i, unsigned char* ws) {
     const int t = threadIdx.x & 127;
     const int warp = t >> 5;
     const int lane = t & 31;
@@ -1089,7 +1100,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     }
     ring.advance(n_tiles);
     // A split tile: the first part to finish hands its O, m and l over and stores nothing.
-    if (!SPLIT || split < 0 || merge_split(oacc, m_i, l_i, split >> 1, cw, warp, lane))
+    if (!SPLIT || split < 0 || merge_split(oacc, m_i, l_i, split >> 1, cw, warp, lane, ws))
         store_o(oacc, m_i, l_i, sStage, cw, warp, lane, m0w, row0, seqlen_q, tm_o, head, batch, og, q_stride, lseg);
     trace(tile_i, TR_EPILOGUE);
 }
@@ -1102,7 +1113,8 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                         const __grid_constant__ FmTensorMap tm_v,
                         const __grid_constant__ FmTensorMap tm_o, u16* __restrict__ o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
-                        int heads_kv, float softmax_scale_log2, int batch_size) {
+                        int heads_kv, float softmax_scale_log2, int batch_size,
+                        unsigned char* __restrict__ workspace) {
     using namespace fm90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 128B-swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
@@ -1144,9 +1156,10 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             tma_prefetch_desc(&tm_k);
             tma_prefetch_desc(&tm_v);
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
+            int* disp = reinterpret_cast<int*>(workspace);
             Producer p{&tm_q, &tm_k, &tm_v, base, group,
                        make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k)};
-            p.rank = draw_rank();
+            p.rank = draw_rank(disp);
             p.post_next(0);
             for (int i = 0;; ++i) {
                 // Record i was written during tile i - 1, whose consumers had read record
@@ -1158,12 +1171,12 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                 trace_value(i, TR_N_TILES, w.n_tiles);
                 if (w.head < 0) {
                     mbar_arrive(bar.q_full());  // the consumers read "no work left" and stop
-                    leave_dispenser();
+                    leave_dispenser(disp);
                     break;
                 }
                 // The next tile's rank, drawn early to hide the atomic (none while the
                 // slot of split tiles has segments left).
-                if (p.cur.pos == p.cur.end) p.rank = draw_rank();
+                if (p.cur.pos == p.cur.end) p.rank = draw_rank(disp);
                 if (w.n_tiles == 0) {
                     p.post_next(i + 1);
                     p.k0_loaded = false;
@@ -1186,7 +1199,8 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
             float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
             consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, seqlen_q,
-                    seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i);
+                    seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i,
+                    workspace);
         }
         // The shared memory the last O stores read must outlive them.
         if (O_TMA_STORE && (threadIdx.x & 31) == 0) bulk_wait<0>();

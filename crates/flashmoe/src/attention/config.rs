@@ -67,8 +67,13 @@ pub enum KernelAbi {
     /// `(FmTensorMap tm_q, tm_k, tm_v, ..., float scale_log2, int batch)`, tensor maps by
     /// value (see [`super::tma`]) with q/k boxes of `block_m` / `block_n` rows, and a 1-D
     /// grid over work tiles ([`sm90_grid_x`]; `persistent`: at most one CTA per SM).
-    /// Compiled for sm_90a: runs on compute capability 9.0 only.
-    TensorMaps { block_n: u32, persistent: bool },
+    /// Compiled for sm_90a: runs on compute capability 9.0 only. Its last parameter is a
+    /// zeroed global-memory workspace of `workspace_bytes` ([`Sm90Tile::workspace_bytes`]).
+    TensorMaps {
+        block_n: u32,
+        persistent: bool,
+        workspace_bytes: usize,
+    },
 }
 
 /// File and entry point of the v1 (portable, mma.sync) flash kernel.
@@ -356,6 +361,9 @@ pub const SM90_SOURCE: &str = "flash_attn_fwd_sm90.cu";
 pub const SM90_ENTRY: &str = "flash_attn_fwd_sm90";
 /// Head dims the sm_90a kernel serves; others fall back to v1 on Hopper.
 pub const SM90_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Grids above this many CTAs do not split tiles over key ranges (`SPLIT_MAX_CTAS` in the
+/// .cu): the workspace holds one boundary record per slot up to it.
+pub const SM90_SPLIT_MAX_CTAS: usize = 132;
 
 /// Tile configuration of one sm_90a variant: the compile-time constants of
 /// `flash_attn_fwd_sm90.cu` (FM_BLOCK_N, FM_STAGES, FM_CONSUMERS) for one head dim.
@@ -416,6 +424,25 @@ impl Sm90Tile {
             + self.block_m() * (2 * self.head_dim + self.o_staging_pad())
             + 8 * (2 + 4 * self.stages)
             + 64
+    }
+    /// Whether the kernel splits the launch's last tiles over key ranges (`SPLIT` in the
+    /// .cu): non-causal, head dim >= 128.
+    pub const fn splits(&self, causal: bool) -> bool {
+        !causal && self.head_dim >= 128
+    }
+    /// Bytes of the launch workspace, THE formula (mirrored by `WS_BYTES` in
+    /// flash_attn_fwd_sm90.cu): 256 for the rank dispenser; with the split, per boundary
+    /// record (132 slots × consumers × 4 warps) a ticket and a flag (8 bytes, the block
+    /// rounded up to 256) and the first part's O, m and l (D / 8 + 1 float4s per lane).
+    pub const fn workspace_bytes(&self, causal: bool) -> usize {
+        let base = 256;
+        if !self.splits(causal) {
+            return base;
+        }
+        let records = SM90_SPLIT_MAX_CTAS * self.consumers as usize * 4;
+        let sync = (records * 8).div_ceil(256) * 256;
+        let parts = records * (self.head_dim as usize / 8 + 1) * 32 * 16;
+        base + sync + parts
     }
     /// The constraints the .cu static_asserts plus the shared-memory limit.
     pub fn check(&self) -> std::result::Result<(), String> {
@@ -614,6 +641,7 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<K
         abi: KernelAbi::TensorMaps {
             block_n: tile.block_n,
             persistent: tile.persistent,
+            workspace_bytes: tile.workspace_bytes(causal),
         },
     })
 }
@@ -957,7 +985,8 @@ mod tests {
                 v.abi,
                 KernelAbi::TensorMaps {
                     block_n: t.block_n,
-                    persistent: t.persistent
+                    persistent: t.persistent,
+                    workspace_bytes: t.workspace_bytes(def_u32(v, "FM_CAUSAL") == 1),
                 }
             );
             assert!(v.runs_on(90).is_ok());

@@ -1,25 +1,28 @@
-//! Attention forward on the GPU: kernel selection ([`config`]) and launch.
+//! Attention forward on the GPU: kernel selection ([`config`]), plans ([`plan`]) and the
+//! lab's owning runner.
 //!
-//! The safe API validates everything a kernel would otherwise get wrong silently —
-//! buffer lengths and dtypes against the problem, the device architecture against the
-//! variant, shared-memory and grid limits — then launches per the contract at the top of
-//! [`config`]. Launches are asynchronous on the device stream; download the outputs
-//! (which waits) or call [`Device::synchronize`] to observe completion.
-//!
-//! - [`forward`]: one call, buffers owned by the caller.
-//! - [`reference_forward`]: the simple fp32 GPU reference kernel (o in f32).
-//! - [`AttentionRunner`]: owns the buffers and the resolved kernel; `run()` is a single
-//!   launch with no per-call validation, for benchmarking loops.
+//! - [`AttentionPlan`]: built once per shape class, enqueued on the caller's stream over
+//!   the caller's memory (raw pointers with strides, or cudarc buffers). The one path to
+//!   the kernels: everything below goes through it.
+//! - [`forward`] / [`reference_forward`]: one-off calls on [`DeviceTensor`]s (they build a
+//!   plan and a workspace each call: convenient, not fast).
+//! - [`AttentionRunner`]: owns a problem's buffers, plan and workspace; `run()` is one
+//!   launch (the lab's benchmarking loop).
 
 pub mod config;
+pub mod plan;
+#[cfg(test)]
+mod plan_gpu_tests;
 pub mod tma;
+
+pub use plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd, CallShape, Element, Workspace};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::{check_len, Device, DeviceData, DeviceTensor};
+use crate::gpu::{check_len, Device, DeviceTensor};
 use crate::problem::AttentionProblem;
-use config::{KernelAbi, KernelVariant};
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchArgs, LaunchConfig, PushKernelArg};
+use config::KernelVariant;
+use cudarc::driver::LaunchConfig;
 
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
 const MAX_GRID: (u64, u64, u64) = ((1 << 31) - 1, 65_535, 65_535);
@@ -117,181 +120,26 @@ pub fn softmax_scale_log2(problem: &AttentionProblem) -> f32 {
     problem.scale() * std::f32::consts::LOG2_E
 }
 
-/// A kernel variant resolved for one problem on one device: function loaded, shared
-/// memory limit raised, geometry computed. Launching it is one driver call.
-pub struct AttentionLaunch {
-    pub variant: KernelVariant,
-    func: CudaFunction,
-    cfg: LaunchConfig,
-    seqlen_q: i32,
-    seqlen_k: i32,
-    heads_q: i32,
-    heads_kv: i32,
-    scale_log2: f32,
-    batch: i32,
-    dtype: DType,
-    /// Tensor-map shapes for [`KernelAbi::TensorMaps`] kernels: Q, K and V (one shape), O.
-    tma_params: Option<(
-        tma::TensorMapParams,
-        tma::TensorMapParams,
-        tma::TensorMapParams,
-    )>,
-}
-
-impl std::fmt::Debug for AttentionLaunch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AttentionLaunch")
-            .field("variant", &self.variant)
-            .field("cfg", &self.cfg)
-            .finish()
-    }
-}
-
-impl AttentionLaunch {
-    /// Resolve `variant` for `problem` on `dev`: checks the architecture, compiles (or
-    /// takes from the cache) and loads the kernel, raises its shared-memory limit.
-    pub fn prepare(
-        dev: &Device,
-        problem: &AttentionProblem,
-        variant: KernelVariant,
-    ) -> Result<AttentionLaunch> {
-        problem.validate()?;
-        if let Err(why) = variant.runs_on(dev.arch()) {
-            return Err(Error::unsupported(
-                variant.entry,
-                format!(
-                    "{why}, but {} is {}.{}",
-                    dev.info().name,
-                    dev.info().compute_capability.0,
-                    dev.info().compute_capability.1
-                ),
-            ));
-        }
-        let tma_params = match variant.abi {
-            KernelAbi::Pointers => None,
-            KernelAbi::TensorMaps { block_n, .. } => Some((
-                tma::bshd_tile_params(
-                    problem.batch,
-                    problem.seqlen_q,
-                    problem.heads_q,
-                    problem.head_dim,
-                    variant.block_m,
-                )?,
-                tma::bshd_tile_params(
-                    problem.batch,
-                    problem.seqlen_k,
-                    problem.heads_kv,
-                    problem.head_dim,
-                    block_n,
-                )?,
-                tma::bshd_tile_params(
-                    problem.batch,
-                    problem.seqlen_q,
-                    problem.heads_q,
-                    problem.head_dim,
-                    tma::O_STORE_BOX_ROWS,
-                )?,
-            )),
-        };
-        let mut cfg = launch_config(problem, &variant)?;
-        if let KernelAbi::TensorMaps { persistent, .. } = variant.abi {
-            // 1-D grid over work tiles (config::sm90_grid_x).
-            cfg.grid_dim = (
-                config::sm90_grid_x(problem, variant.block_m, persistent, dev.info().sm_count),
-                1,
-                1,
-            );
-        }
-        let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
-        dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
-        Ok(AttentionLaunch {
-            func,
-            cfg,
-            seqlen_q: problem.seqlen_q as i32,
-            seqlen_k: problem.seqlen_k as i32,
-            heads_q: problem.heads_q as i32,
-            heads_kv: problem.heads_kv as i32,
-            scale_log2: softmax_scale_log2(problem),
-            batch: problem.batch as i32,
-            dtype: problem.dtype,
-            tma_params,
-            variant,
-        })
-    }
-
-    pub fn launch_config(&self) -> LaunchConfig {
-        self.cfg
-    }
-
-    /// Enqueue the kernel. Buffers must already be validated for the problem this
-    /// launch was prepared for (lengths and storage types).
-    fn launch(
-        &self,
-        dev: &Device,
-        q: &DeviceTensor,
-        k: &DeviceTensor,
-        v: &DeviceTensor,
-        o: &mut DeviceTensor,
-        lse: &mut DeviceTensor,
-    ) -> Result<()> {
-        let name = self.variant.entry;
-        let (q, k, v) = (q.as_u16("q")?, k.as_u16("k")?, v.as_u16("v")?);
-        let lse = lse.as_f32_mut("lse")?;
-        let stream = dev.stream();
-        // SAFETY (both launches): the argument list follows the contract in config.rs;
-        // buffer lengths and element types were checked against the problem, and the grid
-        // covers it.
-        let r = match &self.tma_params {
-            None => {
-                let mut b = stream.launch_builder(&self.func);
-                b.arg(q).arg(k).arg(v);
-                match o.data_mut() {
-                    DeviceData::U16(s) => b.arg(s),
-                    DeviceData::F32(s) => b.arg(s),
-                };
-                self.push_common_args(&mut b, lse);
-                unsafe { b.launch(self.cfg) }
-            }
-            Some((pq, pkv, po)) => {
-                use cudarc::driver::{DevicePtr, DevicePtrMut};
-                // Tensor maps hold the buffer addresses, so they are encoded per launch
-                // (host work only, a few microseconds; the GPU is busy with earlier work
-                // meanwhile). The guards record the buffers' use by the stream: they live
-                // until after the launch, and O's marks a write.
-                let (aq, _gq) = q.device_ptr(stream);
-                let (ak, _gk) = k.device_ptr(stream);
-                let (av, _gv) = v.device_ptr(stream);
-                let (ao, _go) = o.as_u16_mut("o")?.device_ptr_mut(stream);
-                let maps = [
-                    tma::encode("q", pq, self.dtype, aq)?,
-                    tma::encode("k", pkv, self.dtype, ak)?,
-                    tma::encode("v", pkv, self.dtype, av)?,
-                    tma::encode("o", po, self.dtype, ao)?,
-                ];
-                let mut b = stream.launch_builder(&self.func);
-                // O by map (the TMA-store epilogue) and by address (the plain one).
-                b.arg(&maps[0])
-                    .arg(&maps[1])
-                    .arg(&maps[2])
-                    .arg(&maps[3])
-                    .arg(&ao);
-                self.push_common_args(&mut b, lse);
-                b.arg(&self.batch);
-                unsafe { b.launch(self.cfg) }
-            }
-        };
-        dev.check_launch(name, r)
-    }
-
-    /// The parameters after o that every attention kernel takes (config.rs contract).
-    fn push_common_args<'a>(&'a self, b: &mut LaunchArgs<'a>, lse: &'a mut CudaSlice<f32>) {
-        b.arg(lse)
-            .arg(&self.seqlen_q)
-            .arg(&self.seqlen_k)
-            .arg(&self.heads_q)
-            .arg(&self.heads_kv)
-            .arg(&self.scale_log2);
-    }
+/// The raw tensors of `problem` over lab buffers (contiguous layouts).
+fn lab_args(
+    dev: &Device,
+    problem: &AttentionProblem,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    o: &DeviceTensor,
+    lse: &DeviceTensor,
+) -> Result<AttentionArgs> {
+    let p = problem;
+    let qs = [p.batch, p.seqlen_q, p.heads_q, p.head_dim];
+    let ks = [p.batch, p.seqlen_k, p.heads_kv, p.head_dim];
+    Ok(AttentionArgs {
+        q: q.raw(dev, "q", &qs)?,
+        k: k.raw(dev, "k", &ks)?,
+        v: v.raw(dev, "v", &ks)?,
+        o: o.raw(dev, "o", &qs)?,
+        lse: lse.raw(dev, "lse", &[p.batch, p.heads_q, p.seqlen_q])?,
+    })
 }
 
 /// Problem and buffer checks shared by [`forward`] and [`reference_forward`], done
@@ -318,11 +166,33 @@ fn check_call(
     )
 }
 
+/// Build a plan for `variant` and a workspace, and enqueue one call on the device stream.
+#[allow(clippy::too_many_arguments)]
+fn run_once(
+    dev: &Device,
+    problem: &AttentionProblem,
+    variant: KernelVariant,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    o: &mut DeviceTensor,
+    lse: &mut DeviceTensor,
+) -> Result<()> {
+    let plan = AttentionPlan::with_variant(dev, problem.into(), variant)?;
+    let ws = plan.alloc_workspace(dev.stream())?;
+    let args = lab_args(dev, problem, q, k, v, o, lse)?;
+    // SAFETY: lab buffers of this device, sized for the problem (checked), ordered on its
+    // one stream; the workspace is fresh and zeroed, and outlives the launch because the
+    // memory is freed in stream order.
+    unsafe { plan.forward_raw(dev.stream().cu_stream(), &args, ws.addr()) }
+}
+
 /// Attention forward with the kernel [`config::select`] picks for this device (the sm_90a
 /// kernel on Hopper where it applies, else v1):
 /// `o = softmax(scale · q kᵀ [+ causal mask]) v` and the natural-log `lse` per query row.
 /// q/k/v/o in the problem's dtype (f16 or bf16), lse in f32, layouts as in
 /// [`AttentionProblem`]. Asynchronous: the outputs are ready after the stream syncs.
+/// Builds a plan per call: engines keep an [`AttentionPlan`] instead.
 pub fn forward(
     dev: &Device,
     problem: &AttentionProblem,
@@ -334,7 +204,7 @@ pub fn forward(
 ) -> Result<()> {
     check_call(problem, problem.dtype, q, k, v, o, lse)?;
     let variant = config::select(problem, dev.arch())?;
-    AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
+    run_once(dev, problem, variant, q, k, v, o, lse)
 }
 
 /// The GPU reference kernel (fp32 accumulation, simple and slow): same inputs as
@@ -350,10 +220,36 @@ pub fn reference_forward(
 ) -> Result<()> {
     check_call(problem, DType::F32, q, k, v, o, lse)?;
     let variant = config::select_reference(problem)?;
-    AttentionLaunch::prepare(dev, problem, variant)?.launch(dev, q, k, v, o, lse)
+    run_once(dev, problem, variant, q, k, v, o, lse)
 }
 
-/// Owns the device buffers of one attention problem and the resolved kernel.
+/// A plan with its workspace, for the runner.
+struct PlannedKernel {
+    plan: AttentionPlan,
+    workspace: Workspace,
+}
+
+impl PlannedKernel {
+    fn new(dev: &Device, problem: &AttentionProblem, variant: KernelVariant) -> Result<Self> {
+        let plan = AttentionPlan::with_variant(dev, problem.into(), variant)?;
+        let workspace = plan.alloc_workspace(dev.stream())?;
+        Ok(PlannedKernel { plan, workspace })
+    }
+
+    fn launch(&self, dev: &Device, args: &AttentionArgs) -> Result<()> {
+        // SAFETY: the runner's buffers (checked against the problem when they were made)
+        // live as long as the runner; the workspace is this plan's, zeroed, and used on
+        // the device's one stream only.
+        let r = unsafe {
+            self.plan
+                .forward_raw(dev.stream().cu_stream(), args, self.workspace.addr())
+        };
+        r?;
+        dev.debug_sync(self.plan.variant().entry)
+    }
+}
+
+/// Owns the device buffers of one attention problem and its plan.
 ///
 /// ```ignore
 /// let mut r = AttentionRunner::new(&dev, &problem, &q, &k, &v)?;
@@ -363,18 +259,19 @@ pub fn reference_forward(
 /// ```
 pub struct AttentionRunner {
     problem: AttentionProblem,
-    launch: AttentionLaunch,
+    kernel: PlannedKernel,
+    args: AttentionArgs,
     q: DeviceTensor,
     k: DeviceTensor,
     v: DeviceTensor,
     o: DeviceTensor,
     lse: DeviceTensor,
-    reference: Option<(AttentionLaunch, DeviceTensor, DeviceTensor)>,
+    reference: Option<(PlannedKernel, DeviceTensor, DeviceTensor)>,
 }
 
 impl AttentionRunner {
     /// Upload q, k, v (f32 values, rounded to the problem's dtype), allocate poisoned o
-    /// and lse, and resolve the kernel [`config::select`] picks for this device.
+    /// and lse, and build the plan of the kernel [`config::select`] picks for this device.
     pub fn new(
         dev: &Device,
         problem: &AttentionProblem,
@@ -401,16 +298,26 @@ impl AttentionRunner {
         check_len("q", problem.q_elems(), q.len())?;
         check_len("k", problem.kv_elems(), k.len())?;
         check_len("v", problem.kv_elems(), v.len())?;
-        let launch = AttentionLaunch::prepare(dev, problem, variant)?;
+        // The launch geometry must fit CUDA's limits (an error now, not at run()).
+        launch_config(problem, &variant)?;
+        let kernel = PlannedKernel::new(dev, problem, variant)?;
         let dt = problem.dtype;
+        let q = DeviceTensor::from_f32(dev, dt, q)?;
+        let k = DeviceTensor::from_f32(dev, dt, k)?;
+        let v = DeviceTensor::from_f32(dev, dt, v)?;
+        let o = DeviceTensor::alloc(dev, dt, problem.q_elems())?;
+        let lse = DeviceTensor::alloc(dev, DType::F32, problem.lse_elems())?;
+        let args = lab_args(dev, problem, &q, &k, &v, &o, &lse)?;
+        kernel.plan.check(&args)?;
         Ok(AttentionRunner {
             problem: problem.clone(),
-            launch,
-            q: DeviceTensor::from_f32(dev, dt, q)?,
-            k: DeviceTensor::from_f32(dev, dt, k)?,
-            v: DeviceTensor::from_f32(dev, dt, v)?,
-            o: DeviceTensor::alloc(dev, dt, problem.q_elems())?,
-            lse: DeviceTensor::alloc(dev, DType::F32, problem.lse_elems())?,
+            kernel,
+            args,
+            q,
+            k,
+            v,
+            o,
+            lse,
             reference: None,
         })
     }
@@ -419,16 +326,34 @@ impl AttentionRunner {
         &self.problem
     }
     pub fn variant(&self) -> &KernelVariant {
-        &self.launch.variant
+        self.kernel.plan.variant()
     }
+    pub fn plan(&self) -> &AttentionPlan {
+        &self.kernel.plan
+    }
+    /// The launch geometry of the plan for this problem (the sm_90a kernel's grid is 1-D
+    /// over work tiles).
     pub fn launch_config(&self) -> LaunchConfig {
-        self.launch.launch_config()
+        let v = self.variant();
+        let mut cfg = launch_config(&self.problem, v).expect("checked in with_variant");
+        if let config::KernelAbi::TensorMaps { persistent, .. } = v.abi {
+            cfg.grid_dim = (
+                config::sm90_grid_x(
+                    &self.problem,
+                    v.block_m,
+                    persistent,
+                    self.kernel.plan.sm_count(),
+                ),
+                1,
+                1,
+            );
+        }
+        cfg
     }
 
-    /// Enqueue one forward pass (one kernel launch, no validation, no sync).
+    /// Enqueue one forward pass (one kernel launch, O(1) checks, no sync).
     pub fn run(&mut self, dev: &Device) -> Result<()> {
-        self.launch
-            .launch(dev, &self.q, &self.k, &self.v, &mut self.o, &mut self.lse)
+        self.kernel.launch(dev, &self.args)
     }
 
     /// Fill o and lse with NaN so unwritten elements are detected.
@@ -452,15 +377,16 @@ impl AttentionRunner {
     pub fn run_reference(&mut self, dev: &Device) -> Result<(Vec<f32>, Vec<f32>)> {
         if self.reference.is_none() {
             let variant = config::select_reference(&self.problem)?;
-            let launch = AttentionLaunch::prepare(dev, &self.problem, variant)?;
+            let kernel = PlannedKernel::new(dev, &self.problem, variant)?;
             let o = DeviceTensor::alloc(dev, DType::F32, self.problem.q_elems())?;
             let lse = DeviceTensor::alloc(dev, DType::F32, self.problem.lse_elems())?;
-            self.reference = Some((launch, o, lse));
+            self.reference = Some((kernel, o, lse));
         }
-        let (launch, o, lse) = self.reference.as_mut().expect("set above");
+        let (kernel, o, lse) = self.reference.as_mut().expect("set above");
         o.poison(dev)?;
         lse.poison(dev)?;
-        launch.launch(dev, &self.q, &self.k, &self.v, o, lse)?;
+        let args = lab_args(dev, &self.problem, &self.q, &self.k, &self.v, o, lse)?;
+        kernel.launch(dev, &args)?;
         Ok((o.to_f32(dev)?, lse.to_f32(dev)?))
     }
 }

@@ -63,7 +63,25 @@ pub fn bshd_tile_params(
     head_dim: usize,
     box_rows: u32,
 ) -> Result<TensorMapParams> {
-    let what = "tensor map";
+    let strides = [seq * heads * head_dim, heads * head_dim, head_dim, 1];
+    bshd_strided_params(
+        "tensor map",
+        [batch, seq, heads, head_dim],
+        strides,
+        box_rows,
+    )
+}
+
+/// Like [`bshd_tile_params`] for a strided (batch, seq, heads, head_dim) view: `strides`
+/// in elements, the last 1 (a view into a packed QKV buffer has a larger seq stride).
+/// `what` names the tensor in errors.
+pub fn bshd_strided_params(
+    what: &str,
+    shape: [usize; 4],
+    strides: [usize; 4],
+    box_rows: u32,
+) -> Result<TensorMapParams> {
+    let [batch, seq, heads, head_dim] = shape;
     if head_dim == 0 || head_dim % BOX_COLS as usize != 0 {
         return Err(Error::unsupported(
             what,
@@ -76,6 +94,12 @@ pub fn bshd_tile_params(
             format!("box of {box_rows} rows (1..=256)"),
         ));
     }
+    if strides[3] != 1 {
+        return Err(Error::invalid(format!(
+            "{what}: head_dim stride {} must be 1 (contiguous rows)",
+            strides[3]
+        )));
+    }
     let dims = [head_dim as u64, heads as u64, seq as u64, batch as u64];
     for (name, d) in ["head_dim", "heads", "seq", "batch"].iter().zip(dims) {
         if d == 0 || d > 1 << 32 {
@@ -85,21 +109,23 @@ pub fn bshd_tile_params(
             ));
         }
     }
-    let s_head = head_dim as u64 * 2;
-    let s_seq = s_head * heads as u64;
-    let s_batch = s_seq * seq as u64;
-    for s in [s_head, s_seq, s_batch] {
-        // Strides are multiples of 16 because head_dim is a multiple of 64.
-        if s >= 1 << 40 {
-            return Err(Error::unsupported(
-                what,
-                format!("stride of {s} bytes exceeds 2^40"),
-            ));
+    // Innermost first: heads, seq, batch.
+    let strides_bytes = [
+        strides[2] as u64 * 2,
+        strides[1] as u64 * 2,
+        strides[0] as u64 * 2,
+    ];
+    for (name, s) in ["heads", "seq", "batch"].iter().zip(strides_bytes) {
+        if s % 16 != 0 || s >= 1 << 40 {
+            return Err(Error::invalid(format!(
+                "{what}: the {name} stride ({s} bytes) must be a multiple of 16 bytes (8 \
+                 elements) below 2^40, as TMA requires"
+            )));
         }
     }
     Ok(TensorMapParams {
         dims,
-        strides_bytes: [s_head, s_seq, s_batch],
+        strides_bytes,
         box_dims: [BOX_COLS, 1, box_rows, 1],
     })
 }
@@ -107,8 +133,23 @@ pub fn bshd_tile_params(
 /// Encode a tensor map over the device buffer at `ptr` (16-byte aligned): 128-byte
 /// swizzle, zero fill out of bounds, 256-byte L2 promotion (see [`crate::gpu::tensor_map`]).
 /// `what` names the tensor in errors.
+/// The parameters were checked when they were made ([`bshd_strided_params`]): this is one
+/// driver call, no allocation.
 pub fn encode(what: &str, params: &TensorMapParams, dtype: DType, ptr: u64) -> Result<TensorMap> {
-    tensor_map::encode_raw(what, ptr, dtype, &params.layout())
+    if ptr % 16 != 0 {
+        return Err(Error::invalid(format!(
+            "{what}: device address {ptr:#x} is not 16-byte aligned (TMA requires it)"
+        )));
+    }
+    let strides = params.strides_bytes.map(|s| s / 2);
+    tensor_map::encode_checked(
+        what,
+        ptr,
+        tensor_map::map_data_type(what, dtype)?,
+        &params.dims,
+        &strides,
+        &params.box_dims,
+    )
 }
 
 #[cfg(test)]
@@ -141,5 +182,24 @@ mod tests {
         assert!(e.contains("512 rows"), "{e}");
         let e = bshd_tile_params(1, 0, 2, 64, 128).unwrap_err().to_string();
         assert!(e.contains("seq = 0"), "{e}");
+        // A view with a 4-element misalignment of its rows.
+        let e = bshd_strided_params("q", [1, 10, 2, 64], [1300, 130, 64, 1], 128)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("q: the seq stride (260 bytes)"), "{e}");
+    }
+
+    #[test]
+    fn strided_params_describe_a_packed_qkv_view() {
+        // q of (b=2, s=100, h=8, d=128) inside qkv (2, 100, 3 * 8, 128).
+        let (h, d) = (8usize, 128usize);
+        let p = bshd_strided_params("q", [2, 100, h, d], [100 * 3 * h * d, 3 * h * d, d, 1], 128)
+            .unwrap();
+        assert_eq!(p.dims, [128, 8, 100, 2]);
+        assert_eq!(p.strides_bytes, [256, 256 * 24, 256 * 24 * 100]);
+        assert_eq!(
+            bshd_tile_params(2, 100, 8, 128, 128).unwrap().strides_bytes,
+            [256, 2048, 204800]
+        );
     }
 }

@@ -3,7 +3,8 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::device::Device;
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+use crate::gpu::raw::RawTensor;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// Storage of a [`DeviceTensor`]: 16-bit elements (f16/bf16 bits) or f32.
 #[derive(Debug)]
@@ -95,6 +96,18 @@ impl DeviceTensor {
     }
     pub fn data_mut(&mut self) -> &mut DeviceData {
         &mut self.data
+    }
+
+    /// This buffer as a contiguous [`RawTensor`] of `shape` (whose element count must be
+    /// the buffer's length), for the plans' raw entry points. The address stays valid while
+    /// the buffer lives; the lab's device orders all work on its one stream.
+    pub fn raw(&self, dev: &Device, name: &str, shape: &[usize]) -> Result<RawTensor> {
+        check_len(name, shape.iter().product(), self.len)?;
+        let ptr = match &self.data {
+            DeviceData::U16(s) => s.device_ptr(dev.stream()).0,
+            DeviceData::F32(s) => s.device_ptr(dev.stream()).0,
+        };
+        RawTensor::contiguous(ptr, self.dtype, shape)
     }
 
     /// The 16-bit storage, or an error naming `name` when this is an f32 tensor.

@@ -185,12 +185,32 @@ impl Device {
         let ctx = guarded(&format!("creating a context on GPU {ordinal}"), || {
             CudaContext::new(ordinal)
         })?;
-        // SAFETY: flashmoe orders all its work on one stream; no buffer is shared
+        // SAFETY: the lab orders all its work on one stream; no buffer is shared
         // across streams, so cudarc's cross-stream event tracking is not needed.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx
             .new_stream()
             .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        Self::with_context(ctx, stream, driver)
+    }
+
+    /// Use a context the caller already holds (candle's `CudaDevice::cuda_stream().context()`,
+    /// or `CudaContext::new(ordinal)`, which retains the device's primary context, the one
+    /// PyTorch and the runtime API use). Creates no context and no stream and leaves the
+    /// context's settings (event tracking) alone: [`Device::stream`] is the context's
+    /// legacy default stream, and plans enqueue on the stream each call names.
+    pub fn from_context(ctx: Arc<CudaContext>) -> Result<Device> {
+        let driver = driver_version()?;
+        let stream = ctx.default_stream();
+        Self::with_context(ctx, stream, driver)
+    }
+
+    fn with_context(
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        driver: String,
+    ) -> Result<Device> {
+        let ordinal = ctx.ordinal();
 
         let attr = |a: Attr| -> Result<u32> {
             ctx.attribute(a)
@@ -314,6 +334,12 @@ impl Device {
         launched: std::result::Result<T, DriverError>,
     ) -> Result<()> {
         launched.map_err(|e| Error::cuda(format!("launch of kernel {kernel}"), e))?;
+        self.debug_sync(kernel)
+    }
+
+    /// With `FLASHMOE_SYNC_LAUNCHES=1` (read when the device was opened), synchronise the
+    /// device stream so a fault inside `kernel` is reported against it; else nothing.
+    pub fn debug_sync(&self, kernel: &str) -> Result<()> {
         if self.sync_launches {
             self.stream
                 .synchronize()

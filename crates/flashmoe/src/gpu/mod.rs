@@ -8,6 +8,7 @@
 //! - [`nvrtc_compile`]: GPU-free compilation with NVRTC, with the ptxas resource report.
 //! - [`KernelCache`]: NVRTC output cached on disk, modules cached in memory.
 //! - [`DeviceTensor`]: dtype-aware device buffers with upload / download / poison.
+//! - [`raw`]: the caller's streams and device memory ([`RawStream`], [`RawTensor`]).
 //! - [`TensorMap`]: TMA tensor maps for the sm_90a kernels.
 //! - [`EventTimer`], [`L2Flusher`]: the timing primitives of the benchmark lab.
 //! - [`measure_gemm_ceiling`], [`measure_copy_ceiling`]: measured hardware ceilings.
@@ -21,6 +22,7 @@ mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
 pub mod nvrtc;
+pub mod raw;
 pub mod tensor_map;
 pub mod timing;
 
@@ -35,6 +37,7 @@ pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
     parse_ptxas_report, CompiledKernel, ImageKind, KernelResources,
 };
+pub use raw::{RawStream, RawTensor, LEGACY_STREAM, PER_THREAD_STREAM};
 pub use tensor_map::{encode_tiled, TensorMap, TiledLayout};
 pub use timing::{time_back_to_back, EventTimer, L2Flusher};
 

@@ -118,6 +118,18 @@ pub fn encode_tiled(
     encode_raw(name, ptr, dtype, layout)
 }
 
+/// The driver's element type of a 16-bit tensor.
+pub(crate) fn map_data_type(name: &str, dtype: DType) -> Result<sys::CUtensorMapDataType> {
+    match dtype {
+        DType::F16 => Ok(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+        DType::Bf16 => Ok(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16),
+        DType::F32 => Err(Error::unsupported(
+            "tensor map",
+            format!("{name}: only 16-bit tensors are mapped"),
+        )),
+    }
+}
+
 /// Encode a tensor map over the device address `ptr`, which the caller keeps alive (and
 /// large enough for `layout`) while the map is used.
 pub fn encode_raw(name: &str, ptr: u64, dtype: DType, layout: &TiledLayout) -> Result<TensorMap> {
@@ -127,18 +139,32 @@ pub fn encode_raw(name: &str, ptr: u64, dtype: DType, layout: &TiledLayout) -> R
             "{name}: device address {ptr:#x} is not 16-byte aligned (TMA requires it)"
         )));
     }
-    let data_type = match dtype {
-        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        DType::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-        DType::F32 => {
-            return Err(Error::unsupported(
-                "tensor map",
-                format!("{name}: only 16-bit tensors are mapped"),
-            ))
-        }
-    };
-    let strides_bytes: Vec<u64> = layout.strides.iter().map(|s| s * 2).collect();
-    let elem_strides = vec![1u32; layout.dims.len()];
+    let data_type = map_data_type(name, dtype)?;
+    encode_checked(
+        name,
+        ptr,
+        data_type,
+        &layout.dims,
+        &layout.strides,
+        &layout.box_dims,
+    )
+}
+
+/// Encode over `ptr` with dims, element strides and box already checked (rank <= 5):
+/// no allocation, one driver call (the plans' hot path).
+pub(crate) fn encode_checked(
+    name: &str,
+    ptr: u64,
+    data_type: sys::CUtensorMapDataType,
+    dims: &[u64],
+    strides: &[u64],
+    box_dims: &[u32],
+) -> Result<TensorMap> {
+    let mut strides_bytes = [0u64; 4];
+    for (b, s) in strides_bytes.iter_mut().zip(strides) {
+        *b = s * 2;
+    }
+    let elem_strides = [1u32; 5];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array has `rank` (strides: rank-1) entries, checked above; the map is
     // written by the driver; `ptr` is a device allocation the caller keeps alive.
@@ -146,11 +172,11 @@ pub fn encode_raw(name: &str, ptr: u64, dtype: DType, layout: &TiledLayout) -> R
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             data_type,
-            layout.dims.len() as u32,
+            dims.len() as u32,
             ptr as *mut std::ffi::c_void,
-            layout.dims.as_ptr(),
+            dims.as_ptr(),
             strides_bytes.as_ptr(),
-            layout.box_dims.as_ptr(),
+            box_dims.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
@@ -160,7 +186,7 @@ pub fn encode_raw(name: &str, ptr: u64, dtype: DType, layout: &TiledLayout) -> R
     };
     if rc != sys::CUresult::CUDA_SUCCESS {
         return Err(Error::cuda(
-            format!("cuTensorMapEncodeTiled({name}, {layout:?}, {dtype})"),
+            format!("cuTensorMapEncodeTiled({name}, dims {dims:?}, strides {strides:?}, box {box_dims:?}, {data_type:?})"),
             format!("{rc:?}"),
         ));
     }

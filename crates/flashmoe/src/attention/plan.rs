@@ -1,0 +1,549 @@
+//! Attention plans: the kernel for one shape class, resolved once, then enqueued on the
+//! caller's stream over the caller's memory.
+//!
+//! [`AttentionPlan::new`] does the slow work once per [`AttentionClass`] (dtype, head dim,
+//! head counts, causal, scale): kernel selection for the device, NVRTC compile or disk
+//! cache, module load, the shared-memory attribute. A call then does O(1) shape checks,
+//! encodes the four TMA tensor maps (host-only driver calls) and makes one
+//! `cuLaunchKernel` on the stream it is given: no allocation, no synchronisation, no
+//! compile, no file or environment access. So it can be captured in a CUDA graph.
+//!
+//! Two layers:
+//! - [`AttentionPlan::forward_raw`]: [`RawTensor`]s and a [`RawStream`] (what C, Python or
+//!   another engine holds); `unsafe`, contract in [`crate::gpu::raw`].
+//! - [`AttentionPlan::forward`]: cudarc slices or views of `half::bf16` / `half::f16`
+//!   (candle's storage), lengths checked against the shapes, stream order kept by cudarc.
+//!
+//! The sm_90a kernel needs a [`Workspace`] (its rank dispenser and split-tile records):
+//! [`AttentionPlan::workspace_bytes`] bytes, zeroed once; every launch leaves it zeroed.
+//! Launches that may run at the same time (on different streams) need one each.
+
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use super::config::{self, KernelAbi, KernelVariant};
+use super::{softmax_scale_log2, tma};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::raw::{self, param, RawStream, RawTensor};
+use crate::gpu::Device;
+use crate::problem::AttentionProblem;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// What a plan is built for: everything about an attention call except batch size and
+/// sequence lengths, which each call takes from its tensors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionClass {
+    /// Storage of q, k, v and o: bf16 or f16 (fp32 accumulation).
+    pub dtype: DType,
+    pub head_dim: usize,
+    pub heads_q: usize,
+    /// Divides `heads_q` (GQA / MQA; equal for MHA).
+    pub heads_kv: usize,
+    /// Bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q.
+    pub causal: bool,
+    /// Multiplies q·k; None is 1/sqrt(head_dim).
+    pub softmax_scale: Option<f32>,
+}
+
+impl AttentionClass {
+    /// The problem of one call of this class.
+    pub fn problem(&self, batch: usize, seqlen_q: usize, seqlen_k: usize) -> AttentionProblem {
+        AttentionProblem {
+            batch,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seqlen_q,
+            seqlen_k,
+            head_dim: self.head_dim,
+            causal: self.causal,
+            dtype: self.dtype,
+            softmax_scale: self.softmax_scale,
+        }
+    }
+}
+
+impl From<&AttentionProblem> for AttentionClass {
+    fn from(p: &AttentionProblem) -> AttentionClass {
+        AttentionClass {
+            dtype: p.dtype,
+            head_dim: p.head_dim,
+            heads_q: p.heads_q,
+            heads_kv: p.heads_kv,
+            causal: p.causal,
+            softmax_scale: p.softmax_scale,
+        }
+    }
+}
+
+/// The tensors of one call, raw. Shapes: q and o (batch, seqlen_q, heads_q, head_dim),
+/// k and v (batch, seqlen_k, heads_kv, head_dim), lse (batch, heads_q, seqlen_q) f32,
+/// natural log. q, k and v may be strided views (a packed QKV buffer); on the sm_90a
+/// kernel their strides must be multiples of 8 elements, and the portable kernel takes
+/// them contiguous. o and lse are contiguous. A query row that sees no key gets O = 0 and
+/// LSE = -inf.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionArgs {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub o: RawTensor,
+    pub lse: RawTensor,
+}
+
+/// Batch size and sequence lengths of a checked call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallShape {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+}
+
+/// A device workspace owned by the caller's Rust code: zeroed when allocated, left zeroed
+/// by every launch, and bound to the stream it was allocated on so that its launches are
+/// ordered (launches on another stream need a workspace of their own).
+pub struct Workspace {
+    buf: Option<CudaSlice<u8>>,
+    stream: RawStream,
+}
+
+// SAFETY: `stream` is only compared, never used to enqueue work.
+unsafe impl Send for Workspace {}
+unsafe impl Sync for Workspace {}
+
+impl std::fmt::Debug for Workspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Workspace({} bytes)", self.bytes())
+    }
+}
+
+impl Workspace {
+    /// `bytes` zeroed bytes on `stream` (none for 0).
+    pub fn zeroed(stream: &Arc<CudaStream>, bytes: usize) -> Result<Workspace> {
+        let buf = if bytes == 0 {
+            None
+        } else {
+            Some(stream.alloc_zeros::<u8>(bytes).map_err(|e| {
+                Error::cuda(
+                    format!("cuMemAlloc + memset of a {bytes}-byte workspace"),
+                    e,
+                )
+            })?)
+        };
+        Ok(Workspace {
+            buf,
+            stream: stream.cu_stream(),
+        })
+    }
+    pub fn bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+    /// The device address (0 when empty), for [`AttentionPlan::forward_raw`] on the
+    /// stream the workspace was allocated on.
+    pub fn addr(&self) -> u64 {
+        self.buf.as_ref().map_or(0, |b| b.device_ptr(b.stream()).0)
+    }
+}
+
+/// A 16-bit element type the kernels take: `half::bf16` or `half::f16`.
+pub trait Element: sealed::Sealed + Copy + 'static {
+    const DTYPE: DType;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// A (batch, seq, heads, head_dim) view over a cudarc buffer (`CudaSlice`, `CudaView`,
+/// `CudaViewMut`): element strides, the last 1. `B` is `&S` for inputs, `&mut S` for o.
+#[derive(Debug)]
+pub struct Bshd<B> {
+    pub buf: B,
+    pub shape: [usize; 4],
+    pub strides: [usize; 4],
+}
+
+impl<B> Bshd<B> {
+    pub fn new(buf: B, shape: [usize; 4], strides: [usize; 4]) -> Bshd<B> {
+        Bshd {
+            buf,
+            shape,
+            strides,
+        }
+    }
+    /// Row-major (batch, seq, heads, head_dim).
+    pub fn contiguous(buf: B, shape: [usize; 4]) -> Bshd<B> {
+        let [_, s, h, d] = shape;
+        Bshd {
+            buf,
+            shape,
+            strides: [s * h * d, h * d, d, 1],
+        }
+    }
+}
+
+/// One attention kernel resolved for a shape class on one device.
+pub struct AttentionPlan {
+    class: AttentionClass,
+    variant: KernelVariant,
+    func: CudaFunction,
+    ctx: Arc<CudaContext>,
+    sm_count: u32,
+    scale_log2: f32,
+}
+
+impl std::fmt::Debug for AttentionPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttentionPlan")
+            .field("class", &self.class)
+            .field("entry", &self.variant.entry)
+            .field("workspace_bytes", &self.workspace_bytes())
+            .finish()
+    }
+}
+
+impl AttentionPlan {
+    /// Resolve the kernel [`config::select`] picks for `class` on `dev` (the sm_90a kernel
+    /// on Hopper for head dims 64 and 128, else the portable one), compile or load it and
+    /// set its shared-memory limit.
+    pub fn new(dev: &Device, class: AttentionClass) -> Result<AttentionPlan> {
+        let problem = class.problem(1, 1, 1);
+        problem.validate()?;
+        let variant = config::select(&problem, dev.arch())?;
+        Self::with_variant(dev, class, variant)
+    }
+
+    /// Like [`AttentionPlan::new`] with a given kernel variant (the lab runs v1 on Hopper
+    /// and the fp32 reference kernel this way).
+    pub fn with_variant(
+        dev: &Device,
+        class: AttentionClass,
+        variant: KernelVariant,
+    ) -> Result<AttentionPlan> {
+        let problem = class.problem(1, 1, 1);
+        problem.validate()?;
+        if let Err(why) = variant.runs_on(dev.arch()) {
+            return Err(Error::unsupported(
+                variant.entry,
+                format!(
+                    "{why}, but {} is {}.{}",
+                    dev.info().name,
+                    dev.info().compute_capability.0,
+                    dev.info().compute_capability.1
+                ),
+            ));
+        }
+        let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
+        dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
+        Ok(AttentionPlan {
+            class,
+            scale_log2: softmax_scale_log2(&problem),
+            variant,
+            func,
+            ctx: dev.context().clone(),
+            sm_count: dev.info().sm_count,
+        })
+    }
+
+    /// Multiprocessors of the plan's device (the persistent grid's size).
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+    pub fn class(&self) -> &AttentionClass {
+        &self.class
+    }
+    pub fn variant(&self) -> &KernelVariant {
+        &self.variant
+    }
+    /// Element type of o: the class's dtype, or f32 for the reference kernel.
+    pub fn out_dtype(&self) -> DType {
+        if self.variant.entry == config::REFERENCE_ENTRY {
+            DType::F32
+        } else {
+            self.class.dtype
+        }
+    }
+
+    /// Bytes of the zeroed workspace each launch needs (0: none).
+    pub fn workspace_bytes(&self) -> usize {
+        match self.variant.abi {
+            KernelAbi::TensorMaps {
+                workspace_bytes, ..
+            } => workspace_bytes,
+            KernelAbi::Pointers => 0,
+        }
+    }
+
+    /// A zeroed workspace for this plan on `stream` (allocates: do it once).
+    pub fn alloc_workspace(&self, stream: &Arc<CudaStream>) -> Result<Workspace> {
+        Workspace::zeroed(stream, self.workspace_bytes())
+    }
+
+    /// Check a call's tensors against the class and the kernel's rules, O(1); returns the
+    /// batch size and sequence lengths. Errors name the tensor and the rule.
+    pub fn check(&self, a: &AttentionArgs) -> Result<CallShape> {
+        let c = &self.class;
+        let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+        for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
+            if t.rank != 4 {
+                return Err(Error::invalid(format!(
+                    "{name} must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                    t.shape()
+                )));
+            }
+        }
+        let [b, sq, _, _] = a.q.shape;
+        let sk = a.k.shape[1];
+        let io = self.class.dtype;
+        a.q.expect("q", io, &[b, sq, hq, d], 16)?;
+        a.k.expect("k", io, &[b, sk, hkv, d], 16)?;
+        a.v.expect("v", io, &[b, sk, hkv, d], 16)?;
+        a.o.expect_contiguous("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
+        a.lse
+            .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
+        if b == 0 || sq == 0 || sk == 0 {
+            return Err(Error::invalid(format!(
+                "empty attention call: batch {b}, seqlen_q {sq}, seqlen_k {sk} (each must be >= 1)"
+            )));
+        }
+        for (what, value) in [("seqlen_q", sq), ("seqlen_k", sk)] {
+            if value > config::MAX_SEQLEN {
+                return Err(Error::unsupported(
+                    self.variant.entry,
+                    format!("{what} = {value} exceeds {}", config::MAX_SEQLEN),
+                ));
+            }
+        }
+        match self.variant.abi {
+            KernelAbi::Pointers => {
+                for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v)] {
+                    if !t.is_contiguous() {
+                        return Err(Error::unsupported(
+                            self.variant.entry,
+                            format!(
+                                "{name} is a strided view (strides {:?}); this kernel takes \
+                                 contiguous q, k and v (strided views need the sm_90a kernel)",
+                                t.strides()
+                            ),
+                        ));
+                    }
+                }
+            }
+            KernelAbi::TensorMaps { .. } => {
+                let tiles = config::sm90_work_tiles(&c.problem(b, sq, sk), self.variant.block_m);
+                if 2 * tiles > i32::MAX as u64 {
+                    return Err(Error::unsupported(
+                        self.variant.entry,
+                        format!("{tiles} work tiles exceed the kernel's int work-tile counter"),
+                    ));
+                }
+            }
+        }
+        Ok(CallShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+        })
+    }
+
+    /// Enqueue the forward pass on `stream`: `o = softmax(scale · q kᵀ [+ causal mask]) v`
+    /// and `lse`. Asynchronous; O(1) checks ([`AttentionPlan::check`]), no allocation.
+    ///
+    /// # Safety
+    /// The contract of [`crate::gpu::raw`]: every address in `a` and `workspace ..
+    /// workspace + workspace_bytes()` is live device memory of this plan's context covering
+    /// its tensor's span, the workspace is zeroed (as every launch leaves it) and not used
+    /// by a launch that may run at the same time, and `stream` belongs to the context.
+    pub unsafe fn forward_raw(
+        &self,
+        stream: RawStream,
+        a: &AttentionArgs,
+        workspace: u64,
+    ) -> Result<()> {
+        let shape = self.check(a)?;
+        let ws_bytes = self.workspace_bytes();
+        if ws_bytes > 0 && (workspace == 0 || workspace % 16 != 0) {
+            return Err(Error::invalid(format!(
+                "workspace at {workspace:#x}: {} needs {ws_bytes} zeroed bytes at a non-null \
+                 16-byte aligned address (AttentionPlan::workspace_bytes)",
+                self.variant.entry
+            )));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let problem = self
+            .class
+            .problem(shape.batch, shape.seqlen_q, shape.seqlen_k);
+        let (sq, sk, hq, hkv, b) = (
+            shape.seqlen_q as i32,
+            shape.seqlen_k as i32,
+            self.class.heads_q as i32,
+            self.class.heads_kv as i32,
+            shape.batch as i32,
+        );
+        let (q, k, v, o, lse) = (a.q.ptr, a.k.ptr, a.v.ptr, a.o.ptr, a.lse.ptr);
+        match self.variant.abi {
+            KernelAbi::Pointers => {
+                let cfg = super::launch_config(&problem, &self.variant)?;
+                let mut params: [*mut c_void; 10] = [
+                    param(&q),
+                    param(&k),
+                    param(&v),
+                    param(&o),
+                    param(&lse),
+                    param(&sq),
+                    param(&sk),
+                    param(&hq),
+                    param(&hkv),
+                    param(&self.scale_log2),
+                ];
+                raw::launch(self.variant.entry, &self.func, cfg, stream, &mut params)
+            }
+            KernelAbi::TensorMaps {
+                block_n,
+                persistent,
+                ..
+            } => {
+                let dt = self.class.dtype;
+                let bm = self.variant.block_m;
+                let pq = tma::bshd_strided_params("q", a.q.shape, a.q.strides, bm)?;
+                let pk = tma::bshd_strided_params("k", a.k.shape, a.k.strides, block_n)?;
+                let pv = tma::bshd_strided_params("v", a.v.shape, a.v.strides, block_n)?;
+                let po =
+                    tma::bshd_strided_params("o", a.o.shape, a.o.strides, tma::O_STORE_BOX_ROWS)?;
+                let maps = [
+                    tma::encode("q", &pq, dt, q)?,
+                    tma::encode("k", &pk, dt, k)?,
+                    tma::encode("v", &pv, dt, v)?,
+                    tma::encode("o", &po, dt, o)?,
+                ];
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        config::sm90_grid_x(&problem, bm, persistent, self.sm_count),
+                        1,
+                        1,
+                    ),
+                    block_dim: (self.variant.block_threads, 1, 1),
+                    shared_mem_bytes: self.variant.shared_mem_bytes,
+                };
+                let ws = workspace;
+                let mut params: [*mut c_void; 13] = [
+                    param(&maps[0]),
+                    param(&maps[1]),
+                    param(&maps[2]),
+                    param(&maps[3]),
+                    param(&o),
+                    param(&lse),
+                    param(&sq),
+                    param(&sk),
+                    param(&hq),
+                    param(&hkv),
+                    param(&self.scale_log2),
+                    param(&b),
+                    param(&ws),
+                ];
+                raw::launch(self.variant.entry, &self.func, cfg, stream, &mut params)
+            }
+        }
+    }
+
+    /// [`AttentionPlan::forward_raw`] over cudarc buffers on a cudarc stream (candle's
+    /// storage and stream): each buffer's length is checked against its view's span, the
+    /// stream against the plan's context, and cudarc's stream-order tracking is kept.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<T, Q, K, V, O, L>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: Bshd<&Q>,
+        k: Bshd<&K>,
+        v: Bshd<&V>,
+        o: Bshd<&mut O>,
+        lse: &mut L,
+        workspace: &mut Workspace,
+    ) -> Result<()>
+    where
+        T: Element,
+        Q: DevicePtr<T>,
+        K: DevicePtr<T>,
+        V: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+        L: DevicePtrMut<f32>,
+    {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::invalid(
+                "the stream belongs to another CUDA context than the plan (build the plan \
+                 from the stream's context: Device::from_context)",
+            ));
+        }
+        if workspace.stream != stream.cu_stream() {
+            return Err(Error::invalid(
+                "the workspace was allocated on another stream: launches on different streams \
+                 may overlap and need a workspace each (AttentionPlan::alloc_workspace)",
+            ));
+        }
+        if workspace.bytes() < self.workspace_bytes() {
+            return Err(Error::invalid(format!(
+                "workspace of {} bytes but the plan needs {} (AttentionPlan::alloc_workspace)",
+                workspace.bytes(),
+                self.workspace_bytes()
+            )));
+        }
+        let (hq, sq, b) = (self.class.heads_q, q.shape[1], q.shape[0]);
+        let (qp, _gq) = q.buf.device_ptr(stream);
+        let (kp, _gk) = k.buf.device_ptr(stream);
+        let (vp, _gv) = v.buf.device_ptr(stream);
+        let (o_len, lse_len) = (o.buf.len(), lse.len());
+        let (op, _go) = o.buf.device_ptr_mut(stream);
+        let (lp, _gl) = lse.device_ptr_mut(stream);
+        let args = AttentionArgs {
+            q: RawTensor::new(qp, T::DTYPE, &q.shape, &q.strides)?,
+            k: RawTensor::new(kp, T::DTYPE, &k.shape, &k.strides)?,
+            v: RawTensor::new(vp, T::DTYPE, &v.shape, &v.strides)?,
+            o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
+            lse: RawTensor::contiguous(lp, DType::F32, &[b, hq, sq])?,
+        };
+        for (name, t, len) in [
+            ("q", &args.q, q.buf.len()),
+            ("k", &args.k, k.buf.len()),
+            ("v", &args.v, v.buf.len()),
+            ("o", &args.o, o_len),
+            ("lse", &args.lse, lse_len),
+        ] {
+            if t.span_elems() > len as u64 {
+                return Err(Error::BufferSize {
+                    name: name.to_string(),
+                    expected: t.span_elems() as usize,
+                    actual: len,
+                });
+            }
+        }
+        let ws = match &mut workspace.buf {
+            Some(w) => w.device_ptr_mut(stream),
+            None => (0, cudarc::driver::SyncOnDrop::Sync(None)),
+        };
+        // SAFETY: every buffer is a live cudarc allocation of the plan's context (checked
+        // above) covering its view's span; the guards keep cudarc's stream order until
+        // after the launch; the workspace is the plan's size, zeroed when allocated and
+        // left zeroed by every launch, and bound to this stream (launches in order).
+        unsafe { self.forward_raw(stream.cu_stream(), &args, ws.0) }
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<AttentionPlan>();
+    f::<Workspace>();
+}
