@@ -514,6 +514,7 @@ impl AttentionPlan {
             o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
             lse: RawTensor::contiguous(lp, DType::F32, &[b, hq, sq])?,
         };
+        self.check(&args)?;
         for (name, t, len) in [
             ("q", &args.q, q.buf.len()),
             ("k", &args.k, k.buf.len()),
@@ -522,11 +523,12 @@ impl AttentionPlan {
             ("lse", &args.lse, lse_len),
         ] {
             if t.span_elems() > len as u64 {
-                return Err(Error::BufferSize {
-                    name: name.to_string(),
-                    expected: t.span_elems() as usize,
-                    actual: len,
-                });
+                return Err(Error::invalid(format!(
+                    "{name}'s view {:?} with strides {:?} spans {} elements but its buffer holds {len}",
+                    t.shape(),
+                    t.strides(),
+                    t.span_elems()
+                )));
             }
         }
         let ws = match &mut workspace.buf {
