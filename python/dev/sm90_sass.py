@@ -20,15 +20,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 from nvrtc_check import KDIR, Nvrtc, options_for, parse_report  # noqa: E402
 
 # Mirror of config.rs `sm90_tile`:
-# D -> (BLOCK_N, STAGES, CONSUMERS, PIPE, PINGPONG, LAZY_RESCALE, Q_REGS).
-SM90_TILES = {64: (128, 3, 3, 1, 1, 1, 0), 128: (128, 2, 2, 1, 0, 1, 1)}
+# D -> (BLOCK_N, STAGES, CONSUMERS, PINGPONG, Q_REGS).
+SM90_TILES = {64: (128, 3, 3, 1, 0), 128: (128, 2, 2, 0, 1)}
 
 
 def defines(d, causal, extra, bf16=1):
-    bn, st, cons, pipe, pp, lazy, qregs = SM90_TILES[d]
+    bn, st, cons, pp, qregs = SM90_TILES[d]
     dd = {"FM_HEAD_DIM": d, "FM_DTYPE_BF16": bf16, "FM_CAUSAL": causal, "FM_BLOCK_N": bn,
-          "FM_STAGES": st, "FM_CONSUMERS": cons, "FM_PIPE": pipe, "FM_PINGPONG": pp,
-          "FM_LAZY_RESCALE": lazy, "FM_Q_REGS": qregs}
+          "FM_STAGES": st, "FM_CONSUMERS": cons, "FM_PINGPONG": pp, "FM_Q_REGS": qregs}
     dd.update(extra)
     return dd
 

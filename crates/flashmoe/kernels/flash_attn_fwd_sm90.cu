@@ -1,31 +1,21 @@
 // flashmoe — FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier-guarded
 // shared-memory ring, warpgroup MMAs (wgmma) with fp32 accumulators, warp specialisation.
 //
-// Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table of
-// variants lives in crates/flashmoe/src/attention/config.rs, `sm90_tile`):
-//
-//   FM_HEAD_DIM    D: 64 or 128 (a multiple of 64: K/Q/V rows are loaded as 64-column halves,
-//                  each a 128-byte swizzled row)
-//   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
-//   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
-//   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
-//   FM_STAGES      depth of the K/V ring (2..4)
-//   FM_CONSUMERS   consumer warpgroups (2); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
-//   FM_PIPE        1: S of tile i+1 is issued before the softmax of tile i+1 while P V of
-//                  tile i runs (intra-warpgroup overlap); 0: serial S, softmax, P V
-//   FM_PINGPONG    1 (with FM_PIPE): the consumer warpgroups take turns issuing their GEMMs
-//                  (named barriers, round robin), so one's softmax overlaps the others' GEMMs
-//   FM_POLY_EXP    0..8: that many eighths of the exponentials are computed with an FMA
-//                  polynomial instead of MUFU ex2 (relieves the MUFU unit, 16/clk/SM)
-//   FM_LAZY_RESCALE 1: a row's reference max moves only when the row max passes it by more
-//                  than RESCALE_SLACK, and a warp skips the O rescale when none of its rows
-//                  moved (after the first key tiles, almost every tile)
-//   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
-//                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
-//                  shared-memory traffic per QK^T, and Q is released at the tile's start
-//   FM_TRACE       1: development timeline (examples/sm90_trace.rs): clock64 stamps at the
-//                  phase boundaries of each warpgroup's work tiles into fm90_trace. Never
-//                  set by the production table.
+// Compiled at run time by NVRTC for sm_90a only, specialised by defines (listed in
+// fm90_config.cuh; the table of variants is crates/flashmoe/src/attention/config.rs,
+// `sm90_tile`). This file only wires the roles together: it sets up the barriers, splits
+// the registers, and runs the producer loop (warpgroup 0) and the consumer loop (the
+// others). The roles live in headers over the generic primitives of fm_sm90.cuh, the way
+// FlashAttention-3's hopper/ folder is cut:
+//   fm90_config.cuh     defines, constants, shared-memory and workspace layouts, the ring's
+//                       barriers and parities
+//   fm90_scheduler.cuh  work tiles: rank dispenser, schedule, rank -> tile order, split of
+//                       the last wave over key ranges
+//   fm90_producer.cuh   the TMA producer (Q, K, V loads; posts the next work tile)
+//   fm90_mainloop.cuh   a consumer warpgroup: GEMMs, pipeline, ping-pong turns, consume()
+//   fm90_softmax.cuh    mask, online softmax, O rescale
+//   fm90_epilogue.cuh   merge of split tiles, O and LSE stores
+//   fm90_trace.cuh      the FM_TRACE development timeline
 //
 // ABI (extern "C" flash_attn_fwd_sm90):
 //   (const __grid_constant__ FmTensorMap tm_q, tm_k, tm_v, tm_o, u16* o, float* lse,
@@ -62,7 +52,9 @@
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
 // its registers away with setmaxnreg.dec); warpgroups 1..CONSUMERS each own 64 query rows:
-//   S = Q K^T     wgmma SS (Q and K K-major from swizzled smem), N = BLOCK_N
+//   S = Q K^T     wgmma SS (Q and K K-major from swizzled smem), or RS with FM_Q_REGS (Q
+//                 read into registers once per work tile), N = BLOCK_N; S of key tile i+1
+//                 is issued before the softmax of tile i+1, while P V of tile i runs
 //   softmax       online, fp32, log2 domain (scale*log2e folded into one FFMA before ex2)
 //   O += P V      wgmma RS: P packed to 16 bit in registers (the accumulator layout of two
 //                 8-column blocks is the A-fragment layout of one k16 step), V MN-major

@@ -8,6 +8,31 @@
 // flash_attn_fwd_sm90.cu; the host mirrors SMEM_BYTES and WS_BYTES in config.rs (Sm90Tile).
 #pragma once
 
+// Defines (the table of variants is config.rs `sm90_tile`; FLASHMOE_SM90_TILE overrides it
+// for A/B timing of the values the table varies per head dim):
+//   FM_HEAD_DIM    D: 64 or 128 (a multiple of 64: K/Q/V rows are loaded as 64-column halves,
+//                  each a 128-byte swizzled row)
+//   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
+//   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
+//   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
+//   FM_STAGES      depth of the K/V ring (2..4)
+//   FM_CONSUMERS   consumer warpgroups (2 or 3); each owns 64 query rows, BLOCK_M = 64 * CONSUMERS
+//   FM_PINGPONG    1: the consumer warpgroups take turns issuing their GEMMs (named
+//                  barriers, round robin), so one's softmax overlaps the others' GEMMs
+//   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
+//                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
+//                  shared-memory traffic per QK^T, and Q is released at the tile's start
+//   FM_TRACE       1: development timeline (fm90_trace.cuh, examples/sm90_trace.rs). Never
+//                  set by the production table.
+// Always on (their switches were retired once every production tile used them; git
+// history keeps the other side): the intra-warpgroup software pipeline (FM_PIPE), the lazy
+// O rescale (FM_LAZY_RESCALE), MUFU ex2 for every exponential (FM_POLY_EXP=0), the split of
+// the last wave (FM_SPLIT, FM_SPLIT_MIN_KV_TILES) and the causal tail group
+// (FM_CAUSAL_TAIL_GROUP). A stale -D of one of them is an error, not a silent no-op.
+#if defined(FM_PIPE) || defined(FM_LAZY_RESCALE) || defined(FM_POLY_EXP) || defined(FM_SPLIT) || \
+    defined(FM_SPLIT_MIN_KV_TILES) || defined(FM_CAUSAL_TAIL_GROUP)
+#error "retired sm_90a switch defined (see fm90_config.cuh): the kernel no longer reads it"
+#endif
 #ifndef FM_HEAD_DIM
 #error "FM_HEAD_DIM must be defined"
 #endif
@@ -26,17 +51,8 @@
 #ifndef FM_CONSUMERS
 #define FM_CONSUMERS 2
 #endif
-#ifndef FM_PIPE
-#define FM_PIPE 1
-#endif
 #ifndef FM_PINGPONG
 #define FM_PINGPONG 0
-#endif
-#ifndef FM_POLY_EXP
-#define FM_POLY_EXP 0
-#endif
-#ifndef FM_LAZY_RESCALE
-#define FM_LAZY_RESCALE 0
 #endif
 #ifndef FM_Q_REGS
 #define FM_Q_REGS 0
@@ -96,8 +112,6 @@ static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192
 static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
-static_assert(!FM_PINGPONG || FM_PIPE, "ping-pong needs FM_PIPE");
-static_assert(FM_POLY_EXP >= 0 && FM_POLY_EXP <= 8, "FM_POLY_EXP is a count of eighths");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 64, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is two 16-byte shared stores");
 static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
@@ -138,14 +152,17 @@ struct SlotPhases {
 };
 
 // ---- global-memory workspace ----
-#ifndef FM_SPLIT
-#define FM_SPLIT 1
-#endif
-constexpr bool SPLIT = FM_SPLIT && !CAUSAL && D >= 128;
-#ifndef FM_SPLIT_MIN_KV_TILES
-#define FM_SPLIT_MIN_KV_TILES 32
-#endif
-constexpr int SPLIT_MIN_KV_TILES = FM_SPLIT_MIN_KV_TILES;
+// The split of the last wave over key ranges (fm90_scheduler.cuh) and the threshold it
+// applies from. Measured (runs 61-64, H100, 6 alternated rounds in run 64): +1-4 % at
+// D=128 S >= 4096, but -1.4 % at S = 1024 (each slot pays 2-3 tile starts and a merge,
+// against a 16th wave of 8 key tiles) and -3 % at D=64 S <= 1024, where ptxas also
+// scheduled the steady-state loop worse (10 exponentials after the P V wait). So only
+// D >= 128 non-causal splits, and only tiles of at least SPLIT_MIN_KV_TILES key tiles. Run 78
+// cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
+// cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
+// round trip through L2.
+constexpr bool SPLIT = !CAUSAL && D >= 128;
+constexpr int SPLIT_MIN_KV_TILES = 32;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;
 constexpr int PART_CHUNKS = D / 8 + 1;  // float4s per thread: O (D / 2 floats), then m[2], l[2]

@@ -94,7 +94,7 @@ __device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float 
         float l = l_i[h];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        // A row that saw no key keeps m = -inf (its l may hold 2^-125 terms of exp2_poly).
+        // A row that saw no key keeps m = -inf (and l = 0).
         const bool seen = m_i[h] != neg_inf() && l > 0.f;
         float inv = 0.f;
         if (seen) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(l));
@@ -133,4 +133,5 @@ __device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float 
         __syncwarp();  // the staging rows are read before the next tile's epilogue writes them
     }
 }
+
 }  // namespace fm90

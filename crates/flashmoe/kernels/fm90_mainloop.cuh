@@ -17,7 +17,7 @@ namespace fm90 {
 
 // Causal work tiles taller than a key tile: some warpgroups cannot see the first key tiles
 // visited, and pass them (consume()).
-constexpr bool SKIP_MASKED = CAUSAL && FM_PIPE && BM > FM_BLOCK_N;
+constexpr bool SKIP_MASKED = CAUSAL && BM > FM_BLOCK_N;
 // The V wait of the pipelined loop takes a data dependency on the softmax (zero_after):
 // without it, ptxas hoists the wait, and the P.V wait behind it, above the softmax in these
 // variants (sm90_sass.py event order: "W1 b3 *2 W0 e10 b e56" instead of "e66 b W0"). The
@@ -142,7 +142,7 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
     release_q(bar);
     int s = 0, round = 0;
     for (int it = 0; it < n_tiles; ++it) pass_key_tile(bar, cw, lane, ring, s, round);
-    if (FM_PIPE && n_tiles > 0) {  // consume()'s last turn: the final P V
+    if (n_tiles > 0) {  // consume()'s last turn: the final P V
         turn_wait(cw);
         turn_pass(cw);
     }
@@ -214,7 +214,6 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     const int q_last = FM_Q_REGS ? -1 : n_tiles - 1;
     if (n_vis == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q is not read)
     if (n_tiles > 0) {
-#if FM_PIPE
         int s = 0, round = 0;  // ring slot of iteration `it` and its round
         for (int it = 0; it < skip; ++it) pass_key_tile(bar, cw, lane, ring, s, round);
         if (n_vis == 0) {  // consume()'s last turn (the final P V), as pass_tile
@@ -301,38 +300,6 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             trace(tile_i, TR_LAST_PV);
             release(bar.v_empty(ps), lane);
         }
-#else
-        // Serial: S, softmax, P V per tile (the two consumer warpgroups still overlap each
-        // other's softmax with their GEMMs, unsynchronised).
-        int s = 0, round = 0;
-        for (int it = 0; it < n_tiles; ++it) {
-            const u32 ph = ring.parity(s, round);
-            mbar_wait(bar.k_full(s), ph);
-            wgmma_fence();
-            issue_s(sacc, qa, dq, dk, s);
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(sacc);
-            release(bar.k_empty(s), lane);
-            if (it == q_last) release_q(bar);  // last S of this work tile
-            if (it < n_masked) mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag);
-            const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
-            rescale_o(oacc, alpha, need_rescale);
-            pack_p(sacc, pa);
-            mbar_wait(bar.v_full(s), ph);
-            reg_fence(oacc);
-            wgmma_fence();
-            issue_pv(oacc, pa, dv, s);
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(oacc);
-            release(bar.v_empty(s), lane);
-            if (++s == STAGES) {
-                s = 0;
-                ++round;
-            }
-        }
-#endif
     }
     ring.advance(n_tiles);
     // A split tile: the first part to finish hands its O, m and l over and stores nothing.
@@ -340,4 +307,5 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         store_o(oacc, m_i, l_i, sStage, cw, warp, lane, m0w, row0, seqlen_q, tm_o, head, batch, og, q_stride, lseg);
     trace(tile_i, TR_EPILOGUE);
 }
+
 }  // namespace fm90

@@ -85,4 +85,5 @@ struct Producer {
         }
     }
 };
+
 }  // namespace fm90

@@ -32,7 +32,7 @@ __device__ __forceinline__ void leave_dispenser(int* disp) {
 // One work tile as the producer posts it in shared memory: the first query row, the query
 // head, the batch, the number of key tiles it visits, key tiles kt_end - n_tiles .. kt_end
 // - 1 (last to first; kt_end = n_tiles unless split), and split: -1, or the part of a tile
-// split over two key ranges (see SPLIT below): 2 * boundary + part. head = -1: no work left.
+// split over two key ranges (see the split below): 2 * boundary + part. head = -1: no work left.
 struct WorkTile {
     int m0, head, batch, n_tiles;
     int kt_end, split, pad0, pad1;
@@ -49,14 +49,8 @@ struct WorkTile {
 // boundary record: the first to finish publishes its unnormalised O, m and l there; the
 // second merges them into its own and writes O and LSE (merge_split). Neither part ever
 // waits for one that has not started, so any order of the ranks completes.
-// Measured (runs 61-64, H100, 6 alternated rounds in run 64): +1-4 % at D=128 S >= 4096,
-// but -1.4 % at S = 1024 (each slot pays 2-3 tile starts and a merge, against a 16th wave
-// of 8 key tiles) and -3 % at D=64 S <= 1024, where ptxas also scheduled the steady-state
-// loop worse (10 exponentials after the P V wait). So only D >= 128 splits, and only tiles
-// of at least SPLIT_MIN_KV_TILES key tiles. FM_SPLIT=0 builds without it (A/B). Run 78
-// cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
-// cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
-// round trip through L2. FM_SPLIT_MIN_KV_TILES overrides the threshold (A/B).
+// SPLIT (D >= 128 non-causal) and SPLIT_MIN_KV_TILES, with the runs that chose them, are
+// in fm90_config.cuh beside the workspace they size.
 
 // The work-tile order of a launch, fixed by the problem and the grid (producer only).
 struct Schedule {
@@ -113,11 +107,6 @@ constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured 
 // tiles) is ordered longest first: the light tiles run together once, at the end. Run 76
 // (H100, S = 512 causal, 6 alternated rounds): idle tail 6.8 -> 3.2 % (D=128) and 5.5 ->
 // 2.3 % (D=64), +2.2 % (D=128 bf16), +1.9 % (fp16), +2.5 % (D=64); key-tile steps unchanged.
-// FM_CAUSAL_TAIL_GROUP=0 builds without it (A/B).
-#ifndef FM_CAUSAL_TAIL_GROUP
-#define FM_CAUSAL_TAIL_GROUP 1
-#endif
-constexpr bool CAUSAL_TAIL_GROUP = FM_CAUSAL_TAIL_GROUP;
 
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
                                                 int seqlen_q, int seqlen_k, int diag) {
@@ -144,7 +133,7 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
         // decode still sat between the wait for Q's release and the next post.)
         mb = rank % n_mb;
         bh = rank / n_mb;
-        if (CAUSAL && CAUSAL_TAIL_GROUP) {
+        if (CAUSAL) {
             // Only the last CAUSAL_GROUP_WAVES waves of tiles go longest first, so the
             // launch ends on light tiles without running light tiles together before
             // (and only while that group's K and V fit the same L2 budget).
@@ -224,4 +213,5 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
                  : "memory");
     return w;
 }
+
 }  // namespace fm90

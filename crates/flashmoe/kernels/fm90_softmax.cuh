@@ -12,24 +12,6 @@ namespace fm90 {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-// 2^x on the FMA pipe: x = j + f with j = round(x) (the 1.5*2^23 trick: j lands in the low
-// mantissa bits), 2^f on [-0.5, 0.5] by a degree-4 polynomial (rel. error < 6e-6, far below
-// the 16-bit rounding of P), then j added to the exponent bits. x is clamped at -125, so
-// -inf gives 2^-125 instead of 0: negligible next to any visible key, and a row that sees
-// no key at all is recognised by its max staying -inf (the epilogue writes O = 0 there).
-__device__ __forceinline__ float exp2_poly(float x) {
-    x = fmaxf(x, -125.f);  // keeps the exponent add below from wrapping (j >= -125)
-    const float t = x + 12582912.f;  // 1.5 * 2^23
-    const float f = x - (t - 12582912.f);
-    // Least-squares fit of 2^f in relative error (max 5.3e-6 on [-0.5, 0.5]).
-    float p = 9.5541109e-3f;
-    p = fmaf(p, f, 5.5870376e-2f);
-    p = fmaf(p, f, 2.4024696e-1f);
-    p = fmaf(p, f, 6.9312803e-1f);
-    p = fmaf(p, f, 9.9999944e-1f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // Ragged key tail and causal diagonal: scores of keys a row must not see become -inf.
 __device__ __forceinline__ void mask_tile(float (&sacc)[BN / 2], int n0, int row0, int lane,
                                           int seqlen_k, int diag) {
@@ -53,8 +35,8 @@ constexpr float RESCALE_SLACK = 8.f;
 
 // Online softmax step (log2 domain): sacc becomes P = exp2(S*scale - m) in place, m and the
 // per-thread partial l are updated, alpha = the factor O must be rescaled by. Returns
-// whether O needs the rescale: always, or with FM_LAZY_RESCALE, whether some row of the
-// warp moved its m (a warp-uniform answer, so the skip is a uniform branch).
+// whether O needs the rescale: whether some row of the warp moved its m (a warp-uniform
+// answer, so the skip is a uniform branch).
 __device__ __forceinline__ bool softmax_tile(float (&sacc)[BN / 2], float (&m_i)[2], float (&l_i)[2],
                                              float (&alpha)[2], float scale_log2) {
     bool moved = false;
@@ -69,11 +51,11 @@ __device__ __forceinline__ bool softmax_tile(float (&sacc)[BN / 2], float (&m_i)
         float m_new = fmaxf(m_i[h], mx * scale_log2);
         // Lazy: keep m unless the row max passed it by more than the slack (m = -inf: any
         // visible key moves it). alpha is then exactly 1 for the rows that kept m.
-        if (FM_LAZY_RESCALE && !(m_new > m_i[h] + RESCALE_SLACK)) m_new = m_i[h];
+        if (!(m_new > m_i[h] + RESCALE_SLACK)) m_new = m_i[h];
         // Safe max: a row that has seen no key keeps m = -inf; subtract 0 instead.
         const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
         const bool row_moved = m_new != m_i[h];
-        alpha[h] = (FM_LAZY_RESCALE && !row_moved) ? 1.f : ex2(m_i[h] - m_use);
+        alpha[h] = !row_moved ? 1.f : ex2(m_i[h] - m_use);
         moved = moved || row_moved;
         m_i[h] = m_new;
         float sum = 0.f;
@@ -82,18 +64,16 @@ __device__ __forceinline__ bool softmax_tile(float (&sacc)[BN / 2], float (&m_i)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const float x = fmaf(sacc[4 * j + 2 * h + c], scale_log2, -m_use);
-                // FM_POLY_EXP eighths of the elements go to the FMA pipe (compile-time split).
-                const float p = ((2 * j + c) % 8 < FM_POLY_EXP) ? exp2_poly(x) : ex2(x);
+                const float p = ex2(x);
                 sacc[4 * j + 2 * h + c] = p;
                 sum += p;
             }
         l_i[h] = l_i[h] * alpha[h] + sum;  // per-thread partial; quad-reduced at the end
     }
-    return !FM_LAZY_RESCALE || __any_sync(0xffffffffu, moved);
+    return __any_sync(0xffffffffu, moved);
 }
 
-
-// need: softmax_tile's answer (false only with FM_LAZY_RESCALE, when alpha is 1 for the warp).
+// need: softmax_tile's answer (false when alpha is 1 for every row of the warp).
 __device__ __forceinline__ void rescale_o(float (&oacc)[D / 2], const float (&alpha)[2], bool need) {
     if (!need) return;
 #pragma unroll

@@ -58,4 +58,5 @@ __device__ __forceinline__ void trace(int tile, int ev) {
     trace_value(tile, ev, clock64());
 #endif
 }
+
 }  // namespace fm90
