@@ -63,7 +63,7 @@ struct Schedule {
 
 // Split only where the idle part of the last wave is worth more than the two extra tile
 // starts and the merge each slot costs: (G - R) idle CTAs x L key tiles >= 2 G iterations,
-// and L >= SPLIT_MIN_KV_TILES (see above).
+// and L >= SPLIT_MIN_KV_TILES (fm90_config.cuh).
 __device__ __forceinline__ Schedule make_schedule(int n_mb, int heads_q, int batch, int seqlen_q,
                                                   int seqlen_k) {
     Schedule sc;
@@ -146,8 +146,8 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
             }
         }
     }
-    // Causal: aligned to the last row rounded up to 16 (see the ABI note); the first
-    // block may start below row 0.
+    // Causal: aligned to the last row rounded up to 16 (see the ABI note in
+    // flash_attn_fwd_sm90.cu); the first block may start below row 0.
     const int m0 = CAUSAL ? ((seqlen_q + 15) & ~15) - (mb + 1) * BM : mb * BM;
     const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
     const int n_tiles = (n_end + BN - 1) / BN;

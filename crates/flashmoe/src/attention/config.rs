@@ -899,6 +899,14 @@ mod tests {
         assert!(r.contains("attention_reference("));
     }
 
+    /// The unsigned numbers of a line of Python, in order (for the table mirrors).
+    fn numbers(line: &str) -> Vec<u32> {
+        line.split(|c: char| !c.is_ascii_digit())
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().unwrap())
+            .collect()
+    }
+
     #[test]
     fn python_tile_table_matches() {
         // python/dev/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
@@ -907,11 +915,7 @@ mod tests {
         let table = &py[start..start + py[start..].find('}').unwrap()];
         let mut seen = 0;
         for line in table.lines().skip(1) {
-            let nums: Vec<u32> = line
-                .split(|c: char| !c.is_ascii_digit())
-                .filter(|s| !s.is_empty())
-                .map(|s| s.parse().unwrap())
-                .collect();
+            let nums = numbers(line);
             if nums.len() != 8 {
                 continue;
             }
@@ -940,14 +944,10 @@ mod tests {
             .find("SM90_TILES = {")
             .expect("SM90_TILES in sm90_sass.py");
         let line = &py[start..start + py[start..].find('}').unwrap()];
-        let nums: Vec<u32> = line
-            .split(|c: char| !c.is_ascii_digit())
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse().unwrap())
-            .skip(1) // the 90 of SM90_TILES
-            .collect();
-        assert_eq!(nums.len(), 6 * SM90_HEAD_DIMS.len(), "{line}");
-        for row in nums.chunks(6) {
+        let nums = numbers(line);
+        assert_eq!(nums.len(), 1 + 6 * SM90_HEAD_DIMS.len(), "{line}");
+        for row in nums[1..].chunks(6) {
+            // (nums[0] is the 90 of SM90_TILES.)
             let t = sm90_tile(row[0] as usize).expect("python head dim served by config.rs");
             let got = (
                 t.block_n,
