@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Model check of the sm_90a attention kernel's work protocol (flash_attn_fwd_sm90.cu):
+"""Model check of the sm_90a attention kernel's work protocol (flash_attn_fwd_sm90.cu and
+its fm90_scheduler / fm90_producer / fm90_mainloop headers):
 the rank dispenser shared by the CTAs of a launch (drawn early, reset by the last CTA),
 each CTA's two work-tile records under the q_full / q_empty barriers, and its K/V ring
 (SlotPhases: per-slot full/empty mbarriers with parity waits, every work tile from slot 0),

@@ -300,13 +300,13 @@ fn attention_v1_matches_gpu_reference() {
             AttentionProblem::new(2, 5, 1300, 128, true, DType::F16),
             // Causal with < 6 query blocks per head and more than two waves of tiles: each
             // head's blocks in turn, then only the last group (two waves of tiles) heaviest
-            // block first (CAUSAL_TAIL_GROUP in the .cu). 4 blocks per head at both head
+            // block first (decode_tile in fm90_scheduler.cuh). 4 blocks per head at both head
             // dims, ragged Sq: 94 + 66 heads (D=128), 54 + 66 heads (D=64).
             AttentionProblem::new(4, 40, 500, 128, true, DType::Bf16),
             AttentionProblem::new(2, 60, 700, 64, true, DType::F16),
             // D=128 non-causal with 2 waves and a bit on 132 SMs and >= 32 key tiles: the
             // last 132 + R tiles are cut over key ranges into one slot per CTA, and the two
-            // parts of each cut tile merge (SPLIT in the .cu). 272 tiles of 33 key tiles,
+            // parts of each cut tile merge (SPLIT in fm90_config.cuh). 272 tiles of 33 key tiles,
             // ragged Sq and Sk, one K/V head (MQA). The three launches below also check
             // that the merge gives the same bits whichever part comes second, and that the
             // boundary records reset. (One such problem: racecheck takes ~100 s for each.)
@@ -377,7 +377,7 @@ fn attention_v1_matches_gpu_reference() {
     });
 }
 
-/// The sm_90a kernel with the eager and the lazy O rescale (and Q from registers) on inputs whose row max grows by
+/// The sm_90a kernel's lazy O rescale (with Q from shared memory and from registers) on inputs whose row max grows by
 /// far more than the lazy slack (2^8) as the key tiles are visited (last to first): the
 /// keys' magnitude rises towards key 0, so the lazy path must move its reference max in
 /// the middle of a row. Each is compared with the GPU reference.
@@ -432,9 +432,9 @@ fn attention_sm90_rescale_paths_match_reference() {
                 );
             }
             let mut tile = attention::config::sm90_tile(p.head_dim).expect("an sm_90a head dim");
-            // Eager and lazy rescale, and Q from registers where the tile allows it.
-            for (lazy, q_regs) in [(false, false), (true, false), (true, true)] {
-                tile.lazy_rescale = lazy;
+            // The lazy rescale (the kernel's only one), with Q from shared memory and from
+            // registers where the tile allows it.
+            for q_regs in [false, true] {
                 tile.q_regs = q_regs;
                 if tile.check().is_err() {
                     continue;
@@ -447,19 +447,13 @@ fn attention_sm90_rescale_paths_match_reference() {
                 let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
                 let (ro, rlse) = r.run_reference(dev).unwrap();
                 let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
-                eprintln!("attention sm90 lazy={lazy} q_regs={q_regs} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
+                eprintln!("attention sm90 lazy rescale q_regs={q_regs} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
                 assert!(
                     o.iter().all(|x| x.is_finite()),
-                    "{p} lazy={lazy} q_regs={q_regs}: unwritten/NaN output"
+                    "{p} q_regs={q_regs}: unwritten/NaN output"
                 );
-                assert!(
-                    max_err < 2e-2,
-                    "{p} lazy={lazy} q_regs={q_regs}: max error {max_err}"
-                );
-                assert!(
-                    max_lse < 1e-2,
-                    "{p} lazy={lazy} q_regs={q_regs}: lse error {max_lse}"
-                );
+                assert!(max_err < 2e-2, "{p} q_regs={q_regs}: max error {max_err}");
+                assert!(max_lse < 1e-2, "{p} q_regs={q_regs}: lse error {max_lse}");
             }
         }
     });

@@ -83,4 +83,29 @@ mod tests {
             assert!(source(name).is_ok(), "{name}");
         }
     }
+
+    #[test]
+    fn every_include_is_an_embedded_header() {
+        // NVRTC sees only the embedded headers: an #include of anything else (a header
+        // added to a kernel but not under kernels/, a typo) would fail at run time only.
+        let hdrs: Vec<&str> = headers().iter().map(|(n, _)| *n).collect();
+        for (name, text) in EMBEDDED {
+            for line in text.lines() {
+                if let Some(rest) = line.trim_start().strip_prefix("#include") {
+                    // `#include "name"  // comment`: the name between the quotes.
+                    let inc = rest.split('"').nth(1).unwrap_or(rest.trim());
+                    assert!(hdrs.contains(&inc), "{name} includes {inc}, not embedded");
+                }
+            }
+        }
+        // The sm_90a attention kernel's role headers are among them.
+        for h in [
+            "fm90_config.cuh",
+            "fm90_scheduler.cuh",
+            "fm90_producer.cuh",
+            "fm90_mainloop.cuh",
+        ] {
+            assert!(hdrs.contains(&h), "{h}");
+        }
+    }
 }
