@@ -12,16 +12,29 @@
 //! - `back_to_back_us`: wall time per call of 200 eager calls until the stream drains,
 //!   and its ratio to `kernel_us`.
 //!
+//! Then the MoE layer (`"moe"` in the JSON): a Mixtral-like small shape (H 1024, I 3584,
+//! E 8, k 2) and the seed003 shape (H 4096, I 11008, E 32, k 2), one `MoePlan` per shape
+//! built for up to 2048 tokens, called at 16, 128, 512 and 2048 tokens: `plan_host_us` per
+//! `MoePlan::forward_raw` call (enqueue of the whole layer), `kernel_us` per layer from a
+//! graph of calls, `back_to_back_us` as above, over 10 batches of 50 calls. The experts'
+//! weights are zeros (GEMM time does not depend on values); x and the router are random,
+//! so the routing is a real one.
+//!
 //! Medians; the JSON holds every batch. No GPU: exits 2 with the reason.
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaStream, DevicePtr};
 use flashmoe::attention::{self, AttentionArgs, AttentionClass, AttentionPlan};
-use flashmoe::gpu::{Device, DeviceTensor};
-use flashmoe::DType;
+use flashmoe::gpu::{Device, DeviceTensor, RawTensor};
+use flashmoe::moe::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs};
+use flashmoe::{DType, Scoring};
+use std::sync::Arc;
 use std::time::Instant;
 
 const BATCHES: usize = 20;
 const CALLS: usize = 200;
+const MOE_BATCHES: usize = 10;
+const MOE_CALLS: usize = 50;
+const MOE_MAX_TOKENS: usize = 2048;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -193,14 +206,168 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             h, oo, kk, bb, bb / kk, host, b2b, kernel, once
         ));
     }
+    let moe_rows = run_moe(&dev, &stream)?;
     let json = format!(
-        "{{\"schema\":\"flashmoe-api-overhead/1\",\"device\":{:?},\"calls_per_batch\":{CALLS},\"batches\":{BATCHES},\"attention\":[{}]}}\n",
+        "{{\"schema\":\"flashmoe-api-overhead/1\",\"device\":{:?},\"calls_per_batch\":{CALLS},\"batches\":{BATCHES},\"attention\":[{}],\"moe\":[{}]}}\n",
         dev.info().to_string(),
-        rows.join(",")
+        rows.join(","),
+        moe_rows.join(",")
     );
     match out {
         Some(p) => std::fs::write(&p, json)?,
         None => print!("{json}"),
     }
     Ok(())
+}
+
+struct MoeShape {
+    name: &'static str,
+    hidden: usize,
+    intermediate: usize,
+    experts: usize,
+    top_k: usize,
+}
+
+/// The MoE section: host time per `MoePlan::forward_raw`, kernel time from a graph.
+fn run_moe(
+    dev: &Device,
+    stream: &Arc<CudaStream>,
+) -> Result<Vec<String>, Box<dyn std::error::Error>> {
+    let shapes = [
+        MoeShape {
+            name: "mixtral-small",
+            hidden: 1024,
+            intermediate: 3584,
+            experts: 8,
+            top_k: 2,
+        },
+        MoeShape {
+            name: "seed003",
+            hidden: 4096,
+            intermediate: 11008,
+            experts: 32,
+            top_k: 2,
+        },
+    ];
+    let mut rows = Vec::new();
+    for s in &shapes {
+        let (h, i, e, k) = (s.hidden, s.intermediate, s.experts, s.top_k);
+        let class = MoeClass {
+            dtype: DType::Bf16,
+            hidden: h,
+            intermediate: i,
+            experts: e,
+            top_k: k,
+            scoring: Scoring::Softmax,
+            renormalize: true,
+            shared_expert: false,
+            max_tokens: MOE_MAX_TOKENS,
+        };
+        let t0 = Instant::now();
+        let plan = MoePlan::new(dev, class)?;
+        let plan_build_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let ws = plan.alloc_workspace(stream)?;
+        let routing = plan.alloc_routing(stream)?;
+        let vals = |n: usize, seed: u32| -> Vec<f32> {
+            (0..n)
+                .map(|j| {
+                    ((j as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 - 0.5
+                })
+                .collect()
+        };
+        let x = DeviceTensor::from_f32(dev, DType::Bf16, &vals(MOE_MAX_TOKENS * h, 7))?;
+        let router = DeviceTensor::from_f32(dev, DType::Bf16, &vals(h * e, 11))?;
+        let w13 = stream.alloc_zeros::<u16>(e * h * 2 * i)?;
+        let w2 = stream.alloc_zeros::<u16>(e * i * h)?;
+        let out = DeviceTensor::alloc(dev, DType::Bf16, MOE_MAX_TOKENS * h)?;
+        let ptr = |t: &DeviceTensor, name: &str, n: usize| -> Result<u64, flashmoe::Error> {
+            Ok(t.raw(dev, name, &[n])?.ptr)
+        };
+        let (xp, rp, op) = (
+            ptr(&x, "x", MOE_MAX_TOKENS * h)?,
+            ptr(&router, "router", h * e)?,
+            ptr(&out, "out", MOE_MAX_TOKENS * h)?,
+        );
+        let bf = |p: u64, shape: &[usize]| RawTensor::contiguous(p, DType::Bf16, shape);
+        let f32t = |p: u64, shape: &[usize]| RawTensor::contiguous(p, DType::F32, shape);
+        for tokens in [16, 128, 512, 2048] {
+            let args = MoeArgs {
+                x: bf(xp, &[tokens, h])?,
+                router: bf(rp, &[h, e])?,
+                w13: bf(w13.device_ptr(stream).0, &[e, h, 2 * i])?,
+                w2: bf(w2.device_ptr(stream).0, &[e, i, h])?,
+                shared_w13: None,
+                shared_w2: None,
+                out: bf(op, &[tokens, h])?,
+                routing: RoutingArgs {
+                    topk_ids: RawU32 {
+                        ptr: routing.topk_ids.device_ptr(stream).0,
+                        len: tokens * k,
+                    },
+                    topk_w: f32t(routing.topk_w.device_ptr(stream).0, &[tokens, k])?,
+                    counts: RawU32 {
+                        ptr: routing.counts.device_ptr(stream).0,
+                        len: e,
+                    },
+                    losses: f32t(routing.losses.device_ptr(stream).0, &[2])?,
+                },
+            };
+            let cu = stream.cu_stream();
+            let call = || unsafe { plan.forward_raw(cu, &args, ws.addr(), ws.bytes()) };
+            for _ in 0..10 {
+                call()?;
+            }
+            dev.synchronize()?;
+            let (mut host, mut b2b) = (Vec::new(), Vec::new());
+            for _ in 0..MOE_BATCHES {
+                let t = Instant::now();
+                for _ in 0..MOE_CALLS {
+                    call()?;
+                }
+                host.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
+                dev.synchronize()?;
+                b2b.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
+            }
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            for _ in 0..MOE_CALLS {
+                call()?;
+            }
+            let graph = stream
+                .end_capture(
+                    sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                )?
+                .ok_or("empty graph")?;
+            graph.launch()?;
+            dev.synchronize()?;
+            let mut kernel = Vec::new();
+            for _ in 0..MOE_BATCHES {
+                let t = Instant::now();
+                graph.launch()?;
+                dev.synchronize()?;
+                kernel.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
+            }
+            let (hh, bb, kk) = (
+                median(&mut host.clone()),
+                median(&mut b2b.clone()),
+                median(&mut kernel.clone()),
+            );
+            let path = plan.gemm_path(tokens)?;
+            eprintln!(
+                "moe {:14} T={:5} plan {:6.2} µs/call host | kernel {:9.2} µs | back-to-back {:9.2} µs ({:.2}x kernel) | plan build {:.0} ms | {path}",
+                s.name, tokens, hh, kk, bb, bb / kk, plan_build_ms
+            );
+            rows.push(format!(
+                concat!(
+                    "{{\"shape\":\"{}\",\"hidden\":{},\"intermediate\":{},\"experts\":{},\"top_k\":{},",
+                    "\"tokens\":{},\"max_tokens\":{},\"dtype\":\"bf16\",\"gemm_path\":{:?},\"plan_build_ms\":{:.1},",
+                    "\"plan_host_us\":{:.3},\"kernel_us\":{:.3},\"back_to_back_us\":{:.3},",
+                    "\"back_to_back_over_kernel\":{:.3},\"samples\":{{\"plan_host_us\":{:?},",
+                    "\"back_to_back_us\":{:?},\"kernel_us\":{:?}}}}}"
+                ),
+                s.name, h, i, e, k, tokens, MOE_MAX_TOKENS, path, plan_build_ms, hh, kk, bb,
+                bb / kk, host, b2b, kernel
+            ));
+        }
+    }
+    Ok(rows)
 }

@@ -324,3 +324,32 @@ moe_expert_stats(const u32* __restrict__ topk_ids, const float* __restrict__ pro
         }
     }
 }
+
+// One block of LOSSES_THREADS (= FM_MAX_EXPERTS) threads, after moe_expert_stats: finishes
+// the router losses on the device so that nothing waits for the host.
+//   losses[0] = aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T)
+//   losses[1] = z   = lse_sq_sum[0] / T
+// Thread e takes expert e's term in f64; a fixed shared-memory tree sums them (same
+// order on every run), and the two results are stored as f32.
+#define LOSSES_THREADS FM_MAX_EXPERTS
+extern "C" __global__ void __launch_bounds__(LOSSES_THREADS)
+moe_router_losses(const u32* __restrict__ counts, const float* __restrict__ prob_sum,
+                  const float* __restrict__ lse_sq_sum, float* __restrict__ losses, int tokens,
+                  int experts, int top_k) {
+    __shared__ double sd[LOSSES_THREADS];
+    const int tid = threadIdx.x;
+    const double t = (double)tokens;
+    double term = 0.0;
+    if (tid < experts)
+        term = ((double)counts[tid] / (t * (double)top_k)) * ((double)prob_sum[tid] / t);
+    sd[tid] = term;
+    __syncthreads();
+    for (int w = LOSSES_THREADS / 2; w > 0; w >>= 1) {
+        if (tid < w) sd[tid] += sd[tid + w];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        losses[0] = (float)((double)experts * sd[0]);
+        losses[1] = (float)((double)lse_sq_sum[0] / t);
+    }
+}

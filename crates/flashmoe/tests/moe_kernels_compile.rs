@@ -37,6 +37,7 @@ fn every_moe_variant_compiles_without_spills() {
         "moe_router_logits_small",
         "moe_router_topk",
         "moe_expert_stats",
+        "moe_router_losses",
         "moe_permute",
         "moe_combine",
         "moe_gather_rows",

@@ -39,8 +39,14 @@
 //!    Per-thread strided f64 sums, fixed shared-memory tree. Parameters: (const u32*
 //!    topk_ids, const float* probs, const float* lse, u32* counts, float* prob_sum,
 //!    float* lse_sq_sum, int tokens, int experts, int top_k).
-//!    z-loss and aux loss are finished on the host (f64) from these small arrays:
-//!    aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T); z = lse_sq_sum / T.
+//!    3b. `moe_router_losses` (moe_router.cu) finishes the losses on the device, so that
+//!    no host sync is needed: losses [2] f32 = (aux, z), aux = E · Σ_e (counts[e] / (T·k))
+//!    · (prob_sum[e] / T), z = lse_sq_sum / T, per-expert terms in f64 summed by a fixed
+//!    shared-memory tree. Parameters: (const u32* counts, const float* prob_sum, const
+//!    float* lse_sq_sum, float* losses, int tokens, int experts, int top_k). One block of
+//!    [`LOSSES_THREADS`] threads. Not among [`select`]'s seven (it has no variants):
+//!    [`losses_kernel`]. The lab's check also finishes them on the host in f64 from the
+//!    same arrays (`MoeRunner::gpu_routing`).
 //! 4. `moe_permute` (kernels/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r
 //!    of expert e (rows offsets[e]..offsets[e+1]), the token and its slot index (t·k + s),
@@ -98,6 +104,7 @@ pub const PERMUTE_ENTRY: &str = "moe_permute";
 pub const GEMM13_ENTRY: &str = "moe_gemm13";
 pub const GEMM2_ENTRY: &str = "moe_gemm2";
 pub const COMBINE_ENTRY: &str = "moe_combine";
+pub const LOSSES_ENTRY: &str = "moe_router_losses";
 
 /// Largest expert count (the top-k kernel holds 8 logits per lane of one warp).
 pub const MAX_EXPERTS: usize = 256;
@@ -110,6 +117,8 @@ pub const TOPK_THREADS: u32 = 128;
 pub const STATS_THREADS: u32 = 256;
 pub const PERMUTE_THREADS: u32 = 256;
 pub const COMBINE_THREADS: u32 = 256;
+/// One thread per expert slot (FM_MAX_EXPERTS in the .cu).
+pub const LOSSES_THREADS: u32 = MAX_EXPERTS as u32;
 /// Largest value passed as a kernel `int` (and grid.x of the combine).
 pub const MAX_INT: usize = i32::MAX as usize;
 
@@ -204,6 +213,11 @@ pub fn non_gemm_variants(
             COMBINE_THREADS,
         ),
     ])
+}
+
+/// `moe_router_losses` (contract step 3b): the same kernel for every problem.
+pub fn losses_kernel() -> MoeKernel {
+    simple(ROUTER_SOURCE, LOSSES_ENTRY, vec![], LOSSES_THREADS)
 }
 
 /// Shape limits of the pipeline (everything but the GEMM tiles), `Unsupported` naming
@@ -321,6 +335,7 @@ pub fn all_variants() -> Vec<MoeKernel> {
         })
         .collect();
     out.extend(small);
+    out.push(losses_kernel());
     out.extend(gemm_config::all_gemm_variants());
     out.extend(super::gemm_sm90::all_sm90_variants());
     out.push(super::gemm_sm90::gather_kernel());
@@ -505,6 +520,7 @@ mod tests {
         assert_eq!(count(STATS_ENTRY), 1);
         assert_eq!(count(PERMUTE_ENTRY), 1);
         assert_eq!(count(COMBINE_ENTRY), 4);
+        assert_eq!(count(LOSSES_ENTRY), 1);
         for (i, a) in v.iter().enumerate() {
             assert!(!v[i + 1..].contains(a), "duplicate {a:?}");
         }

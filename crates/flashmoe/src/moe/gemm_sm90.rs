@@ -5,7 +5,9 @@
 //! which stream weights at ~92 % of the copy bandwidth already.
 //!
 //! The kernel reads its A operand through TMA, so the routed tokens are first gathered
-//! into permuted order (`moe_gather_rows`, `x_perm`, T·k·hidden 16-bit elements).
+//! into permuted order (`moe_gather_rows`, `x_perm`, T·k·hidden 16-bit elements of the
+//! plan's workspace). [`super::plan::MoePlan`] launches the path and encodes its tensor
+//! maps per call ([`a_layout`] / [`b_layout`] describe them).
 //! The shared-memory formula lives in ONE place, [`Sm90Tile::shared_mem_bytes`], and
 //! mirrors `SMEM_BYTES` at the top of the .cu.
 //!
@@ -18,9 +20,9 @@ use super::config::{MoeKernel, BACKEND, PERMUTE_SOURCE};
 use super::gemm_config::Gemm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::{encode_tiled, Device, DeviceTensor, TensorMap, TiledLayout};
+use crate::gpu::TiledLayout;
 use crate::problem::MoeProblem;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 pub const SM90_SOURCE: &str = "moe_gemm_sm90.cu";
 pub const SM90_GEMM13_ENTRY: &str = "moe_gemm13_sm90";
@@ -271,144 +273,6 @@ pub fn b_layout(experts: usize, k: usize, n_total: usize) -> TiledLayout {
         dims: vec![n_total as u64, k as u64, experts as u64],
         strides: vec![n_total as u64, (k * n_total) as u64],
         box_dims: vec![64, 64, 1],
-    }
-}
-
-/// The compiled sm_90 path of one MoeRunner: kernels, launch geometry, the gathered
-/// tokens and the tensor maps over its buffers (which must outlive it: the maps hold
-/// their addresses, so the runner keeps the buffers and this struct together).
-pub struct Sm90Gemms {
-    pub kernels: [MoeKernel; 3],
-    funcs: [CudaFunction; 3],
-    cfgs: [LaunchConfig; 3],
-    x_perm: DeviceTensor,
-    maps: [TensorMap; 4],
-    row_tiles: [i32; 2],
-}
-
-impl Sm90Gemms {
-    /// Compile and prepare the path for `p` with the runner's buffers (`h` is [T·k, I]).
-    pub fn new(
-        dev: &Device,
-        p: &MoeProblem,
-        kernels: (MoeKernel, MoeKernel),
-        w13: &DeviceTensor,
-        w2: &DeviceTensor,
-        h: &DeviceTensor,
-    ) -> Result<Sm90Gemms> {
-        let (k13, k2) = kernels;
-        let gather = gather_kernel();
-        let rows = p.tokens * p.top_k;
-        let (hid, inter, e) = (p.hidden, p.intermediate, p.experts);
-        let mut funcs = Vec::with_capacity(3);
-        for k in [&gather, &k13, &k2] {
-            let f = dev.load_kernel(k.source_file, k.entry, &k.defines)?;
-            dev.set_dynamic_shared_memory(k.entry, &f, k.shared_mem_bytes)?;
-            funcs.push(f);
-        }
-        let cfg_gather = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (GATHER_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let cfg13 = sm90_launch_config(&k13, rows, e, inter)?;
-        let cfg2 = sm90_launch_config(&k2, rows, e, hid)?;
-        let x_perm = DeviceTensor::alloc(dev, p.dtype, rows * hid)?;
-        let dt = p.dtype;
-        let maps = [
-            encode_tiled(
-                dev,
-                "x_perm",
-                x_perm.as_u16("x_perm")?,
-                dt,
-                &a_layout(rows, hid, k13.block_m),
-            )?,
-            encode_tiled(
-                dev,
-                "w13",
-                w13.as_u16("w13")?,
-                dt,
-                &b_layout(e, hid, 2 * inter),
-            )?,
-            encode_tiled(
-                dev,
-                "h",
-                h.as_u16("h")?,
-                dt,
-                &a_layout(rows, inter, k2.block_m),
-            )?,
-            encode_tiled(dev, "w2", w2.as_u16("w2")?, dt, &b_layout(e, inter, hid))?,
-        ];
-        let row_tiles = [
-            row_tiles(rows, e, k13.block_m) as i32,
-            row_tiles(rows, e, k2.block_m) as i32,
-        ];
-        let funcs: [CudaFunction; 3] = funcs.try_into().expect("three kernels");
-        Ok(Sm90Gemms {
-            kernels: [gather, k13, k2],
-            funcs,
-            cfgs: [cfg_gather, cfg13, cfg2],
-            x_perm,
-            maps,
-            row_tiles,
-        })
-    }
-
-    /// Device bytes of the gathered tokens.
-    pub fn workspace_bytes(&self) -> u64 {
-        self.x_perm.size_bytes() as u64
-    }
-
-    /// Enqueue gather, gemm13 (into `h`) and gemm2 (into `y`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn launch(
-        &mut self,
-        dev: &Device,
-        x: &DeviceTensor,
-        row_token: &CudaSlice<u32>,
-        offsets: &CudaSlice<u32>,
-        h: &mut DeviceTensor,
-        y: &mut DeviceTensor,
-        dims: (i32, i32, i32),
-    ) -> Result<()> {
-        let stream = dev.stream();
-        let (hid, inter, experts) = dims;
-        {
-            let mut b = stream.launch_builder(&self.funcs[0]);
-            b.arg(x.as_u16("x")?)
-                .arg(row_token)
-                .arg(self.x_perm.as_u16_mut("x_perm")?)
-                .arg(&hid);
-            // SAFETY: grid = T·k rows; row_token holds T·k token ids < T; hidden % 8 == 0.
-            let r = unsafe { b.launch(self.cfgs[0]) };
-            dev.check_launch(GATHER_ENTRY, r)?;
-        }
-        {
-            let mut b = stream.launch_builder(&self.funcs[1]);
-            b.arg(&self.maps[0])
-                .arg(&self.maps[1])
-                .arg(offsets)
-                .arg(h.as_u16_mut("h")?)
-                .arg(&hid)
-                .arg(&inter)
-                .arg(&experts)
-                .arg(&self.row_tiles[0]);
-            // SAFETY: the maps cover x_perm and w13 (checked spans); the ABI is the .cu's.
-            let r = unsafe { b.launch(self.cfgs[1]) };
-            dev.check_launch(SM90_GEMM13_ENTRY, r)?;
-        }
-        let mut b = stream.launch_builder(&self.funcs[2]);
-        b.arg(&self.maps[2])
-            .arg(&self.maps[3])
-            .arg(offsets)
-            .arg(y.as_f32_mut("y")?)
-            .arg(&hid)
-            .arg(&inter)
-            .arg(&experts)
-            .arg(&self.row_tiles[1]);
-        // SAFETY: as above, maps over h and w2.
-        let r = unsafe { b.launch(self.cfgs[2]) };
-        dev.check_launch(SM90_GEMM2_ENTRY, r)
     }
 }
 

@@ -1,11 +1,20 @@
 //! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine.
 //! Kernel selection and the kernel ABI live in [`config`] (the contract at its top);
-//! grouped-GEMM variants in [`gemm_config`]; the GPU fp32 reference in [`reference`].
+//! grouped-GEMM variants in [`gemm_config`] and [`gemm_sm90`]; the GPU fp32 reference in
+//! [`reference`].
+//!
+//! Two ways in:
+//! - [`MoePlan`] ([`plan`]): the engine API. Built once per [`MoeClass`], then called on
+//!   the caller's stream over the caller's device weights, activations and workspace
+//!   (raw pointers or cudarc buffers); no allocation, sync or compile per call, CUDA-graph
+//!   safe, routing results and losses left on the device.
+//! - [`MoeRunner`]: the lab's owner of one problem's buffers (weights uploaded once from
+//!   host f32), a thin wrapper over a plan:
 //!
 //! ```ignore
 //! let mut r = MoeRunner::new(&dev, &problem, &inputs)?;   // upload, compile, validate
 //! r.poison_outputs(&dev)?;
-//! r.run(&dev)?;                                            // 7 (+2 shared) launches, no sync
+//! r.run(&dev)?;                                            // 8 (+1 sm_90, +2 shared) launches
 //! let out = r.output(&dev)?;                               // [T, H] as f32
 //! let routing = r.routing(&dev)?;                          // ids, weights, counts, losses
 //! ```
@@ -20,6 +29,9 @@ pub mod gemm_config;
 pub mod gemm_sm90;
 #[cfg(test)]
 mod gpu_tests;
+pub mod plan;
+#[cfg(test)]
+mod plan_gpu_tests;
 pub mod reference;
 
 use crate::dtype::DType;
@@ -28,7 +40,11 @@ use crate::gpu::{check_len, Device, DeviceTensor};
 use crate::problem::MoeProblem;
 use crate::reference::moe::MoeInputs;
 use config::{MoeKernel, BACKEND};
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+pub use plan::{
+    MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, MoeWorkspace, RawU32, RoutingArgs,
+    TokenRange, WorkspaceLayout,
+};
 
 /// CUDA grid limits (x, y).
 const MAX_GRID_X: u64 = i32::MAX as u64;
@@ -119,15 +135,25 @@ pub fn gemm_launch_config(
 /// Launch geometry of every kernel of [`config::select`] (same order) for `p`, per the
 /// contract in [`config`].
 pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<LaunchConfig>> {
-    config::check_limits(p)?;
     if kernels.len() != 7 {
+        config::check_limits(p)?;
         return Err(Error::unsupported(
             BACKEND,
             format!("expected 7 pipeline kernels, got {}", kernels.len()),
         ));
     }
+    let k: [&MoeKernel; 7] = std::array::from_fn(|i| &kernels[i]);
+    Ok(pipeline_configs(p, k)?.to_vec())
+}
+
+/// [`launch_configs`] without allocation (the plans' hot path).
+pub(crate) fn pipeline_configs(
+    p: &MoeProblem,
+    kernels: [&MoeKernel; 7],
+) -> Result<[LaunchConfig; 7]> {
+    config::check_limits(p)?;
     let (t, e, k) = (p.tokens as u64, p.experts as u64, p.top_k as u64);
-    let logits_kernel = &kernels[config::K_LOGITS];
+    let logits_kernel = kernels[config::K_LOGITS];
     let logits_cfg = match logits_kernel.entry {
         gemm_config::GEMM2_ENTRY => gemm_launch_config(logits_kernel, p.tokens, 1, p.experts)?,
         config::LOGITS_SMALL_ENTRY => grid_1d(
@@ -143,14 +169,14 @@ pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<Launc
     };
     let topk_tokens = config::TOPK_THREADS as u64 / 32;
     let rows = (t * k) as usize;
-    Ok(vec![
+    Ok([
         logits_cfg,
-        grid_1d(&kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
-        grid_1d(&kernels[config::K_STATS], e + 1, 1)?,
-        grid_1d(&kernels[config::K_PERMUTE], e, 1)?,
-        gemm_launch_config(&kernels[config::K_GEMM13], rows, p.experts, p.intermediate)?,
-        gemm_launch_config(&kernels[config::K_GEMM2], rows, p.experts, p.hidden)?,
-        grid_1d(&kernels[config::K_COMBINE], t, 1)?,
+        grid_1d(kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
+        grid_1d(kernels[config::K_STATS], e + 1, 1)?,
+        grid_1d(kernels[config::K_PERMUTE], e, 1)?,
+        gemm_launch_config(kernels[config::K_GEMM13], rows, p.experts, p.intermediate)?,
+        gemm_launch_config(kernels[config::K_GEMM2], rows, p.experts, p.hidden)?,
+        grid_1d(kernels[config::K_COMBINE], t, 1)?,
     ])
 }
 
@@ -158,15 +184,6 @@ fn alloc_u32(dev: &Device, name: &str, len: usize) -> Result<CudaSlice<u32>> {
     dev.stream()
         .alloc_zeros::<u32>(len.max(1))
         .map_err(|e| Error::cuda(format!("allocating {name} ({len} × u32) on the GPU"), e))
-}
-
-fn upload_u32(dev: &Device, name: &str, v: &[u32]) -> Result<CudaSlice<u32>> {
-    dev.stream().clone_htod(v).map_err(|e| {
-        Error::cuda(
-            format!("uploading {name} ({} × u32) to the GPU", v.len()),
-            e,
-        )
-    })
 }
 
 fn download_u32(dev: &Device, name: &str, s: &CudaSlice<u32>, len: usize) -> Result<Vec<u32>> {
@@ -198,8 +215,12 @@ pub struct GpuRouting {
     pub topk_w: Vec<f32>,
     /// [E] slots routed to each expert (sums to T·k).
     pub counts: Vec<u32>,
+    /// Finished on the host in f64 from the GPU's per-expert sums (the lab's check).
     pub aux_loss: f64,
     pub z_loss: f64,
+    /// (aux, z) as the device finished them (`moe_router_losses`, f32), what a
+    /// [`MoePlan`] call leaves in its `losses` output.
+    pub device_losses: [f32; 2],
 }
 
 impl GpuRouting {
@@ -274,50 +295,25 @@ pub type RoutingTuple = (Vec<u32>, Vec<f32>, Vec<u32>, f64, f64);
 /// (offsets, row_token, row_slot, slot_row), see [`MoeRunner::permutation`].
 pub type Permutation = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>);
 
-/// Shared-expert buffers: a one-expert group of all tokens.
-struct SharedExpert {
-    w13: DeviceTensor,
-    w2: DeviceTensor,
-    row_token: CudaSlice<u32>,
-    offsets: CudaSlice<u32>,
-    h: DeviceTensor,
-    y: DeviceTensor,
-    cfg13: LaunchConfig,
-    cfg2: LaunchConfig,
-}
-
-/// Owns the device buffers of one MoE problem and the resolved pipeline kernels.
+/// Owns the device buffers of one MoE problem (weights uploaded once) and runs the layer
+/// through a [`MoePlan`] built for exactly its token count: the lab's runner.
 pub struct MoeRunner {
     problem: MoeProblem,
+    plan: MoePlan,
     kernels: Vec<MoeKernel>,
-    funcs: Vec<CudaFunction>,
     cfgs: Vec<LaunchConfig>,
-    x: DeviceTensor,
-    router: DeviceTensor,
-    w13: DeviceTensor,
-    w2: DeviceTensor,
-    shared: Option<SharedExpert>,
-    logits: DeviceTensor,
-    /// [0, T]: the one-group offsets of the router-logits GEMM.
-    router_offsets: CudaSlice<u32>,
-    probs: DeviceTensor,
-    lse: DeviceTensor,
+    /// x, router, w13, w2 and the shared expert's weights: owned so that the addresses in
+    /// `args` stay valid, never read from the host.
+    _inputs: Vec<DeviceTensor>,
+    out: DeviceTensor,
     topk_ids: CudaSlice<u32>,
     topk_w: DeviceTensor,
     counts: CudaSlice<u32>,
-    prob_sum: DeviceTensor,
-    lse_sq_sum: DeviceTensor,
-    offsets: CudaSlice<u32>,
-    row_token: CudaSlice<u32>,
-    row_slot: CudaSlice<u32>,
-    slot_row: CudaSlice<u32>,
-    h: DeviceTensor,
-    y: DeviceTensor,
-    out: DeviceTensor,
-    /// The sm_90 grouped GEMMs for the routed experts, when selected.
-    sm90: Option<gemm_sm90::Sm90Gemms>,
-    /// Why the routed experts run on the portable kernels (None on the sm_90 path).
-    portable_reason: Option<String>,
+    losses: DeviceTensor,
+    workspace: CudaSlice<u8>,
+    layout: WorkspaceLayout,
+    /// The call over the buffers above (their addresses are stable while `self` lives).
+    args: MoeArgs,
 }
 
 impl std::fmt::Debug for MoeRunner {
@@ -332,10 +328,15 @@ impl std::fmt::Debug for MoeRunner {
     }
 }
 
+fn addr_u32(dev: &Device, s: &CudaSlice<u32>) -> u64 {
+    s.device_ptr(dev.stream()).0
+}
+
 impl MoeRunner {
-    /// Validate `problem` and `inputs`, select and compile the kernels for this device,
-    /// upload the inputs (rounded to the problem's dtype) and allocate every buffer.
-    /// The grouped-GEMM path follows `FLASHMOE_MOE_GEMM` (see [`gemm_sm90`]).
+    /// Validate `problem` and `inputs`, build the plan (select and compile the kernels
+    /// for this device), upload the inputs (rounded to the problem's dtype) once and
+    /// allocate the outputs and the workspace. The grouped-GEMM path follows
+    /// `FLASHMOE_MOE_GEMM` (see [`gemm_sm90`]).
     pub fn new(dev: &Device, problem: &MoeProblem, inputs: &MoeInputs) -> Result<MoeRunner> {
         let env = std::env::var(gemm_sm90::PATH_ENV).ok();
         Self::with_gemm_path(dev, problem, inputs, env.as_deref())
@@ -350,99 +351,98 @@ impl MoeRunner {
         path: Option<&str>,
     ) -> Result<MoeRunner> {
         check_inputs(problem, inputs)?;
-        let kernels = config::select(problem)?;
-        let cfgs = launch_configs(problem, &kernels)?;
-        let mut funcs = Vec::with_capacity(kernels.len());
-        for k in &kernels {
-            if dev.arch() < k.min_arch {
-                return Err(Error::unsupported(
-                    k.entry,
-                    format!(
-                        "needs compute capability {}.{} or newer but {} is {}.{}",
-                        k.min_arch / 10,
-                        k.min_arch % 10,
-                        dev.info().name,
-                        dev.info().compute_capability.0,
-                        dev.info().compute_capability.1
-                    ),
-                ));
-            }
-            let f = dev.load_kernel(k.source_file, k.entry, &k.defines)?;
-            dev.set_dynamic_shared_memory(k.entry, &f, k.shared_mem_bytes)?;
-            funcs.push(f);
-        }
         let p = problem;
+        let t = p.tokens;
+        let plan = MoePlan::with_gemm_path(dev, MoeClass::of_problem(p, t), t, path)?;
+        let kernels = plan.kernels(t)?;
+        let cfgs = plan.launch_configs(t)?.to_vec();
+        let layout = plan.workspace_layout(t)?;
         let dt = p.dtype;
-        let (t, h, i, e, k) = (p.tokens, p.hidden, p.intermediate, p.experts, p.top_k);
+        let (h, i, e, k) = (p.hidden, p.intermediate, p.experts, p.top_k);
         let rows = t * k;
-        let shared = if p.shared_expert {
-            let (Some(sw13), Some(sw2)) = (&inputs.shared_w13, &inputs.shared_w2) else {
-                unreachable!("checked by check_inputs")
-            };
-            let ids: Vec<u32> = (0..t as u32).collect();
-            Some(SharedExpert {
-                w13: DeviceTensor::from_f32(dev, dt, sw13)?,
-                w2: DeviceTensor::from_f32(dev, dt, sw2)?,
-                row_token: upload_u32(dev, "shared row_token", &ids)?,
-                offsets: upload_u32(dev, "shared offsets", &[0, t as u32])?,
-                h: DeviceTensor::alloc(dev, dt, elems("shared h", &[t, i])?)?,
-                y: DeviceTensor::alloc(dev, DType::F32, elems("shared y", &[t, h])?)?,
-                cfg13: gemm_launch_config(&kernels[config::K_GEMM13], t, 1, i)?,
-                cfg2: gemm_launch_config(&kernels[config::K_GEMM2], t, 1, h)?,
-            })
-        } else {
-            None
+        let shared = match (p.shared_expert, &inputs.shared_w13, &inputs.shared_w2) {
+            (true, Some(sw13), Some(sw2)) => Some((
+                DeviceTensor::from_f32(dev, dt, sw13)?,
+                DeviceTensor::from_f32(dev, dt, sw2)?,
+            )),
+            _ => None,
         };
+        let x = DeviceTensor::from_f32(dev, dt, &inputs.x)?;
+        let router = DeviceTensor::from_f32(dev, dt, &inputs.router)?;
         let w13 = DeviceTensor::from_f32(dev, dt, &inputs.w13)?;
         let w2 = DeviceTensor::from_f32(dev, dt, &inputs.w2)?;
-        let h_buf = DeviceTensor::alloc(dev, dt, elems("h", &[rows, i])?)?;
-        let (sm90, portable_reason) = match gemm_sm90::select_path(p, dev.arch(), path)? {
-            gemm_sm90::GemmPath::Sm90(k13, k2) => (
-                Some(gemm_sm90::Sm90Gemms::new(
-                    dev,
-                    p,
-                    (k13, k2),
-                    &w13,
-                    &w2,
-                    &h_buf,
-                )?),
-                None,
-            ),
-            gemm_sm90::GemmPath::Portable(why) => (None, Some(why)),
+        let out = DeviceTensor::alloc(dev, dt, elems("out", &[t, h])?)?;
+        let topk_ids = alloc_u32(dev, "topk_ids", rows)?;
+        let topk_w = DeviceTensor::alloc(dev, DType::F32, rows)?;
+        let counts = alloc_u32(dev, "counts", e)?;
+        let losses = DeviceTensor::alloc(dev, DType::F32, 2)?;
+        // SAFETY: no kernel reads a workspace element before writing it (plan.rs), and
+        // poison_outputs fills it before every checked run.
+        let workspace = unsafe { dev.stream().alloc::<u8>(layout.bytes) }.map_err(|e| {
+            Error::cuda(
+                format!("allocating the MoE workspace ({} bytes)", layout.bytes),
+                e,
+            )
+        })?;
+        let args = MoeArgs {
+            x: x.raw(dev, "x", &[t, h])?,
+            router: router.raw(dev, "router", &[h, e])?,
+            w13: w13.raw(dev, "w13", &[e, h, 2 * i])?,
+            w2: w2.raw(dev, "w2", &[e, i, h])?,
+            shared_w13: match &shared {
+                Some((s13, _)) => Some(s13.raw(dev, "shared_w13", &[h, 2 * i])?),
+                None => None,
+            },
+            shared_w2: match &shared {
+                Some((_, s2)) => Some(s2.raw(dev, "shared_w2", &[i, h])?),
+                None => None,
+            },
+            out: out.raw(dev, "out", &[t, h])?,
+            routing: RoutingArgs {
+                topk_ids: RawU32 {
+                    ptr: addr_u32(dev, &topk_ids),
+                    len: rows,
+                },
+                topk_w: topk_w.raw(dev, "topk_w", &[t, k])?,
+                counts: RawU32 {
+                    ptr: addr_u32(dev, &counts),
+                    len: e,
+                },
+                losses: losses.raw(dev, "losses", &[2])?,
+            },
         };
+        // Everything the plan checks per call, checked once here.
+        plan.check(&args)?;
         Ok(MoeRunner {
             problem: p.clone(),
-            x: DeviceTensor::from_f32(dev, dt, &inputs.x)?,
-            router: DeviceTensor::from_f32(dev, dt, &inputs.router)?,
-            w13,
-            w2,
-            shared,
-            logits: DeviceTensor::alloc(dev, DType::F32, t * e)?,
-            router_offsets: upload_u32(dev, "router offsets", &[0, t as u32])?,
-            probs: DeviceTensor::alloc(dev, DType::F32, t * e)?,
-            lse: DeviceTensor::alloc(dev, DType::F32, t)?,
-            topk_ids: alloc_u32(dev, "topk_ids", rows)?,
-            topk_w: DeviceTensor::alloc(dev, DType::F32, rows)?,
-            counts: alloc_u32(dev, "counts", e)?,
-            prob_sum: DeviceTensor::alloc(dev, DType::F32, e)?,
-            lse_sq_sum: DeviceTensor::alloc(dev, DType::F32, 1)?,
-            offsets: alloc_u32(dev, "offsets", e + 1)?,
-            row_token: alloc_u32(dev, "row_token", rows)?,
-            row_slot: alloc_u32(dev, "row_slot", rows)?,
-            slot_row: alloc_u32(dev, "slot_row", rows)?,
-            h: h_buf,
-            y: DeviceTensor::alloc(dev, DType::F32, elems("y", &[rows, h])?)?,
-            out: DeviceTensor::alloc(dev, dt, elems("out", &[t, h])?)?,
-            sm90,
-            portable_reason,
+            plan,
             kernels,
-            funcs,
             cfgs,
+            _inputs: [x, router, w13, w2]
+                .into_iter()
+                .chain(shared.into_iter().flat_map(|(a, b)| [a, b]))
+                .collect(),
+            out,
+            topk_ids,
+            topk_w,
+            counts,
+            losses,
+            workspace,
+            layout,
+            args,
         })
     }
 
     pub fn problem(&self) -> &MoeProblem {
         &self.problem
+    }
+    /// The plan the runner calls.
+    pub fn plan(&self) -> &MoePlan {
+        &self.plan
+    }
+    /// The raw call over the runner's buffers.
+    pub fn args(&self) -> &MoeArgs {
+        &self.args
     }
     /// The kernels in pipeline order (see [`config::select`]).
     pub fn kernels(&self) -> &[MoeKernel] {
@@ -452,264 +452,68 @@ impl MoeRunner {
         &self.cfgs
     }
 
-    /// Device bytes of the intermediate buffers (everything but inputs and `out`).
+    /// Device bytes beyond inputs and `out`: the plan's workspace, the routing outputs
+    /// and the plan's token tables.
     pub fn workspace_bytes(&self) -> u64 {
-        let mut b = [
-            &self.logits,
-            &self.probs,
-            &self.lse,
-            &self.topk_w,
-            &self.prob_sum,
-            &self.lse_sq_sum,
-            &self.h,
-            &self.y,
-        ]
-        .iter()
-        .map(|t| t.size_bytes() as u64)
-        .sum::<u64>();
-        b += 4
-            * (self.topk_ids.len()
-                + self.counts.len()
-                + self.router_offsets.len()
-                + self.offsets.len()
-                + self.row_token.len()
-                + self.row_slot.len()
-                + self.slot_row.len()) as u64;
-        if let Some(s) = &self.shared {
-            b += (s.h.size_bytes() + s.y.size_bytes()) as u64 + 4 * (s.row_token.len() + 2) as u64;
-        }
-        if let Some(g) = &self.sm90 {
-            b += g.workspace_bytes();
-        }
-        b
+        let p = &self.problem;
+        let routing = 4 * (2 * p.tokens * p.top_k + p.experts + 2);
+        (self.layout.bytes + routing + self.plan.table_bytes()) as u64
     }
 
     /// Which grouped-GEMM kernels the routed experts use, for reports: the sm_90 entries,
     /// or the portable ones with the reason the sm_90 path was not taken.
     pub fn gemm_path(&self) -> String {
-        match (&self.sm90, &self.portable_reason) {
-            (Some(g), _) => format!(
-                "grouped GEMMs: {} (BM {} BN {}) + {} (BM {} BN {}), wgmma/TMA",
-                g.kernels[1].entry,
-                g.kernels[1].block_m,
-                g.kernels[1].block_n,
-                g.kernels[2].entry,
-                g.kernels[2].block_m,
-                g.kernels[2].block_n
-            ),
-            (None, why) => format!(
-                "grouped GEMMs: {} (BM {} BN {}) + {} (BM {} BN {}), mma.sync ({})",
-                self.kernels[config::K_GEMM13].entry,
-                self.kernels[config::K_GEMM13].block_m,
-                self.kernels[config::K_GEMM13].block_n,
-                self.kernels[config::K_GEMM2].entry,
-                self.kernels[config::K_GEMM2].block_m,
-                self.kernels[config::K_GEMM2].block_n,
-                why.as_deref().unwrap_or("")
-            ),
-        }
+        self.plan
+            .gemm_path(self.problem.tokens)
+            .unwrap_or_else(|e| e.to_string())
     }
 
-    /// Enqueue the router alone (contract steps 1–3: logits, scoring + top-k, per-expert
-    /// statistics): timed separately to report the router's share of the layer.
+    fn workspace_addr(&self, dev: &Device) -> u64 {
+        self.workspace.device_ptr(dev.stream()).0
+    }
+
+    /// Enqueue the router alone (contract steps 1–3b: logits, scoring + top-k, per-expert
+    /// statistics, losses): timed separately to report the router's share of the layer.
     pub fn run_router(&mut self, dev: &Device) -> Result<()> {
-        let p = &self.problem;
-        let (t, hid, e, k) = (
-            p.tokens as i32,
-            p.hidden as i32,
-            p.experts as i32,
-            p.top_k as i32,
-        );
-        let stream = dev.stream();
-        let name = |i: usize| self.kernels[i].entry;
-
-        // 1. logits
-        {
-            let mut b = stream.launch_builder(&self.funcs[config::K_LOGITS]);
-            if self.kernels[config::K_LOGITS].entry == gemm_config::GEMM2_ENTRY {
-                // One-group moe_gemm2: (A = x, offsets [0, T], B = router, y = logits,
-                // N = E, K = H, 1 group).
-                let one = 1i32;
-                b.arg(self.x.as_u16("x")?)
-                    .arg(&self.router_offsets)
-                    .arg(self.router.as_u16("router")?)
-                    .arg(self.logits.as_f32_mut("logits")?)
-                    .arg(&e)
-                    .arg(&hid)
-                    .arg(&one);
-                // SAFETY: moe_gemm2's contract (config.rs step 6) with one group of T rows.
-                let r = unsafe { b.launch(self.cfgs[config::K_LOGITS]) };
-                dev.check_launch("moe_gemm2 (router logits)", r)?;
-            } else {
-                b.arg(self.x.as_u16("x")?)
-                    .arg(self.router.as_u16("router")?)
-                    .arg(self.logits.as_f32_mut("logits")?)
-                    .arg(&t)
-                    .arg(&hid)
-                    .arg(&e);
-                // SAFETY: arguments follow the contract in config.rs; buffers sized for p.
-                let r = unsafe { b.launch(self.cfgs[config::K_LOGITS]) };
-                dev.check_launch(name(config::K_LOGITS), r)?;
-            }
-        }
-        // 2. scoring + top-k
-        {
-            let mut b = stream.launch_builder(&self.funcs[config::K_TOPK]);
-            b.arg(self.logits.as_f32("logits")?)
-                .arg(&mut self.topk_ids)
-                .arg(self.topk_w.as_f32_mut("topk_w")?)
-                .arg(self.probs.as_f32_mut("probs")?)
-                .arg(self.lse.as_f32_mut("lse")?)
-                .arg(&t)
-                .arg(&e)
-                .arg(&k);
-            // SAFETY: as above.
-            let r = unsafe { b.launch(self.cfgs[config::K_TOPK]) };
-            dev.check_launch(name(config::K_TOPK), r)?;
-        }
-        // 3. per-expert statistics
-        {
-            let mut b = stream.launch_builder(&self.funcs[config::K_STATS]);
-            b.arg(&self.topk_ids)
-                .arg(self.probs.as_f32("probs")?)
-                .arg(self.lse.as_f32("lse")?)
-                .arg(&mut self.counts)
-                .arg(self.prob_sum.as_f32_mut("prob_sum")?)
-                .arg(self.lse_sq_sum.as_f32_mut("lse_sq_sum")?)
-                .arg(&t)
-                .arg(&e)
-                .arg(&k);
-            // SAFETY: as above.
-            let r = unsafe { b.launch(self.cfgs[config::K_STATS]) };
-            dev.check_launch(name(config::K_STATS), r)?;
-        }
-        Ok(())
+        let ws = self.workspace_addr(dev);
+        // SAFETY: every address in `args` and the workspace is a live buffer of `self`
+        // (allocated on the device's context, sized by the plan for this token count);
+        // all work is ordered on the device's one stream.
+        unsafe {
+            self.plan
+                .router_raw(dev.stream().cu_stream(), &self.args, ws, self.layout.bytes)
+        }?;
+        dev.debug_sync("the MoE router")
     }
 
-    /// Enqueue the whole forward pipeline on the device stream (no sync, no validation).
+    /// Enqueue the whole forward pipeline on the device stream (no sync).
     pub fn run(&mut self, dev: &Device) -> Result<()> {
-        self.run_router(dev)?;
-        let p = &self.problem;
-        let (t, hid, inter, e, k) = (
-            p.tokens as i32,
-            p.hidden as i32,
-            p.intermediate as i32,
-            p.experts as i32,
-            p.top_k as i32,
-        );
-        let stream = dev.stream();
-        let name = |i: usize| self.kernels[i].entry;
-
-        // 4. permutation
-        {
-            let mut b = stream.launch_builder(&self.funcs[config::K_PERMUTE]);
-            b.arg(&self.topk_ids)
-                .arg(&self.counts)
-                .arg(&mut self.offsets)
-                .arg(&mut self.row_token)
-                .arg(&mut self.row_slot)
-                .arg(&mut self.slot_row)
-                .arg(&t)
-                .arg(&e)
-                .arg(&k);
-            // SAFETY: as above.
-            let r = unsafe { b.launch(self.cfgs[config::K_PERMUTE]) };
-            dev.check_launch(name(config::K_PERMUTE), r)?;
-        }
-        // 5-6. grouped GEMMs (routed experts, then the shared expert as one group)
-        if let Some(g) = &mut self.sm90 {
-            g.launch(
-                dev,
-                &self.x,
-                &self.row_token,
-                &self.offsets,
-                &mut self.h,
-                &mut self.y,
-                (hid, inter, e),
-            )?;
-        } else {
-            launch_gemms(
-                dev,
-                &self.funcs,
-                &self.kernels,
-                (self.cfgs[config::K_GEMM13], self.cfgs[config::K_GEMM2]),
-                &self.x,
-                &self.row_token,
-                &self.offsets,
-                (&self.w13, &self.w2),
-                &mut self.h,
-                &mut self.y,
-                (hid, inter, e),
-            )?;
-        }
-        if let Some(s) = &mut self.shared {
-            launch_gemms(
-                dev,
-                &self.funcs,
-                &self.kernels,
-                (s.cfg13, s.cfg2),
-                &self.x,
-                &s.row_token,
-                &s.offsets,
-                (&s.w13, &s.w2),
-                &mut s.h,
-                &mut s.y,
-                (hid, inter, 1),
-            )?;
-        }
-        // 7. combine
-        {
-            let shared_y = match &self.shared {
-                Some(s) => s.y.as_f32("shared y")?,
-                None => self.y.as_f32("y")?, // not read (FM_SHARED=0)
-            };
-            let mut b = stream.launch_builder(&self.funcs[config::K_COMBINE]);
-            b.arg(self.y.as_f32("y")?)
-                .arg(&self.slot_row)
-                .arg(self.topk_w.as_f32("topk_w")?)
-                .arg(shared_y)
-                .arg(self.out.as_u16_mut("out")?)
-                .arg(&t)
-                .arg(&hid)
-                .arg(&k);
-            // SAFETY: as above.
-            let r = unsafe { b.launch(self.cfgs[config::K_COMBINE]) };
-            dev.check_launch(name(config::K_COMBINE), r)?;
-        }
-        Ok(())
+        let ws = self.workspace_addr(dev);
+        // SAFETY: as in run_router.
+        unsafe {
+            self.plan
+                .forward_raw(dev.stream().cu_stream(), &self.args, ws, self.layout.bytes)
+        }?;
+        dev.debug_sync("the MoE layer")
     }
 
-    /// Fill the output and every intermediate buffer with NaN / 0xFFFFFFFF so that an
-    /// element a kernel fails to write is detected.
+    /// Fill the output, the routing outputs and the whole workspace with NaN /
+    /// 0xFFFFFFFF so that an element a kernel fails to write is detected.
     pub fn poison_outputs(&mut self, dev: &Device) -> Result<()> {
-        for t in [
-            &mut self.out,
-            &mut self.logits,
-            &mut self.probs,
-            &mut self.lse,
-            &mut self.topk_w,
-            &mut self.prob_sum,
-            &mut self.lse_sq_sum,
-            &mut self.h,
-            &mut self.y,
-        ] {
+        for t in [&mut self.out, &mut self.topk_w, &mut self.losses] {
             t.poison(dev)?;
         }
-        for s in [
-            &mut self.topk_ids,
-            &mut self.counts,
-            &mut self.offsets,
-            &mut self.row_token,
-            &mut self.row_slot,
-            &mut self.slot_row,
-        ] {
+        for s in [&mut self.topk_ids, &mut self.counts] {
             poison_u32(dev, s)?;
         }
-        if let Some(s) = &mut self.shared {
-            s.h.poison(dev)?;
-            s.y.poison(dev)?;
-        }
-        Ok(())
+        let stream = dev.stream();
+        let cu_stream = stream.cu_stream();
+        let len = self.workspace.len();
+        let (ptr, _rec) = self.workspace.device_ptr_mut(stream);
+        // SAFETY: the pointer covers exactly `len` bytes; 0xFF bytes are NaN in f32 and
+        // 16-bit floats and 0xFFFFFFFF in u32.
+        unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, 0xFF, len, cu_stream).result() }
+            .map_err(|e| Error::cuda("cuMemsetD8Async (poison the MoE workspace)", e))
     }
 
     /// Download the output [T, H] as f32 (waits for the stream).
@@ -724,15 +528,40 @@ impl MoeRunner {
         Ok((r.topk_ids, r.topk_w, r.counts, r.aux_loss, r.z_loss))
     }
 
-    /// [`MoeRunner::routing`] as a struct.
+    /// `n` u32 values at byte `offset` of the workspace (waits for the stream).
+    fn download_ws(&self, dev: &Device, name: &str, offset: usize, n: usize) -> Result<Vec<u32>> {
+        let stream = dev.stream();
+        let ctx = |e| {
+            Error::cuda(
+                format!("downloading {name} ({n} × 4 bytes) from the GPU"),
+                e,
+            )
+        };
+        let view = self.workspace.slice(offset..offset + 4 * n);
+        let bytes = stream.clone_dtoh(&view).map_err(ctx)?;
+        stream.synchronize().map_err(ctx)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+
+    /// [`MoeRunner::routing`] as a struct, with the losses the device finished too.
     pub fn gpu_routing(&self, dev: &Device) -> Result<GpuRouting> {
         let p = &self.problem;
         let rows = p.tokens * p.top_k;
         let topk_ids = download_u32(dev, "topk_ids", &self.topk_ids, rows)?;
         let counts = download_u32(dev, "counts", &self.counts, p.experts)?;
         let topk_w = self.topk_w.to_f32(dev)?;
-        let prob_sum = self.prob_sum.to_f32(dev)?;
-        let lse_sq = self.lse_sq_sum.to_f32(dev)?[0] as f64;
+        let l = &self.layout;
+        let prob_sum: Vec<f32> = self
+            .download_ws(dev, "prob_sum", l.prob_sum, p.experts)?
+            .into_iter()
+            .map(f32::from_bits)
+            .collect();
+        let lse_sq =
+            f32::from_bits(self.download_ws(dev, "lse_sq_sum", l.lse_sq_sum, 1)?[0]) as f64;
+        let device = self.losses.to_f32(dev)?;
         let (t, e) = (p.tokens as f64, p.experts as f64);
         let aux_loss = e * counts
             .iter()
@@ -745,63 +574,24 @@ impl MoeRunner {
             counts,
             aux_loss,
             z_loss: lse_sq / t,
+            device_losses: [device[0], device[1]],
         })
     }
 
     /// Download the permutation (offsets [E+1], row_token, row_slot, slot_row), for tests.
     pub fn permutation(&self, dev: &Device) -> Result<Permutation> {
-        let rows = self.problem.tokens * self.problem.top_k;
+        let (rows, e) = (
+            self.problem.tokens * self.problem.top_k,
+            self.problem.experts,
+        );
+        let l = &self.layout;
         Ok((
-            download_u32(dev, "offsets", &self.offsets, self.problem.experts + 1)?,
-            download_u32(dev, "row_token", &self.row_token, rows)?,
-            download_u32(dev, "row_slot", &self.row_slot, rows)?,
-            download_u32(dev, "slot_row", &self.slot_row, rows)?,
+            self.download_ws(dev, "offsets", l.offsets, e + 1)?,
+            self.download_ws(dev, "row_token", l.row_token, rows)?,
+            self.download_ws(dev, "row_slot", l.row_slot, rows)?,
+            self.download_ws(dev, "slot_row", l.slot_row, rows)?,
         ))
     }
-}
-
-/// Enqueue gemm13 then gemm2 for one group set (contract steps 5 and 6).
-#[allow(clippy::too_many_arguments)]
-fn launch_gemms(
-    dev: &Device,
-    funcs: &[CudaFunction],
-    kernels: &[MoeKernel],
-    cfgs: (LaunchConfig, LaunchConfig),
-    x: &DeviceTensor,
-    row_token: &CudaSlice<u32>,
-    offsets: &CudaSlice<u32>,
-    w: (&DeviceTensor, &DeviceTensor),
-    h: &mut DeviceTensor,
-    y: &mut DeviceTensor,
-    dims: (i32, i32, i32),
-) -> Result<()> {
-    let stream = dev.stream();
-    let (hid, inter, experts) = dims;
-    {
-        let mut b = stream.launch_builder(&funcs[config::K_GEMM13]);
-        b.arg(x.as_u16("x")?)
-            .arg(row_token)
-            .arg(offsets)
-            .arg(w.0.as_u16("w13")?)
-            .arg(h.as_u16_mut("h")?)
-            .arg(&hid)
-            .arg(&inter)
-            .arg(&experts);
-        // SAFETY: arguments follow the contract in config.rs; buffers sized for the group.
-        let r = unsafe { b.launch(cfgs.0) };
-        dev.check_launch(kernels[config::K_GEMM13].entry, r)?;
-    }
-    let mut b = stream.launch_builder(&funcs[config::K_GEMM2]);
-    b.arg(h.as_u16("h")?)
-        .arg(offsets)
-        .arg(w.1.as_u16("w2")?)
-        .arg(y.as_f32_mut("y")?)
-        .arg(&hid)
-        .arg(&inter)
-        .arg(&experts);
-    // SAFETY: as above.
-    let r = unsafe { b.launch(cfgs.1) };
-    dev.check_launch(kernels[config::K_GEMM2].entry, r)
 }
 
 #[cfg(test)]
