@@ -109,7 +109,14 @@ impl PagedDecodeSpec {
     }
 
     /// Row `j` of head `h` of sequence `b`'s keys in a cache.
-    fn cache_row<'a>(&self, cache: &'a [f32], table: &[i32], b: usize, j: usize, h: usize) -> &'a [f32] {
+    fn cache_row<'a>(
+        &self,
+        cache: &'a [f32],
+        table: &[i32],
+        b: usize,
+        j: usize,
+        h: usize,
+    ) -> &'a [f32] {
         let blk = table[b * self.max_blocks + j / self.page_size] as usize;
         let off = ((blk * self.page_size + j % self.page_size) * self.heads_kv + h) * self.head_dim;
         &cache[off..off + self.head_dim]
@@ -117,7 +124,10 @@ impl PagedDecodeSpec {
 }
 
 /// The f64 ground truth of paged decode attention (see the module docs).
-pub fn paged_decode_f64(s: &PagedDecodeSpec, x: &PagedDecodeInputs) -> Result<AttentionOutput<f64>> {
+pub fn paged_decode_f64(
+    s: &PagedDecodeSpec,
+    x: &PagedDecodeInputs,
+) -> Result<AttentionOutput<f64>> {
     s.check(x)?;
     let (b, sq, hq, d) = (s.batch, s.seqlen_q, s.heads_q, s.head_dim);
     let group = hq / s.heads_kv;
@@ -165,7 +175,9 @@ mod tests {
     use crate::DType;
 
     fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
@@ -259,7 +271,10 @@ mod tests {
                 let (spec, inp) = paginate(&p, &x, page, window);
                 let got = paged_decode_f64(&spec, &inp).unwrap();
                 assert!(max_diff(&got.o, &dense.o) < 1e-12, "o sq={sq} sk={sk}");
-                assert!(max_diff(&got.lse, &dense.lse) < 1e-12, "lse sq={sq} sk={sk}");
+                assert!(
+                    max_diff(&got.lse, &dense.lse) < 1e-12,
+                    "lse sq={sq} sk={sk}"
+                );
             }
         }
     }
