@@ -1270,7 +1270,7 @@ mod tests {
         // 2·128·(16 + 2·3·64) = 102400
         assert_eq!(k.shared_mem_bytes(), 102_400);
         let k = DecodeKernel::for_class(&DecodeClass {
-            max_q_per_seq: 4,
+            max_q_per_seq: 5,
             ..c
         });
         assert_eq!(k.mt, 2);

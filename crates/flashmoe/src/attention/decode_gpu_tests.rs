@@ -685,13 +685,94 @@ fn decode_cudarc_path_and_bad_input() {
         bad(plan.check(&a).map(|_| ()), "capacity");
         // A workspace too small for the splits.
         let forced = DecodePlan::new(dev, c).unwrap().with_splits(Some(8));
+        let small = super::decode::RawWorkspace {
+            ptr: ws_raw.raw().ptr,
+            bytes: 16,
+        };
         bad(
-            unsafe { forced.forward_raw(s.cu_stream(), &raw_args, ws_raw.raw()) },
+            unsafe { forced.forward_raw(s.cu_stream(), &raw_args, small) },
             "workspace",
         );
         // Page size that is not the class's.
         let other = DecodePlan::new(dev, DecodeClass { page_size: 32, ..c }).unwrap();
         bad(other.check(&raw_args).map(|_| ()), "page_size 32");
         s.synchronize().unwrap();
+    });
+}
+
+/// Not a gate: times the decode shapes of issue 22 (bf16, D = 128, causal, page 16 and
+/// 128, shuffled tables) with events after an L2 flush; prints µs and GB/s of KV read.
+/// Run with `--ignored --nocapture`.
+#[test]
+#[ignore]
+fn decode_bandwidth_probe() {
+    with_gpu("decode-probe", |dev| {
+        let s = dev.stream();
+        let mut rng = Rng(1);
+        let timer = crate::gpu::EventTimer::new(dev).unwrap();
+        let mut flush = crate::gpu::L2Flusher::new(dev).unwrap();
+        for &(b, hq, hkv, sq, sk) in &[
+            (1, 32, 8, 1, 8192),
+            (8, 32, 8, 1, 4096),
+            (64, 32, 8, 1, 8192),
+            (128, 32, 8, 1, 2048),
+            (16, 64, 8, 1, 32768),
+            (32, 32, 32, 1, 4096),
+            (64, 32, 8, 4, 4096),
+        ] {
+            for ps in [16, 128] {
+                let c = cls(DType::Bf16, 128, hq, hkv, ps, sq);
+                let d = 128;
+                let mb = sk / ps;
+                let nb = b * mb;
+                let mut perm: Vec<i32> = (0..nb as i32).collect();
+                for i in (1..nb).rev() {
+                    perm.swap(i, rng.below(i + 1));
+                }
+                let kc = s.alloc_zeros::<u16>(nb * ps * hkv * d).unwrap();
+                let vc = s.alloc_zeros::<u16>(nb * ps * hkv * d).unwrap();
+                let q = s.alloc_zeros::<u16>(b * sq * hq * d).unwrap();
+                let o = s.alloc_zeros::<u16>(b * sq * hq * d).unwrap();
+                let lse = s.alloc_zeros::<f32>(b * hq * sq).unwrap();
+                let bt = s.clone_htod(&perm).unwrap();
+                let su = s.clone_htod(&vec![sk as i32; b]).unwrap();
+                let t = |buf: &CudaSlice<u16>, sh: &[usize]| {
+                    RawTensor::contiguous(addr(buf, s), DType::Bf16, sh).unwrap()
+                };
+                let a = DecodeArgs {
+                    q: t(&q, &[b, sq, hq, d]),
+                    k_cache: t(&kc, &[nb, ps, hkv, d]),
+                    v_cache: t(&vc, &[nb, ps, hkv, d]),
+                    block_table: RawIndex::matrix(addr(&bt, s), b, mb),
+                    seqused_k: RawIndex::vector(addr(&su, s), b),
+                    o: t(&o, &[b, sq, hq, d]),
+                    lse: RawTensor::contiguous(addr(&lse, s), DType::F32, &[b, hq, sq]).unwrap(),
+                    max_seqlen_k: Some(sk),
+                };
+                let plan = DecodePlan::new(dev, c).unwrap();
+                let shape = plan.check(&a).unwrap();
+                let ws = plan.alloc_workspace(s, b, sk).unwrap();
+                let mut ts = Vec::new();
+                for _ in 0..30 {
+                    flush.flush().unwrap();
+                    ts.push(
+                        timer
+                            .time(|| unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) })
+                            .unwrap(),
+                    );
+                }
+                ts.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                let ms = ts[ts.len() / 2];
+                let bytes = c.kv_bytes(&vec![sk; b], sq) as f64;
+                eprintln!(
+                    "B={b} Hq={hq} Hkv={hkv} Sq={sq} Sk={sk} page={ps}: splits {} (x{} CTAs/SM) \
+                     {:.1} us, {:.0} GB/s of KV",
+                    shape.splits,
+                    plan.ctas_per_sm(),
+                    ms * 1e3,
+                    bytes / (ms * 1e-3) / 1e9
+                );
+            }
+        }
     });
 }
