@@ -10,6 +10,9 @@
 //!   launch (the lab's benchmarking loop).
 
 pub mod config;
+pub mod decode;
+#[cfg(test)]
+mod decode_gpu_tests;
 pub mod plan;
 #[cfg(test)]
 mod plan_gpu_tests;

@@ -3,6 +3,7 @@
 //! - [`attention`]: the f64 ground truth for attention forward (materialised softmax).
 //! - [`attention_tiled`](mod@attention_tiled): FlashAttention-2 on the CPU in f32 (tiles, online softmax,
 //!   O(N) extra memory): the CPU backend of the benchmark lab.
+//! - [`decode`]: the f64 ground truth for paged-KV decode attention.
 //! - [`moe`]: the f64 ground truth for the MoE layer (router, top-k, SwiGLU experts,
 //!   weighted combine, auxiliary losses).
 //!
@@ -11,6 +12,8 @@
 
 pub mod attention;
 pub mod attention_tiled;
+/// Paged-KV decode attention in f64 (block tables, windows, softcap).
+pub mod decode;
 pub mod moe;
 /// The dropless-permutation MoE in f32 (the CPU analogue of the GPU algorithm).
 pub mod moe_grouped;
