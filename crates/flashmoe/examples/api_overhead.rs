@@ -206,9 +206,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             h, oo, kk, bb, bb / kk, host, b2b, kernel, once
         ));
     }
+    let floor = launch_floor_us(&dev, &stream)?;
+    eprintln!("driver floor: {floor:.2} µs of host time per cuLaunchKernel of an empty kernel");
     let moe_rows = run_moe(&dev, &stream)?;
     let json = format!(
-        "{{\"schema\":\"flashmoe-api-overhead/1\",\"device\":{:?},\"calls_per_batch\":{CALLS},\"batches\":{BATCHES},\"attention\":[{}],\"moe\":[{}]}}\n",
+        "{{\"schema\":\"flashmoe-api-overhead/1\",\"device\":{:?},\"calls_per_batch\":{CALLS},\"batches\":{BATCHES},\"launch_floor_us\":{floor:.3},\"attention\":[{}],\"moe\":[{}]}}\n",
         dev.info().to_string(),
         rows.join(","),
         moe_rows.join(",")
@@ -370,4 +372,43 @@ fn run_moe(
         }
     }
     Ok(rows)
+}
+
+/// Host time of one `cuLaunchKernel` of an empty kernel through the same raw launch path
+/// (median over batches of 200): the driver's floor, which a call of n launches pays n times.
+fn launch_floor_us(
+    dev: &Device,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let f = dev.load_kernel_source(
+        "api_overhead_empty.cu",
+        "extern \"C\" __global__ void empty_kernel(int x) {}",
+        "empty_kernel",
+        &[],
+    )?;
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let x = 0i32;
+    let launch = || -> Result<(), Box<dyn std::error::Error>> {
+        let mut p = [flashmoe::gpu::raw::param(&x)];
+        unsafe { flashmoe::gpu::raw::launch("empty_kernel", &f, cfg, stream.cu_stream(), &mut p) }?;
+        Ok(())
+    };
+    for _ in 0..100 {
+        launch()?;
+    }
+    dev.synchronize()?;
+    let mut per = Vec::new();
+    for _ in 0..BATCHES {
+        let t = Instant::now();
+        for _ in 0..CALLS {
+            launch()?;
+        }
+        per.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
+        dev.synchronize()?;
+    }
+    Ok(median(&mut per))
 }

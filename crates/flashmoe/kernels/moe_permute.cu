@@ -9,22 +9,29 @@
 //     row_token[r] = t, row_slot[r] = t·k + s, slot_row[t·k + s] = r.
 // Each block scans the slots in chunks of 256 with a ballot/popc block prefix (integer,
 // deterministic) and stops once it has placed counts[e] rows; an expert with no token
-// returns at once. No atomics.
+// returns at once. No atomics. Block 0 also finishes the router losses (moe_losses.cuh),
+// which saves the layer a launch: losses [2] f32 from counts, prob_sum and lse_sq_sum.
 
 typedef unsigned int u32;
 typedef long long i64;
 
+#include "moe_losses.cuh"
+
 #define PERMUTE_THREADS 256
+static_assert(PERMUTE_THREADS == FM_LOSS_THREADS, "block 0 finishes the losses");
 #define PERMUTE_WARPS (PERMUTE_THREADS / 32)
 
 extern "C" __global__ void __launch_bounds__(PERMUTE_THREADS)
 moe_permute(const u32* __restrict__ topk_ids, const u32* __restrict__ counts,
             u32* __restrict__ offsets, u32* __restrict__ row_token, u32* __restrict__ row_slot,
-            u32* __restrict__ slot_row, int tokens, int experts, int top_k) {
+            u32* __restrict__ slot_row, const float* __restrict__ prob_sum,
+            const float* __restrict__ lse_sq_sum, float* __restrict__ losses, int tokens,
+            int experts, int top_k) {
     __shared__ u32 warp_counts[PERMUTE_WARPS];
     __shared__ u32 base_s;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int e = blockIdx.x;
+    if (e == 0) finish_router_losses(counts, prob_sum, lse_sq_sum, losses, tokens, experts, top_k);
     if (tid == 0) {
         u32 off = 0;
         for (int i = 0; i < experts; ++i) {

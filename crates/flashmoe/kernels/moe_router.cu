@@ -34,6 +34,7 @@ typedef long long i64;
 #endif
 
 #define FM_MAX_EXPERTS 256
+#include "moe_losses.cuh"
 #define FM_MAX_TOPK 8
 #define LOGITS_THREADS 256
 #define LOGITS_TOK_PER_THREAD 4
@@ -325,31 +326,13 @@ moe_expert_stats(const u32* __restrict__ topk_ids, const float* __restrict__ pro
     }
 }
 
-// One block of LOSSES_THREADS (= FM_MAX_EXPERTS) threads, after moe_expert_stats: finishes
-// the router losses on the device so that nothing waits for the host.
-//   losses[0] = aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T)
-//   losses[1] = z   = lse_sq_sum[0] / T
-// Thread e takes expert e's term in f64; a fixed shared-memory tree sums them (same
-// order on every run), and the two results are stored as f32.
-#define LOSSES_THREADS FM_MAX_EXPERTS
-extern "C" __global__ void __launch_bounds__(LOSSES_THREADS)
+// One block of FM_LOSS_THREADS (= FM_MAX_EXPERTS) threads, after moe_expert_stats: the
+// router losses of the router-only stage (the full layer finishes them in moe_permute's
+// block 0 instead; same code, moe_losses.cuh).
+static_assert(FM_LOSS_THREADS == FM_MAX_EXPERTS, "one loss thread per expert slot");
+extern "C" __global__ void __launch_bounds__(FM_LOSS_THREADS)
 moe_router_losses(const u32* __restrict__ counts, const float* __restrict__ prob_sum,
                   const float* __restrict__ lse_sq_sum, float* __restrict__ losses, int tokens,
                   int experts, int top_k) {
-    __shared__ double sd[LOSSES_THREADS];
-    const int tid = threadIdx.x;
-    const double t = (double)tokens;
-    double term = 0.0;
-    if (tid < experts)
-        term = ((double)counts[tid] / (t * (double)top_k)) * ((double)prob_sum[tid] / t);
-    sd[tid] = term;
-    __syncthreads();
-    for (int w = LOSSES_THREADS / 2; w > 0; w >>= 1) {
-        if (tid < w) sd[tid] += sd[tid + w];
-        __syncthreads();
-    }
-    if (tid == 0) {
-        losses[0] = (float)((double)experts * sd[0]);
-        losses[1] = (float)((double)lse_sq_sum[0] / t);
-    }
+    finish_router_losses(counts, prob_sum, lse_sq_sum, losses, tokens, experts, top_k);
 }

@@ -39,22 +39,25 @@
 //!    Per-thread strided f64 sums, fixed shared-memory tree. Parameters: (const u32*
 //!    topk_ids, const float* probs, const float* lse, u32* counts, float* prob_sum,
 //!    float* lse_sq_sum, int tokens, int experts, int top_k).
-//!    3b. `moe_router_losses` (moe_router.cu) finishes the losses on the device, so that
-//!    no host sync is needed: losses [2] f32 = (aux, z), aux = E · Σ_e (counts[e] / (T·k))
-//!    · (prob_sum[e] / T), z = lse_sq_sum / T, per-expert terms in f64 summed by a fixed
-//!    shared-memory tree. Parameters: (const u32* counts, const float* prob_sum, const
-//!    float* lse_sq_sum, float* losses, int tokens, int experts, int top_k). One block of
-//!    [`LOSSES_THREADS`] threads. Not among [`select`]'s seven (it has no variants):
-//!    [`losses_kernel`]. The lab's check also finishes them on the host in f64 from the
-//!    same arrays (`MoeRunner::gpu_routing`).
+//!    3b. The losses are finished on the device, so that no host sync is needed: losses
+//!    [2] f32 = (aux, z), aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T),
+//!    z = lse_sq_sum / T, per-expert terms in f64 summed by a fixed shared-memory tree
+//!    (kernels/moe_losses.cuh). In the full layer block 0 of `moe_permute` (step 4) does
+//!    it, which costs no launch; the router-only stage (timed alone by the lab) launches
+//!    `moe_router_losses` (moe_router.cu: (const u32* counts, const float* prob_sum,
+//!    const float* lse_sq_sum, float* losses, int tokens, int experts, int top_k), one
+//!    block of [`LOSSES_THREADS`] threads), the same code and bits. Not among
+//!    [`select`]'s seven (it has no variants): [`losses_kernel`]. The lab's check also
+//!    finishes them on the host in f64 from the same arrays (`MoeRunner::gpu_routing`).
 //! 4. `moe_permute` (kernels/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r
 //!    of expert e (rows offsets[e]..offsets[e+1]), the token and its slot index (t·k + s),
 //!    stable (token order within an expert); slot_row [T·k] u32 = inverse map.
 //!    No padding: rows = T·k exactly. Parameters: (const u32* topk_ids, const u32* counts,
-//!    u32* offsets, u32* row_token, u32* row_slot, u32* slot_row, int tokens, int experts,
-//!    int top_k). Grid E blocks of 256 threads (block e places expert e's rows with a
-//!    ballot prefix; block 0 also writes offsets). No atomics.
+//!    u32* offsets, u32* row_token, u32* row_slot, u32* slot_row, const float* prob_sum,
+//!    const float* lse_sq_sum, float* losses, int tokens, int experts, int top_k). Grid E
+//!    blocks of 256 threads (block e places expert e's rows with a ballot prefix; block 0
+//!    also writes offsets and the losses of step 3b). No atomics.
 //! 5. `moe_gemm13` (kernels/moe_grouped_gemm.cu): for every expert e with rows, for its
 //!    permuted rows r: g = x[row_token[r]] · w13[e][:, 0:I], u = x[row_token[r]] ·
 //!    w13[e][:, I:2I], h[r] = silu(g) · u, fp32 accumulation, h [T·k, I] stored 16-bit.

@@ -29,7 +29,7 @@
 //! `up_proj.weight [I, H]`, `down_proj.weight [H, I]`) is transposed once at load time.
 //! Routing outputs stay on the device ([`RoutingArgs`]): `topk_ids [T, k]` u32 (descending
 //! score), `topk_w [T, k]` f32, `counts [E]` u32, `losses [2]` f32 = (aux, z), computed on
-//! the device (`moe_router_losses`).
+//! the device (block 0 of `moe_permute`; `moe_router_losses` in the router-only stage).
 //!
 //! # Alignment
 //! 16-bit tensors start on 16-byte boundaries (the sm_90 path reads the weights through
@@ -869,7 +869,8 @@ impl MoePlan {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        self.enqueue_router(stream, a, t, b, &cfgs, workspace, &ws)
+        self.enqueue_router(stream, a, t, b, &cfgs, workspace, &ws)?;
+        self.enqueue_losses(stream, a, t, workspace, &ws)
     }
 
     /// The one-group offsets `[0, tokens]` in the plan's table.
@@ -900,8 +901,7 @@ impl MoePlan {
         let (logits, probs, lse) = (at(ws.logits), at(ws.probs), at(ws.lse));
         let (prob_sum, lse_sq) = (at(ws.prob_sum), at(ws.lse_sq_sum));
         let r = &a.routing;
-        let (ids, topk_w, counts, losses) =
-            (r.topk_ids.ptr, r.topk_w.ptr, r.counts.ptr, r.losses.ptr);
+        let (ids, topk_w, counts) = (r.topk_ids.ptr, r.topk_w.ptr, r.counts.ptr);
 
         // 1. logits
         if self.entry(b.logits) == gemm_config::GEMM2_ENTRY {
@@ -979,7 +979,23 @@ impl MoePlan {
             stream,
             &mut p,
         )?;
-        // 3b. losses, finished on the device
+        Ok(())
+    }
+
+    /// 3b alone (the router-only stage; the full layer finishes the losses in
+    /// `moe_permute`'s block 0).
+    unsafe fn enqueue_losses(
+        &self,
+        stream: RawStream,
+        a: &MoeArgs,
+        tokens: usize,
+        base: u64,
+        ws: &WorkspaceLayout,
+    ) -> Result<()> {
+        let c = &self.class;
+        let (t, e, k) = (tokens as i32, c.experts as i32, c.top_k as i32);
+        let (counts, losses) = (a.routing.counts.ptr, a.routing.losses.ptr);
+        let (prob_sum, lse_sq) = (base + ws.prob_sum as u64, base + ws.lse_sq_sum as u64);
         let mut p: [*mut c_void; 7] = [
             param(&counts),
             param(&prob_sum),
@@ -1024,11 +1040,13 @@ impl MoePlan {
         );
         let rows = tokens * c.top_k;
         let at = |off: usize| base + off as u64;
-        let (ids, counts, topk_w) = (
+        let (ids, counts, topk_w, losses) = (
             a.routing.topk_ids.ptr,
             a.routing.counts.ptr,
             a.routing.topk_w.ptr,
+            a.routing.losses.ptr,
         );
+        let (prob_sum, lse_sq) = (at(ws.prob_sum), at(ws.lse_sq_sum));
         let (offsets, row_token, row_slot, slot_row) = (
             at(ws.offsets),
             at(ws.row_token),
@@ -1037,14 +1055,17 @@ impl MoePlan {
         );
         let (h, y) = (at(ws.h), at(ws.y));
 
-        // 4. permutation
-        let mut p: [*mut c_void; 9] = [
+        // 4. permutation (block 0 also finishes the losses, 3b)
+        let mut p: [*mut c_void; 12] = [
             param(&ids),
             param(&counts),
             param(&offsets),
             param(&row_token),
             param(&row_slot),
             param(&slot_row),
+            param(&prob_sum),
+            param(&lse_sq),
+            param(&losses),
             param(&t),
             param(&e),
             param(&k),
