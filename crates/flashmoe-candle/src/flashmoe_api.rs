@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 /// A BSHD tensor as the kernels see it: shape and element strides.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "plan-api"), allow(dead_code))] // read only by the real API
 pub(crate) struct Dims {
     pub shape: [usize; 4],
     pub strides: [usize; 4],
