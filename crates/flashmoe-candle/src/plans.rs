@@ -1,0 +1,96 @@
+//! Process-wide caches behind `flash_attn`: one flashmoe plan per (GPU, [`ClassKey`]) —
+//! making one compiles or loads kernels, so it happens once — and one workspace per CUDA
+//! stream, grown to the largest plan that ran on it. Keyed by stream, not device, because
+//! candle devices made with `new_with_stream` share a GPU but not a stream, and a
+//! workspace may only be reused in stream order. Called from `cuda_fwd.rs`.
+
+use crate::check::ClassKey;
+use crate::flashmoe_api::{self as api, Plan, Workspace};
+use candle_core::cuda_backend::cudarc::driver::CudaStream;
+use candle_core::Result;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+struct Gpu {
+    dev: Arc<api::Device>,
+    plans: HashMap<ClassKey, Arc<Plan>>,
+}
+
+/// Plans by GPU ordinal.
+static PLANS: OnceLock<Mutex<HashMap<usize, Gpu>>> = OnceLock::new();
+
+pub(crate) struct StreamWorkspace {
+    pub bytes: usize,
+    pub ws: Workspace,
+}
+
+/// Workspaces by `CUstream` handle. A handle is not reused while we hold the workspace: its
+/// memory keeps a reference to the stream.
+static WORKSPACES: OnceLock<Mutex<HashMap<usize, StreamWorkspace>>> = OnceLock::new();
+
+fn lock<T>(m: &'static OnceLock<Mutex<T>>, init: fn() -> T) -> MutexGuard<'static, T> {
+    // A panic while holding the lock leaves the maps consistent (inserts are atomic).
+    m.get_or_init(|| Mutex::new(init()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// The plan for `key` on the stream's GPU, made on first use.
+pub(crate) fn plan(stream: &Arc<CudaStream>, key: &ClassKey) -> Result<Arc<Plan>> {
+    let ordinal = stream.context().ordinal();
+    let dev = {
+        let mut gpus = lock(&PLANS, HashMap::new);
+        if let Some(p) = gpus.get(&ordinal).and_then(|g| g.plans.get(key)) {
+            return Ok(p.clone());
+        }
+        match gpus.get(&ordinal) {
+            Some(g) => g.dev.clone(),
+            None => {
+                let dev = Arc::new(api::device(stream.context())?);
+                gpus.insert(
+                    ordinal,
+                    Gpu {
+                        dev: dev.clone(),
+                        plans: HashMap::new(),
+                    },
+                );
+                dev
+            }
+        }
+    };
+    // Compile outside the lock: other classes keep running meanwhile. Two threads racing
+    // on a new class both compile; the first insert wins.
+    let made = Arc::new(api::new_plan(&dev, key)?);
+    let mut gpus = lock(&PLANS, HashMap::new);
+    let gpu = gpus
+        .get_mut(&ordinal)
+        .expect("inserted above; entries are never removed but by clear_caches");
+    Ok(gpu.plans.entry(*key).or_insert(made).clone())
+}
+
+/// Run `f` with this stream's workspace, grown first if `plan` needs more. The lock is
+/// held while `f` enqueues work, which keeps uses of one workspace in stream order.
+pub(crate) fn with_workspace<R>(
+    stream: &Arc<CudaStream>,
+    plan: &Plan,
+    f: impl FnOnce(&mut Workspace) -> Result<R>,
+) -> Result<R> {
+    let need = api::workspace_bytes(plan);
+    let mut all = lock(&WORKSPACES, HashMap::new);
+    let key = stream.cu_stream() as usize;
+    let grow = all.get(&key).is_none_or(|w| w.bytes < need);
+    if grow {
+        // Freeing the old one is stream-ordered, so work queued on it finishes first.
+        all.remove(&key);
+        let ws = api::alloc_workspace(plan, stream)?;
+        all.insert(key, StreamWorkspace { bytes: need, ws });
+    }
+    f(&mut all.get_mut(&key).expect("inserted above").ws)
+}
+
+/// Drop every cached plan and workspace (their GPU memory is freed in stream order).
+/// Later calls make them again.
+pub fn clear_caches() {
+    lock(&PLANS, HashMap::new).clear();
+    lock(&WORKSPACES, HashMap::new).clear();
+}
