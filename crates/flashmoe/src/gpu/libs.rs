@@ -1,7 +1,9 @@
 //! Finding the CUDA shared libraries at run time.
 //!
-//! The crate builds without a CUDA toolkit (cudarc's dynamic loading): libcuda, libnvrtc
-//! and libcublas are opened when first needed. cudarc opens them by bare name through
+//! The crate builds without a CUDA toolkit (cudarc's dynamic loading, through its
+//! `fallback-dynamic-loading` feature, so that a binary that also links candle, whose cudarc
+//! is built with `dynamic-linking`, still builds): libcuda, libnvrtc and libcublas are
+//! opened when first needed. cudarc opens them by bare name through
 //! the dynamic loader and panics when none is found, so every path here checks presence
 //! first and turns absence into an [`Error`] that says what is missing and how to fix it.
 //!
@@ -87,7 +89,7 @@ pub(crate) fn pin(path: &Path) -> std::result::Result<(), String> {
 pub(crate) fn driver_library_present() -> bool {
     static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to dlopen the candidate names.
-    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+    *PRESENT.get_or_init(|| opens(&["libcuda.so.1", "libcuda.so"]))
 }
 
 /// Make sure cudarc can open libcublas: it is often in the toolkit directory, which is
@@ -97,7 +99,7 @@ pub(crate) fn ensure_cublas() -> Result<()> {
     RESULT
         .get_or_init(|| {
             // SAFETY: only tries to dlopen the candidate names.
-            if unsafe { cudarc::cublas::sys::is_culib_present() } {
+            if opens(&["libcublas.so.13", "libcublas.so"]) {
                 return Ok(());
             }
             let dirs = toolkit_lib_dirs();
@@ -108,7 +110,7 @@ pub(crate) fn ensure_cublas() -> Result<()> {
                     if let Some(l) = lt.first() {
                         let _ = pin(l);
                     }
-                    if pin(b).is_ok() && unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    if pin(b).is_ok() && opens(&["libcublas.so.13", "libcublas.so"]) {
                         return Ok(());
                     }
                 }
@@ -124,4 +126,13 @@ pub(crate) fn ensure_cublas() -> Result<()> {
         })
         .clone()
         .map_err(|m| Error::cuda("cuBLAS", m))
+}
+
+/// Whether one of `names` opens through the dynamic loader (works whether cudarc loads
+/// the libraries itself or the executable was linked against them).
+fn opens(names: &[&str]) -> bool {
+    // SAFETY: loading a CUDA library runs its initialisers, which have no preconditions.
+    names
+        .iter()
+        .any(|n| unsafe { libloading::Library::new(*n) }.is_ok())
 }
