@@ -44,7 +44,9 @@ for s in "$@"; do
                   cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
     probe-full)   stage probe-full 400 python3 python/dev/kernel_probe.py --out /tmp/probe
                   cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
-    unit)         stage unit 300 ./target/release/flashmoe-gpu-tests gpu_tests --test-threads=1 --nocapture ;;
+    unit)         stage unit 300 ./target/release/flashmoe-gpu-tests gpu_tests --test-threads=1 --nocapture
+                  # the lab's timing and ceiling tests (flashmoe-bench lib), when carried
+                  [ -x ./target/release/flashmoe-bench-gpu-tests ] && stage unit-bench 120 ./target/release/flashmoe-bench-gpu-tests gpu:: --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     check)        stage check 580 $BIN check --suite attention ;;

@@ -266,8 +266,8 @@ pub fn select(
 
 /// Measure the GEMM and copy ceilings on the session's GPU (start of a bench run).
 pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
-    let gemm = flashmoe::gpu::measure_gemm_ceiling_detailed(&session.device)?;
-    let copy = flashmoe::gpu::measure_copy_ceiling_detailed(&session.device)?;
+    let gemm = flashmoe_bench::gpu::measure_gemm_ceiling_detailed(&session.device)?;
+    let copy = flashmoe_bench::gpu::measure_copy_ceiling_detailed(&session.device)?;
     Ok(Ceilings {
         gemm_tflops: gemm.value,
         gemm_desc: gemm.description,

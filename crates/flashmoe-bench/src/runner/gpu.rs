@@ -5,11 +5,12 @@
 
 use super::cpu::CpuReference;
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use crate::gpu::{EventTimer, L2Flusher};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
 use flashmoe::attention::{self, config, AttentionRunner};
-use flashmoe::gpu::{Device, DeviceTensor, EventTimer, L2Flusher};
+use flashmoe::gpu::{Device, DeviceTensor};
 use flashmoe::reference::attention::AttentionOutput;
 use flashmoe::DType;
 use std::cell::RefCell;

@@ -94,7 +94,7 @@ pub(crate) fn driver_library_present() -> bool {
 
 /// Make sure cudarc can open libcublas: it is often in the toolkit directory, which is
 /// not on the loader path. Idempotent.
-pub(crate) fn ensure_cublas() -> Result<()> {
+pub fn ensure_cublas() -> Result<()> {
     static RESULT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     RESULT
         .get_or_init(|| {

@@ -10,28 +10,21 @@
 //! - [`DeviceTensor`]: dtype-aware device buffers with upload / download / poison.
 //! - [`raw`]: the caller's streams and device memory ([`RawStream`], [`RawTensor`]).
 //! - [`TensorMap`]: TMA tensor maps for the sm_90a kernels.
-//! - [`EventTimer`], [`L2Flusher`]: the timing primitives of the benchmark lab.
-//! - [`measure_gemm_ceiling`], [`measure_copy_ceiling`]: measured hardware ceilings.
 
 pub mod buffer;
 pub mod cache;
-pub mod ceiling;
 pub mod device;
 #[cfg(test)]
 mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
+pub use libs::ensure_cublas;
 pub mod nvrtc;
 pub mod raw;
 pub mod tensor_map;
-pub mod timing;
 
 pub use buffer::{check_len, DeviceData, DeviceTensor};
 pub use cache::{cache_key, default_cache_dir, CachedKernel, KernelCache};
-pub use ceiling::{
-    measure_copy_ceiling, measure_copy_ceiling_detailed, measure_gemm_ceiling,
-    measure_gemm_ceiling_detailed, CeilingMeasurement,
-};
 pub use device::{device_count, driver_version, probe, Device, DeviceInfo};
 pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
@@ -39,7 +32,6 @@ pub use nvrtc::{
 };
 pub use raw::{RawStream, RawTensor, LEGACY_STREAM, PER_THREAD_STREAM};
 pub use tensor_map::{encode_tiled, TensorMap, TiledLayout};
-pub use timing::{time_back_to_back, EventTimer, L2Flusher};
 
 #[cfg(test)]
 mod tests {

@@ -9,10 +9,10 @@
 //! when the GPU reaches it, right before the kernel: the host's launch latency is not
 //! counted as kernel time.
 
-use crate::error::{Error, Result};
-use crate::gpu::device::Device;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtrMut};
+use flashmoe::gpu::Device;
+use flashmoe::{Error, Result};
 use std::sync::Arc;
 
 /// A pair of timing events on the device stream.

@@ -2,12 +2,12 @@
 //! two operations every kernel is compared against — a large bf16 GEMM (compute) and a
 //! device-to-device copy (memory bandwidth). "% of ceiling" figures divide by these.
 
-use crate::error::{Error, Result};
-use crate::gpu::device::Device;
-use crate::gpu::libs;
-use crate::gpu::timing::time_back_to_back;
+use super::timing::time_back_to_back;
 use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
+use flashmoe::gpu::ensure_cublas;
+use flashmoe::gpu::Device;
+use flashmoe::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -67,7 +67,7 @@ pub fn measure_gemm_ceiling(dev: &Device) -> Result<f64> {
 
 /// [`measure_gemm_ceiling`] with the samples.
 pub fn measure_gemm_ceiling_detailed(dev: &Device) -> Result<CeilingMeasurement> {
-    libs::ensure_cublas()?;
+    ensure_cublas()?;
     let stream = dev.stream();
     let n = GEMM_N;
     let upload = |seed| {
