@@ -35,6 +35,14 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 step "cargo test"
 cargo test --workspace --release
 
+step "flashmoe-candle: candle-core's CUDA backend built with nvcc from PyPI wheels and link stubs (no toolkit)"
+(
+  eval "$(scripts/install-nvcc.sh)"
+  cargo fmt --manifest-path crates/flashmoe-candle/Cargo.toml -- --check
+  cargo clippy --manifest-path crates/flashmoe-candle/Cargo.toml --all-targets -- -D warnings
+  cargo test --manifest-path crates/flashmoe-candle/Cargo.toml
+)
+
 step "CPU smoke run of the main job"
 smoke=$(mktemp -d)
 trap 'rm -rf "$smoke"' EXIT
