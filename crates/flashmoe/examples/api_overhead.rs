@@ -138,7 +138,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             lse: lse.raw(&dev, "lse", &[s.batch, s.hq, s.sq])?,
         };
         let cu = stream.cu_stream();
-        let call = || unsafe { plan.forward_raw(cu, &args, ws.addr()) };
+        let call = || unsafe { plan.forward_raw(cu, &args, ws.raw()) };
         for _ in 0..50 {
             call()?;
         }
@@ -315,7 +315,7 @@ fn run_moe(
                 },
             };
             let cu = stream.cu_stream();
-            let call = || unsafe { plan.forward_raw(cu, &args, ws.addr(), ws.bytes()) };
+            let call = || unsafe { plan.forward_raw(cu, &args, ws.raw()) };
             for _ in 0..10 {
                 call()?;
             }

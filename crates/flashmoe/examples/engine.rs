@@ -262,7 +262,7 @@ fn run() -> Res<()> {
             let t = Instant::now();
             // SAFETY: the views lie inside qkv / o / lse, alive for the whole run; the
             // workspace is the plan's, used on this stream only.
-            unsafe { attn.forward_raw(stream.cu_stream(), &attn_args, attn_ws.addr()) }?;
+            unsafe { attn.forward_raw(stream.cu_stream(), &attn_args, attn_ws.raw()) }?;
             host[0] += t.elapsed().as_secs_f64();
             matmul(
                 &blas,
@@ -373,7 +373,8 @@ mod moe_layer {
     use super::{random_bf16, Res, HIDDEN};
     use cudarc::driver::{CudaSlice, CudaStream};
     use flashmoe::gpu::Device;
-    use flashmoe::moe::{MoeClass, MoePlan, MoeRouting, MoeWeights, MoeWorkspace};
+    use flashmoe::gpu::Workspace;
+    use flashmoe::moe::{MoeClass, MoePlan, MoeRouting, MoeWeights};
     use flashmoe::{DType, Scoring};
     use half::bf16;
     use std::cell::RefCell;
@@ -406,7 +407,7 @@ mod moe_layer {
         plan: MoePlan,
         tokens: usize,
         routing: RefCell<MoeRouting>,
-        workspace: RefCell<MoeWorkspace>,
+        workspace: RefCell<Workspace>,
     }
 
     impl MoeLayer {

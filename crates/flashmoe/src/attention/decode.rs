@@ -38,7 +38,8 @@ use super::plan::{Bshd, Element};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawTensor};
-use crate::gpu::Device;
+pub use crate::gpu::RawWorkspace;
+use crate::gpu::{Device, Workspace};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
@@ -347,59 +348,6 @@ pub struct DecodeShape {
     pub splits: usize,
     /// CTAs per (sequence, KV head, split): ceil(G · Sq / (16 · MT)).
     pub m_blocks: usize,
-}
-
-/// Device scratch for the split partials, owned by Rust code and bound to the stream it was
-/// allocated on (launches on another stream need their own). Not zeroed: every launch
-/// writes every partial it reads.
-pub struct DecodeWorkspace {
-    buf: Option<CudaSlice<u8>>,
-    stream: RawStream,
-}
-
-// SAFETY: `stream` is only compared, never used to enqueue work.
-unsafe impl Send for DecodeWorkspace {}
-unsafe impl Sync for DecodeWorkspace {}
-
-impl std::fmt::Debug for DecodeWorkspace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DecodeWorkspace({} bytes)", self.bytes())
-    }
-}
-
-impl DecodeWorkspace {
-    /// `bytes` bytes on `stream` (none for 0).
-    pub fn alloc(stream: &Arc<CudaStream>, bytes: usize) -> Result<DecodeWorkspace> {
-        let buf = if bytes == 0 {
-            None
-        } else {
-            // SAFETY: a byte buffer; every launch writes what it later reads.
-            Some(unsafe { stream.alloc::<u8>(bytes) }.map_err(|e| {
-                Error::cuda(format!("cuMemAlloc of a {bytes}-byte decode workspace"), e)
-            })?)
-        };
-        Ok(DecodeWorkspace {
-            buf,
-            stream: stream.cu_stream(),
-        })
-    }
-    pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len())
-    }
-    /// The raw view, for [`DecodePlan::forward_raw`] on the stream it was allocated on.
-    pub fn raw(&self) -> RawWorkspace {
-        RawWorkspace {
-            ptr: self.buf.as_ref().map_or(0, |b| b.device_ptr(b.stream()).0),
-            bytes: self.bytes(),
-        }
-    }
-}
-
-/// A workspace as the raw layer sees it: address and size in bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct RawWorkspace {
-    pub ptr: u64,
-    pub bytes: usize,
 }
 
 /// The kernel build of a class: its defines and launch geometry.
@@ -735,8 +683,8 @@ impl DecodePlan {
         stream: &Arc<CudaStream>,
         batch: usize,
         max_seqlen_k: usize,
-    ) -> Result<DecodeWorkspace> {
-        DecodeWorkspace::alloc(stream, self.workspace_bytes(batch, max_seqlen_k))
+    ) -> Result<Workspace> {
+        Workspace::zeroed(stream, self.workspace_bytes(batch, max_seqlen_k))
     }
 
     /// Check the cache tensors and the table against the class; returns (num_blocks,
@@ -867,13 +815,7 @@ impl DecodePlan {
         let s = self.check(a)?;
         let c = &self.class;
         let (lse_off, need) = Self::partial_bytes(c, s.splits, s.batch, s.seqlen_q);
-        if need > 0 && (workspace.ptr == 0 || workspace.ptr % 16 != 0 || workspace.bytes < need) {
-            return Err(Error::invalid(format!(
-                "workspace of {} bytes at {:#x}: {} splits need {need} bytes at a non-null \
-                 16-byte aligned address (DecodePlan::workspace_bytes)",
-                workspace.bytes, workspace.ptr, s.splits
-            )));
-        }
+        workspace.check(need, 16, "DecodePlan")?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
@@ -1063,7 +1005,7 @@ impl DecodePlan {
         o: Bshd<&mut O>,
         lse: &mut CudaSlice<f32>,
         max_seqlen_k: Option<usize>,
-        workspace: &mut DecodeWorkspace,
+        workspace: &mut Workspace,
     ) -> Result<()>
     where
         T: Element,
@@ -1073,12 +1015,6 @@ impl DecodePlan {
         O: DevicePtrMut<T>,
     {
         self.check_stream(stream)?;
-        if workspace.stream != stream.cu_stream() {
-            return Err(Error::invalid(
-                "the workspace was allocated on another stream: launches on different streams \
-                 may overlap and need a workspace each (DecodePlan::alloc_workspace)",
-            ));
-        }
         let b = q.shape[0];
         let (hq, sq) = (self.class.heads_q, q.shape[1]);
         if b == 0 || block_table.len() % b != 0 {
@@ -1121,23 +1057,8 @@ impl DecodePlan {
             }
         }
         let need = Self::partial_bytes(&self.class, shape.splits, b, sq).1;
-        if workspace.bytes() < need {
-            return Err(Error::invalid(format!(
-                "workspace of {} bytes but this call needs {need} (DecodePlan::alloc_workspace \
-                 with batch {b} and max_seqlen_k {})",
-                workspace.bytes(),
-                shape.max_seqlen_k
-            )));
-        }
-        let ws_bytes = workspace.bytes();
-        let ws = match &mut workspace.buf {
-            Some(w) => w.device_ptr_mut(stream),
-            None => (0, cudarc::driver::SyncOnDrop::Sync(None)),
-        };
-        let raw_ws = RawWorkspace {
-            ptr: ws.0,
-            bytes: ws_bytes,
-        };
+        workspace.check_for(stream, need, "DecodePlan")?;
+        let raw_ws = workspace.raw();
         // SAFETY: every buffer is a live cudarc allocation of the plan's context covering
         // its view's span (checked above); the guards keep cudarc's stream order until after
         // the launches; the workspace is bound to this stream (launches in order).
@@ -1209,7 +1130,6 @@ impl DecodePlan {
 fn _assert_send_sync() {
     fn f<T: Send + Sync>() {}
     f::<DecodePlan>();
-    f::<DecodeWorkspace>();
 }
 
 #[cfg(test)]

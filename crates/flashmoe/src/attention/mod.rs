@@ -18,7 +18,8 @@ pub mod plan;
 mod plan_gpu_tests;
 pub mod tma;
 
-pub use plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd, CallShape, Element, Workspace};
+pub use crate::gpu::{RawWorkspace, Workspace};
+pub use plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd, CallShape, Element};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -187,7 +188,7 @@ fn run_once(
     // SAFETY: lab buffers of this device, sized for the problem (checked), ordered on its
     // one stream; the workspace is fresh and zeroed, and outlives the launch because the
     // memory is freed in stream order.
-    unsafe { plan.forward_raw(dev.stream().cu_stream(), &args, ws.addr()) }
+    unsafe { plan.forward_raw(dev.stream().cu_stream(), &args, ws.raw()) }
 }
 
 /// Attention forward with the kernel [`config::select`] picks for this device (the sm_90a
@@ -245,7 +246,7 @@ impl PlannedKernel {
         // the device's one stream only.
         let r = unsafe {
             self.plan
-                .forward_raw(dev.stream().cu_stream(), args, self.workspace.addr())
+                .forward_raw(dev.stream().cu_stream(), args, self.workspace.raw())
         };
         r?;
         dev.debug_sync(self.plan.variant().entry)

@@ -25,11 +25,11 @@ use super::config::{self, KernelAbi, KernelVariant};
 use super::{softmax_scale_log2, tma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor};
-use crate::gpu::Device;
+use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::{Device, Workspace};
 use crate::problem::AttentionProblem;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -101,52 +101,6 @@ pub struct CallShape {
     pub batch: usize,
     pub seqlen_q: usize,
     pub seqlen_k: usize,
-}
-
-/// A device workspace owned by the caller's Rust code: zeroed when allocated, left zeroed
-/// by every launch, and bound to the stream it was allocated on so that its launches are
-/// ordered (launches on another stream need a workspace of their own).
-pub struct Workspace {
-    buf: Option<CudaSlice<u8>>,
-    stream: RawStream,
-}
-
-// SAFETY: `stream` is only compared, never used to enqueue work.
-unsafe impl Send for Workspace {}
-unsafe impl Sync for Workspace {}
-
-impl std::fmt::Debug for Workspace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Workspace({} bytes)", self.bytes())
-    }
-}
-
-impl Workspace {
-    /// `bytes` zeroed bytes on `stream` (none for 0).
-    pub fn zeroed(stream: &Arc<CudaStream>, bytes: usize) -> Result<Workspace> {
-        let buf = if bytes == 0 {
-            None
-        } else {
-            Some(stream.alloc_zeros::<u8>(bytes).map_err(|e| {
-                Error::cuda(
-                    format!("cuMemAlloc + memset of a {bytes}-byte workspace"),
-                    e,
-                )
-            })?)
-        };
-        Ok(Workspace {
-            buf,
-            stream: stream.cu_stream(),
-        })
-    }
-    pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len())
-    }
-    /// The device address (0 when empty), for [`AttentionPlan::forward_raw`] on the
-    /// stream the workspace was allocated on.
-    pub fn addr(&self) -> u64 {
-        self.buf.as_ref().map_or(0, |b| b.device_ptr(b.stream()).0)
-    }
 }
 
 /// A 16-bit element type the kernels take: `half::bf16` or `half::f16`.
@@ -365,21 +319,15 @@ impl AttentionPlan {
     /// workspace + workspace_bytes()` is live device memory of this plan's context covering
     /// its tensor's span, the workspace is zeroed (as every launch leaves it) and not used
     /// by a launch that may run at the same time, and `stream` belongs to the context.
+    /// The workspace is checked for size and alignment.
     pub unsafe fn forward_raw(
         &self,
         stream: RawStream,
         a: &AttentionArgs,
-        workspace: u64,
+        workspace: RawWorkspace,
     ) -> Result<()> {
         let shape = self.check(a)?;
-        let ws_bytes = self.workspace_bytes();
-        if ws_bytes > 0 && (workspace == 0 || workspace % 16 != 0) {
-            return Err(Error::invalid(format!(
-                "workspace at {workspace:#x}: {} needs {ws_bytes} zeroed bytes at a non-null \
-                 16-byte aligned address (AttentionPlan::workspace_bytes)",
-                self.variant.entry
-            )));
-        }
+        workspace.check(self.workspace_bytes(), 16, "AttentionPlan")?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
@@ -438,7 +386,7 @@ impl AttentionPlan {
                     block_dim: (self.variant.block_threads, 1, 1),
                     shared_mem_bytes: self.variant.shared_mem_bytes,
                 };
-                let ws = workspace;
+                let ws = workspace.ptr;
                 let mut params: [*mut c_void; 13] = [
                     param(&maps[0]),
                     param(&maps[1]),
@@ -487,19 +435,7 @@ impl AttentionPlan {
                  from the stream's context: Device::from_context)",
             ));
         }
-        if workspace.stream != stream.cu_stream() {
-            return Err(Error::invalid(
-                "the workspace was allocated on another stream: launches on different streams \
-                 may overlap and need a workspace each (AttentionPlan::alloc_workspace)",
-            ));
-        }
-        if workspace.bytes() < self.workspace_bytes() {
-            return Err(Error::invalid(format!(
-                "workspace of {} bytes but the plan needs {} (AttentionPlan::alloc_workspace)",
-                workspace.bytes(),
-                self.workspace_bytes()
-            )));
-        }
+        workspace.check_for(stream, self.workspace_bytes(), "AttentionPlan")?;
         let (hq, sq, b) = (self.class.heads_q, q.shape[1], q.shape[0]);
         let (qp, _gq) = q.buf.device_ptr(stream);
         let (kp, _gk) = k.buf.device_ptr(stream);
@@ -531,15 +467,12 @@ impl AttentionPlan {
                 )));
             }
         }
-        let ws = match &mut workspace.buf {
-            Some(w) => w.device_ptr_mut(stream),
-            None => (0, cudarc::driver::SyncOnDrop::Sync(None)),
-        };
+        let ws = workspace.raw();
         // SAFETY: every buffer is a live cudarc allocation of the plan's context (checked
         // above) covering its view's span; the guards keep cudarc's stream order until
         // after the launch; the workspace is the plan's size, zeroed when allocated and
         // left zeroed by every launch, and bound to this stream (launches in order).
-        unsafe { self.forward_raw(stream.cu_stream(), &args, ws.0) }
+        unsafe { self.forward_raw(stream.cu_stream(), &args, ws) }
     }
 }
 

@@ -182,7 +182,7 @@ fn plan_strided_qkv_views_match_contiguous() {
             let ws = plan.alloc_workspace(s).unwrap();
             let b = 2;
             let call = Call::new(s, &c, b, sq, sq, seed + d as u64);
-            unsafe { plan.forward_raw(s.cu_stream(), &call.args(s, &c), ws.addr()) }.unwrap();
+            unsafe { plan.forward_raw(s.cu_stream(), &call.args(s, &c), ws.raw()) }.unwrap();
             let (o_ref, lse_ref) = call.outputs(s);
             assert_written("contiguous", &o_ref, &lse_ref);
             let err = rel_l2_vs_reference(dev, &c, &call, &o_ref);
@@ -219,7 +219,7 @@ fn plan_strided_qkv_views_match_contiguous() {
             args.v = view((hq + hkv) * d, hkv);
             args.o.ptr = addr(&o2, s);
             args.lse.ptr = addr(&lse2, s);
-            let r = unsafe { plan.forward_raw(s.cu_stream(), &args, ws.addr()) };
+            let r = unsafe { plan.forward_raw(s.cu_stream(), &args, ws.raw()) };
             if plan.variant().entry == super::config::SM90_ENTRY {
                 r.unwrap();
                 let o = s.clone_dtoh(&o2).unwrap();
@@ -264,8 +264,7 @@ fn plan_runs_on_two_streams_at_once() {
             let ws0 = plan.alloc_workspace(s0).unwrap();
             let mut want = Vec::new();
             for call in &calls {
-                unsafe { plan.forward_raw(s0.cu_stream(), &call.args(s0, &c), ws0.addr()) }
-                    .unwrap();
+                unsafe { plan.forward_raw(s0.cu_stream(), &call.args(s0, &c), ws0.raw()) }.unwrap();
                 want.push(call.outputs(s0));
                 assert_written("alone", &want.last().unwrap().0, &want.last().unwrap().1);
             }
@@ -275,8 +274,8 @@ fn plan_runs_on_two_streams_at_once() {
             let (a0, a1) = (calls[0].args(s0, &c), calls[1].args(s0, &c));
             for _ in 0..20 {
                 unsafe {
-                    plan.forward_raw(s1.cu_stream(), &a0, ws1.addr()).unwrap();
-                    plan.forward_raw(s2.cu_stream(), &a1, ws2.addr()).unwrap();
+                    plan.forward_raw(s1.cu_stream(), &a0, ws1.raw()).unwrap();
+                    plan.forward_raw(s2.cu_stream(), &a1, ws2.raw()).unwrap();
                 }
             }
             s1.synchronize().unwrap();
@@ -336,7 +335,7 @@ fn plan_replays_in_a_cuda_graph() {
             .collect();
         let enqueue = |st: &Arc<CudaStream>| {
             for ((p, a), w) in plans.iter().zip(&args).zip(&wss) {
-                unsafe { p.forward_raw(st.cu_stream(), a, w.addr()) }.unwrap();
+                unsafe { p.forward_raw(st.cu_stream(), a, w.raw()) }.unwrap();
             }
         };
         s.synchronize().unwrap();
@@ -374,7 +373,7 @@ fn plan_replays_in_a_cuda_graph() {
                     let mut e = *a;
                     e.o.ptr = addr(o, &s);
                     e.lse.ptr = addr(l, &s);
-                    unsafe { p.forward_raw(s.cu_stream(), &e, w.addr()) }.unwrap();
+                    unsafe { p.forward_raw(s.cu_stream(), &e, w.raw()) }.unwrap();
                 }
                 let want: Vec<(Vec<u16>, Vec<f32>)> = eager_out
                     .iter()
@@ -453,7 +452,7 @@ fn plan_forward_on_cudarc_slices_of_a_borrowed_context() {
         let lws = lab_plan.alloc_workspace(ls).unwrap();
         let mut call = Call::new(ls, &c, b, sq, sk, seed);
         call.q = upload(ls, &random_bf16(b * sq * hq * d, seed));
-        unsafe { lab_plan.forward_raw(ls.cu_stream(), &call.args(ls, &c), lws.addr()) }.unwrap();
+        unsafe { lab_plan.forward_raw(ls.cu_stream(), &call.args(ls, &c), lws.raw()) }.unwrap();
         let (want, _) = call.outputs(ls);
         assert!(got == want, "cudarc path differs from the raw path");
         let err = rel_l2_vs_reference(&labdev, &c, &call, &want);
@@ -504,23 +503,23 @@ fn plan_forward_on_cudarc_slices_of_a_borrowed_context() {
         let mut args = call.args(ls, &c);
         args.k.ptr += 2;
         bad(
-            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.addr()) },
+            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.raw()) },
             "k at",
         );
         let mut args = call.args(ls, &c);
         args.v.ptr = 0;
         bad(
-            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.addr()) },
+            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.raw()) },
             "v is a null",
         );
         bad(
-            unsafe { lab_plan.forward_raw(ls.cu_stream(), &call.args(ls, &c), 0) },
+            unsafe { lab_plan.forward_raw(ls.cu_stream(), &call.args(ls, &c), Default::default()) },
             "workspace",
         );
         let mut args = call.args(ls, &c);
         args.q.dtype = DType::F16;
         bad(
-            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.addr()) },
+            unsafe { lab_plan.forward_raw(ls.cu_stream(), &args, lws.raw()) },
             "q holds f16",
         );
         eprintln!("plan cudarc path: bit-identical to the raw path, bad input rejected");

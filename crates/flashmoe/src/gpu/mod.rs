@@ -9,6 +9,7 @@
 //! - [`KernelCache`]: NVRTC output cached on disk, modules cached in memory.
 //! - [`DeviceTensor`]: dtype-aware device buffers with upload / download / poison.
 //! - [`raw`]: the caller's streams and device memory ([`RawStream`], [`RawTensor`]).
+//! - [`Workspace`]: the stream-bound device scratch every plan takes.
 //! - [`TensorMap`]: TMA tensor maps for the sm_90a kernels.
 
 pub mod buffer;
@@ -22,6 +23,7 @@ pub use libs::ensure_cublas;
 pub mod nvrtc;
 pub mod raw;
 pub mod tensor_map;
+pub mod workspace;
 
 pub use buffer::{check_len, DeviceData, DeviceTensor};
 pub use cache::{cache_key, default_cache_dir, CachedKernel, KernelCache};
@@ -30,8 +32,9 @@ pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
     parse_ptxas_report, CompiledKernel, ImageKind, KernelResources,
 };
-pub use raw::{RawStream, RawTensor, LEGACY_STREAM, PER_THREAD_STREAM};
+pub use raw::{RawStream, RawTensor, RawWorkspace, LEGACY_STREAM, PER_THREAD_STREAM};
 pub use tensor_map::{encode_tiled, TensorMap, TiledLayout};
+pub use workspace::Workspace;
 
 #[cfg(test)]
 mod tests {

@@ -173,6 +173,32 @@ impl RawTensor {
     }
 }
 
+/// A workspace as the raw layer sees it: a device address and its size in bytes (any
+/// allocation of the plan's context; 256-byte aligned from cuMemAlloc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RawWorkspace {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl RawWorkspace {
+    /// Error unless this holds `needed` bytes at a non-null address aligned to `align`
+    /// (nothing is required when `needed` is 0).
+    pub fn check(&self, needed: usize, align: u64, plan: &str) -> Result<()> {
+        if needed == 0 {
+            return Ok(());
+        }
+        if self.ptr == 0 || self.ptr % align != 0 || self.bytes < needed {
+            return Err(Error::invalid(format!(
+                "workspace of {} bytes at {:#x}: the {plan} needs {needed} bytes at a non-null \
+                 {align}-byte aligned address ({plan}::workspace_bytes)",
+                self.bytes, self.ptr
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// Enqueue `func` on `stream` with the kernel parameters `params` (one pointer to each
 /// argument's value, in the kernel's order). One driver call; `what` names the kernel in
 /// the error.

@@ -42,8 +42,8 @@ use crate::reference::moe::MoeInputs;
 use config::{MoeKernel, BACKEND};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 pub use plan::{
-    MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, MoeWorkspace, RawU32, RoutingArgs,
-    TokenRange, WorkspaceLayout,
+    MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, RawU32, RoutingArgs, TokenRange,
+    WorkspaceLayout,
 };
 
 /// CUDA grid limits (x, y).
@@ -468,31 +468,34 @@ impl MoeRunner {
             .unwrap_or_else(|e| e.to_string())
     }
 
-    fn workspace_addr(&self, dev: &Device) -> u64 {
-        self.workspace.device_ptr(dev.stream()).0
+    fn workspace_raw(&self, dev: &Device) -> crate::gpu::RawWorkspace {
+        crate::gpu::RawWorkspace {
+            ptr: self.workspace.device_ptr(dev.stream()).0,
+            bytes: self.layout.bytes,
+        }
     }
 
     /// Enqueue the router alone (contract steps 1–3b: logits, scoring + top-k, per-expert
     /// statistics, losses): timed separately to report the router's share of the layer.
     pub fn run_router(&mut self, dev: &Device) -> Result<()> {
-        let ws = self.workspace_addr(dev);
+        let ws = self.workspace_raw(dev);
         // SAFETY: every address in `args` and the workspace is a live buffer of `self`
         // (allocated on the device's context, sized by the plan for this token count);
         // all work is ordered on the device's one stream.
         unsafe {
             self.plan
-                .router_raw(dev.stream().cu_stream(), &self.args, ws, self.layout.bytes)
+                .router_raw(dev.stream().cu_stream(), &self.args, ws)
         }?;
         dev.debug_sync("the MoE router")
     }
 
     /// Enqueue the whole forward pipeline on the device stream (no sync).
     pub fn run(&mut self, dev: &Device) -> Result<()> {
-        let ws = self.workspace_addr(dev);
+        let ws = self.workspace_raw(dev);
         // SAFETY: as in run_router.
         unsafe {
             self.plan
-                .forward_raw(dev.stream().cu_stream(), &self.args, ws, self.layout.bytes)
+                .forward_raw(dev.stream().cu_stream(), &self.args, ws)
         }?;
         dev.debug_sync("the MoE layer")
     }

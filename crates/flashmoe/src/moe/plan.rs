@@ -63,9 +63,9 @@ use super::{gemm_launch_config, pipeline_configs};
 use crate::attention::Element;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor};
+use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::tensor_map::{self, TensorMap};
-use crate::gpu::Device;
+use crate::gpu::{Device, Workspace};
 use crate::problem::{MoeProblem, Scoring};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
@@ -735,8 +735,8 @@ impl MoePlan {
     }
 
     /// A workspace for every call of this plan on `stream` (allocates: do it once).
-    pub fn alloc_workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
-        MoeWorkspace::new(stream, self.max_workspace_bytes())
+    pub fn alloc_workspace(&self, stream: &Arc<CudaStream>) -> Result<Workspace> {
+        Workspace::zeroed(stream, self.max_workspace_bytes())
     }
 
     /// Routing output buffers for calls of up to `max_tokens` tokens on `stream`
@@ -796,22 +796,6 @@ impl MoePlan {
         Ok(t)
     }
 
-    fn check_workspace(&self, workspace: u64, bytes: usize, need: usize) -> Result<()> {
-        if workspace == 0 || workspace % WORKSPACE_ALIGN as u64 != 0 {
-            return Err(Error::invalid(format!(
-                "workspace at {workspace:#x} must be a non-null {WORKSPACE_ALIGN}-byte aligned \
-                 device address"
-            )));
-        }
-        if bytes < need {
-            return Err(Error::invalid(format!(
-                "workspace of {bytes} bytes but this call needs {need} \
-                 (MoePlan::workspace_bytes)"
-            )));
-        }
-        Ok(())
-    }
-
     fn func(&self, i: usize) -> &CudaFunction {
         &self.loaded[i].1
     }
@@ -824,8 +808,8 @@ impl MoePlan {
     /// Asynchronous; O(1) checks ([`MoePlan::check`]), no allocation.
     ///
     /// # Safety
-    /// The contract of [`crate::gpu::raw`]: every address in `a` and `workspace ..
-    /// workspace + workspace_bytes` is live device memory of this plan's context covering
+    /// The contract of [`crate::gpu::raw`]: every address in `a` and the workspace's
+    /// bytes are live device memory of this plan's context covering
     /// its tensor, the workspace is not used by a launch that may run at the same time,
     /// the outputs do not overlap the inputs or each other, and `stream` belongs to the
     /// plan's context.
@@ -833,19 +817,18 @@ impl MoePlan {
         &self,
         stream: RawStream,
         a: &MoeArgs,
-        workspace: u64,
-        workspace_bytes: usize,
+        workspace: RawWorkspace,
     ) -> Result<()> {
         let t = self.check(a)?;
         let b = self.bucket(t)?;
         let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
-        self.check_workspace(workspace, workspace_bytes, ws.bytes)?;
+        workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, "MoePlan")?;
         let cfgs = self.configs(b, t)?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        self.enqueue_router(stream, a, t, b, &cfgs, workspace, &ws)?;
-        self.enqueue_experts(stream, a, t, b, &cfgs, workspace, &ws)
+        self.enqueue_router(stream, a, t, b, &cfgs, workspace.ptr, &ws)?;
+        self.enqueue_experts(stream, a, t, b, &cfgs, workspace.ptr, &ws)
     }
 
     /// Enqueue the router stage alone (logits, scoring + top-k, statistics, losses: the
@@ -858,19 +841,18 @@ impl MoePlan {
         &self,
         stream: RawStream,
         a: &MoeArgs,
-        workspace: u64,
-        workspace_bytes: usize,
+        workspace: RawWorkspace,
     ) -> Result<()> {
         let t = self.check(a)?;
         let b = self.bucket(t)?;
         let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
-        self.check_workspace(workspace, workspace_bytes, ws.bytes)?;
+        workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, "MoePlan")?;
         let cfgs = self.configs(b, t)?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        self.enqueue_router(stream, a, t, b, &cfgs, workspace, &ws)?;
-        self.enqueue_losses(stream, a, t, workspace, &ws)
+        self.enqueue_router(stream, a, t, b, &cfgs, workspace.ptr, &ws)?;
+        self.enqueue_losses(stream, a, t, workspace.ptr, &ws)
     }
 
     /// The one-group offsets `[0, tokens]` in the plan's table.
@@ -1289,7 +1271,7 @@ impl MoePlan {
         weights: &MoeWeights<'_, W>,
         out: &mut O,
         routing: &mut MoeRouting,
-        workspace: &mut MoeWorkspace,
+        workspace: &mut Workspace,
     ) -> Result<()>
     where
         T: Element,
@@ -1303,12 +1285,7 @@ impl MoePlan {
                  from the stream's context: Device::from_context)",
             ));
         }
-        if workspace.stream != stream.cu_stream() {
-            return Err(Error::invalid(
-                "the workspace was allocated on another stream: launches on different streams \
-                 may overlap and need a workspace each (MoePlan::alloc_workspace)",
-            ));
-        }
+        workspace.check_for(stream, 0, "MoePlan")?;
         let c = &self.class;
         let (h, i, e, k) = (c.hidden, c.intermediate, c.experts, c.top_k);
         if tokens == 0 || tokens > c.max_tokens {
@@ -1353,8 +1330,7 @@ impl MoePlan {
         let (twp, _gw) = routing.topk_w.device_ptr_mut(stream);
         let (cp, _gc) = routing.counts.device_ptr_mut(stream);
         let (lp, _gl) = routing.losses.device_ptr_mut(stream);
-        let ws_bytes = workspace.bytes();
-        let (wsp, _gws) = workspace.buf.device_ptr_mut(stream);
+        let ws = workspace.raw();
         let (shared_w13, shared_w2) = match &shared {
             Some(((p13, _), (p2, _))) => (
                 Some(RawTensor::contiguous(*p13, dt, &[h, 2 * i])?),
@@ -1383,7 +1359,7 @@ impl MoePlan {
         // SAFETY: every buffer is a live cudarc allocation of the plan's context (checked
         // above) at least as long as its tensor; the guards keep cudarc's stream order
         // until after the launches; the workspace is bound to this stream.
-        unsafe { self.forward_raw(stream.cu_stream(), &args, wsp, ws_bytes) }
+        unsafe { self.forward_raw(stream.cu_stream(), &args, ws) }
     }
 }
 
@@ -1434,56 +1410,11 @@ impl MoeRouting {
     }
 }
 
-/// A device workspace owned by the caller's Rust code, bound to the stream it was
-/// allocated on (launches on another stream need their own). Its contents never matter
-/// between calls (module doc), so it is not zeroed.
-pub struct MoeWorkspace {
-    buf: CudaSlice<u8>,
-    stream: RawStream,
-}
-
-// SAFETY: `stream` is only compared, never used to enqueue work.
-unsafe impl Send for MoeWorkspace {}
-unsafe impl Sync for MoeWorkspace {}
-
-impl std::fmt::Debug for MoeWorkspace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "MoeWorkspace({} bytes)", self.bytes())
-    }
-}
-
-impl MoeWorkspace {
-    /// `bytes` bytes on `stream` (at least 1; cudarc allocations are 256-byte aligned).
-    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Result<MoeWorkspace> {
-        // SAFETY: no kernel reads a workspace element before writing it (module doc).
-        let buf = unsafe { stream.alloc::<u8>(bytes.max(1)) }
-            .map_err(|e| Error::cuda(format!("cuMemAlloc of a {bytes}-byte MoE workspace"), e))?;
-        Ok(MoeWorkspace {
-            buf,
-            stream: stream.cu_stream(),
-        })
-    }
-    pub fn bytes(&self) -> usize {
-        self.buf.len()
-    }
-    /// The device address, for [`MoePlan::forward_raw`] on the workspace's stream.
-    pub fn addr(&self) -> u64 {
-        self.buf.device_ptr(self.buf.stream()).0
-    }
-    /// The buffer itself (to poison it, or read intermediates in tests).
-    pub fn buffer_mut(&mut self) -> &mut CudaSlice<u8> {
-        &mut self.buf
-    }
-    pub fn buffer(&self) -> &CudaSlice<u8> {
-        &self.buf
-    }
-}
-
 #[allow(dead_code)]
 fn _assert_send_sync() {
     fn f<T: Send + Sync>() {}
     f::<MoePlan>();
-    f::<MoeWorkspace>();
+    f::<Workspace>();
     f::<MoeRouting>();
 }
 

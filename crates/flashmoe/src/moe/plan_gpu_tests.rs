@@ -8,9 +8,7 @@
 //! On the GPU machine: `cargo test -p flashmoe --release --lib -- moe::plan_gpu_tests
 //! --nocapture --test-threads=1`.
 
-use super::plan::{
-    MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, MoeWorkspace, RawU32, RoutingArgs,
-};
+use super::plan::{MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, RawU32, RoutingArgs};
 use super::{GpuRouting, MoeRunner};
 use crate::accuracy::error_metrics;
 use crate::dtype::DType;
@@ -254,7 +252,7 @@ fn rel(a: f64, b: f64) -> f64 {
 fn check_against_runner(
     dev: &Device,
     plan: &MoePlan,
-    ws: &mut MoeWorkspace,
+    ws: &mut crate::gpu::Workspace,
     tokens: usize,
     path: Option<&str>,
     safe: bool,
@@ -294,7 +292,7 @@ fn check_against_runner(
         r
     } else {
         let a = io.args(stream, &c, &w);
-        unsafe { plan.forward_raw(stream.cu_stream(), &a, ws.addr(), ws.bytes()) }
+        unsafe { plan.forward_raw(stream.cu_stream(), &a, ws.raw()) }
             .unwrap_or_else(|e| panic!("{tag}: {e}"));
         io.results(stream, c.dtype)
     };
@@ -450,8 +448,8 @@ fn plan_graph_replay_matches_eager() {
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .unwrap();
         unsafe {
-            plan.forward_raw(cu, &a1, ws.addr(), ws.bytes()).unwrap();
-            plan.forward_raw(cu, &a2, ws.addr(), ws.bytes()).unwrap();
+            plan.forward_raw(cu, &a1, ws.raw()).unwrap();
+            plan.forward_raw(cu, &a2, ws.raw()).unwrap();
         }
         let graph = stream
             .end_capture(
@@ -472,10 +470,8 @@ fn plan_graph_replay_matches_eager() {
             poison(stream, ws_e.buffer_mut());
             stream.memcpy_htod(&x, &mut e1.x).unwrap();
             unsafe {
-                plan.forward_raw(cu, &b1, ws_e.addr(), ws_e.bytes())
-                    .unwrap();
-                plan.forward_raw(cu, &b2, ws_e.addr(), ws_e.bytes())
-                    .unwrap();
+                plan.forward_raw(cu, &b1, ws_e.raw()).unwrap();
+                plan.forward_raw(cu, &b2, ws_e.raw()).unwrap();
             }
             let tag = format!("replay {replay}");
             let (g1, g2) = (l1.results(stream, c.dtype), l2.results(stream, c.dtype));
@@ -515,9 +511,9 @@ fn plan_two_streams_concurrently() {
         let a1 = io1.args(&s1, &c, &w);
         let a2 = io2.args(&s2, &c, &w);
         // Alone, one after the other.
-        unsafe { plan.forward_raw(s1.cu_stream(), &a1, ws1.addr(), ws1.bytes()) }.unwrap();
+        unsafe { plan.forward_raw(s1.cu_stream(), &a1, ws1.raw()) }.unwrap();
         let alone1 = io1.results(&s1, c.dtype);
-        unsafe { plan.forward_raw(s2.cu_stream(), &a2, ws2.addr(), ws2.bytes()) }.unwrap();
+        unsafe { plan.forward_raw(s2.cu_stream(), &a2, ws2.raw()) }.unwrap();
         let alone2 = io2.results(&s2, c.dtype);
         alone1.assert_written("alone 1", &c);
         alone2.assert_written("alone 2", &c);
@@ -533,10 +529,8 @@ fn plan_two_streams_concurrently() {
             poison(&s2, ws2.buffer_mut());
             for _ in 0..20 {
                 unsafe {
-                    plan.forward_raw(s1.cu_stream(), &a1, ws1.addr(), ws1.bytes())
-                        .unwrap();
-                    plan.forward_raw(s2.cu_stream(), &a2, ws2.addr(), ws2.bytes())
-                        .unwrap();
+                    plan.forward_raw(s1.cu_stream(), &a1, ws1.raw()).unwrap();
+                    plan.forward_raw(s2.cu_stream(), &a2, ws2.raw()).unwrap();
                 }
             }
             let (r1, r2) = (io1.results(&s1, c.dtype), io2.results(&s2, c.dtype));
@@ -564,7 +558,11 @@ fn plan_bad_input_is_a_clear_error() {
         let good = io.args(stream, &c, &w);
         let (h, i, e) = (c.hidden, c.intermediate, c.experts);
         let call = |a: &MoeArgs, ws_addr: u64, ws_bytes: usize| -> String {
-            match unsafe { plan.forward_raw(stream.cu_stream(), a, ws_addr, ws_bytes) } {
+            let ws = crate::gpu::RawWorkspace {
+                ptr: ws_addr,
+                bytes: ws_bytes,
+            };
+            match unsafe { plan.forward_raw(stream.cu_stream(), a, ws) } {
                 Ok(()) => panic!("accepted a bad call: {a:?}"),
                 Err(e) => e.to_string(),
             }
@@ -573,7 +571,7 @@ fn plan_bad_input_is_a_clear_error() {
             assert!(msg.contains(needle), "{what}: {msg}");
             eprintln!("  {what}: {msg}");
         };
-        let (wa, wb) = (ws.addr(), ws.bytes());
+        let (wa, wb) = (ws.raw().ptr, ws.raw().bytes);
         let mut a = good;
         a.w13 = RawTensor::contiguous(a.w13.ptr, c.dtype, &[e, h, i]).unwrap();
         expect("wrong shape", call(&a, wa, wb), "w13 has shape");
@@ -604,7 +602,11 @@ fn plan_bad_input_is_a_clear_error() {
         expect("strided x", call(&a, wa, wb), "x must be contiguous");
         let need = plan.workspace_bytes(16).unwrap();
         expect("small workspace", call(&good, wa, need - 1), "workspace of");
-        expect("null workspace", call(&good, 0, wb), "workspace at 0x0");
+        expect(
+            "null workspace",
+            call(&good, 0, wb),
+            "at 0x0: the MoePlan needs",
+        );
         expect(
             "misaligned workspace",
             call(&good, wa + 16, wb - 16),
@@ -654,7 +656,7 @@ fn plan_bad_input_is_a_clear_error() {
         assert!(e5.contains("experts = 300"), "{e5}");
         // Nothing bad was launched: a good call still works.
         io.poison(stream);
-        unsafe { plan.forward_raw(stream.cu_stream(), &good, wa, wb) }.unwrap();
+        unsafe { plan.forward_raw(stream.cu_stream(), &good, ws.raw()) }.unwrap();
         io.results(stream, c.dtype)
             .assert_written("after errors", &c);
     });
