@@ -37,6 +37,9 @@ PROTOCOL_VERSION = 1
 
 ATTENTION_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "torch-naive"]
 MOE_IMPLS = ["moe-naive-loop", "moe-grouped-mm", "moe-dense-chain"]
+# Decode-from-a-cache baselines (``flashmoe bench decode``): attention problems whose K/V
+# are the cache, causal bottom-right. n/a when the package is not importable.
+DECODE_IMPLS = ["fa-kvcache", "flashinfer-decode"]
 
 # Cap of the spin queued before each start event, microseconds.
 MAX_SPIN_US = 2000.0
@@ -91,7 +94,7 @@ def build_hello(device):
         "device": device,
         "timer": None,
         "flush_bytes": None,
-        "implementations": ATTENTION_IMPLS + MOE_IMPLS,
+        "implementations": ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS,
         "pid": os.getpid(),
     }
     global np, fi, torch, F
@@ -462,9 +465,10 @@ class Worker:
         if not isinstance(problem, dict):
             raise ValueError("prepare needs a 'problem' object")
         kind = problem.get("kind")
-        if impl in ATTENTION_IMPLS and kind != "attention" or impl in MOE_IMPLS and kind != "moe":
+        if (impl in ATTENTION_IMPLS + DECODE_IMPLS and kind != "attention"
+                or impl in MOE_IMPLS and kind != "moe"):
             raise NotApplicable(f"{impl} does not run {kind} problems")
-        if impl not in ATTENTION_IMPLS + MOE_IMPLS:
+        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS:
             raise NotApplicable(f"unknown implementation '{impl}'")
         t0 = time.perf_counter()
         inputs = self.acquire_inputs(problem, seed)
@@ -662,6 +666,8 @@ class Worker:
             self.build_sdpa(p, b, hq, sq, sk, d, gqa, mode, scale, to_bshd)
         elif p.impl == "flex":
             self.build_flex(p, sq, sk, gqa, causal, scale, to_bshd)
+        elif p.impl in DECODE_IMPLS:
+            self.build_kvcache(p, b, hq, hkv, sq, sk, d, causal, scale)
         elif p.impl == "torch-naive":
             need = b * hq * sq * sk * (2 * dt.itemsize + 8) + (sq * sk if causal else 0)
             free = self.free_memory()
@@ -782,6 +788,67 @@ class Worker:
             return out
 
         p.check = check
+
+    def build_kvcache(self, p, b, hq, hkv, sq, sk, d, causal, scale):
+        """flash_attn_with_kvcache on the dense (B, Sk, Hkv, D) cache, or FlashInfer's batch
+        decode over the same cache viewed as pages of 16 keys (Sq = 1 only)."""
+        if not self.cuda:
+            raise NotApplicable(f"{p.impl} needs CUDA")
+        t = p.inputs.tensors
+        if any(t.get(n) is None for n in ("q", "k", "v")):
+            # An SDPA baseline kept only its (B, H, S, D) copies: back to (B, S, H, D), once.
+            got = p.inputs.derived.get("bshd")
+            if got is None:
+                got = tuple(x.transpose(1, 2).contiguous() for x in p.inputs.derived["bhsd"])
+                p.inputs.derived["bshd"] = got
+            q, k, v = got
+        else:
+            q, k, v = t["q"], t["k"], t["v"]
+        if p.impl == "fa-kvcache":
+            try:
+                from flash_attn import flash_attn_with_kvcache
+            except Exception as e:  # noqa: BLE001
+                raise NotApplicable(f"flash_attn not importable ({first_line(e)})")
+
+            def fn():
+                return flash_attn_with_kvcache(q, k, v, softmax_scale=scale, causal=causal)
+
+            def check():
+                o, lse = flash_attn_with_kvcache(q, k, v, softmax_scale=scale, causal=causal,
+                                                 return_softmax_lse=True)
+                return {"o": o, "lse": lse.float().reshape(b, hq, sq)}
+
+            p.outputs = ["o", "lse"]
+            p.fn, p.check = fn, check
+            p.notes.append("flash_attn_with_kvcache on the dense cache (causal bottom-right)")
+            return
+        try:
+            import flashinfer
+        except Exception as e:  # noqa: BLE001
+            raise NotApplicable(f"flashinfer not importable ({first_line(e)})")
+        page = 16
+        if sq != 1 or sk % page != 0:
+            raise NotApplicable("FlashInfer batch decode: Sq = 1 and Sk a multiple of 16 only")
+        npages = sk // page
+        kp = k.reshape(b * npages, page, hkv, d)
+        vp = v.reshape(b * npages, page, hkv, d)
+        indptr = torch.arange(b + 1, dtype=torch.int32, device=self.device) * npages
+        indices = torch.arange(b * npages, dtype=torch.int32, device=self.device)
+        last = torch.full((b,), page, dtype=torch.int32, device=self.device)
+        ws = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=q.dtype, kv_data_type=k.dtype,
+               sm_scale=scale)
+        q3 = q.reshape(b, hq, d)
+
+        def fn():
+            return w.run(q3, (kp, vp))
+
+        p.outputs = ["o"]
+        p.fn = fn
+        p.check = lambda: {"o": fn().reshape(b, sq, hq, d)}
+        p.notes.append("FlashInfer batch decode over the dense cache as pages of 16 (identity table); "
+                       "LSE not reported (O checked only)")
 
     def build_flex(self, p, sq, sk, gqa, causal, scale, to_bshd):
         try:

@@ -5,6 +5,7 @@
 //! `sweep` presets use scaled-down shapes of the same structure so the whole pipeline runs
 //! in seconds; the seed and model presets keep their real shapes.
 
+use crate::decode::DecodeProblem;
 use crate::results::ProblemSpec;
 use anyhow::{bail, Context};
 use flashmoe::{AttentionProblem, DType, MoeProblem, Scoring};
@@ -15,6 +16,8 @@ use std::path::Path;
 pub enum Suite {
     Attention,
     Moe,
+    /// Paged-KV decode attention (one decode step per config).
+    Decode,
 }
 
 impl Suite {
@@ -22,12 +25,59 @@ impl Suite {
         match self {
             Suite::Attention => "attention",
             Suite::Moe => "moe",
+            Suite::Decode => "decode",
         }
     }
 }
 
 pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003"];
 pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "deepseek-v3"];
+pub const DECODE_PRESETS: &[&str] = &["decode"];
+
+/// Page size of the decode preset's paged cache.
+pub const DECODE_PAGE_SIZE: usize = 16;
+
+/// The decode preset: issue 22's decode table (bf16, D = 128, causal, Sq = 1 but the last
+/// row's 4, page 16) on a GPU; without one, shapes of the same structure (the same GQA
+/// ratios, one Sq = 4 row, ragged last pages) small enough for the CPU f64 reference.
+fn decode_table(gpu: bool) -> Vec<ProblemSpec> {
+    // (B, Hq, Hkv, Sq, Sk)
+    let rows: &[(usize, usize, usize, usize, usize)] = if gpu {
+        &[
+            (1, 32, 8, 1, 8192),
+            (8, 32, 8, 1, 4096),
+            (64, 32, 8, 1, 8192),
+            (128, 32, 8, 1, 2048),
+            (16, 64, 8, 1, 32768),
+            (32, 32, 32, 1, 4096),
+            (64, 32, 8, 4, 4096),
+        ]
+    } else {
+        &[
+            (1, 8, 2, 1, 1024),
+            (2, 8, 2, 1, 512),
+            (4, 8, 2, 1, 1000),
+            (8, 8, 2, 1, 256),
+            (2, 16, 2, 1, 1024),
+            (4, 8, 8, 1, 500),
+            (4, 8, 2, 4, 500),
+        ]
+    };
+    rows.iter()
+        .map(|&(b, hq, hkv, sq, sk)| {
+            ProblemSpec::Decode(DecodeProblem::new(
+                b,
+                hq,
+                hkv,
+                sq,
+                sk,
+                128,
+                DECODE_PAGE_SIZE,
+                DType::Bf16,
+            ))
+        })
+        .collect()
+}
 
 /// The FlashAttention benchmark sweep: a fixed token budget and model dim, so batch and
 /// heads shrink as sequence length and head dim grow.
@@ -144,10 +194,12 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
         (Suite::Moe, "deepseek-v3", _) => {
             moe(&[16, 128, 2048, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid)
         }
+        (Suite::Decode, "decode", gpu) => decode_table(gpu),
         (suite, other, _) => {
             let names = match suite {
                 Suite::Attention => ATTENTION_PRESETS,
                 Suite::Moe => MOE_PRESETS,
+                Suite::Decode => DECODE_PRESETS,
             };
             bail!(
                 "unknown {} preset '{other}': choose one of {}",
@@ -210,6 +262,35 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
                             dtype: DType::Bf16,
                             shared_expert: t == 7,
                         }));
+                    }
+                }
+            }
+        }
+        Suite::Decode => {
+            // GQA ratios 1/4/8, Sq 1/4/16, page sizes 16/64, ragged last pages and a
+            // sequence of one page.
+            let sks: &[usize] = if quick { &[100] } else { &[16, 100, 257] };
+            let groups: &[usize] = if quick { &[4] } else { &[1, 4, 8] };
+            for &dtype in &[DType::Bf16, DType::F16] {
+                for &g in groups {
+                    for &sq in &[1usize, 4, 16] {
+                        for &sk in sks {
+                            for &page in &[16usize, 64] {
+                                if sq > sk {
+                                    continue;
+                                }
+                                v.push(ProblemSpec::Decode(DecodeProblem::new(
+                                    2,
+                                    8,
+                                    8 / g,
+                                    sq,
+                                    sk,
+                                    128,
+                                    page,
+                                    dtype,
+                                )));
+                            }
+                        }
                     }
                 }
             }
@@ -295,6 +376,8 @@ pub struct ConfigFile {
     pub attention: Vec<AttentionEntry>,
     #[serde(default)]
     pub moe: Vec<MoeEntry>,
+    #[serde(default)]
+    pub decode: Vec<DecodeEntry>,
 }
 
 /// A value or a list of values (each value gives one config).
@@ -361,6 +444,63 @@ pub struct MoeEntry {
     pub dtype: String,
     #[serde(default)]
     pub shared_expert: bool,
+}
+
+/// A `[[decode]]` entry: one config per (batch, seqlen_k, page_size) value.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeEntry {
+    pub batch: OneOrMany<usize>,
+    pub heads_q: usize,
+    pub heads_kv: Option<usize>,
+    #[serde(default = "one")]
+    pub seqlen_q: usize,
+    pub seqlen_k: OneOrMany<usize>,
+    #[serde(default = "d128")]
+    pub head_dim: usize,
+    #[serde(default = "page16")]
+    pub page_size: OneOrMany<usize>,
+    #[serde(default = "bf16")]
+    pub dtype: String,
+}
+
+fn one() -> usize {
+    1
+}
+fn d128() -> usize {
+    128
+}
+fn page16() -> OneOrMany<usize> {
+    OneOrMany::One(DECODE_PAGE_SIZE)
+}
+
+fn expand_decode(e: &DecodeEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
+    let ctx = |what: &str| format!("[[decode]] entry {}: {what}", index + 1);
+    let dtype: DType = e
+        .dtype
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
+    let mut v = Vec::new();
+    for batch in e.batch.values() {
+        for sk in e.seqlen_k.values() {
+            for page in e.page_size.values() {
+                let p = DecodeProblem::new(
+                    batch,
+                    e.heads_q,
+                    e.heads_kv.unwrap_or(e.heads_q),
+                    e.seqlen_q,
+                    sk,
+                    e.head_dim,
+                    page,
+                    dtype,
+                );
+                p.validate()
+                    .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
+                v.push(ProblemSpec::Decode(p));
+            }
+        }
+    }
+    Ok(v)
 }
 
 fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
@@ -455,6 +595,13 @@ pub fn parse_config(text: &str, suite: Suite) -> anyhow::Result<Vec<ProblemSpec>
             .iter()
             .enumerate()
             .map(|(i, e)| expand_moe(e, i))
+            .collect::<anyhow::Result<Vec<_>>>()?
+            .concat(),
+        Suite::Decode => file
+            .decode
+            .iter()
+            .enumerate()
+            .map(|(i, e)| expand_decode(e, i))
             .collect::<anyhow::Result<Vec<_>>>()?
             .concat(),
     };
@@ -599,6 +746,98 @@ dtype = "f16"
             let ProblemSpec::Moe(p) = c else { panic!() };
             let k = flashmoe::moe::config::select(p).unwrap_or_else(|e| panic!("{p}: {e}"));
             flashmoe::moe::launch_configs(p, &k).unwrap_or_else(|e| panic!("{p}: {e}"));
+        }
+    }
+
+    fn decode_rows(gpu: bool) -> Vec<DecodeProblem> {
+        preset(Suite::Decode, "decode", gpu)
+            .unwrap()
+            .into_iter()
+            .map(|c| match c {
+                ProblemSpec::Decode(p) => p,
+                _ => panic!("non-decode config in the decode preset"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_preset_is_the_issue_table() {
+        let rows: Vec<_> = decode_rows(true)
+            .iter()
+            .map(|p| (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                (1, 32, 8, 1, 8192),
+                (8, 32, 8, 1, 4096),
+                (64, 32, 8, 1, 8192),
+                (128, 32, 8, 1, 2048),
+                (16, 64, 8, 1, 32768),
+                (32, 32, 32, 1, 4096),
+                (64, 32, 8, 4, 4096),
+            ]
+        );
+        for gpu in [true, false] {
+            let v = decode_rows(gpu);
+            assert_eq!(v.len(), 7);
+            for p in &v {
+                p.validate().unwrap();
+                // Every GPU and CPU shape has a decode kernel (the class is valid).
+                p.class().validate().unwrap();
+                assert_eq!((p.head_dim, p.page_size, p.dtype), (128, 16, DType::Bf16));
+            }
+            // The same structure: GQA ratios, the MHA row and the Sq = 4 row.
+            let ratios: Vec<_> = v.iter().map(|p| p.heads_q / p.heads_kv).collect();
+            assert_eq!(ratios, [4, 4, 4, 4, 8, 1, 4], "gpu={gpu}");
+            let sq: Vec<_> = v.iter().map(|p| p.seqlen_q).collect();
+            assert_eq!(sq, [1, 1, 1, 1, 1, 1, 4], "gpu={gpu}");
+        }
+        // The CPU shapes stay small (the f64 reference runs them) and one has a ragged
+        // last page.
+        let cpu = decode_rows(false);
+        assert!(cpu.iter().all(|p| p.flops() < 5e7));
+        assert!(cpu.iter().any(|p| p.seqlen_k % p.page_size != 0));
+        assert!(preset(Suite::Decode, "quick", false)
+            .unwrap_err()
+            .to_string()
+            .contains("decode"));
+    }
+
+    #[test]
+    fn decode_config_file_and_check_matrix() {
+        let text = r#"
+[[decode]]
+batch = [1, 8]
+heads_q = 32
+heads_kv = 8
+seqlen_k = 4096
+page_size = [16, 128]
+"#;
+        let v = parse_config(text, Suite::Decode).unwrap();
+        assert_eq!(v.len(), 4);
+        let ProblemSpec::Decode(p) = &v[3] else {
+            panic!()
+        };
+        assert_eq!(
+            (p.batch, p.page_size, p.seqlen_q, p.head_dim),
+            (8, 128, 1, 128)
+        );
+        let bad = text.replace("page_size = [16, 128]", "page_size = 20");
+        let e = format!("{:#}", parse_config(&bad, Suite::Decode).unwrap_err());
+        assert!(
+            e.contains("[[decode]] entry 1") && e.contains("page_size 20"),
+            "{e}"
+        );
+        assert!(parse_config(text, Suite::Attention).is_err());
+        for quick in [true, false] {
+            let m = check_matrix(Suite::Decode, quick, &[]);
+            assert!(!m.is_empty());
+            for c in &m {
+                let ProblemSpec::Decode(p) = c else { panic!() };
+                p.validate().unwrap();
+                p.class().validate().unwrap();
+            }
         }
     }
 

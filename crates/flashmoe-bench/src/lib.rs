@@ -7,6 +7,7 @@
 
 pub mod compare;
 pub mod config;
+pub mod decode;
 pub mod gpu;
 pub mod manifest;
 pub mod measure;

@@ -2,6 +2,7 @@
 //! `compare` consume. Serialised as versioned JSON (see docs/results-schema.md); bump
 //! [`SCHEMA_VERSION`] on any incompatible change.
 
+use crate::decode::DecodeProblem;
 use crate::manifest::Manifest;
 use crate::stats::{Comparison, Summary};
 use flashmoe::{AttentionProblem, MoeProblem};
@@ -70,6 +71,8 @@ pub struct Ceilings {
 pub enum ProblemSpec {
     Attention(AttentionProblem),
     Moe(MoeProblem),
+    /// A paged-KV decode step (`flashmoe bench decode`).
+    Decode(DecodeProblem),
 }
 
 impl ProblemSpec {
@@ -77,12 +80,14 @@ impl ProblemSpec {
         match self {
             ProblemSpec::Attention(p) => p.id(),
             ProblemSpec::Moe(p) => p.id(),
+            ProblemSpec::Decode(p) => p.id(),
         }
     }
     pub fn label(&self) -> String {
         match self {
             ProblemSpec::Attention(p) => p.to_string(),
             ProblemSpec::Moe(p) => p.to_string(),
+            ProblemSpec::Decode(p) => p.to_string(),
         }
     }
     /// The sweep axis used by plots: sequence length for attention, tokens for MoE.
@@ -90,12 +95,14 @@ impl ProblemSpec {
         match self {
             ProblemSpec::Attention(p) => p.seqlen_k as f64,
             ProblemSpec::Moe(p) => p.tokens as f64,
+            ProblemSpec::Decode(p) => p.seqlen_k as f64,
         }
     }
     pub fn x_label(&self) -> &'static str {
         match self {
             ProblemSpec::Attention(_) => "sequence length",
             ProblemSpec::Moe(_) => "tokens",
+            ProblemSpec::Decode(_) => "cached keys per sequence",
         }
     }
     /// Plot series key: configs sharing it form one panel (e.g. head dim × causal).
@@ -111,6 +118,14 @@ impl ProblemSpec {
                 "H={} I={} E={} k={} {}",
                 p.hidden, p.intermediate, p.experts, p.top_k, p.dtype
             ),
+            ProblemSpec::Decode(p) => format!(
+                "decode D={} Sq={} Hq/Hkv={} page={} {}",
+                p.head_dim,
+                p.seqlen_q,
+                p.heads_q / p.heads_kv.max(1),
+                p.page_size,
+                p.dtype
+            ),
         }
     }
 }
@@ -123,7 +138,8 @@ pub struct ConfigResult {
     pub problem: ProblemSpec,
     /// Model FLOPs of the problem (see flashmoe::problem).
     pub flops: f64,
-    /// Minimum bytes moved (each input read once, each output written once).
+    /// Minimum bytes moved (each input read once, each output written once); decode: the
+    /// K/V bytes the step must read (the cache read once).
     pub min_bytes: f64,
     pub implementations: Vec<ImplResult>,
     /// The candidate against every other implementation that produced samples.

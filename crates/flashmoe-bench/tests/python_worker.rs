@@ -269,6 +269,7 @@ fn problem_checksum_matches_inputs_checksum() {
         let dtype = match p {
             ProblemSpec::Attention(a) => a.dtype,
             ProblemSpec::Moe(m) => m.dtype,
+            ProblemSpec::Decode(d) => d.dtype,
         };
         let want = inputs_checksum(&SuiteInputs::generate(p, seed), dtype);
         let out = run_inputs_py(
@@ -758,6 +759,7 @@ fn real_worker_on_cpu_through_the_pipeline() {
         let must_pass: &[&str] = match suite {
             Suite::Attention => &["sdpa-math", "torch-naive"],
             Suite::Moe => &["moe-naive-loop", "moe-grouped-mm"],
+            Suite::Decode => &[],
         };
         for name in must_pass {
             let row = res

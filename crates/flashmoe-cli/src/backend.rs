@@ -9,6 +9,7 @@ use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
 };
+use flashmoe_bench::runner::gpu_decode::GpuDecode;
 use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
@@ -120,10 +121,11 @@ fn gpu_settings(seed: u64, flush_bytes: usize) -> MeasureSettings {
 }
 
 /// The CPU lab: the f64 reference and the tiled f32 algorithm (attention) or the grouped
-/// f32 algorithm (MoE).
+/// f32 algorithm (MoE); decode: the paged f64 reference and the tiled algorithm on the
+/// dense cache.
 pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
     let implementations: Vec<Box<dyn Implementation>> = match suite {
-        Suite::Attention => vec![
+        Suite::Attention | Suite::Decode => vec![
             Box::new(CpuImplementation::reference()),
             Box::new(CpuImplementation::tiled()),
         ],
@@ -133,7 +135,7 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
         ],
     };
     let default_candidate = match suite {
-        Suite::Attention => "cpu-tiled",
+        Suite::Attention | Suite::Decode => "cpu-tiled",
         Suite::Moe => "cpu-grouped",
     };
     Lab {
@@ -236,6 +238,15 @@ pub fn select(
                     .push(Box::new(GpuMoeReference { session }));
             }
             lab.default_candidate = "flashmoe-moe".into();
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            lab
+        }
+        Ok(session) if suite == Suite::Decode => {
+            let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
+            lab.implementations = vec![Box::new(GpuDecode { session })];
+            lab.default_candidate = "flashmoe-decode".into();
             if let Some(python) = python {
                 add_baselines(&mut lab, suite, python, seed);
             }

@@ -41,6 +41,8 @@ enum Command {
 enum SuiteArg {
     Attention,
     Moe,
+    /// Paged-KV decode attention.
+    Decode,
 }
 
 impl From<SuiteArg> for Suite {
@@ -48,6 +50,7 @@ impl From<SuiteArg> for Suite {
         match s {
             SuiteArg::Attention => Suite::Attention,
             SuiteArg::Moe => Suite::Moe,
+            SuiteArg::Decode => Suite::Decode,
         }
     }
 }
@@ -57,7 +60,7 @@ pub struct BenchArgs {
     /// What to benchmark.
     #[arg(value_enum)]
     suite: SuiteArg,
-    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3.
+    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode.
     #[arg(long, conflicts_with = "config")]
     preset: Option<String>,
     /// TOML file listing the configs (see README).

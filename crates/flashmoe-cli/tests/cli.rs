@@ -187,3 +187,52 @@ fn cpu_bench_from_a_config_file_writes_every_report() {
         }
     }
 }
+
+#[test]
+fn cpu_decode_preset_runs_the_paged_reference_and_writes_every_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = flashmoe(&[
+        "bench",
+        "decode",
+        "--cpu",
+        "--preset",
+        "decode",
+        "--out",
+        out.to_str().unwrap(),
+        "--max-time",
+        "0.2",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for f in ["results.json", "results.csv", "results.md", "report.html"] {
+        assert!(out.join(f).metadata().unwrap().len() > 100, "{f}");
+    }
+    let r = report::read_json(&out.join("results.json")).unwrap();
+    assert_eq!((r.suite.as_str(), r.configs.len()), ("decode", 7));
+    for c in &r.configs {
+        let flashmoe_bench::results::ProblemSpec::Decode(p) = &c.problem else {
+            panic!("{}: not a decode config", c.id)
+        };
+        // GB/s are of the K/V read once.
+        assert_eq!(c.min_bytes, p.kv_bytes(), "{}", c.id);
+        assert_eq!(
+            c.comparisons.len(),
+            1,
+            "tiled vs paged reference in {}",
+            c.id
+        );
+        for imp in &c.implementations {
+            let acc = imp.accuracy.as_ref().unwrap();
+            assert!(
+                acc.passed && acc.reference == "cpu-f64",
+                "{}: {acc:?}",
+                imp.name
+            );
+            assert!(imp.gbps.is_some() && imp.samples_ms.len() >= 2);
+        }
+    }
+    // The same run's configs compare cleanly with themselves.
+    let json = out.join("results.json");
+    let o = flashmoe(&["compare", json.to_str().unwrap(), json.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}

@@ -77,6 +77,7 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
     let kind = match &c.problem {
         crate::results::ProblemSpec::Attention(_) => "attention",
         crate::results::ProblemSpec::Moe(_) => "moe",
+        crate::results::ProblemSpec::Decode(_) => "decode",
     };
     let mut r = vec![
         c.id.clone(),

@@ -49,6 +49,7 @@ pub fn flops_bytes(p: &ProblemSpec) -> (f64, f64) {
     match p {
         ProblemSpec::Attention(a) => (a.flops(), a.min_bytes()),
         ProblemSpec::Moe(m) => (m.flops(), m.min_bytes(m.experts)),
+        ProblemSpec::Decode(d) => (d.flops(), d.kv_bytes()),
     }
 }
 

@@ -1,7 +1,9 @@
 //! CPU implementations: the f64 ground truth and the tiled f32 FlashAttention algorithm
-//! (attention), the f64 reference (MoE). Timed with the host clock.
+//! (attention), the f64 reference (MoE), the paged f64 reference and the tiled algorithm
+//! on the dense cache (decode). Timed with the host clock.
 
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use crate::decode;
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
@@ -64,6 +66,26 @@ fn run(
             )?;
             Outputs::Attention { o: r.o, lse: r.lse }
         }
+        // Decode: the f64 reference walks the paged cache (built in the timed call: the CPU
+        // lab times the pipeline, not a kernel); the tiled algorithm reads the dense cache.
+        (ProblemSpec::Decode(p), SuiteInputs::Attention(x), CpuAlgorithm::Reference) => {
+            let r = decode::reference_f64(p, x)?;
+            Outputs::Attention {
+                o: r.o.iter().map(|&v| v as f32).collect(),
+                lse: r.lse.iter().map(|&v| v as f32).collect(),
+            }
+        }
+        (ProblemSpec::Decode(p), SuiteInputs::Attention(x), CpuAlgorithm::Tiled) => {
+            let mut dense = p.dense();
+            dense.causal = true;
+            let r = attention_tiled::attention_tiled(
+                &dense,
+                x,
+                attention_tiled::DEFAULT_BLOCK_M,
+                attention_tiled::DEFAULT_BLOCK_N,
+            )?;
+            Outputs::Attention { o: r.o, lse: r.lse }
+        }
         (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Reference) => {
             let r = moe::moe_f64(p, x)?;
             Outputs::Moe {
@@ -100,7 +122,7 @@ impl Implementation for CpuImplementation {
             (ProblemSpec::Moe(_), CpuAlgorithm::Tiled) => {
                 Err("the tiled CPU algorithm is attention-only".into())
             }
-            (ProblemSpec::Attention(_), CpuAlgorithm::Grouped) => {
+            (ProblemSpec::Attention(_) | ProblemSpec::Decode(_), CpuAlgorithm::Grouped) => {
                 Err("the grouped CPU algorithm is MoE-only".into())
             }
             _ => Ok(()),
@@ -161,6 +183,9 @@ impl ReferenceProvider for CpuReference {
             (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) => {
                 ReferenceOutputs::Moe(moe::moe_f64(p, x).context("CPU f64 MoE reference")?)
             }
+            (ProblemSpec::Decode(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
+                decode::reference_f64(p, x).context("CPU f64 paged decode reference")?,
+            ),
             _ => anyhow::bail!("inputs do not match the problem kind"),
         })
     }

@@ -239,6 +239,7 @@ impl GpuReferenceProvider {
         match problem {
             ProblemSpec::Attention(p) => p.flops() <= self.cpu_max_flops,
             ProblemSpec::Moe(p) => p.flops() <= self.cpu_max_flops,
+            ProblemSpec::Decode(p) => p.flops() <= self.cpu_max_flops,
         }
     }
 }
@@ -267,8 +268,18 @@ impl ReferenceProvider for GpuReferenceProvider {
                 .context("GPU fp32 MoE reference")?;
             return Ok(ReferenceOutputs::Moe(r));
         }
-        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
-            anyhow::bail!("no GPU reference for this config");
+        // Decode: the fp32 reference on the dense cache (the same K/V, bottom-right causal).
+        let dense;
+        let (p, x) = match (problem, inputs) {
+            (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) => (p, x),
+            (ProblemSpec::Decode(d), SuiteInputs::Attention(x)) => {
+                dense = flashmoe::AttentionProblem {
+                    causal: true,
+                    ..d.dense()
+                };
+                (&dense, x)
+            }
+            _ => anyhow::bail!("no GPU reference for this config"),
         };
         let (o, lse) = ReferencePrepared::new(&self.session, p, x)?
             .outputs()

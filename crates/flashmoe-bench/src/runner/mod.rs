@@ -5,6 +5,7 @@
 pub mod check;
 pub mod cpu;
 pub mod gpu;
+pub mod gpu_decode;
 pub mod gpu_moe;
 pub mod pipeline;
 pub mod python;
@@ -14,7 +15,10 @@ use crate::results::ProblemSpec;
 use flashmoe::reference::attention::{AttentionInputs, AttentionOutput};
 use flashmoe::reference::moe::{MoeInputs, MoeOutput};
 
-/// Inputs of one config, generated once and shared by every implementation.
+/// Inputs of one config, generated once and shared by every implementation. A decode
+/// problem's inputs are those of its dense attention problem
+/// ([`crate::decode::DecodeProblem::dense`]): implementations on a paged cache build it
+/// from them.
 pub enum SuiteInputs {
     Attention(AttentionInputs),
     Moe(MoeInputs),
@@ -25,6 +29,9 @@ impl SuiteInputs {
         match problem {
             ProblemSpec::Attention(p) => SuiteInputs::Attention(AttentionInputs::generate(p, seed)),
             ProblemSpec::Moe(p) => SuiteInputs::Moe(MoeInputs::generate(p, seed)),
+            ProblemSpec::Decode(p) => {
+                SuiteInputs::Attention(AttentionInputs::generate(&p.dense(), seed))
+            }
         }
     }
 }
@@ -120,6 +127,12 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
                     0
                 };
             (weights * 4 + p.tokens * p.hidden * 32) as u64
+        }
+        // The dense inputs plus one paged copy of K and V (f32).
+        ProblemSpec::Decode(p) => {
+            let d = p.dense();
+            let paged = 2 * p.num_blocks() * p.page_size * p.heads_kv * p.head_dim;
+            ((d.q_elems() + 2 * d.kv_elems() + paged) * 4 + d.q_elems() * 24) as u64
         }
     }
 }

@@ -28,6 +28,7 @@ fn dtype_of(problem: &ProblemSpec) -> DType {
     match problem {
         ProblemSpec::Attention(p) => p.dtype,
         ProblemSpec::Moe(p) => p.dtype,
+        ProblemSpec::Decode(p) => p.dtype,
     }
 }
 
@@ -195,7 +196,7 @@ pub fn gate(
             if let Some(ids) = topk_ids {
                 let experts = match problem {
                     ProblemSpec::Moe(p) => p.experts,
-                    ProblemSpec::Attention(_) => 0,
+                    ProblemSpec::Attention(_) | ProblemSpec::Decode(_) => 0,
                 };
                 let c = compare_routing(ids, &r.routing, experts);
                 let note = if c.mismatched > 0 {
@@ -244,6 +245,8 @@ pub fn gate(
 fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64 {
     match problem {
         ProblemSpec::Attention(p) => p.min_bytes(),
+        // Decode reports GB/s of the K/V read (issue 22): the cache read once.
+        ProblemSpec::Decode(p) => p.kv_bytes(),
         ProblemSpec::Moe(p) => {
             let touched = match reference {
                 Some(ReferenceOutputs::Moe(r)) => {
@@ -280,6 +283,7 @@ impl Pipeline<'_> {
             flops: match problem {
                 ProblemSpec::Attention(p) => p.flops(),
                 ProblemSpec::Moe(p) => p.flops(),
+                ProblemSpec::Decode(p) => p.flops(),
             },
             min_bytes: min_bytes(problem, None),
             implementations: Vec::new(),
@@ -290,6 +294,7 @@ impl Pipeline<'_> {
         let valid = match problem {
             ProblemSpec::Attention(p) => p.validate(),
             ProblemSpec::Moe(p) => p.validate(),
+            ProblemSpec::Decode(p) => p.validate(),
         };
         if let Err(e) = valid {
             result.error = Some(e.to_string());

@@ -47,6 +47,17 @@ pub const ATTENTION_BASELINES: &[&str] = &[
     "torch-naive",
 ];
 
+/// Decode baselines, in report order: SDPA cuDNN and flash on the dense cache (`enable_gqa`),
+/// `flash_attn_with_kvcache` (flash-attn) and FlashInfer's batch decode when importable
+/// (n/a with the import error otherwise). The worker receives the decode config's dense
+/// attention problem ([`crate::decode::DecodeProblem::dense`]): the same inputs.
+pub const DECODE_BASELINES: &[&str] = &[
+    "sdpa-cudnn",
+    "sdpa-flash",
+    "fa-kvcache",
+    "flashinfer-decode",
+];
+
 /// MoE baselines, in report order.
 pub const MOE_BASELINES: &[&str] = &["moe-naive-loop", "moe-grouped-mm", "moe-dense-chain"];
 
@@ -705,8 +716,12 @@ impl PythonImplementation {
     }
 }
 
-fn is_attention(name: &str) -> bool {
-    ATTENTION_BASELINES.contains(&name)
+/// The problem as the worker receives it: a decode config goes as its dense attention.
+fn worker_problem(problem: &ProblemSpec) -> ProblemSpec {
+    match problem {
+        ProblemSpec::Decode(p) => ProblemSpec::Attention(p.dense()),
+        other => other.clone(),
+    }
 }
 
 impl Implementation for PythonImplementation {
@@ -719,10 +734,15 @@ impl Implementation for PythonImplementation {
     }
 
     fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
-        match (problem, is_attention(&self.name)) {
-            (ProblemSpec::Attention(_), true) | (ProblemSpec::Moe(_), false) => Ok(()),
-            (ProblemSpec::Attention(_), false) => Err(format!("{} is a MoE baseline", self.name)),
-            (ProblemSpec::Moe(_), true) => Err(format!("{} is an attention baseline", self.name)),
+        let (list, kind) = match problem {
+            ProblemSpec::Attention(_) => (ATTENTION_BASELINES, "attention"),
+            ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
+            ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
+        };
+        if list.contains(&self.name.as_str()) {
+            Ok(())
+        } else {
+            Err(format!("{} is not a {kind} baseline", self.name))
         }
     }
 
@@ -738,7 +758,7 @@ impl Implementation for PythonImplementation {
         let (prepare_timeout, request_timeout) =
             (sh.options.prepare_timeout, sh.options.request_timeout);
         let (worker, incarnation) = sh.live_worker()?;
-        let req = json!({ "impl": self.name, "problem": problem, "seed": seed });
+        let req = json!({ "impl": self.name, "problem": worker_problem(problem), "seed": seed });
         let v = worker.request("prepare", req, prepare_timeout)?;
         let handle = v
             .get("handle")
@@ -768,7 +788,7 @@ impl Implementation for PythonImplementation {
         Ok(Box::new(PythonPrepared {
             shared: Arc::clone(&self.shared),
             name: self.name.clone(),
-            problem: problem.clone(),
+            problem: worker_problem(problem),
             handle,
             incarnation,
             ceiling_only: v
@@ -909,6 +929,7 @@ impl Prepared for PythonPrepared {
                 };
                 Outputs::Attention { o, lse }
             }
+            ProblemSpec::Decode(_) => bail!("a decode config reached the worker undensified"),
             ProblemSpec::Moe(p) => {
                 if self.ceiling_only {
                     // Timing-only ceiling: its output is not the layer's (see CEILING_ONLY).
@@ -991,6 +1012,7 @@ pub fn baselines_with(
     let names = match suite {
         Suite::Attention => ATTENTION_BASELINES,
         Suite::Moe => MOE_BASELINES,
+        Suite::Decode => DECODE_BASELINES,
     };
     let shared = Arc::new(Mutex::new(Shared {
         options,
@@ -1019,7 +1041,11 @@ mod tests {
     #[test]
     fn baseline_lists_match_the_worker() {
         let src = include_str!("../../../../python/flashmoe_worker.py");
-        for n in ATTENTION_BASELINES.iter().chain(MOE_BASELINES) {
+        for n in ATTENTION_BASELINES
+            .iter()
+            .chain(MOE_BASELINES)
+            .chain(DECODE_BASELINES)
+        {
             assert!(
                 src.contains(&format!("\"{n}\"")),
                 "{n} missing from the worker"

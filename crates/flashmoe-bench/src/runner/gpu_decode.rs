@@ -1,0 +1,166 @@
+//! `flashmoe-decode`: the paged-KV decode plan ([`DecodePlan`]) on a decode config, timed
+//! with CUDA events after an L2 flush like every native implementation. The plan is used
+//! exactly as an engine would (and as `examples/decode_probe.rs` does): built once per
+//! class, its workspace allocated once, `forward_raw` enqueued on the lab's stream over
+//! buffers that live as long as the prepared implementation.
+//!
+//! The cache is paged with the problem's page size and the shuffled block table of
+//! [`crate::decode::block_table`], holding the same K/V as the dense inputs every other
+//! implementation reads.
+
+use super::gpu::GpuSession;
+use super::{Implementation, Outputs, Prepared, SuiteInputs};
+use crate::decode::{DecodeProblem, PagedCache};
+use crate::measure::Sampled;
+use crate::results::ProblemSpec;
+use anyhow::Context;
+use cudarc::driver::{CudaSlice, DevicePtr};
+use flashmoe::attention::decode::{DecodeArgs, DecodePlan, RawIndex};
+use flashmoe::gpu::{DeviceTensor, Workspace};
+use flashmoe::DType;
+use std::rc::Rc;
+
+pub struct GpuDecode {
+    pub session: Rc<GpuSession>,
+}
+
+impl Implementation for GpuDecode {
+    fn name(&self) -> &str {
+        "flashmoe-decode"
+    }
+    fn backend(&self) -> &str {
+        "cuda"
+    }
+    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        let ProblemSpec::Decode(p) = problem else {
+            return Err("the paged decode plan runs decode configs".into());
+        };
+        p.class().validate().map_err(|e| e.to_string())
+    }
+    fn prepare<'a>(
+        &'a self,
+        problem: &ProblemSpec,
+        inputs: &'a SuiteInputs,
+    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+        let (ProblemSpec::Decode(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
+            anyhow::bail!("the decode plan given a non-decode config");
+        };
+        Ok(Box::new(
+            DecodePrepared::new(&self.session, p, x).context("preparing the decode plan")?,
+        ))
+    }
+}
+
+/// The plan, its workspace and every buffer its raw arguments point into.
+struct DecodePrepared {
+    session: Rc<GpuSession>,
+    plan: DecodePlan,
+    args: DecodeArgs,
+    workspace: Workspace,
+    splits: usize,
+    // Owned for the addresses in `args`.
+    _q: DeviceTensor,
+    _k: DeviceTensor,
+    _v: DeviceTensor,
+    _table: CudaSlice<i32>,
+    _seqused: CudaSlice<i32>,
+    o: DeviceTensor,
+    lse: DeviceTensor,
+}
+
+impl DecodePrepared {
+    fn new(
+        session: &Rc<GpuSession>,
+        p: &DecodeProblem,
+        x: &flashmoe::reference::AttentionInputs,
+    ) -> anyhow::Result<DecodePrepared> {
+        let dev = &session.device;
+        let s = dev.stream();
+        let (b, sq, hq, hkv, d) = (p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim);
+        let (nb, ps, mb) = (p.num_blocks(), p.page_size, p.max_blocks());
+        let cache = PagedCache::build(p, x);
+        let q = DeviceTensor::from_f32(dev, p.dtype, &x.q)?;
+        let k = DeviceTensor::from_f32(dev, p.dtype, &cache.k)?;
+        let v = DeviceTensor::from_f32(dev, p.dtype, &cache.v)?;
+        drop(cache.k);
+        drop(cache.v);
+        let o = DeviceTensor::alloc(dev, p.dtype, b * sq * hq * d)?;
+        let lse = DeviceTensor::alloc(dev, DType::F32, b * hq * sq)?;
+        let table = s.clone_htod(&cache.table)?;
+        let seqused = s.clone_htod(&vec![p.seqlen_k as i32; b])?;
+        let args = DecodeArgs {
+            q: q.raw(dev, "q", &[b, sq, hq, d])?,
+            k_cache: k.raw(dev, "k_cache", &[nb, ps, hkv, d])?,
+            v_cache: v.raw(dev, "v_cache", &[nb, ps, hkv, d])?,
+            block_table: RawIndex::matrix(table.device_ptr(s).0, b, mb),
+            seqused_k: RawIndex::vector(seqused.device_ptr(s).0, b),
+            o: o.raw(dev, "o", &[b, sq, hq, d])?,
+            lse: lse.raw(dev, "lse", &[b, hq, sq])?,
+            max_seqlen_k: Some(p.seqlen_k),
+        };
+        let plan = DecodePlan::new(dev, p.class())?;
+        let shape = plan.check(&args)?;
+        let workspace = plan.alloc_workspace(s, b, p.seqlen_k)?;
+        Ok(DecodePrepared {
+            session: session.clone(),
+            plan,
+            args,
+            workspace,
+            splits: shape.splits,
+            _q: q,
+            _k: k,
+            _v: v,
+            _table: table,
+            _seqused: seqused,
+            o,
+            lse,
+        })
+    }
+
+    fn launch(&self) -> flashmoe::Result<()> {
+        let s = self.session.device.stream();
+        // SAFETY: every address in `args` points into a buffer owned by `self` and sized
+        // for its tensor (checked by `plan.check` at prepare); seqused_k = max_seqlen_k;
+        // the table holds a permutation of the blocks; the workspace is the plan's, sized
+        // for (batch, max_seqlen_k), and used only on this one stream.
+        unsafe {
+            self.plan
+                .forward_raw(s.cu_stream(), &self.args, self.workspace.raw())
+        }
+    }
+}
+
+impl Sampled for DecodePrepared {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        let session = self.session.clone();
+        session.timed(|| self.launch())
+    }
+}
+
+impl Prepared for DecodePrepared {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        let session = self.session.clone();
+        let dev = &session.device;
+        self.o.poison(dev)?;
+        self.lse.poison(dev)?;
+        self.launch()?;
+        dev.synchronize()?;
+        Ok(Outputs::Attention {
+            o: self.o.to_f32(dev)?,
+            lse: self.lse.to_f32(dev)?,
+        })
+    }
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        // The split-KV partials; the paged cache replaces the dense one.
+        Some(self.workspace.bytes() as u64)
+    }
+    fn notes(&self) -> Vec<String> {
+        let c = self.plan.class();
+        vec![format!(
+            "paged cache: page {} with a shuffled block table; {} KV split(s), {} CTAs/SM",
+            c.page_size,
+            self.splits,
+            self.plan.ctas_per_sm()
+        )]
+    }
+}
