@@ -39,8 +39,9 @@ step "flashmoe-candle: candle-core's CUDA backend built with nvcc from PyPI whee
 (
   eval "$(scripts/install-nvcc.sh)"
   cargo fmt --manifest-path crates/flashmoe-candle/Cargo.toml -- --check
-  cargo clippy --manifest-path crates/flashmoe-candle/Cargo.toml --all-targets -- -D warnings
-  cargo test --manifest-path crates/flashmoe-candle/Cargo.toml
+  # One build with warnings as errors: a separate clippy pass would run candle-kernels'
+  # nvcc build (minutes on 2 cores) a second time. Clippy it by hand when editing it.
+  RUSTFLAGS="-D warnings" cargo test --manifest-path crates/flashmoe-candle/Cargo.toml
 )
 
 step "CPU smoke run of the main job"
