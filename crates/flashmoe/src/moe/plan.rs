@@ -73,6 +73,13 @@ use cudarc::driver::{
 use std::ffi::c_void;
 use std::sync::Arc;
 
+/// What an enqueue runs: the whole layer, or the router stage alone (timed by the lab).
+#[derive(Clone, Copy)]
+enum Stages {
+    Layer,
+    Router,
+}
+
 /// Alignment of every workspace region and of the workspace base.
 pub const WORKSPACE_ALIGN: usize = 256;
 
@@ -819,16 +826,7 @@ impl MoePlan {
         a: &MoeArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
-        let t = self.check(a)?;
-        let b = self.bucket(t)?;
-        let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
-        workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, "MoePlan")?;
-        let cfgs = self.configs(b, t)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        self.enqueue_router(stream, a, t, b, &cfgs, workspace.ptr, &ws)?;
-        self.enqueue_experts(stream, a, t, b, &cfgs, workspace.ptr, &ws)
+        self.enqueue(stream, a, workspace, Stages::Layer)
     }
 
     /// Enqueue the router stage alone (logits, scoring + top-k, statistics, losses: the
@@ -843,6 +841,17 @@ impl MoePlan {
         a: &MoeArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
+        self.enqueue(stream, a, workspace, Stages::Router)
+    }
+
+    /// The checks shared by both entry points, then the stages.
+    unsafe fn enqueue(
+        &self,
+        stream: RawStream,
+        a: &MoeArgs,
+        workspace: RawWorkspace,
+        stages: Stages,
+    ) -> Result<()> {
         let t = self.check(a)?;
         let b = self.bucket(t)?;
         let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
@@ -852,7 +861,11 @@ impl MoePlan {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         self.enqueue_router(stream, a, t, b, &cfgs, workspace.ptr, &ws)?;
-        self.enqueue_losses(stream, a, t, workspace.ptr, &ws)
+        match stages {
+            // The layer finishes the losses in the permutation (no launch of their own).
+            Stages::Layer => self.enqueue_experts(stream, a, t, b, &cfgs, workspace.ptr, &ws),
+            Stages::Router => self.enqueue_losses(stream, a, t, workspace.ptr, &ws),
+        }
     }
 
     /// The one-group offsets `[0, tokens]` in the plan's table.
