@@ -144,36 +144,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
         dev.synchronize()?;
 
-        // Host time per plan call (enqueue only), and back-to-back wall time per call.
-        let (mut host, mut b2b) = (Vec::new(), Vec::new());
-        for _ in 0..BATCHES {
-            let t = Instant::now();
-            for _ in 0..CALLS {
-                call()?;
-            }
-            host.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-            dev.synchronize()?;
-            b2b.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-        }
-        // The kernel's own time: a graph of CALLS launches, replayed.
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        for _ in 0..CALLS {
-            call()?;
-        }
-        let graph = stream
-            .end_capture(
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )?
-            .ok_or("empty graph")?;
-        graph.launch()?;
-        dev.synchronize()?;
-        let mut kernel = Vec::new();
-        for _ in 0..BATCHES {
-            let t = Instant::now();
-            graph.launch()?;
-            dev.synchronize()?;
-            kernel.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-        }
+        let Timings { host, b2b, kernel } = measure(&dev, &stream, call, BATCHES, CALLS)?;
         // The one-off entry point (plan + workspace per call).
         let mut once = Vec::new();
         for _ in 0..5 {
@@ -320,34 +291,7 @@ fn run_moe(
                 call()?;
             }
             dev.synchronize()?;
-            let (mut host, mut b2b) = (Vec::new(), Vec::new());
-            for _ in 0..MOE_BATCHES {
-                let t = Instant::now();
-                for _ in 0..MOE_CALLS {
-                    call()?;
-                }
-                host.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
-                dev.synchronize()?;
-                b2b.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
-            }
-            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            for _ in 0..MOE_CALLS {
-                call()?;
-            }
-            let graph = stream
-                .end_capture(
-                    sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-                )?
-                .ok_or("empty graph")?;
-            graph.launch()?;
-            dev.synchronize()?;
-            let mut kernel = Vec::new();
-            for _ in 0..MOE_BATCHES {
-                let t = Instant::now();
-                graph.launch()?;
-                dev.synchronize()?;
-                kernel.push(t.elapsed().as_secs_f64() * 1e6 / MOE_CALLS as f64);
-            }
+            let Timings { host, b2b, kernel } = measure(dev, stream, call, MOE_BATCHES, MOE_CALLS)?;
             let (hh, bb, kk) = (
                 median(&mut host.clone()),
                 median(&mut b2b.clone()),
@@ -411,4 +355,52 @@ fn launch_floor_us(
         dev.synchronize()?;
     }
     Ok(median(&mut per))
+}
+
+/// Per-call samples (µs) of one entry point, one per batch of `calls` calls.
+struct Timings {
+    /// Host time to enqueue a call.
+    host: Vec<f64>,
+    /// Wall time per call of back-to-back calls until the stream drains.
+    b2b: Vec<f64>,
+    /// The launches' own GPU time: a CUDA graph of `calls` calls, replayed.
+    kernel: Vec<f64>,
+}
+
+fn measure(
+    dev: &Device,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    call: impl Fn() -> flashmoe::Result<()>,
+    batches: usize,
+    calls: usize,
+) -> Result<Timings, Box<dyn std::error::Error>> {
+    let per_call = |t: Instant| t.elapsed().as_secs_f64() * 1e6 / calls as f64;
+    let (mut host, mut b2b, mut kernel) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..batches {
+        let t = Instant::now();
+        for _ in 0..calls {
+            call()?;
+        }
+        host.push(per_call(t));
+        dev.synchronize()?;
+        b2b.push(per_call(t));
+    }
+    stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    for _ in 0..calls {
+        call()?;
+    }
+    let graph = stream
+        .end_capture(
+            sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+        )?
+        .ok_or("empty graph")?;
+    graph.launch()?;
+    dev.synchronize()?;
+    for _ in 0..batches {
+        let t = Instant::now();
+        graph.launch()?;
+        dev.synchronize()?;
+        kernel.push(per_call(t));
+    }
+    Ok(Timings { host, b2b, kernel })
 }
