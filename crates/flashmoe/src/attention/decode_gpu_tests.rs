@@ -12,28 +12,11 @@ use super::decode::{
 use super::plan::Bshd;
 use crate::accuracy::{check, check_lse};
 use crate::dtype::DType;
-use crate::error::Error;
+use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::reference::decode::{paged_decode_f64, PagedDecodeInputs, PagedDecodeSpec};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
-
-fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
-    match Device::open(0) {
-        Ok(dev) => f(&dev),
-        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
-        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
-    }
-}
-
-fn fresh_seed(tag: &str) -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("{tag}: seed {t}");
-    t
-}
 
 /// splitmix64 stream of uniform values in [-1, 1).
 struct Rng(u64);

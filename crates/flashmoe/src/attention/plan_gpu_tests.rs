@@ -4,28 +4,10 @@
 
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd};
 use crate::dtype::DType;
-use crate::error::Error;
+use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
-
-fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
-    match Device::open(0) {
-        Ok(dev) => f(&dev),
-        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
-        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
-    }
-}
-
-/// A fresh seed per call (printed, so a failure can be replayed by hand).
-fn fresh_seed(tag: &str) -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("{tag}: seed {t}");
-    t
-}
 
 /// `n` values uniform in [-1, 1) (splitmix64), as bf16 bits.
 fn random_bf16(n: usize, seed: u64) -> Vec<u16> {

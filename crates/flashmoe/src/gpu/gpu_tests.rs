@@ -6,19 +6,9 @@ use super::*;
 use crate::attention::{self, AttentionRunner};
 use crate::dtype::DType;
 use crate::error::Error;
+use crate::gpu::test_support::with_gpu;
 use crate::problem::AttentionProblem;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-
-fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
-    match Device::open(0) {
-        Ok(dev) => {
-            eprintln!("{name}: {}", dev.info());
-            f(&dev)
-        }
-        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
-        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
-    }
-}
 
 fn temp_dir(tag: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("flashmoe-{tag}-{}", std::process::id()));

@@ -19,6 +19,8 @@ pub mod device;
 mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
+#[cfg(test)]
+pub(crate) mod test_support;
 pub use libs::ensure_cublas;
 pub mod nvrtc;
 pub mod raw;

@@ -9,19 +9,9 @@
 use super::*;
 use crate::accuracy::error_metrics;
 use crate::error::Error;
+use crate::gpu::test_support::with_gpu;
 use crate::problem::Scoring;
 use crate::reference::moe::moe_f64;
-
-fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
-    match Device::open(0) {
-        Ok(dev) => {
-            eprintln!("{name}: {}", dev.info());
-            f(&dev)
-        }
-        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
-        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
-    }
-}
 
 const EXPERTS: usize = 16;
 /// Expert whose router column is a copy of `TIED_LOW`'s: with equal logits the lower index

@@ -13,32 +13,12 @@ use super::{GpuRouting, MoeRunner};
 use crate::accuracy::error_metrics;
 use crate::dtype::DType;
 use crate::error::Error;
+use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::problem::{MoeProblem, Scoring};
 use crate::reference::moe::{compare_routing, moe_f64, MoeInputs};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::sync::Arc;
-
-fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
-    match Device::open(0) {
-        Ok(dev) => {
-            eprintln!("{name}: {}", dev.info());
-            f(&dev)
-        }
-        Err(Error::NoGpu(reason)) => eprintln!("{name}: skipped: no GPU ({reason})"),
-        Err(e) => panic!("{name}: opening GPU 0 failed: {e}"),
-    }
-}
-
-/// A fresh seed per call (printed, so a failure can be replayed by hand).
-fn fresh_seed(tag: &str) -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("{tag}: seed {t}");
-    t
-}
 
 fn class(max_tokens: usize, top_k: usize, scoring: Scoring, dtype: DType) -> MoeClass {
     // hidden and intermediate are multiples of the sm_90 tiles (256 and 128 columns).
