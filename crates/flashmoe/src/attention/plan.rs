@@ -65,6 +65,38 @@ impl AttentionClass {
             softmax_scale: self.softmax_scale,
         }
     }
+
+    /// The checks of a call's inputs that need no GPU, O(1): q, k and v are 4-D views of
+    /// the class's dtype and head counts with consistent batch, sequence and head dims,
+    /// 16-byte aligned, innermost dimension contiguous, no dimension empty. Returns the
+    /// call's batch size and sequence lengths; errors name the tensor and the rule. Plans
+    /// add the kernel's own rules ([`AttentionPlan::check`]).
+    pub fn check_inputs(&self, q: &RawTensor, k: &RawTensor, v: &RawTensor) -> Result<CallShape> {
+        let (hq, hkv, d) = (self.heads_q, self.heads_kv, self.head_dim);
+        for (name, t) in [("q", q), ("k", k), ("v", v)] {
+            if t.rank != 4 {
+                return Err(Error::invalid(format!(
+                    "{name} must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                    t.shape()
+                )));
+            }
+        }
+        let [b, sq, _, _] = q.shape;
+        let sk = k.shape[1];
+        q.expect("q", self.dtype, &[b, sq, hq, d], 16)?;
+        k.expect("k", self.dtype, &[b, sk, hkv, d], 16)?;
+        v.expect("v", self.dtype, &[b, sk, hkv, d], 16)?;
+        if b == 0 || sq == 0 || sk == 0 {
+            return Err(Error::invalid(format!(
+                "empty attention call: batch {b}, seqlen_q {sq}, seqlen_k {sk} (each must be >= 1)"
+            )));
+        }
+        Ok(CallShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+        })
+    }
 }
 
 impl From<&AttentionProblem> for AttentionClass {
@@ -247,30 +279,23 @@ impl AttentionPlan {
     /// Check a call's tensors against the class and the kernel's rules, O(1); returns the
     /// batch size and sequence lengths. Errors name the tensor and the rule.
     pub fn check(&self, a: &AttentionArgs) -> Result<CallShape> {
+        let shape = self.class.check_inputs(&a.q, &a.k, &a.v)?;
+        let CallShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+        } = shape;
         let c = &self.class;
-        let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
-        for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
-            if t.rank != 4 {
-                return Err(Error::invalid(format!(
-                    "{name} must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
-                    t.shape()
-                )));
-            }
+        let (hq, d) = (c.heads_q, c.head_dim);
+        if a.o.rank != 4 {
+            return Err(Error::invalid(format!(
+                "o must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                a.o.shape()
+            )));
         }
-        let [b, sq, _, _] = a.q.shape;
-        let sk = a.k.shape[1];
-        let io = self.class.dtype;
-        a.q.expect("q", io, &[b, sq, hq, d], 16)?;
-        a.k.expect("k", io, &[b, sk, hkv, d], 16)?;
-        a.v.expect("v", io, &[b, sk, hkv, d], 16)?;
         a.o.expect_contiguous("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
         a.lse
             .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
-        if b == 0 || sq == 0 || sk == 0 {
-            return Err(Error::invalid(format!(
-                "empty attention call: batch {b}, seqlen_q {sq}, seqlen_k {sk} (each must be >= 1)"
-            )));
-        }
         for (what, value) in [("seqlen_q", sq), ("seqlen_k", sk)] {
             if value > config::MAX_SEQLEN {
                 return Err(Error::unsupported(
@@ -304,11 +329,7 @@ impl AttentionPlan {
                 }
             }
         }
-        Ok(CallShape {
-            batch: b,
-            seqlen_q: sq,
-            seqlen_k: sk,
-        })
+        Ok(shape)
     }
 
     /// Enqueue the forward pass on `stream`: `o = softmax(scale · q kᵀ [+ causal mask]) v`

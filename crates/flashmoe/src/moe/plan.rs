@@ -118,6 +118,59 @@ impl MoeClass {
         }
     }
 
+    /// The checks of a call that need no GPU, O(1): every tensor of `a` against the class
+    /// (rank, shape, dtype, alignment, contiguity; the shared expert's weights exactly when
+    /// the class has one) and 1..=max_tokens tokens. Returns the token count; errors name
+    /// the tensor and the rule.
+    pub fn check_args(&self, a: &MoeArgs) -> Result<usize> {
+        let c = self;
+        let (h, i, e, k, dt) = (c.hidden, c.intermediate, c.experts, c.top_k, c.dtype);
+        if a.x.rank != 2 {
+            return Err(Error::invalid(format!(
+                "x must be 2-D [tokens, hidden] but has shape {:?}",
+                a.x.shape()
+            )));
+        }
+        let t = a.x.shape[0];
+        if t == 0 || t > c.max_tokens {
+            return Err(Error::invalid(format!(
+                "x has {t} tokens but this MoE class takes 1..={} (MoeClass::max_tokens)",
+                c.max_tokens
+            )));
+        }
+        a.x.expect_contiguous("x", dt, &[t, h], 16)?;
+        a.router.expect_contiguous("router", dt, &[h, e], 16)?;
+        a.w13.expect_contiguous("w13", dt, &[e, h, 2 * i], 16)?;
+        a.w2.expect_contiguous("w2", dt, &[e, i, h], 16)?;
+        match (c.shared_expert, &a.shared_w13, &a.shared_w2) {
+            (true, Some(w13), Some(w2)) => {
+                w13.expect_contiguous("shared_w13", dt, &[h, 2 * i], 16)?;
+                w2.expect_contiguous("shared_w2", dt, &[i, h], 16)?;
+            }
+            (false, None, None) => {}
+            (true, _, _) => {
+                return Err(Error::invalid(
+                    "shared_w13 and shared_w2 are required: the plan's class has a shared expert",
+                ))
+            }
+            (false, _, _) => {
+                return Err(Error::invalid(
+                    "shared_w13 / shared_w2 given but the plan's class has no shared expert",
+                ))
+            }
+        }
+        a.out.expect_contiguous("out", dt, &[t, h], 16)?;
+        a.routing.topk_ids.expect("topk_ids", t * k)?;
+        a.routing
+            .topk_w
+            .expect_contiguous("topk_w", DType::F32, &[t, k], 4)?;
+        a.routing.counts.expect("counts", e)?;
+        a.routing
+            .losses
+            .expect_contiguous("losses", DType::F32, &[2], 4)?;
+        Ok(t)
+    }
+
     /// The class of `p` with room for `max_tokens` tokens per call.
     pub fn of_problem(p: &MoeProblem, max_tokens: usize) -> MoeClass {
         MoeClass {
@@ -752,54 +805,16 @@ impl MoePlan {
         MoeRouting::new(stream, &self.class)
     }
 
-    /// Check a call's tensors against the class, O(1); returns the token count. Errors
-    /// name the tensor and the rule.
+    /// Check a call's tensors against the class ([`MoeClass::check_args`]) and the plan's
+    /// token range, O(1); returns the token count. Errors name the tensor and the rule.
     pub fn check(&self, a: &MoeArgs) -> Result<usize> {
-        let c = &self.class;
-        let (h, i, e, k, dt) = (c.hidden, c.intermediate, c.experts, c.top_k, c.dtype);
-        if a.x.rank != 2 {
-            return Err(Error::invalid(format!(
-                "x must be 2-D [tokens, hidden] but has shape {:?}",
-                a.x.shape()
-            )));
-        }
-        let t = a.x.shape[0];
-        if t < self.min_tokens || t > c.max_tokens {
+        let t = self.class.check_args(a)?;
+        if t < self.min_tokens {
             return Err(Error::invalid(format!(
                 "x has {t} tokens but this MoE plan takes {}..={} (MoeClass::max_tokens)",
-                self.min_tokens, c.max_tokens
+                self.min_tokens, self.class.max_tokens
             )));
         }
-        a.x.expect_contiguous("x", dt, &[t, h], 16)?;
-        a.router.expect_contiguous("router", dt, &[h, e], 16)?;
-        a.w13.expect_contiguous("w13", dt, &[e, h, 2 * i], 16)?;
-        a.w2.expect_contiguous("w2", dt, &[e, i, h], 16)?;
-        match (c.shared_expert, &a.shared_w13, &a.shared_w2) {
-            (true, Some(w13), Some(w2)) => {
-                w13.expect_contiguous("shared_w13", dt, &[h, 2 * i], 16)?;
-                w2.expect_contiguous("shared_w2", dt, &[i, h], 16)?;
-            }
-            (false, None, None) => {}
-            (true, _, _) => {
-                return Err(Error::invalid(
-                    "shared_w13 and shared_w2 are required: the plan's class has a shared expert",
-                ))
-            }
-            (false, _, _) => {
-                return Err(Error::invalid(
-                    "shared_w13 / shared_w2 given but the plan's class has no shared expert",
-                ))
-            }
-        }
-        a.out.expect_contiguous("out", dt, &[t, h], 16)?;
-        a.routing.topk_ids.expect("topk_ids", t * k)?;
-        a.routing
-            .topk_w
-            .expect_contiguous("topk_w", DType::F32, &[t, k], 4)?;
-        a.routing.counts.expect("counts", e)?;
-        a.routing
-            .losses
-            .expect_contiguous("losses", DType::F32, &[2], 4)?;
         Ok(t)
     }
 
