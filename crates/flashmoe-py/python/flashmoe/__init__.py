@@ -1,0 +1,49 @@
+"""flashmoe: FlashAttention and Mixture-of-Experts kernels as PyTorch ops.
+
+``flashmoe.attention`` and ``flashmoe.moe`` run flashmoe's plans on PyTorch tensors, on
+the current CUDA stream, without copies (docs/python.md). They are registered as
+``torch.ops.flashmoe.attention`` / ``torch.ops.flashmoe.moe`` custom ops with fake
+implementations, so ``torch.compile`` traces them and CUDA graphs capture them.
+
+The extension module ``flashmoe._core`` imports without torch: it describes tensors as
+``(data_ptr, dtype, shape, strides)`` tuples and holds the shape checks
+(``check_attention``, ``check_moe``) and the plans (``AttentionPlan``, ``MoePlan``).
+"""
+
+from ._core import (  # noqa: F401
+    AttentionPlan,
+    MoePlan,
+    check_attention,
+    check_moe,
+    device_count,
+    device_name,
+)
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:  # the core binding stays usable; the torch ops say what they need
+    _torch = None
+
+if _torch is not None:
+    from ._torch import MoeOutput, attention, moe  # noqa: F401
+else:
+
+    def _needs_torch(*_args, **_kwargs):
+        raise ImportError(
+            "flashmoe.attention and flashmoe.moe need PyTorch (pip install torch); "
+            "flashmoe._core works without it"
+        )
+
+    attention = moe = _needs_torch
+
+__all__ = [
+    "attention",
+    "moe",
+    "MoeOutput",
+    "AttentionPlan",
+    "MoePlan",
+    "check_attention",
+    "check_moe",
+    "device_count",
+    "device_name",
+]

@@ -1,0 +1,320 @@
+"""The torch layer: flashmoe's plans as ``torch.library`` custom ops.
+
+The ops are defined with ``torch.library.Library`` (schema + a kernel per backend + a fake
+kernel) rather than the ``@torch.library.custom_op`` decorator: same tracing and graph
+behaviour, but the decorator's Python wrappers cost several µs more per call
+(tools/overhead.py measures both; docs/python.md). The ops are forward-only (inference).
+
+A call reads each tensor's address, dtype, shape and strides, allocates its outputs with
+``torch.empty`` (PyTorch's caching allocator, so CUDA-graph capture puts them in the
+graph's pool) and enqueues the plan on ``torch.cuda.current_stream()``: no copy, no host
+synchronisation. Plans are cached per shape class; the attention kernel's zeroed workspace
+per (device, stream), as the library requires (docs/library.md, "Workspace").
+"""
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _core
+
+_DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.int32: "i32",
+}
+
+
+def _desc(t: torch.Tensor, name: str):
+    """The core binding's tensor descriptor ``(data_ptr, dtype, shape, strides)``."""
+    dt = _DTYPES.get(t.dtype)
+    if dt is None:
+        raise TypeError(f"{name} has dtype {t.dtype}; flashmoe takes torch.bfloat16 or torch.float16")
+    return (t.data_ptr(), dt, t.shape, t.stride())
+
+
+def _device_index(named) -> int:
+    """The index of the one CUDA device every (name, tensor) pair lives on, or a ValueError naming
+    the first tensor that breaks the rule."""
+    first, t0 = named[0]
+    if not t0.is_cuda:
+        raise ValueError(f"{first} is on {t0.device}; flashmoe takes CUDA tensors")
+    index = t0.get_device()
+    for name, t in named[1:]:
+        if t.get_device() != index:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {t0.device}: one device is required")
+    return index
+
+
+def _same_dtype(named):
+    """TypeError unless every (name, tensor) pair has the first one's dtype."""
+    first, t0 = named[0]
+    for name, t in named[1:]:
+        if t.dtype is not t0.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first} has {t0.dtype}: one dtype is required")
+
+
+def _plain(*tensors) -> bool:
+    """Whether a call may skip the dispatcher: eager, plain tensors, no dispatch or function mode
+    (anything else, torch.compile and fake tensors included, goes through torch.ops)."""
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            return False
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+    )
+
+
+try:  # the raw CUstream of the current stream without building a Stream object (what inductor uses)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older or future torch
+
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+_attention_plans = {}
+# (device index, stream) -> [uint8 tensor, zeroed outside any graph capture, address, bytes]
+_attention_workspaces = {}
+# Workspaces that a larger plan replaced: never freed, since a captured graph may hold their address.
+_retired_workspaces = []
+
+
+def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale):
+    """Build and cache the plan of a class (the call path looks the cache up itself)."""
+    key = (index, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale)
+    plan = _attention_plans.get(key)
+    if plan is None:
+        plan = _core.AttentionPlan(index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale)
+        _attention_plans[key] = plan
+    return plan
+
+
+def _attention_workspace(needed: int, index: int, stream: int):
+    """The zeroed workspace of `stream`: the kernel leaves it zeroed after every launch, so one
+    allocation serves every later launch on that stream (launches on other streams may run at the
+    same time and get their own)."""
+    if needed == 0:
+        return 0, 0
+    key = (index, stream)
+    entry = _attention_workspaces.get(key)
+    if entry is None or entry[3] < needed:
+        if entry is not None:
+            _retired_workspaces.append(entry[0])
+        ws = torch.empty(needed, dtype=torch.uint8, device=torch.device("cuda", index))
+        entry = [ws, False, ws.data_ptr(), needed]
+        _attention_workspaces[key] = entry
+    if not entry[1]:
+        # Zeroing inside a capture happens only when the graph replays, so it is repeated in each
+        # capture until one zeroing has run eagerly.
+        entry[0].zero_()
+        entry[1] = not torch.cuda.is_current_stream_capturing()
+    return entry[2], entry[3]
+
+
+_lib = torch.library.Library("flashmoe", "DEF")
+_lib.define(
+    "attention(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "moe(Tensor x, Tensor router_w, Tensor w13, Tensor w2, Tensor? shared_w13, Tensor? shared_w2, "
+    "int top_k, str scoring, bool renormalize) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _register(name, impl, fake):
+    # CPU gets the same kernel so that a CPU tensor meets flashmoe's own error, not the
+    # dispatcher's "no kernel for CPU".
+    for key in ("CUDA", "CPU"):
+        _lib.impl(name, impl, key)
+    torch.library.register_fake(f"flashmoe::{name}", fake, lib=_lib)
+
+
+def _attention_impl(q, k, v, causal, softmax_scale):
+    index = _device_index((("q", q), ("k", k), ("v", v)))
+    _same_dtype((("q", q), ("k", k), ("v", v)))
+    dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _core.check_attention(dq, dk, dv, causal, softmax_scale)  # raises, naming the tensor
+    b, sq, hq, d = q.shape
+    plan = _attention_plans.get((index, q.dtype, d, hq, k.shape[2], causal, softmax_scale))
+    if plan is None:
+        plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale)
+    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    stream = _raw_stream(index)
+    ws, ws_bytes = _attention_workspace(plan.workspace_bytes, index, stream)
+    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
+    return o, lse
+
+
+def _attention_fake(q, k, v, causal, softmax_scale):
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (batch, seq, heads, head_dim) but has shape {list(q.shape)}")
+    b, sq, hq, d = q.shape
+    return q.new_empty((b, sq, hq, d)), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+_register("attention", _attention_impl, _attention_fake)
+_attention_op = torch.ops.flashmoe.attention.default
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Exact attention in FlashAttention's layout.
+
+    q (batch, seqlen_q, heads_q, head_dim); k, v (batch, seqlen_k, heads_kv, head_dim) with
+    heads_q a multiple of heads_kv (GQA/MQA); bf16 or f16 on one CUDA device. Returns o like q
+    (contiguous), and with ``return_lse`` also lse (batch, heads_q, seqlen_q) f32 (natural log).
+    ``causal`` is bottom-right aligned; ``softmax_scale`` defaults to 1/sqrt(head_dim).
+    q, k, v may be strided views (e.g. of one packed QKV tensor) on the sm_90a kernel (head dims
+    64 and 128 on H100/H200) when the last dimension is contiguous and every other stride is a
+    multiple of 8 elements; other kernels take them contiguous (call ``.contiguous()``).
+
+    Eager calls on plain tensors run the kernel function directly (no dispatcher: a few µs less
+    host time); under torch.compile, fake tensors or dispatch modes the call goes through
+    ``torch.ops.flashmoe.attention``. Forward only (no autograd formula).
+    """
+    if _plain(q, k, v):
+        o, lse = _attention_impl(q, k, v, causal, softmax_scale)
+    else:
+        o, lse = _attention_op(q, k, v, causal, softmax_scale)
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+
+_moe_plans = {}
+_MIN_PLAN_TOKENS = 256
+
+
+def _moe_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
+    """The cached plan of the class, rebuilt with room for twice as many tokens when a call
+    outgrows it (the table of token ranges is sized by max_tokens)."""
+    key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
+    plan = _moe_plans.get(key)
+    if plan is None or plan.max_tokens < tokens:
+        max_tokens = _MIN_PLAN_TOKENS
+        while max_tokens < tokens:
+            max_tokens *= 2
+        plan = _core.MoePlan(
+            index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, max_tokens
+        )
+        _moe_plans[key] = plan
+    return plan
+
+
+class MoeOutput(NamedTuple):
+    """What ``flashmoe.moe`` returns."""
+
+    out: torch.Tensor  # [T, H], x's dtype
+    topk_ids: torch.Tensor  # [T, k] int32, descending score (ties: lower expert index)
+    topk_weights: torch.Tensor  # [T, k] f32 combine weights
+    counts: torch.Tensor  # [E] int32 tokens routed to each expert (sums to T·k)
+    aux_loss: torch.Tensor  # 0-d f32 load-balancing loss
+    z_loss: torch.Tensor  # 0-d f32 router z-loss
+
+
+def _moe_impl(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize):
+    named = [("x", x), ("router_w", router_w), ("w13", w13), ("w2", w2)]
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ValueError("shared must be (shared_w13, shared_w2): both weights or neither")
+    if shared_w13 is not None:
+        named += [("shared_w13", shared_w13), ("shared_w2", shared_w2)]
+    index = _device_index(named)
+    _same_dtype(named)
+    descs = [_desc(t, n) for n, t in named]
+    if x.dim() != 2 or router_w.dim() != 2 or w2.dim() != 3:
+        raise ValueError(
+            "x must be [tokens, hidden], router_w [hidden, experts], w13 [experts, hidden, "
+            f"2*intermediate] and w2 [experts, intermediate, hidden]; got {list(x.shape)}, "
+            f"{list(router_w.shape)}, {list(w13.shape)} and {list(w2.shape)}"
+        )
+    t, h = x.shape
+    e, i = router_w.shape[1], w2.shape[1]
+    shared = (descs[4], descs[5]) if shared_w13 is not None else None
+    plan = _moe_plan(index, descs[0][1], h, i, e, top_k, scoring, renormalize, shared is not None, t)
+    dev = x.device
+    out = torch.empty((t, h), dtype=x.dtype, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    counts = torch.empty((e,), dtype=torch.int32, device=dev)
+    losses = torch.empty((2,), dtype=torch.float32, device=dev)
+    # No zeroing needed: every intermediate is written before it is read, so a fresh
+    # stream-ordered allocation from the caching allocator is the per-call workspace.
+    ws_bytes = plan.workspace_bytes(t)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)
+    plan.forward(
+        _raw_stream(index),
+        descs[0],
+        descs[1],
+        descs[2],
+        descs[3],
+        shared,
+        out.data_ptr(),
+        ids.data_ptr(),
+        weights.data_ptr(),
+        counts.data_ptr(),
+        losses.data_ptr(),
+        ws.data_ptr(),
+        ws_bytes,
+    )
+    return out, ids, weights, counts, losses
+
+
+def _moe_fake(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize):
+    if x.dim() != 2 or router_w.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden] and router_w [hidden, experts]; got {list(x.shape)}")
+    t, h = x.shape
+    e = router_w.shape[1]
+    return (
+        x.new_empty((t, h)),
+        x.new_empty((t, top_k), dtype=torch.int32),
+        x.new_empty((t, top_k), dtype=torch.float32),
+        x.new_empty((e,), dtype=torch.int32),
+        x.new_empty((2,), dtype=torch.float32),
+    )
+
+
+_register("moe", _moe_impl, _moe_fake)
+_moe_op = torch.ops.flashmoe.moe.default
+
+
+def moe(
+    x: torch.Tensor,
+    router_w: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> MoeOutput:
+    """One MoE layer: router -> top-k -> grouped SwiGLU experts (+ shared expert) -> weighted sum.
+
+    x [T, H]; router_w [H, E]; w13 [E, H, 2I] (columns [0, I) gate, [I, 2I) up:
+    h = silu(x @ gate) * (x @ up)); w2 [E, I, H]; ``shared`` = (shared_w13 [H, 2I], shared_w2
+    [I, H]), a dense SwiGLU expert added to every token with weight 1. All contiguous, one dtype
+    (bf16 or f16), one CUDA device. ``scoring`` "softmax" or "sigmoid"; ``renormalize`` makes the
+    k weights sum to 1. PyTorch Linear weights ([out, in]) are the transposes of these.
+    Eager calls skip the dispatcher as ``attention`` does; forward only.
+    """
+    s13, s2 = shared if shared is not None else (None, None)
+    run = _moe_impl if _plain(x, router_w, w13, w2) else _moe_op
+    out, ids, weights, counts, losses = run(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
+    return MoeOutput(out, ids, weights, counts, losses[0], losses[1])

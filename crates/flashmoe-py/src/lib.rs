@@ -1,0 +1,620 @@
+//! `flashmoe._core`: the Python binding of flashmoe's plan API (raw layer).
+//!
+//! It knows nothing of PyTorch: a tensor arrives as a descriptor tuple
+//! `(data_ptr, dtype, shape, strides)` (dtype one of "bf16", "f16", "f32", "i32"; strides
+//! in elements), a stream as the integer value of a `CUstream`, a workspace as an address
+//! and a size. The torch layer (`flashmoe/_torch.py`) builds these from tensors and owns
+//! every allocation; this module only checks and enqueues, so a call holds no memory and
+//! never synchronises. The checks that need no GPU (`check_attention`, `check_moe`) are
+//! the library's own ([`AttentionClass::check_inputs`], [`MoeClass::check_args`]).
+//!
+//! Errors: bad input raises `TypeError` (a dtype) or `ValueError` (anything else about a
+//! tensor) naming the tensor and the rule; a shape class no kernel implements raises
+//! `NotImplementedError`; no driver, no GPU or a CUDA failure raises `RuntimeError`.
+
+use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan as Plan};
+use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
+use flashmoe::moe::{MoeArgs, MoeClass, MoePlan as MPlan, RawU32, RoutingArgs};
+use flashmoe::{DType, Error, Scoring};
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The library's error as the Python exception its kind calls for.
+fn py_err(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        Error::InvalidProblem(_) | Error::BufferSize { .. } => PyValueError::new_err(msg),
+        Error::Unsupported { .. } => PyNotImplementedError::new_err(msg),
+        Error::NoGpu(_) | Error::Cuda { .. } | Error::Compile { .. } | Error::Io { .. } => {
+            PyRuntimeError::new_err(msg)
+        }
+    }
+}
+
+/// A tensor as the torch layer describes it: `(data_ptr, dtype, shape, strides)`.
+#[derive(FromPyObject)]
+struct Desc(u64, String, Vec<usize>, Vec<usize>);
+
+/// Element type of a descriptor; `i32` is kept apart (routing ids and counts).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Elem {
+    Float(DType),
+    I32,
+}
+
+fn elem(name: &str, dtype: &str) -> PyResult<Elem> {
+    match dtype {
+        "bf16" => Ok(Elem::Float(DType::Bf16)),
+        "f16" => Ok(Elem::Float(DType::F16)),
+        "f32" => Ok(Elem::Float(DType::F32)),
+        "i32" => Ok(Elem::I32),
+        other => Err(PyTypeError::new_err(format!(
+            "{name} has dtype {other}; flashmoe takes bf16 or f16 tensors"
+        ))),
+    }
+}
+
+impl Desc {
+    /// The raw tensor, with `name` in its errors. A size-1 dimension's stride is
+    /// meaningless (PyTorch may report any value), so it is replaced by the row-major one:
+    /// the kernels' stride rules then see only strides that address memory.
+    fn raw(&self, name: &str) -> PyResult<RawTensor> {
+        let dtype = match elem(name, &self.1)? {
+            Elem::Float(d) => d,
+            Elem::I32 => DType::F32, // same size; the caller checks the element type
+        };
+        let (shape, mut strides) = (&self.2, self.3.clone());
+        if shape.len() != strides.len() {
+            return Err(PyValueError::new_err(format!(
+                "{name}: shape {shape:?} and strides {strides:?} differ in length"
+            )));
+        }
+        for i in (0..shape.len()).rev() {
+            if shape[i] == 1 {
+                strides[i] = if i + 1 < shape.len() {
+                    shape[i + 1] * strides[i + 1]
+                } else {
+                    1
+                };
+            }
+        }
+        RawTensor::new(self.0, dtype, shape, &strides).map_err(|e| {
+            PyValueError::new_err(format!(
+                "{name}: {}",
+                e.to_string().trim_start_matches("invalid problem: ")
+            ))
+        })
+    }
+
+    /// The float element type, or a `TypeError` naming the tensor.
+    fn float(&self, name: &str) -> PyResult<DType> {
+        match elem(name, &self.1)? {
+            Elem::Float(d) => Ok(d),
+            Elem::I32 => Err(PyTypeError::new_err(format!(
+                "{name} has dtype int32; a floating-point tensor is required"
+            ))),
+        }
+    }
+
+    /// The tensor as a contiguous u32/i32 array of `len` elements (routing outputs).
+    fn index(&self, name: &str, len: usize) -> PyResult<RawU32> {
+        if elem(name, &self.1)? != Elem::I32 {
+            return Err(PyTypeError::new_err(format!(
+                "{name} has dtype {} but int32 is required",
+                self.1
+            )));
+        }
+        let t = self.raw(name)?;
+        if !t.is_contiguous() || t.elems() != len {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a contiguous array of {len} elements but has shape {:?} and \
+                 strides {:?}",
+                t.shape(),
+                t.strides()
+            )));
+        }
+        Ok(RawU32 { ptr: t.ptr, len })
+    }
+}
+
+/// `TypeError` unless `got` is the dtype `want` (of the tensor named `of`).
+fn same_dtype(name: &str, got: DType, want: DType, of: &str) -> PyResult<()> {
+    if got != want {
+        return Err(PyTypeError::new_err(format!(
+            "{name} holds {got} elements but {want} ({of}'s dtype) is required"
+        )));
+    }
+    Ok(())
+}
+
+/// The attention class of a call: dtype from q, head dim and head counts from q and k.
+fn attention_class(
+    q: &Desc,
+    k: &Desc,
+    v: &Desc,
+    causal: bool,
+    softmax_scale: Option<f32>,
+) -> PyResult<(AttentionClass, [RawTensor; 3])> {
+    let dtype = q.float("q")?;
+    if dtype == DType::F32 {
+        return Err(PyTypeError::new_err(
+            "q has dtype f32; flashmoe's attention takes bf16 or f16",
+        ));
+    }
+    same_dtype("k", k.float("k")?, dtype, "q")?;
+    same_dtype("v", v.float("v")?, dtype, "q")?;
+    let (rq, rk, rv) = (q.raw("q")?, k.raw("k")?, v.raw("v")?);
+    for (name, t) in [("q", &rq), ("k", &rk), ("v", &rv)] {
+        if t.rank != 4 {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                t.shape()
+            )));
+        }
+    }
+    let (hq, hkv, d) = (rq.shape[2], rk.shape[2], rq.shape[3]);
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(PyValueError::new_err(format!(
+            "q has {hq} heads and k {hkv}: the query heads must be a multiple of the key/value \
+             heads (GQA)"
+        )));
+    }
+    let class = AttentionClass {
+        dtype,
+        head_dim: d,
+        heads_q: hq,
+        heads_kv: hkv,
+        causal,
+        softmax_scale,
+    };
+    class.problem(1, 1, 1).validate().map_err(py_err)?;
+    Ok((class, [rq, rk, rv]))
+}
+
+/// Check an attention call's q, k and v without a GPU. Returns the shapes of o
+/// `(batch, seqlen_q, heads_q, head_dim)` and lse `(batch, heads_q, seqlen_q)`.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, causal=false, softmax_scale=None))]
+fn check_attention(
+    q: Desc,
+    k: Desc,
+    v: Desc,
+    causal: bool,
+    softmax_scale: Option<f32>,
+) -> PyResult<((usize, usize, usize, usize), (usize, usize, usize))> {
+    let (class, [rq, rk, rv]) = attention_class(&q, &k, &v, causal, softmax_scale)?;
+    let s = class.check_inputs(&rq, &rk, &rv).map_err(py_err)?;
+    let (b, sq, hq, d) = (s.batch, s.seqlen_q, class.heads_q, class.head_dim);
+    Ok(((b, sq, hq, d), (b, hq, sq)))
+}
+
+/// The MoE class of a call, from the shapes of x, the router and the weights.
+fn moe_class(
+    x: &Desc,
+    router: &Desc,
+    w2: &Desc,
+    shared: bool,
+    top_k: usize,
+    scoring: &str,
+    renormalize: bool,
+    max_tokens: usize,
+) -> PyResult<MoeClass> {
+    let dtype = x.float("x")?;
+    if dtype == DType::F32 {
+        return Err(PyTypeError::new_err(
+            "x has dtype f32; flashmoe's MoE takes bf16 or f16",
+        ));
+    }
+    for (name, d) in [("router_w", router), ("w2", w2)] {
+        if d.2.len() != 2 + usize::from(name == "w2") {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be {} but has shape {:?}",
+                if name == "w2" {
+                    "3-D [experts, intermediate, hidden]"
+                } else {
+                    "2-D [hidden, experts]"
+                },
+                d.2
+            )));
+        }
+    }
+    if x.2.len() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "x must be 2-D [tokens, hidden] but has shape {:?}",
+            x.2
+        )));
+    }
+    let scoring: Scoring = scoring
+        .parse()
+        .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
+    let class = MoeClass {
+        dtype,
+        hidden: x.2[1],
+        intermediate: w2.2[1],
+        experts: router.2[1],
+        top_k,
+        scoring,
+        renormalize,
+        shared_expert: shared,
+        max_tokens,
+    };
+    class.problem(1).validate().map_err(py_err)?;
+    Ok(class)
+}
+
+/// The outputs of an MoE call: out, topk_ids, topk_w, counts, losses.
+type MoeOutputs = (RawTensor, RawU32, RawTensor, RawU32, RawTensor);
+
+/// The raw arguments of an MoE call, checked against `class` (no GPU needed).
+fn moe_args(
+    class: &MoeClass,
+    x: &Desc,
+    router: &Desc,
+    w13: &Desc,
+    w2: &Desc,
+    shared: Option<(Desc, Desc)>,
+    (out, topk_ids, topk_w, counts, losses): MoeOutputs,
+) -> PyResult<MoeArgs> {
+    let dt = class.dtype;
+    for (name, d) in [("x", x), ("router_w", router), ("w13", w13), ("w2", w2)] {
+        same_dtype(name, d.float(name)?, dt, "x")?;
+    }
+    let (s13, s2) = match &shared {
+        Some((a, b)) => {
+            same_dtype("shared_w13", a.float("shared_w13")?, dt, "x")?;
+            same_dtype("shared_w2", b.float("shared_w2")?, dt, "x")?;
+            (Some(a.raw("shared_w13")?), Some(b.raw("shared_w2")?))
+        }
+        None => (None, None),
+    };
+    let args = MoeArgs {
+        x: x.raw("x")?,
+        router: router.raw("router_w")?,
+        w13: w13.raw("w13")?,
+        w2: w2.raw("w2")?,
+        shared_w13: s13,
+        shared_w2: s2,
+        out,
+        routing: RoutingArgs {
+            topk_ids,
+            topk_w,
+            counts,
+            losses,
+        },
+    };
+    class.check_args(&args).map_err(py_err)?;
+    Ok(args)
+}
+
+/// Check an MoE call without a GPU: x [T, H], router_w [H, E], w13 [E, H, 2I], w2
+/// [E, I, H], the shared expert's [H, 2I] and [I, H] (both or neither), and the outputs
+/// out [T, H], topk_ids int32 [T, k], topk_w f32 [T, k], counts int32 [E], losses f32 [2].
+/// Returns (tokens, hidden, intermediate, experts).
+#[pyfunction]
+#[pyo3(signature = (x, router_w, w13, w2, shared, out, topk_ids, topk_w, counts, losses, *, top_k, scoring="softmax", renormalize=true))]
+#[allow(clippy::too_many_arguments)]
+fn check_moe(
+    x: Desc,
+    router_w: Desc,
+    w13: Desc,
+    w2: Desc,
+    shared: Option<(Desc, Desc)>,
+    out: Desc,
+    topk_ids: Desc,
+    topk_w: Desc,
+    counts: Desc,
+    losses: Desc,
+    top_k: usize,
+    scoring: &str,
+    renormalize: bool,
+) -> PyResult<(usize, usize, usize, usize)> {
+    let tokens = x.2.first().copied().unwrap_or(0);
+    let class = moe_class(
+        &x,
+        &router_w,
+        &w2,
+        shared.is_some(),
+        top_k,
+        scoring,
+        renormalize,
+        tokens.max(1),
+    )?;
+    let (t, k) = (tokens, class.top_k);
+    same_dtype("out", out.float("out")?, class.dtype, "x")?;
+    let outs = (
+        out.raw("out")?,
+        topk_ids.index("topk_ids", t * k)?,
+        topk_w.raw("topk_w")?,
+        counts.index("counts", class.experts)?,
+        losses.raw("losses")?,
+    );
+    moe_args(&class, &x, &router_w, &w13, &w2, shared, outs)?;
+    Ok((tokens, class.hidden, class.intermediate, class.experts))
+}
+
+/// One `Device` per ordinal over the device's primary context (the one PyTorch uses),
+/// shared by every plan of that device (its kernel cache loads each module once).
+fn device(ordinal: usize) -> PyResult<Arc<Device>> {
+    static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<Device>>>> = OnceLock::new();
+    let mut map = DEVICES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = map.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let count = gpu::device_count().map_err(py_err)?;
+    if ordinal >= count {
+        return Err(PyRuntimeError::new_err(format!(
+            "no GPU available: CUDA device {ordinal} requested but {count} are visible"
+        )));
+    }
+    // The driver loaded above, so retaining the primary context cannot hit cudarc's
+    // missing-library panic.
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| {
+        PyRuntimeError::new_err(format!(
+            "CUDA error retaining the primary context of device {ordinal}: {e}"
+        ))
+    })?;
+    let dev = Arc::new(Device::from_context(ctx).map_err(py_err)?);
+    map.insert(ordinal, dev.clone());
+    Ok(dev)
+}
+
+/// Number of visible CUDA devices; `RuntimeError` naming the reason when there is no
+/// usable driver.
+#[pyfunction]
+fn device_count() -> PyResult<usize> {
+    gpu::device_count().map_err(py_err)
+}
+
+/// Name and compute capability of device `ordinal` (opens the primary context).
+#[pyfunction]
+fn device_name(ordinal: usize) -> PyResult<(String, (u32, u32))> {
+    let d = device(ordinal)?;
+    Ok((d.info().name.clone(), d.info().compute_capability))
+}
+
+/// An attention plan: one kernel resolved for (dtype, head dim, head counts, causal,
+/// scale) on one device. Build once, call `forward` per call.
+#[pyclass(frozen, module = "flashmoe._core")]
+struct AttentionPlan {
+    plan: Plan,
+}
+
+#[pymethods]
+impl AttentionPlan {
+    #[new]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None))]
+    fn new(
+        device: usize,
+        dtype: &str,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        causal: bool,
+        softmax_scale: Option<f32>,
+    ) -> PyResult<Self> {
+        let dtype = match elem("dtype", dtype)? {
+            Elem::Float(d) if d != DType::F32 => d,
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "dtype {dtype}: an attention plan takes bf16 or f16"
+                )))
+            }
+        };
+        let class = AttentionClass {
+            dtype,
+            head_dim,
+            heads_q,
+            heads_kv,
+            causal,
+            softmax_scale,
+        };
+        class.problem(1, 1, 1).validate().map_err(py_err)?;
+        let dev = self::device(device)?;
+        Ok(AttentionPlan {
+            plan: Plan::new(&dev, class).map_err(py_err)?,
+        })
+    }
+
+    /// Bytes of the zeroed workspace a launch needs (0: none).
+    #[getter]
+    fn workspace_bytes(&self) -> usize {
+        self.plan.workspace_bytes()
+    }
+
+    /// The kernel's entry point name.
+    #[getter]
+    fn kernel(&self) -> &'static str {
+        self.plan.variant().entry
+    }
+
+    /// Enqueue one forward on `stream` (a `CUstream` value). q, k and v are descriptors;
+    /// `o` and `lse` are the addresses of contiguous outputs the caller allocated: o of q's
+    /// shape and dtype, lse f32 [batch, heads_q, seqlen_q]. `workspace` is a zeroed
+    /// allocation of at least `workspace_bytes` that no concurrently running launch uses;
+    /// every launch leaves it zeroed.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        stream: usize,
+        q: Desc,
+        k: Desc,
+        v: Desc,
+        o: u64,
+        lse: u64,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> PyResult<()> {
+        let dt = self.plan.class().dtype;
+        for (name, d) in [("q", &q), ("k", &k), ("v", &v)] {
+            same_dtype(name, d.float(name)?, dt, "the plan")?;
+        }
+        let q = q.raw("q")?;
+        let &[b, sq, hq, d] = q.shape() else {
+            return Err(PyValueError::new_err(format!(
+                "q must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                q.shape()
+            )));
+        };
+        let args = AttentionArgs {
+            q,
+            k: k.raw("k")?,
+            v: v.raw("v")?,
+            o: RawTensor::contiguous(o, self.plan.out_dtype(), &[b, sq, hq, d]).map_err(py_err)?,
+            lse: RawTensor::contiguous(lse, DType::F32, &[b, hq, sq]).map_err(py_err)?,
+        };
+        let ws = RawWorkspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        };
+        // SAFETY: the torch layer passes live tensors of the device this plan was built
+        // on, allocated by PyTorch on the primary context, kept alive by the caching
+        // allocator's stream semantics until the stream has run the launch; o and lse are
+        // fresh contiguous outputs of the shapes above; the workspace is the stream's own
+        // (docs/python.md).
+        unsafe {
+            self.plan
+                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .map_err(py_err)
+        }
+    }
+}
+
+/// An MoE plan: one MoE layer for one class (dims, dtype, top-k, scoring, shared
+/// expert) and calls of 1..=max_tokens tokens on one device.
+#[pyclass(frozen, module = "flashmoe._core")]
+struct MoePlan {
+    plan: MPlan,
+}
+
+#[pymethods]
+impl MoePlan {
+    #[new]
+    #[pyo3(signature = (device, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared_expert, max_tokens))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        dtype: &str,
+        hidden: usize,
+        intermediate: usize,
+        experts: usize,
+        top_k: usize,
+        scoring: &str,
+        renormalize: bool,
+        shared_expert: bool,
+        max_tokens: usize,
+    ) -> PyResult<Self> {
+        let dtype = match elem("dtype", dtype)? {
+            Elem::Float(d) if d != DType::F32 => d,
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "dtype {dtype}: an MoE plan takes bf16 or f16"
+                )))
+            }
+        };
+        let scoring: Scoring = scoring
+            .parse()
+            .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
+        let class = MoeClass {
+            dtype,
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+            scoring,
+            renormalize,
+            shared_expert,
+            max_tokens,
+        };
+        class.problem(1).validate().map_err(py_err)?;
+        let dev = self::device(device)?;
+        Ok(MoePlan {
+            plan: MPlan::new(&dev, class).map_err(py_err)?,
+        })
+    }
+
+    /// Largest token count of a call.
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.plan.class().max_tokens
+    }
+
+    /// Bytes of the workspace a call of `tokens` tokens needs (nothing to zero).
+    fn workspace_bytes(&self, tokens: usize) -> PyResult<usize> {
+        self.plan.workspace_bytes(tokens).map_err(py_err)
+    }
+
+    /// Enqueue the layer on `stream`: router, permutation, grouped SwiGLU GEMMs (+ shared
+    /// expert), combine, and the routing results. x, router_w, w13, w2 and `shared`
+    /// (`(w13, w2)` or None) are descriptors; the outputs are the addresses of contiguous
+    /// tensors the caller allocated: out [T, H] of x's dtype, topk_ids int32 [T, k],
+    /// topk_w f32 [T, k], counts int32 [E], losses f32 [2] = (aux, z).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, x, router_w, w13, w2, shared, out, topk_ids, topk_w, counts, losses, workspace, workspace_bytes))]
+    fn forward(
+        &self,
+        stream: usize,
+        x: Desc,
+        router_w: Desc,
+        w13: Desc,
+        w2: Desc,
+        shared: Option<(Desc, Desc)>,
+        out: u64,
+        topk_ids: u64,
+        topk_w: u64,
+        counts: u64,
+        losses: u64,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> PyResult<()> {
+        let c = self.plan.class();
+        let (t, h, k, e) = (
+            x.2.first().copied().unwrap_or(0),
+            c.hidden,
+            c.top_k,
+            c.experts,
+        );
+        let f32s = |ptr, shape: &[usize]| RawTensor::contiguous(ptr, DType::F32, shape);
+        let outs = (
+            RawTensor::contiguous(out, c.dtype, &[t, h]).map_err(py_err)?,
+            RawU32 {
+                ptr: topk_ids,
+                len: t * k,
+            },
+            f32s(topk_w, &[t, k]).map_err(py_err)?,
+            RawU32 {
+                ptr: counts,
+                len: e,
+            },
+            f32s(losses, &[2]).map_err(py_err)?,
+        );
+        let args = moe_args(c, &x, &router_w, &w13, &w2, shared, outs)?;
+        let ws = RawWorkspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        };
+        // SAFETY: as in AttentionPlan::forward; the outputs are fresh contiguous tensors of
+        // the shapes above and the workspace a fresh allocation of this call from
+        // PyTorch's caching allocator on this stream.
+        unsafe {
+            self.plan
+                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .map_err(py_err)
+        }
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(check_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(check_moe, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(device_name, m)?)?;
+    m.add_class::<AttentionPlan>()?;
+    m.add_class::<MoePlan>()?;
+    Ok(())
+}
