@@ -173,6 +173,9 @@ fn attention_class(
     Ok((class, [rq, rk, rv]))
 }
 
+/// Shapes of o `(batch, seqlen_q, heads_q, head_dim)` and lse `(batch, heads_q, seqlen_q)`.
+type OutputShapes = ((usize, usize, usize, usize), (usize, usize, usize));
+
 /// Check an attention call's q, k and v without a GPU. Returns the shapes of o
 /// `(batch, seqlen_q, heads_q, head_dim)` and lse `(batch, heads_q, seqlen_q)`.
 #[pyfunction]
@@ -183,7 +186,7 @@ fn check_attention(
     v: Desc,
     causal: bool,
     softmax_scale: Option<f32>,
-) -> PyResult<((usize, usize, usize, usize), (usize, usize, usize))> {
+) -> PyResult<OutputShapes> {
     let (class, [rq, rk, rv]) = attention_class(&q, &k, &v, causal, softmax_scale)?;
     let s = class.check_inputs(&rq, &rk, &rv).map_err(py_err)?;
     let (b, sq, hq, d) = (s.batch, s.seqlen_q, class.heads_q, class.head_dim);
@@ -191,6 +194,7 @@ fn check_attention(
 }
 
 /// The MoE class of a call, from the shapes of x, the router and the weights.
+#[allow(clippy::too_many_arguments)]
 fn moe_class(
     x: &Desc,
     router: &Desc,
