@@ -48,6 +48,8 @@ for s in "$@"; do
                   # the lab's timing and ceiling tests (flashmoe-bench lib), when carried
                   [ -x ./target/release/flashmoe-bench-gpu-tests ] && stage unit-bench 120 ./target/release/flashmoe-bench-gpu-tests gpu:: --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
+    # the Python package: carry target/py-device (scripts/device-python.sh --pack)
+    python)       stage python 240 bash scripts/device-python.sh target/py-device ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     check)        stage check 580 $BIN check --suite attention ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick

@@ -44,6 +44,18 @@ step "flashmoe-candle: candle-core's CUDA backend built with nvcc from PyPI whee
   RUSTFLAGS="-D warnings" cargo test --manifest-path crates/flashmoe-candle/Cargo.toml
 )
 
+step "Python package: abi3 wheel (maturin), core binding tests without a GPU or torch (pytest)"
+(
+  venv=target/py-venv
+  [ -x $venv/bin/python ] || python3 -m venv $venv
+  $venv/bin/python -m pip install --quiet --upgrade maturin pytest
+  cargo fmt --manifest-path crates/flashmoe-py/Cargo.toml -- --check
+  RUSTFLAGS="-D warnings" $venv/bin/maturin build --release --quiet \
+    -m crates/flashmoe-py/Cargo.toml -o target/py-wheels
+  $venv/bin/python -m pip install --quiet --force-reinstall --no-deps target/py-wheels/flashmoe-*.whl
+  cd crates/flashmoe-py && ../../$venv/bin/python -m pytest -q tests
+)
+
 step "CPU smoke run of the main job"
 smoke=$(mktemp -d)
 trap 'rm -rf "$smoke"' EXIT
