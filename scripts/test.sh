@@ -50,6 +50,7 @@ step "Python package: abi3 wheel (maturin), core binding tests without a GPU or 
   [ -x $venv/bin/python ] || python3 -m venv $venv
   $venv/bin/python -m pip install --quiet --upgrade maturin pytest
   cargo fmt --manifest-path crates/flashmoe-py/Cargo.toml -- --check
+  rm -rf target/py-wheels
   RUSTFLAGS="-D warnings" $venv/bin/maturin build --release --quiet \
     -m crates/flashmoe-py/Cargo.toml -o target/py-wheels
   $venv/bin/python -m pip install --quiet --force-reinstall --no-deps target/py-wheels/flashmoe-*.whl

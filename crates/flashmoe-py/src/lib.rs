@@ -57,14 +57,16 @@ fn elem(name: &str, dtype: &str) -> PyResult<Elem> {
 }
 
 impl Desc {
-    /// The raw tensor, with `name` in its errors. A size-1 dimension's stride is
-    /// meaningless (PyTorch may report any value), so it is replaced by the row-major one:
-    /// the kernels' stride rules then see only strides that address memory.
+    /// The raw tensor of a floating-point descriptor, with `name` in its errors.
     fn raw(&self, name: &str) -> PyResult<RawTensor> {
-        let dtype = match elem(name, &self.1)? {
-            Elem::Float(d) => d,
-            Elem::I32 => DType::F32, // same size; the caller checks the element type
-        };
+        self.layout(name, self.float(name)?)
+    }
+
+    /// The descriptor's address, shape and strides as a tensor of `dtype`. A size-1
+    /// dimension's stride is meaningless (PyTorch may report any value), so it is replaced
+    /// by the row-major one: the kernels' stride rules then see only strides that address
+    /// memory.
+    fn layout(&self, name: &str, dtype: DType) -> PyResult<RawTensor> {
         let (shape, mut strides) = (&self.2, self.3.clone());
         if shape.len() != strides.len() {
             return Err(PyValueError::new_err(format!(
@@ -106,7 +108,8 @@ impl Desc {
                 self.1
             )));
         }
-        let t = self.raw(name)?;
+        // f32 stands in for the 4-byte integers: only the layout is checked here.
+        let t = self.layout(name, DType::F32)?;
         if !t.is_contiguous() || t.elems() != len {
             return Err(PyValueError::new_err(format!(
                 "{name} must be a contiguous array of {len} elements but has shape {:?} and \

@@ -160,6 +160,7 @@ def test_moe_valid(shared, scoring):
         ("ids_dtype", TypeError, ["topk_ids has dtype f32", "int32"]),
         ("ids_len", ValueError, ["topk_ids must be a contiguous array of 20"]),
         ("weights_dtype", ValueError, ["topk_w holds bf16", "f32"]),
+        ("weights_int", TypeError, ["topk_w has dtype int32"]),
         ("top_k", ValueError, ["top_k (9) must not exceed experts (8)"]),
         ("scoring", ValueError, ["scoring", "tanh"]),
         ("strided_x", ValueError, ["x must be contiguous"]),
@@ -182,6 +183,8 @@ def test_moe_errors_name_tensor_and_rule(case, exc, words):
         d["topk_ids"] = t((10, 3), "i32")
     elif case == "weights_dtype":
         d["topk_w"] = t((10, 2), "bf16")
+    elif case == "weights_int":
+        d["topk_w"] = t((10, 2), "i32")
     elif case == "top_k":
         kw["top_k"] = 9
         d = moe_tensors(k=9)
