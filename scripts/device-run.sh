@@ -48,6 +48,19 @@ for s in "$@"; do
                   # the lab's timing and ceiling tests (flashmoe-bench lib), when carried
                   [ -x ./target/release/flashmoe-bench-gpu-tests ] && stage unit-bench 120 ./target/release/flashmoe-bench-gpu-tests gpu:: --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
+    # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device
+    # (scripts/device-python.sh --pack): seed 003's dense models, the MoE stacks, and the
+    # large / Qwen3 models under torch.compile.
+    e2e|e2e-moe|e2e-compile)
+                  python3 -m pip install -q --no-deps --no-index --target /tmp/flashmoe-site \
+                    target/py-device/flashmoe-*.whl >>"$LOG" 2>&1
+                  case $s in
+                    e2e)     stage e2e 300 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset seed003 --out /tmp/$s ;;
+                    e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
+                    *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
+                               --models large,qwen3-30b-a3b --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
+                  esac
+                  for f in results.json results.md; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     check)        stage check 580 $BIN check --suite attention ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
