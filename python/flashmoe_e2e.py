@@ -496,6 +496,7 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="seed003", choices=sorted(PRESETS))
     ap.add_argument("--models", help="comma-separated model names: only these of the preset")
+    ap.add_argument("--only", help="comma-separated MODEL:BATCHxSEQ: only these configs of the preset")
     ap.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
                     help=f"comma-separated, of: {', '.join(IMPLS)}")
     ap.add_argument("--out", default="out/e2e")
@@ -518,6 +519,11 @@ def main(argv):
     if args.models:
         keep = set(args.models.split(","))
         configs = [c for c in configs if c[0] in keep]
+    if args.only:
+        keep = set(args.only.split(","))
+        configs = [c for c in configs if f"{c[0]}:{c[1]}x{c[2]}" in keep]
+    if not configs:
+        ap.error("no config of the preset matches --models/--only")
     rng = np.random.default_rng(args.seed)
     result = dict(schema="flashmoe-e2e/1", preset=args.preset,
                   device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",

@@ -58,7 +58,7 @@ for s in "$@"; do
                     e2e)     stage e2e 300 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset seed003 --out /tmp/$s ;;
                     e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
                     *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
-                               --models large,qwen3-30b-a3b --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
+                               --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
                   esac
                   for f in results.json results.md; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
