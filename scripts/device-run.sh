@@ -50,6 +50,19 @@ for s in "$@"; do
     env)          stage env 60 $BIN env ;;
     # the Python package: carry target/py-device (scripts/device-python.sh --pack)
     python)       stage python 240 bash scripts/device-python.sh target/py-device ;;
+    # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device
+    # (scripts/device-python.sh --pack): seed 003's dense models, the MoE stacks, and the
+    # large / Qwen3 models under torch.compile.
+    e2e|e2e-moe|e2e-compile)
+                  python3 -m pip install -q --no-deps --no-index --target /tmp/flashmoe-site \
+                    target/py-device/flashmoe-*.whl >>"$LOG" 2>&1
+                  case $s in
+                    e2e)     stage e2e 300 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset seed003 --out /tmp/$s ;;
+                    e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
+                    *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
+                               --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
+                  esac
+                  for f in results.json results.md; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     check)        stage check 580 $BIN check --suite attention ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick

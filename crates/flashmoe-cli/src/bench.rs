@@ -39,7 +39,10 @@ fn install_interrupt_handler() -> Arc<AtomicBool> {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
-    let suite: Suite = args.suite.into();
+    if matches!(args.suite, crate::SuiteArg::E2e) {
+        return crate::e2e::run(args);
+    }
+    let suite: Suite = args.suite.lab_suite()?;
     let python = (!args.no_baselines).then_some(args.python.as_path());
     let lab = backend::select(suite, args.cpu, args.seed, false, python);
     let (configs, source) = match (&args.preset, &args.config) {

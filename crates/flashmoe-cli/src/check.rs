@@ -14,11 +14,11 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     });
-    println!("check seed {seed} (replay with --seed {seed})");
     let suites: Vec<Suite> = match args.suite {
-        Some(s) => vec![s.into()],
+        Some(s) => vec![s.lab_suite()?],
         None => vec![Suite::Attention, Suite::Moe],
     };
+    println!("check seed {seed} (replay with --seed {seed})");
     let mut all: Vec<CheckRow> = Vec::new();
     for suite in suites {
         let lab = backend::select(suite, args.cpu, seed, true, None);

@@ -3,6 +3,7 @@
 mod backend;
 mod bench;
 mod check;
+mod e2e;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -43,14 +44,20 @@ enum SuiteArg {
     Moe,
     /// Paged-KV decode attention.
     Decode,
+    /// End-to-end decoder models in PyTorch (`python/flashmoe_e2e.py`; bench only).
+    E2e,
 }
 
-impl From<SuiteArg> for Suite {
-    fn from(s: SuiteArg) -> Suite {
-        match s {
-            SuiteArg::Attention => Suite::Attention,
-            SuiteArg::Moe => Suite::Moe,
-            SuiteArg::Decode => Suite::Decode,
+impl SuiteArg {
+    /// The lab suite measured by the Rust pipeline; `e2e` runs in the Python script instead.
+    fn lab_suite(self) -> anyhow::Result<Suite> {
+        match self {
+            SuiteArg::Attention => Ok(Suite::Attention),
+            SuiteArg::Moe => Ok(Suite::Moe),
+            SuiteArg::Decode => Ok(Suite::Decode),
+            SuiteArg::E2e => anyhow::bail!(
+                "e2e has no check suite: `bench e2e` gates every model's logits against an fp32 forward"
+            ),
         }
     }
 }
@@ -60,7 +67,7 @@ pub struct BenchArgs {
     /// What to benchmark.
     #[arg(value_enum)]
     suite: SuiteArg,
-    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode.
+    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode; e2e seed003|moe|all|smoke.
     #[arg(long, conflicts_with = "config")]
     preset: Option<String>,
     /// TOML file listing the configs (see README).

@@ -130,6 +130,15 @@ fn bad_input_gives_one_clear_error_line() {
         &bench(&["attention", "--cpu", "--impl", "warp-drive", "--out", out]),
         "warp-drive",
     );
+    // e2e runs in Python and has no Rust check suite or config files.
+    assert_clean_error(
+        &flashmoe(&["check", "--suite", "e2e"]),
+        "e2e has no check suite",
+    );
+    assert_clean_error(
+        &bench(&["e2e", "--cpu", "--config", bad, "--out", out]),
+        "--preset",
+    );
     let not_results = dir.path().join("x.json");
     std::fs::write(&not_results, "{\"hello\": 1}").unwrap();
     let nr = not_results.to_str().unwrap();

@@ -223,15 +223,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// repository finds the repository's), else in the current directory, else in the source
 /// tree this crate was built from.
 pub fn locate_worker_script() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("FLASHMOE_WORKER") {
+    locate_python_script("flashmoe_worker.py", "FLASHMOE_WORKER")
+}
+
+/// Where one of the lab's Python scripts is: `$ENV_VAR`, else `python/NAME` searched as
+/// [`locate_worker_script`] describes.
+pub fn locate_python_script(name: &str, env_var: &str) -> Result<PathBuf, String> {
+    if let Some(p) = std::env::var_os(env_var) {
         let p = PathBuf::from(p);
         return if p.is_file() {
             Ok(p)
         } else {
-            Err(format!("FLASHMOE_WORKER={} is not a file", p.display()))
+            Err(format!("{env_var}={} is not a file", p.display()))
         };
     }
-    let rel = Path::new("python").join("flashmoe_worker.py");
+    let rel = Path::new("python").join(name);
     let mut candidates = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
         candidates.extend(exe.ancestors().skip(1).take(5).map(|d| d.join(&rel)));
@@ -249,9 +255,10 @@ pub fn locate_worker_script() -> Result<PathBuf, String> {
         .find(|p| p.is_file())
         .cloned()
         .ok_or_else(|| {
-            "python/flashmoe_worker.py not found (looked next to the binary, in the current \
-             directory and in the source tree): set FLASHMOE_WORKER to its path"
-                .to_string()
+            format!(
+                "python/{name} not found (looked next to the binary, in the current \
+                 directory and in the source tree): set {env_var} to its path"
+            )
         })
 }
 
