@@ -11,7 +11,8 @@ Method, as in the rest of the lab: every implementation of a config is timed in 
 process, interleaved round by round (A B C A B C ...), with CUDA events on one stream; the
 figure is the median with a 95% bootstrap CI. Before timing, each implementation's logits
 pass a correctness gate against an fp32 forward of the same weights (attention by explicit
-softmax, MoE by a per-expert loop, routing in fp32). Peak memory is the growth of
+softmax, MoE by a per-expert loop, routing in fp32), within 1.5x the error of PyTorch's own
+bf16 forward of the model (GATE_FACTOR below). Peak memory is the growth of
 `torch.cuda.max_memory_allocated` over one forward, above the weights.
 
 `flashmoe bench e2e` runs this script; it can also be run directly:
@@ -76,10 +77,15 @@ IMPLS = {
 BASELINES = [n for n in IMPLS if not n.startswith("flashmoe")]
 DEFAULT_IMPLS = ["eager", "sdpa-flash", "sdpa-cudnn", "flashmoe"]
 
-# Correctness gate: relative L2 error of the logits against the fp32 forward. bf16 through up
-# to 32 layers measures ~1e-2 for every correct implementation; a wrong attention or MoE op
-# gives O(1).
-GATE_REL_L2 = 0.05
+# Correctness gate: relative L2 error of the logits against the fp32 forward of the same
+# weights, at most GATE_FACTOR times the error of PyTorch's own bf16 forward (the eager
+# implementation, computed for every config whether or not it is timed), clamped to
+# [GATE_FLOOR, GATE_CAP] (the floor is for fp32 smoke runs, where eager is exact). bf16 alone
+# measures 1-2e-2 on the dense models and 5-10e-2 on the MoE models (in bf16 some tokens
+# pick other experts than in fp32); a wrong attention or MoE op gives O(1).
+GATE_FACTOR = 1.5
+GATE_CAP = 0.25
+GATE_FLOOR = 1e-2
 
 
 def log(*a):
@@ -387,7 +393,9 @@ def run_config(model, batch, seq, impls, args, rng):
     t0 = time.perf_counter()
     with torch.no_grad():
         ref = reference_logits(model, ids)
+        bf16_err = rel_l2(build_impl("eager", model)(ids), ref)
     ref_s = time.perf_counter() - t0
+    gate = min(GATE_CAP, max(GATE_FLOOR, GATE_FACTOR * bf16_err)) if math.isfinite(bf16_err) else GATE_CAP
     rows, live = {}, {}
     for name in impls:
         row = rows[name] = dict(impl=name, status="ok", notes=[])
@@ -403,9 +411,9 @@ def run_config(model, batch, seq, impls, args, rng):
                 err = rel_l2(logits, ref) if finite else float("nan")
                 del logits
             row["rel_l2"] = err
-            if not finite or not err <= GATE_REL_L2:
+            if not finite or not err <= gate:
                 row["status"] = "failed-gate"
-                row["notes"].append(f"logits rel L2 {err:.3g} vs fp32 forward (gate {GATE_REL_L2})"
+                row["notes"].append(f"logits rel L2 {err:.3g} vs fp32 forward (gate {gate:.3g})"
                                     if finite else "non-finite logits")
                 continue
             with torch.no_grad():
@@ -437,7 +445,8 @@ def run_config(model, batch, seq, impls, args, rng):
                           tokens_per_s=tokens / med, tokens_per_s_ci=[tokens / hi, tokens / lo])
     derive(rows)
     return dict(model=model.name, layers=model.cfg["layers"], batch=batch, seq=seq,
-                tokens=tokens, reference_s=ref_s, rounds=rounds,
+                tokens=tokens, reference_s=ref_s, rounds=rounds, bf16_rel_l2=bf16_err,
+                gate_rel_l2=gate,
                 implementations=[rows[n] for n in impls])
 
 
@@ -467,10 +476,13 @@ def markdown(result):
     out = [f"# End-to-end inference ({result['preset']})", "",
            f"Device: {result['device']}; torch {result['torch']}; dtype {result['dtype']}; "
            f"one prefill forward of batch x seq tokens, logits of every token; median of interleaved "
-           f"rounds with a 95% bootstrap CI; gate: logits rel L2 <= {GATE_REL_L2} vs an fp32 forward.",
+           f"rounds with a 95% bootstrap CI; gate: logits rel L2 vs an fp32 forward of the same weights "
+           f"at most {GATE_FACTOR}x that of PyTorch's eager bf16 forward (and <= {GATE_CAP}).",
            ""]
     for c in result["configs"]:
         out.append(f"## {c['model']} ({c['layers']} layers), batch {c['batch']} x seq {c['seq']}")
+        out.append("")
+        out.append(f"Gate: rel L2 <= {c['gate_rel_l2']:.3g} (eager bf16: {c['bf16_rel_l2']:.3g}).")
         out.append("")
         out.append("| implementation | ms (95% CI) | tokens/s | vs eager | % of ref | logits rel L2 "
                    "| peak extra MiB | status |")
@@ -528,7 +540,7 @@ def main(argv):
     result = dict(schema="flashmoe-e2e/1", preset=args.preset,
                   device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
                   torch=torch.__version__, dtype=str(dtype).replace("torch.", ""),
-                  gate_rel_l2=GATE_REL_L2, configs=[])
+                  gate_factor=GATE_FACTOR, gate_cap=GATE_CAP, configs=[])
     os.makedirs(args.out, exist_ok=True)
     model = None
     for name, batch, seq in configs:
