@@ -962,10 +962,70 @@ page_size = [16, 128]
         for quick in [true, false] {
             let m = check_matrix(Suite::Decode, quick, &[]);
             assert!(!m.is_empty());
+            let mut ids = std::collections::HashSet::new();
             for c in &m {
                 let ProblemSpec::Decode(p) = c else { panic!() };
                 p.validate().unwrap();
                 p.class().validate().unwrap();
+                assert!(ids.insert(p.id()), "duplicate config {}", p.id());
+            }
+            let ps: Vec<&DecodeProblem> = m
+                .iter()
+                .map(|c| match c {
+                    ProblemSpec::Decode(p) => p,
+                    _ => unreachable!(),
+                })
+                .collect();
+            // What issue 22 asks the matrix to cover (quick keeps one of each kind).
+            let has = |f: &dyn Fn(&DecodeProblem) -> bool| ps.iter().any(|p| f(p));
+            assert!(has(&|p| p.heads_q / p.heads_kv == 7) && has(&|p| p.seqlen_q == 16));
+            assert!(has(
+                &|p| p.seqlens_k.contains(&1) && p.seqlens_k.contains(&17)
+            ));
+            assert!(has(&|p| p.softcap > 0.0) && has(&|p| p.window.0 >= 0));
+            assert!(has(&|p| p.window.1 > 0) && has(&|p| !p.seqlens_q.is_empty()));
+            assert!(has(&|p| p.is_plain()));
+            if !quick {
+                for g in [1, 2, 4, 7, 8, 16] {
+                    assert!(has(&|p| p.heads_q / p.heads_kv == g), "GQA {g}");
+                }
+                for page in [16, 48, 128, 256] {
+                    assert!(has(&|p| p.page_size == page), "page {page}");
+                }
+                assert!(has(&|p| p.seqlens_q.contains(&0)));
+                assert!(has(&|p| p.dtype == DType::F16));
+            } else {
+                assert!(m.len() <= 12, "quick stays small: {}", m.len());
+            }
+        }
+    }
+
+    #[test]
+    fn paged_preset_is_the_decode_table_at_three_page_sizes() {
+        for gpu in [true, false] {
+            let decode = decode_rows(gpu);
+            let paged: Vec<DecodeProblem> = preset(Suite::Decode, "paged", gpu)
+                .unwrap()
+                .into_iter()
+                .map(|c| match c {
+                    ProblemSpec::Decode(p) => p,
+                    _ => panic!("non-decode config in the paged preset"),
+                })
+                .collect();
+            assert_eq!(paged.len(), 3 * decode.len());
+            for (d, three) in decode.iter().zip(paged.chunks(3)) {
+                let pages: Vec<usize> = three.iter().map(|p| p.page_size).collect();
+                assert_eq!(pages, [16, 128, d.seqlen_k.next_multiple_of(16)]);
+                for p in three {
+                    p.validate().unwrap();
+                    assert_eq!(
+                        DecodeProblem {
+                            page_size: 16,
+                            ..p.clone()
+                        },
+                        *d
+                    );
+                }
             }
         }
     }

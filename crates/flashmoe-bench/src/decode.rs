@@ -460,6 +460,47 @@ mod tests {
         assert!(!p.dense().causal && q4.dense().causal);
     }
 
+    /// The variants: packed rows of a mixed batch, per-sequence byte and FLOP models, ids,
+    /// and the reference in the packed layout (o [total_q, Hq, D], lse [Hq, total_q]).
+    #[test]
+    fn variants_pack_and_model() {
+        let mut p = small(4, 100);
+        p.seqlens_q = vec![1, 4];
+        p.seqlens_k = vec![33, 100];
+        p.window = (10, 0);
+        p.softcap = 30.0;
+        p.validate().unwrap();
+        assert!(!p.is_plain());
+        assert_eq!(p.cu_seqlens_q(), Some(vec![0, 1, 5]));
+        let x = AttentionInputs::generate(&p.dense(), 9);
+        let row = p.heads_q * p.head_dim;
+        let q = p.pack_q(&x.q);
+        assert_eq!(q.len(), 5 * row);
+        assert_eq!(&q[..row], &x.q[..row]);
+        assert_eq!(&q[row..], &x.q[4 * row..8 * row]);
+        // Window 10 left: 11 keys for the last row; the 4 rows of sequence 1 read 14.
+        let per_key = (p.heads_kv * p.head_dim * 2 * 2) as f64;
+        assert_eq!(p.kv_bytes(), (11.0 + 14.0) * per_key);
+        let r = reference_f64(&p, &x).unwrap();
+        assert_eq!((r.o.len(), r.lse.len()), (5 * row, 5 * p.heads_q));
+        assert!(r.lse.iter().all(|l| l.is_finite()));
+        assert!(p.id().ends_with("_w10-0_cap30_k33-100_q1-4"), "{}", p.id());
+        assert!(p.to_string().ends_with(" w10,0 cap30 k33,100 q1,4"), "{p}");
+        let mut bad = p.clone();
+        bad.seqlens_k = vec![0, 100];
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("1 query rows but 0 keys"));
+        bad.seqlens_k = vec![33];
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("seqlens_k"));
+    }
+
     #[test]
     fn validation_names_the_rule() {
         let bad = |p: DecodeProblem| p.validate().unwrap_err().to_string();

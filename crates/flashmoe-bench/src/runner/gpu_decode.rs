@@ -1,6 +1,6 @@
 //! `flashmoe-decode`: the paged-KV decode plan ([`DecodePlan`]) on a decode config, timed
 //! with CUDA events after an L2 flush like every native implementation. The plan is used
-//! exactly as an engine would (and as `examples/decode_probe.rs` does): built once per
+//! exactly as an engine would: built once per
 //! class, its workspace allocated once, `forward_raw` enqueued on the lab's stream over
 //! buffers that live as long as the prepared implementation.
 //!
