@@ -69,6 +69,8 @@ for s in "$@"; do
                   for f in results.json results.md; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
     bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
                   for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
+    # Whether the lab's memset flush sets a floor under B=1 decode (perf-notes §8).
+    flush-probe)  stage flush-probe 120 python3 python/dev/l2_flush_probe.py ;;
     # memcheck + racecheck of the decode kernel on small paged shapes: a forced 6-way split
     # with the fused merge (graph replays) and the unsplit dense-cache case.
     sanitize-decode)
