@@ -76,6 +76,23 @@ for s in "$@"; do
     sweep-fp16)   stage sweep-fp16 300 $BIN bench attention --config configs/attention-sweep-fp16.toml --impl flashmoe-sm90,sdpa-cudnn,sdpa-flash --max-time 1 --out /tmp/sweep-fp16
                   for f in results.json results.md; do cp /tmp/sweep-fp16/$f "$OUT/sweep-fp16-$f" 2>/dev/null; done ;;
     check-moe)    stage check-moe 240 $BIN check --suite moe ;;
+    # Paged-KV decode (issue 22): its GPU unit tests, the check matrix, the decode preset
+    # with the SDPA baselines and the paged preset (page 16 / 128 / Sk) without them.
+    unit-decode)  stage unit-decode 200 ./target/release/flashmoe-gpu-tests decode_gpu_tests --test-threads=1 --nocapture ;;
+    check-decode) stage check-decode 240 $BIN check --suite decode ;;
+    bench-decode) stage bench-decode 240 $BIN bench decode --preset decode --max-time 0.5 --out /tmp/bench-decode
+                  for f in results.json results.md; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
+    bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
+                  for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
+    # Whether the lab's memset flush sets a floor under B=1 decode (perf-notes §8).
+    flush-probe)  stage flush-probe 120 python3 python/dev/l2_flush_probe.py ;;
+    # memcheck + racecheck of the decode kernel on small paged shapes: a forced 6-way split
+    # with the fused merge (graph replays) and the unsplit dense-cache case.
+    sanitize-decode)
+                  for tool in memcheck racecheck; do
+                    stage "sanitize-decode-$tool" 150 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      ./target/release/flashmoe-gpu-tests decode_gpu_tests::decode_replays_in_a_cuda_graph decode_gpu_tests::dense_cache_is_one_page_per_sequence --test-threads=1
+                  done ;;
     unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
     # The four MoE model presets with the PyTorch baselines, each with its own limit
     # (moe_limit); results are written after every config, so a stage cut by its limit

@@ -32,7 +32,7 @@ impl Suite {
 
 pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003"];
 pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "deepseek-v3"];
-pub const DECODE_PRESETS: &[&str] = &["decode"];
+pub const DECODE_PRESETS: &[&str] = &["decode", "paged"];
 
 /// Page size of the decode preset's paged cache.
 pub const DECODE_PAGE_SIZE: usize = 16;
@@ -41,8 +41,49 @@ pub const DECODE_PAGE_SIZE: usize = 16;
 /// row's 4, page 16) on a GPU; without one, shapes of the same structure (the same GQA
 /// ratios, one Sq = 4 row, ragged last pages) small enough for the CPU f64 reference.
 fn decode_table(gpu: bool) -> Vec<ProblemSpec> {
-    // (B, Hq, Hkv, Sq, Sk)
-    let rows: &[(usize, usize, usize, usize, usize)] = if gpu {
+    decode_rows(gpu)
+        .iter()
+        .map(|&(b, hq, hkv, sq, sk)| {
+            ProblemSpec::Decode(DecodeProblem::new(
+                b,
+                hq,
+                hkv,
+                sq,
+                sk,
+                128,
+                DECODE_PAGE_SIZE,
+                DType::Bf16,
+            ))
+        })
+        .collect()
+}
+
+/// The paged preset: each decode-preset shape at page 16, page 128 and one page of Sk keys
+/// per sequence (the contiguous cache through the same kernel, the "dense" row: flashmoe
+/// has no separate dense-cache decode path). Issue 22: pages cost at most 5% over dense.
+fn paged_table(gpu: bool) -> Vec<ProblemSpec> {
+    let mut v = Vec::new();
+    for &(b, hq, hkv, sq, sk) in decode_rows(gpu) {
+        // The CPU shapes' Sk need not be multiples of 16: round the "dense" page up.
+        for page in [16, 128, sk.next_multiple_of(16)] {
+            v.push(ProblemSpec::Decode(DecodeProblem::new(
+                b,
+                hq,
+                hkv,
+                sq,
+                sk,
+                128,
+                page,
+                DType::Bf16,
+            )));
+        }
+    }
+    v
+}
+
+/// (B, Hq, Hkv, Sq, Sk) of the decode preset (see [`decode_table`]).
+fn decode_rows(gpu: bool) -> &'static [(usize, usize, usize, usize, usize)] {
+    if gpu {
         &[
             (1, 32, 8, 1, 8192),
             (8, 32, 8, 1, 4096),
@@ -62,21 +103,7 @@ fn decode_table(gpu: bool) -> Vec<ProblemSpec> {
             (4, 8, 8, 1, 500),
             (4, 8, 2, 4, 500),
         ]
-    };
-    rows.iter()
-        .map(|&(b, hq, hkv, sq, sk)| {
-            ProblemSpec::Decode(DecodeProblem::new(
-                b,
-                hq,
-                hkv,
-                sq,
-                sk,
-                128,
-                DECODE_PAGE_SIZE,
-                DType::Bf16,
-            ))
-        })
-        .collect()
+    }
 }
 
 /// The FlashAttention benchmark sweep: a fixed token budget and model dim, so batch and
@@ -195,6 +222,7 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
             moe(&[16, 128, 2048, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid)
         }
         (Suite::Decode, "decode", gpu) => decode_table(gpu),
+        (Suite::Decode, "paged", gpu) => paged_table(gpu),
         (suite, other, _) => {
             let names = match suite {
                 Suite::Attention => ATTENTION_PRESETS,
@@ -266,37 +294,138 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
                 }
             }
         }
-        Suite::Decode => {
-            // GQA ratios 1/4/8, Sq 1/4/16, page sizes 16/64, ragged last pages and a
-            // sequence of one page.
-            let sks: &[usize] = if quick { &[100] } else { &[16, 100, 257] };
-            let groups: &[usize] = if quick { &[4] } else { &[1, 4, 8] };
-            for &dtype in &[DType::Bf16, DType::F16] {
-                for &g in groups {
-                    for &sq in &[1usize, 4, 16] {
-                        for &sk in sks {
-                            for &page in &[16usize, 64] {
-                                if sq > sk {
-                                    continue;
-                                }
-                                v.push(ProblemSpec::Decode(DecodeProblem::new(
-                                    2,
-                                    8,
-                                    8 / g,
-                                    sq,
-                                    sk,
-                                    128,
-                                    page,
-                                    dtype,
-                                )));
-                            }
-                        }
-                    }
+        Suite::Decode => v.extend(decode_check_matrix(quick)),
+    }
+    v
+}
+
+/// The decode check matrix (issue 22): every config against the f64 paged reference on a
+/// shuffled block table. Plain steps over GQA ratios 1/2/4/7/8/16 × Sq 1/4/16 × pages
+/// 16/48/128/256 × bf16/f16 with ragged cache lengths (1 or Sq, page ± 1, primes); windows
+/// touching both ends of the keys (left past key 0, right past the last key, both), with
+/// and without softcap; mixed batches (cu_seqlens_q: 0..16 rows a sequence); and one long
+/// ragged batch that the heuristic splits many ways. `quick` keeps one of each kind.
+fn decode_check_matrix(quick: bool) -> Vec<ProblemSpec> {
+    let mut v = Vec::new();
+    let mk = |b: usize,
+              hq: usize,
+              hkv: usize,
+              sq: usize,
+              page: usize,
+              dtype: DType,
+              lens_k: &[usize]| {
+        let mut p = DecodeProblem::new(
+            b,
+            hq,
+            hkv,
+            sq,
+            *lens_k.iter().max().unwrap(),
+            128,
+            page,
+            dtype,
+        );
+        p.seqlens_k = lens_k.to_vec();
+        p
+    };
+    // Ragged keys of 4 sequences: one key (or Sq: rows never exceed keys), page ± 1, a prime.
+    let ragged = |sq: usize, page: usize| [sq.max(1), (page - 1).max(sq), page + 1, 389];
+    // (Hq, Hkv): GQA ratios 1, 2, 4, 7, 8, 16.
+    let gqa: &[(usize, usize)] = if quick {
+        &[(8, 2), (14, 2)]
+    } else {
+        &[(8, 8), (8, 4), (8, 2), (14, 2), (8, 1), (16, 1)]
+    };
+    let sqs: &[usize] = if quick { &[1, 16] } else { &[1, 4, 16] };
+    let pages: &[usize] = if quick { &[16] } else { &[16, 48, 128, 256] };
+    let dtypes: &[DType] = if quick {
+        &[DType::Bf16]
+    } else {
+        &[DType::Bf16, DType::F16]
+    };
+    for &dtype in dtypes {
+        for &(hq, hkv) in gqa {
+            for &sq in sqs {
+                for &page in pages {
+                    v.push(mk(4, hq, hkv, sq, page, dtype, &ragged(sq, page)));
                 }
             }
         }
     }
-    v
+    // Windows (left, right) touching key 0 and the last key, softcap 0 / 2 / 30.
+    let windows: &[(i32, i32)] = if quick {
+        &[(7, 0), (300, 3)]
+    } else {
+        &[
+            (0, 0),
+            (7, 0),
+            (31, 2),
+            (-1, 5),
+            (300, 3),
+            (64, 64),
+            (-1, -1),
+        ]
+    };
+    let softcaps: &[f32] = if quick {
+        &[0.0, 30.0]
+    } else {
+        &[0.0, 2.0, 30.0]
+    };
+    for &window in windows {
+        for &softcap in softcaps {
+            for &sq in if quick {
+                &[4usize][..]
+            } else {
+                &[1usize, 4, 16][..]
+            } {
+                let mut p = mk(4, 16, 4, sq, 16, DType::Bf16, &ragged(sq, 16));
+                p.window = window;
+                p.softcap = softcap;
+                v.push(p);
+            }
+        }
+    }
+    // Mixed batches: decode (1 row), speculative (4-7) and chunked (16) rows, an empty one.
+    let mixed: &[(&[usize], &[usize], usize, usize)] = &[
+        // (rows per sequence, keys per sequence, Hq, Hkv)
+        (&[1, 16, 4, 1, 7], &[1, 300, 17, 389, 64], 32, 8),
+        (&[16, 0, 3, 1], &[16, 15, 257, 100], 14, 2),
+        (&[2, 16, 1, 9], &[400, 16, 1, 47], 16, 1),
+    ];
+    for (i, &(lens_q, lens_k, hq, hkv)) in mixed.iter().enumerate() {
+        if quick && i > 0 {
+            break;
+        }
+        for &page in if quick {
+            &[16usize][..]
+        } else {
+            &[16usize, 128][..]
+        } {
+            for (window, softcap) in [((-1, 0), 0.0), ((20, 0), 30.0)] {
+                if quick && softcap > 0.0 {
+                    continue;
+                }
+                let sq = *lens_q.iter().max().unwrap();
+                let mut p = mk(lens_q.len(), hq, hkv, sq, page, DType::Bf16, lens_k);
+                p.seqlens_q = lens_q.to_vec();
+                p.window = window;
+                p.softcap = softcap;
+                v.push(p);
+            }
+        }
+    }
+    // A long batch the heuristic splits many ways (the fused split merge): uniform (the
+    // plain step, which the tiled CPU algorithm also runs) and ragged.
+    let mut plain = mk(2, 32, 8, 1, 16, DType::Bf16, &[4099, 4099]);
+    plain.seqlens_k.clear();
+    v.push(plain);
+    for sq in if quick {
+        &[1usize][..]
+    } else {
+        &[1usize, 4][..]
+    } {
+        v.push(mk(2, 32, 8, *sq, 16, DType::Bf16, &[4099, 1000]));
+    }
+    v.into_iter().map(ProblemSpec::Decode).collect()
 }
 
 /// MoE shapes the GPU check adds, above the CPU f64 reference's size (checked against the
@@ -833,10 +962,70 @@ page_size = [16, 128]
         for quick in [true, false] {
             let m = check_matrix(Suite::Decode, quick, &[]);
             assert!(!m.is_empty());
+            let mut ids = std::collections::HashSet::new();
             for c in &m {
                 let ProblemSpec::Decode(p) = c else { panic!() };
                 p.validate().unwrap();
                 p.class().validate().unwrap();
+                assert!(ids.insert(p.id()), "duplicate config {}", p.id());
+            }
+            let ps: Vec<&DecodeProblem> = m
+                .iter()
+                .map(|c| match c {
+                    ProblemSpec::Decode(p) => p,
+                    _ => unreachable!(),
+                })
+                .collect();
+            // What issue 22 asks the matrix to cover (quick keeps one of each kind).
+            let has = |f: &dyn Fn(&DecodeProblem) -> bool| ps.iter().any(|p| f(p));
+            assert!(has(&|p| p.heads_q / p.heads_kv == 7) && has(&|p| p.seqlen_q == 16));
+            assert!(has(
+                &|p| p.seqlens_k.contains(&1) && p.seqlens_k.contains(&17)
+            ));
+            assert!(has(&|p| p.softcap > 0.0) && has(&|p| p.window.0 >= 0));
+            assert!(has(&|p| p.window.1 > 0) && has(&|p| !p.seqlens_q.is_empty()));
+            assert!(has(&|p| p.is_plain()));
+            if !quick {
+                for g in [1, 2, 4, 7, 8, 16] {
+                    assert!(has(&|p| p.heads_q / p.heads_kv == g), "GQA {g}");
+                }
+                for page in [16, 48, 128, 256] {
+                    assert!(has(&|p| p.page_size == page), "page {page}");
+                }
+                assert!(has(&|p| p.seqlens_q.contains(&0)));
+                assert!(has(&|p| p.dtype == DType::F16));
+            } else {
+                assert!(m.len() <= 12, "quick stays small: {}", m.len());
+            }
+        }
+    }
+
+    #[test]
+    fn paged_preset_is_the_decode_table_at_three_page_sizes() {
+        for gpu in [true, false] {
+            let decode = decode_rows(gpu);
+            let paged: Vec<DecodeProblem> = preset(Suite::Decode, "paged", gpu)
+                .unwrap()
+                .into_iter()
+                .map(|c| match c {
+                    ProblemSpec::Decode(p) => p,
+                    _ => panic!("non-decode config in the paged preset"),
+                })
+                .collect();
+            assert_eq!(paged.len(), 3 * decode.len());
+            for (d, three) in decode.iter().zip(paged.chunks(3)) {
+                let pages: Vec<usize> = three.iter().map(|p| p.page_size).collect();
+                assert_eq!(pages, [16, 128, d.seqlen_k.next_multiple_of(16)]);
+                for p in three {
+                    p.validate().unwrap();
+                    assert_eq!(
+                        DecodeProblem {
+                            page_size: 16,
+                            ..p.clone()
+                        },
+                        *d
+                    );
+                }
             }
         }
     }

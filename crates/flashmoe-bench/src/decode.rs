@@ -6,6 +6,12 @@
 //! they are, and [`PagedCache::build`] copies the same K/V rows into pages of
 //! `page_size` keys whose block ids follow a shuffled (deterministic) block table, so every
 //! implementation sees identical K/V values.
+//!
+//! The check matrix's variants (`flashmoe check --suite decode`) go beyond the plain step:
+//! a window and softcap, ragged cache lengths (`seqlens_k`: the first keys of each
+//! sequence's rows) and mixed batches (`seqlens_q`: the first rows of each sequence's
+//! queries, packed with `cu_seqlens_q`). Only the paged plan and the f64 reference run
+//! them (the dense baselines state a plain causal step).
 
 use flashmoe::attention::decode::DecodeClass;
 use flashmoe::reference::decode::{paged_decode_f64, PagedDecodeInputs, PagedDecodeSpec};
@@ -35,6 +41,23 @@ pub struct DecodeProblem {
     /// Keys per cache page (a multiple of 16).
     pub page_size: usize,
     pub dtype: DType,
+    /// (left, right) keys around each row's diagonal, -1 unbounded; (-1, 0) is causal.
+    #[serde(default = "causal_window")]
+    pub window: (i32, i32),
+    /// Logit softcap; 0 = off.
+    #[serde(default)]
+    pub softcap: f32,
+    /// Ragged cache: keys of each sequence (each <= seqlen_k); empty = seqlen_k each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seqlens_k: Vec<usize>,
+    /// Mixed batch: query rows of each sequence (each <= seqlen_q, packed q with
+    /// cu_seqlens_q); empty = seqlen_q each, q `[B, Sq, Hq, D]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seqlens_q: Vec<usize>,
+}
+
+fn causal_window() -> (i32, i32) {
+    (-1, 0)
 }
 
 impl DecodeProblem {
@@ -59,7 +82,68 @@ impl DecodeProblem {
             head_dim,
             page_size,
             dtype,
+            window: causal_window(),
+            softcap: 0.0,
+            seqlens_k: Vec::new(),
+            seqlens_q: Vec::new(),
         }
+    }
+
+    /// The plain causal step of uniform lengths: what the dense baselines compute.
+    pub fn is_plain(&self) -> bool {
+        self.window == causal_window()
+            && self.softcap == 0.0
+            && self.seqlens_k.is_empty()
+            && self.seqlens_q.is_empty()
+    }
+
+    /// Keys of each sequence.
+    pub fn seqused(&self) -> Vec<usize> {
+        if self.seqlens_k.is_empty() {
+            vec![self.seqlen_k; self.batch]
+        } else {
+            self.seqlens_k.clone()
+        }
+    }
+
+    /// Query rows of each sequence.
+    pub fn rows_q(&self) -> Vec<usize> {
+        if self.seqlens_q.is_empty() {
+            vec![self.seqlen_q; self.batch]
+        } else {
+            self.seqlens_q.clone()
+        }
+    }
+
+    /// `cu_seqlens_q` of a mixed batch (None: uniform rows).
+    pub fn cu_seqlens_q(&self) -> Option<Vec<usize>> {
+        (!self.seqlens_q.is_empty()).then(|| {
+            let mut cu = vec![0];
+            for &n in &self.seqlens_q {
+                cu.push(cu.last().unwrap() + n);
+            }
+            cu
+        })
+    }
+
+    /// Query tokens of the step (o has this many rows of Hq · D).
+    pub fn total_q(&self) -> usize {
+        self.rows_q().iter().sum()
+    }
+
+    /// The packed q of a mixed batch: the first `seqlens_q[b]` rows of each sequence of the
+    /// dense q `[B, Sq, Hq, D]` (the dense q itself for uniform rows).
+    pub fn pack_q(&self, dense_q: &[f32]) -> Vec<f32> {
+        if self.seqlens_q.is_empty() {
+            return dense_q.to_vec();
+        }
+        let row = self.heads_q * self.head_dim;
+        let mut q = Vec::with_capacity(self.total_q() * row);
+        for (b, &n) in self.seqlens_q.iter().enumerate() {
+            let at = b * self.seqlen_q * row;
+            q.extend_from_slice(&dense_q[at..at + n * row]);
+        }
+        q
     }
 
     /// The same attention on a dense cache: its inputs are the decode problem's inputs.
@@ -79,16 +163,20 @@ impl DecodeProblem {
         }
     }
 
-    /// The decode plan's class for this problem (causal window, no softcap).
+    /// The decode plan's class for this problem (its window and softcap).
     pub fn class(&self) -> DecodeClass {
-        DecodeClass::causal(
-            self.dtype,
-            self.head_dim,
-            self.heads_q,
-            self.heads_kv,
-            self.page_size,
-            self.seqlen_q,
-        )
+        DecodeClass {
+            window: self.window,
+            softcap: self.softcap,
+            ..DecodeClass::causal(
+                self.dtype,
+                self.head_dim,
+                self.heads_q,
+                self.heads_kv,
+                self.page_size,
+                self.seqlen_q,
+            )
+        }
     }
 
     /// Check the problem is computable: the dense problem's rules, 1 ≤ Sq ≤
@@ -114,22 +202,48 @@ impl DecodeProblem {
                 self.page_size
             )));
         }
+        for (name, lens, max) in [
+            ("seqlens_k", &self.seqlens_k, self.seqlen_k),
+            ("seqlens_q", &self.seqlens_q, self.seqlen_q),
+        ] {
+            if !lens.is_empty() && (lens.len() != self.batch || lens.iter().any(|&n| n > max)) {
+                return Err(flashmoe::Error::invalid(format!(
+                    "{name} {lens:?} must hold batch = {} values of at most {max}",
+                    self.batch
+                )));
+            }
+        }
+        // Every row sees a key (its diagonal): no row of the check matrix is empty.
+        for (b, (q, k)) in self.rows_q().iter().zip(self.seqused()).enumerate() {
+            if *q > k {
+                return Err(flashmoe::Error::invalid(format!(
+                    "sequence {b}: {q} query rows but {k} keys (rows must not exceed keys)"
+                )));
+            }
+        }
+        self.class().validate()?;
         Ok(())
-    }
-
-    fn seqused(&self) -> Vec<usize> {
-        vec![self.seqlen_k; self.batch]
     }
 
     /// Bytes of K and V the step must read (each visible key once): the memory floor, and
     /// the bytes of the GB/s figures of a decode report.
     pub fn kv_bytes(&self) -> f64 {
-        self.class().kv_bytes(&self.seqused(), self.seqlen_q) as f64
+        let c = self.class();
+        self.seqused()
+            .iter()
+            .zip(self.rows_q())
+            .map(|(&k, q)| c.kv_bytes(&[k], q) as f64)
+            .sum()
     }
 
     /// 4 · Sq-rows · Hq · visible keys · D (masked pairs not counted).
     pub fn flops(&self) -> f64 {
-        self.class().flops(&self.seqused(), self.seqlen_q)
+        let c = self.class();
+        self.seqused()
+            .iter()
+            .zip(self.rows_q())
+            .map(|(&k, q)| c.flops(&[k], q))
+            .sum()
     }
 
     /// Pages per sequence (the block table's columns).
@@ -145,7 +259,7 @@ impl DecodeProblem {
     /// A short stable identifier, used as the config id in reports.
     pub fn id(&self) -> String {
         format!(
-            "decode_b{}_hq{}_hkv{}_sq{}_sk{}_d{}_p{}_{}",
+            "decode_b{}_hq{}_hkv{}_sq{}_sk{}_d{}_p{}_{}{}",
             self.batch,
             self.heads_q,
             self.heads_kv,
@@ -153,8 +267,33 @@ impl DecodeProblem {
             self.seqlen_k,
             self.head_dim,
             self.page_size,
-            self.dtype
+            self.dtype,
+            self.variant("_", "-")
         )
+    }
+
+    /// The variant fields that are set, each as `<sep>name<value>` (lists joined by `join`).
+    fn variant(&self, sep: &str, join: &str) -> String {
+        let list = |v: &[usize]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(join)
+        };
+        let mut s = String::new();
+        if self.window != causal_window() {
+            s += &format!("{sep}w{}{join}{}", self.window.0, self.window.1);
+        }
+        if self.softcap != 0.0 {
+            s += &format!("{sep}cap{}", self.softcap);
+        }
+        if !self.seqlens_k.is_empty() {
+            s += &format!("{sep}k{}", list(&self.seqlens_k));
+        }
+        if !self.seqlens_q.is_empty() {
+            s += &format!("{sep}q{}", list(&self.seqlens_q));
+        }
+        s
     }
 }
 
@@ -171,7 +310,8 @@ impl fmt::Display for DecodeProblem {
             self.head_dim,
             self.page_size,
             self.dtype
-        )
+        )?;
+        f.write_str(&self.variant(" ", ","))
     }
 }
 
@@ -247,16 +387,17 @@ pub fn reference_f64(
         num_blocks: p.num_blocks(),
         page_size: p.page_size,
         max_blocks: p.max_blocks(),
-        window: (-1, 0),
-        softcap: 0.0,
+        window: (p.window.0 as i64, p.window.1 as i64),
+        softcap: p.softcap as f64,
         scale: p.class().scale() as f64,
     };
     let inputs = PagedDecodeInputs {
-        q: x.q.clone(),
+        q: p.pack_q(&x.q),
         k_cache: cache.k,
         v_cache: cache.v,
         block_table: cache.table,
-        seqused_k: vec![p.seqlen_k; p.batch],
+        seqused_k: p.seqused(),
+        cu_seqlens_q: p.cu_seqlens_q(),
     };
     paged_decode_f64(&spec, &inputs)
 }
@@ -317,6 +458,47 @@ mod tests {
         assert_eq!(q4.kv_bytes(), (2 * 100 * 2 * 64 * 2 * 2) as f64);
         assert_eq!(q4.flops(), q4.dense().flops());
         assert!(!p.dense().causal && q4.dense().causal);
+    }
+
+    /// The variants: packed rows of a mixed batch, per-sequence byte and FLOP models, ids,
+    /// and the reference in the packed layout (o [total_q, Hq, D], lse [Hq, total_q]).
+    #[test]
+    fn variants_pack_and_model() {
+        let mut p = small(4, 100);
+        p.seqlens_q = vec![1, 4];
+        p.seqlens_k = vec![33, 100];
+        p.window = (10, 0);
+        p.softcap = 30.0;
+        p.validate().unwrap();
+        assert!(!p.is_plain());
+        assert_eq!(p.cu_seqlens_q(), Some(vec![0, 1, 5]));
+        let x = AttentionInputs::generate(&p.dense(), 9);
+        let row = p.heads_q * p.head_dim;
+        let q = p.pack_q(&x.q);
+        assert_eq!(q.len(), 5 * row);
+        assert_eq!(&q[..row], &x.q[..row]);
+        assert_eq!(&q[row..], &x.q[4 * row..8 * row]);
+        // Window 10 left: 11 keys for the last row; the 4 rows of sequence 1 read 14.
+        let per_key = (p.heads_kv * p.head_dim * 2 * 2) as f64;
+        assert_eq!(p.kv_bytes(), (11.0 + 14.0) * per_key);
+        let r = reference_f64(&p, &x).unwrap();
+        assert_eq!((r.o.len(), r.lse.len()), (5 * row, 5 * p.heads_q));
+        assert!(r.lse.iter().all(|l| l.is_finite()));
+        assert!(p.id().ends_with("_w10-0_cap30_k33-100_q1-4"), "{}", p.id());
+        assert!(p.to_string().ends_with(" w10,0 cap30 k33,100 q1,4"), "{p}");
+        let mut bad = p.clone();
+        bad.seqlens_k = vec![0, 100];
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("1 query rows but 0 keys"));
+        bad.seqlens_k = vec![33];
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("seqlens_k"));
     }
 
     #[test]

@@ -67,7 +67,7 @@ pub struct BenchArgs {
     /// What to benchmark.
     #[arg(value_enum)]
     suite: SuiteArg,
-    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode; e2e seed003|moe|all|smoke.
+    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode|paged; e2e seed003|moe|all|smoke.
     #[arg(long, conflicts_with = "config")]
     preset: Option<String>,
     /// TOML file listing the configs (see README).

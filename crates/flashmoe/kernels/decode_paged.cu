@@ -1,6 +1,6 @@
 // flashmoe — paged-KV decode attention (Sq = 1..16 query rows per sequence), sm_80+ (mma.sync).
 //
-// Three entries, one source, specialised by defines (crates/flashmoe/src/attention/decode.rs
+// Two entries, one source, specialised by defines (crates/flashmoe/src/attention/decode.rs
 // owns the table of variants and mirrors the constants and parameter structs below):
 //
 //   FM_HEAD_DIM    D: 64, 128 or 256
@@ -10,7 +10,10 @@
 //   FM_SOFTCAP     1: scores = softcap * tanh(scale * q.k / softcap)
 //
 // decode_paged_fwd: grid (splits * m_blocks, heads_kv, batch), 128 threads. One CTA owns one
-//   (sequence, KV head, KV split, row block). The G = Hq/Hkv query heads x Sq rows that read
+//   (sequence, KV head, KV split, row block). Query rows: Sq per sequence, or with
+//   cu_seqlens_q (mixed batches) rows cu[b] .. cu[b+1] of the packed (total_q, Hq, D) q,
+//   at most seqlen_q (the grid's row blocks cover that many); a CTA whose row block holds no
+//   row of its sequence returns at once. The G = Hq/Hkv query heads x Sq rows that read
 //   one KV head are packed into M = G * Sq tile rows (row r: query row r / G, head
 //   kv_head * G + r % G), so K and V are read from HBM once per KV head, not once per query
 //   head. K/V tiles of BN = 64 keys stream through a STAGES-deep cp.async ring (16-byte,
@@ -21,9 +24,11 @@
 //   Block ids come from the block table one tile ahead (a register prefetch), so the table
 //   read never sits between the wait and the next page's cp.async.
 //   splits == 1: writes o (dtype) and lse (natural log). splits > 1: writes the split's
-//   normalised O (f32) and log2-domain LSE to the workspace; decode_combine merges them.
-// decode_combine: one warp per (batch, head, query row) merges the splits LSE-weighted in
-//   split order (deterministic); rows no split saw get O = 0, LSE = -inf.
+//   normalised O (f32) and log2-domain LSE to the workspace, then takes a ticket of its
+//   (sequence, KV head, row block); the last of the splits to arrive merges all of them,
+//   LSE-weighted in split order (deterministic whichever CTA is last), writes o and lse and
+//   resets the ticket (a second launch and its gap cost ~4 us at B = 1; perf-notes §8).
+//   Rows no split saw get O = 0, LSE = -inf.
 // decode_append_kv: writes k_new/v_new (B, Snew, Hkv, D) into the paged caches at
 //   positions seqused_k[b] + t (t < Snew) through the block table.
 //
@@ -42,7 +47,13 @@
 // Shared memory (dynamic), mirrored by DecodeKernel::shared_mem_bytes in decode.rs:
 //   PITCH = 64 (D <= 64), 128 (D <= 128), 256; rows padded to PITCH elements, XOR swizzle
 //   bytes = 2 * PITCH * (BM + 2 * STAGES * BN)   layout [Q: BM rows][K ring][V ring]
-//   The ring is reused at the end for the warps' f32 O (WARPS x BM x (D + 8) floats).
+//   The ring is reused at the end for the warps' f32 O (WARPS x BM x (D + 8) floats), then by
+//   the merging CTA for the splits' weights (BM x splits floats).
+//
+// Workspace (splits > 1; DecodePlan::partial_bytes mirrors it), rows indexed by
+// (token, head) with token = b * Sq + qi (or cu[b] + qi): [o_part: splits x total_q x Hq x D
+// f32][lse_part: splits x total_q x Hq f32][tickets: batch x heads_kv x m_blocks int]. The
+// tickets are zero before a launch and zero after it.
 
 #ifndef FM_HEAD_DIM
 #error "FM_HEAD_DIM must be defined"
@@ -90,6 +101,8 @@ static_assert(MT == 1 || MT == 2, "FM_MT must be 1 or 2");
 static_assert(STAGES >= 2 && STAGES <= 6, "FM_STAGES must be 2..6");
 static_assert(THREADS % CPR == 0 && 16 % RSTEP == 0, "a thread's load rows stay in 16-key groups");
 static_assert(WARPS * BM * OP * 4 <= RING_BYTES, "epilogue O must fit the ring");
+constexpr int MAX_SPLITS = 128;  // decode.rs MAX_SPLITS
+static_assert(BM * MAX_SPLITS * 4 <= RING_BYTES, "the merge's split weights must fit the ring");
 static_assert(SMEM_BYTES == 2 * PITCH * (BM + 2 * STAGES * BN), "smem formula");
 
 // Kernel parameters, by value. Mirrored by `DecodeParams` (#[repr(C)]) in decode.rs.
@@ -101,8 +114,10 @@ struct DecodeParams {
     float* lse;
     const int* block_table;
     const int* seqused_k;
-    float* o_part;    // [splits][batch][heads_q][seqlen_q][D] f32 (splits > 1)
-    float* lse_part;  // [splits][batch][heads_q][seqlen_q] f32, log2 domain (splits > 1)
+    float* o_part;    // [splits][total_q][heads_q][D] f32 (splits > 1)
+    float* lse_part;  // [splits][total_q][heads_q] f32, log2 domain (splits > 1)
+    int* tickets;     // [batch][heads_kv][m_blocks] arrivals (splits > 1)
+    const int* cu_seqlens_q;  // [batch + 1] or null (every sequence has seqlen_q rows)
     i64 q_sb, q_ss, q_sh;        // q strides (batch, seq, head), elements
     i64 k_sblk, k_srow, k_sh;    // k cache strides (block, row in page, head)
     i64 v_sblk, v_srow, v_sh;
@@ -113,8 +128,9 @@ struct DecodeParams {
     float scale_log2;    // SOFTCAP: scale / softcap; else scale * log2(e)
     float softcap_log2;  // softcap * log2(e) (SOFTCAP only)
     int num_blocks;      // block ids outside [0, num_blocks) are never read
+    int total_q;         // query tokens of the call: batch * seqlen_q, or cu_seqlens_q[batch]
 };
-static_assert(sizeof(DecodeParams) == 208, "DecodeParams layout (decode.rs)");
+static_assert(sizeof(DecodeParams) == 232, "DecodeParams layout (decode.rs)");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float lg2(float x) {
@@ -208,9 +224,22 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
     const int mb = blockIdx.x - split * p.m_blocks;
     const int kv_head = blockIdx.y;
     const int b = blockIdx.z;
-    const int G = p.group, Sq = p.seqlen_q;
-    const int row0 = mb * BM;                // first packed row of this CTA
+    const int G = p.group;
+    // This sequence's query rows: its first token (the row of o) and their count. Bounds
+    // from cu_seqlens_q are clamped to [0, total_q] and to seqlen_q rows (no access past q/o).
+    int tok0, Sq;
+    if (p.cu_seqlens_q) {
+        tok0 = min(max(p.cu_seqlens_q[b], 0), p.total_q);
+        Sq = min(min(max(p.cu_seqlens_q[b + 1], tok0), p.total_q) - tok0, p.seqlen_q);
+    } else {
+        tok0 = b * p.seqlen_q;
+        Sq = p.seqlen_q;
+    }
+    const int row0 = mb * BM;  // first packed row of this CTA
+    if (row0 >= G * Sq) return;  // CTA-uniform: no row of this sequence here (no ticket either)
     const int rows = min(BM, G * Sq - row0);  // valid packed rows (>= 1)
+    // q: the batch stride is 0 with cu_seqlens_q, and rows are counted from tok0.
+    const i64 q_base = (i64)b * p.q_sb + (i64)(p.cu_seqlens_q ? tok0 : 0) * p.q_ss;
 
     // Keys of this sequence; clamped to the table's capacity so no table read goes past it.
     const int seqlen_k = max(0, min(p.seqused_k[b], p.max_blocks * p.page_size));
@@ -244,8 +273,7 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
         const int rr = row0 + r;
         const int qi = rr / G;
         const int h = kv_head * G + (rr - qi * G);
-        const u16* src = ok ? p.q + (i64)b * p.q_sb + (i64)qi * p.q_ss + (i64)h * p.q_sh + ch * 8
-                            : p.q;
+        const u16* src = ok ? p.q + q_base + (i64)qi * p.q_ss + (i64)h * p.q_sh + ch * 8 : p.q;
         cp_async16(sQ + swz(r, ch), src, ok);
     }
     cp_async_commit();
@@ -457,7 +485,19 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
     }
     __syncthreads();
 
+    // Row (token, head) of packed row rr; o, o_part and lse_part index rows by it.
+    auto out_row = [&](int rr, int& qi, int& h) {
+        qi = rr / G;
+        h = kv_head * G + (rr - qi * G);
+        return (i64)(tok0 + qi) * p.heads_q + h;
+    };
+    // lse: [batch, heads_q, seqlen_q], or [heads_q, total_q] with cu_seqlens_q.
+    auto lse_index = [&](int qi, int h) {
+        return p.cu_seqlens_q ? (i64)h * p.total_q + tok0 + qi
+                              : ((i64)b * p.heads_q + h) * Sq + qi;
+    };
     const bool direct = p.splits == 1;
+    const i64 split_rows = (i64)p.total_q * p.heads_q;  // rows of one split's partials
     for (int c = tid; c < rows * CPR; c += THREADS) {
         const int r = c / CPR, ch = c % CPR;
         float acc[8];
@@ -471,85 +511,83 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
             acc[0] += f * x0.x; acc[1] += f * x0.y; acc[2] += f * x0.z; acc[3] += f * x0.w;
             acc[4] += f * x1.x; acc[5] += f * x1.y; acc[6] += f * x1.z; acc[7] += f * x1.w;
         }
-        const int rr = row0 + r;
-        const int qi = rr / G;
-        const int h = kv_head * G + (rr - qi * G);
+        int qi, h;
+        const i64 orow = out_row(row0 + r, qi, h);
         if (direct) {
-            u16* dst = p.o + (((i64)b * Sq + qi) * p.heads_q + h) * D + ch * 8;
+            u16* dst = p.o + orow * D + ch * 8;
             st_global_v4(dst, pack2(acc[0], acc[1]), pack2(acc[2], acc[3]), pack2(acc[4], acc[5]),
                          pack2(acc[6], acc[7]));
         } else {
-            float4* dst = reinterpret_cast<float4*>(
-                p.o_part + ((((i64)split * p.batch + b) * p.heads_q + h) * Sq + qi) * D + ch * 8);
+            float4* dst = reinterpret_cast<float4*>(p.o_part + (split * split_rows + orow) * D + ch * 8);
             dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
             dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
         }
     }
     if (tid < rows) {
-        const int rr = row0 + tid;
-        const int qi = rr / G;
-        const int h = kv_head * G + (rr - qi * G);
-        const i64 idx = ((i64)b * p.heads_q + h) * Sq + qi;
+        int qi, h;
+        const i64 orow = out_row(row0 + tid, qi, h);
         const float l2 = s_lse[tid];
         if (direct)
-            p.lse[idx] = l2 == neg_inf() ? l2 : l2 * LN2;
+            p.lse[lse_index(qi, h)] = l2 == neg_inf() ? l2 : l2 * LN2;
         else
-            p.lse_part[(i64)split * p.batch * p.heads_q * Sq + idx] = l2;
+            p.lse_part[split * split_rows + orow] = l2;
     }
-}
+    if (direct) return;
 
-// ---------------------------------------------------------------------------------------
-// Split combine. Mirrored by `CombineParams` in decode.rs.
-// ---------------------------------------------------------------------------------------
-namespace fmd {
-struct CombineParams {
-    const float* o_part;
-    const float* lse_part;
-    u16* o;
-    float* lse;
-    int batch, seqlen_q, heads_q, splits;
-};
-static_assert(sizeof(CombineParams) == 48, "CombineParams layout (decode.rs)");
-constexpr int EPL = D / 32;  // elements per lane of one row
-}  // namespace fmd
-
-extern "C" __global__ void __launch_bounds__(128) decode_combine(const __grid_constant__ fmd::CombineParams p) {
-    using namespace fmd;
-    const int lane = threadIdx.x & 31;
-    const i64 rows = (i64)p.batch * p.heads_q * p.seqlen_q;
-    const i64 row = (i64)blockIdx.x * 4 + (threadIdx.x >> 5);  // (b * Hq + h) * Sq + qi
-    if (row >= rows) return;
-    float m = neg_inf();
-    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.lse_part[s * rows + row]);
-    float acc[EPL];
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[e] = 0.f;
-    float L = 0.f;
-    if (m != neg_inf()) {
-        for (int s = 0; s < p.splits; ++s) {  // fixed order: deterministic
-            const float ls = p.lse_part[s * rows + row];
-            if (ls == neg_inf()) continue;  // an empty split: its O is 0, skip the read
-            const float w = ex2(ls - m);
+    // ---- split merge: the last split of this (sequence, KV head, row block) to arrive ----
+    __shared__ int s_last;
+    __shared__ float s_inv[BM];
+    __threadfence();  // this CTA's partials are visible device-wide before its ticket
+    __syncthreads();
+    if (tid == 0) {
+        int* ticket = p.tickets + ((i64)b * p.heads_kv + kv_head) * p.m_blocks + mb;
+        const int last = atomicAdd(ticket, 1) == p.splits - 1;
+        if (last) *ticket = 0;  // every split has arrived: ready for the next launch
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // Weights of the splits per row (unnormalised, in split order) in the free ring.
+    float* s_w = sO;
+    if (tid < rows) {
+        int qi, h;
+        const i64 orow = out_row(row0 + tid, qi, h);
+        const float* lp = p.lse_part + orow;
+        float m = neg_inf();
+        for (int sp = 0; sp < p.splits; ++sp) m = fmaxf(m, __ldcg(lp + sp * split_rows));
+        float L = 0.f;
+        for (int sp = 0; sp < p.splits; ++sp) {
+            const float ls = __ldcg(lp + sp * split_rows);
+            const float w = ls == neg_inf() ? 0.f : ex2(ls - m);  // an empty split: weight 0
+            s_w[tid * p.splits + sp] = w;
             L += w;
-            const float* src = p.o_part + (s * rows + row) * D + lane * EPL;
-#pragma unroll
-            for (int e = 0; e < EPL; e += 2) {
-                const float2 x = *reinterpret_cast<const float2*>(src + e);
-                acc[e] += w * x.x;
-                acc[e + 1] += w * x.y;
-            }
         }
+        s_inv[tid] = L > 0.f ? 1.f / L : 0.f;
+        p.lse[lse_index(qi, h)] = m == neg_inf() ? m : (m + lg2(L)) * LN2;
     }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    const int qi = (int)(row % p.seqlen_q);
-    const i64 bh = row / p.seqlen_q;
-    const int h = (int)(bh % p.heads_q);
-    const i64 b = bh / p.heads_q;
-    u16* dst = p.o + ((b * p.seqlen_q + qi) * p.heads_q + h) * D + lane * EPL;
+    __syncthreads();
+    for (int c = tid; c < rows * CPR; c += THREADS) {
+        const int r = c / CPR, ch = c % CPR;
+        int qi, h;
+        const i64 orow = out_row(row0 + r, qi, h);
+        float acc[8];
 #pragma unroll
-    for (int e = 0; e < EPL; e += 2)
-        *reinterpret_cast<u32*>(dst + e) = pack2(acc[e] * inv, acc[e + 1] * inv);
-    if (lane == 0) p.lse[row] = m == neg_inf() ? m : (m + lg2(L)) * LN2;
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+        for (int sp = 0; sp < p.splits; ++sp) {  // fixed order: deterministic
+            const float w = s_w[r * p.splits + sp];
+            if (w == 0.f) continue;  // nothing to add (and an empty split's O is 0)
+            const float4* src =
+                reinterpret_cast<const float4*>(p.o_part + (sp * split_rows + orow) * D + ch * 8);
+            const float4 x0 = __ldcg(src), x1 = __ldcg(src + 1);
+            acc[0] += w * x0.x; acc[1] += w * x0.y; acc[2] += w * x0.z; acc[3] += w * x0.w;
+            acc[4] += w * x1.x; acc[5] += w * x1.y; acc[6] += w * x1.z; acc[7] += w * x1.w;
+        }
+        const float inv = s_inv[r];
+        st_global_v4(p.o + orow * D + ch * 8, pack2(acc[0] * inv, acc[1] * inv),
+                     pack2(acc[2] * inv, acc[3] * inv), pack2(acc[4] * inv, acc[5] * inv),
+                     pack2(acc[6] * inv, acc[7] * inv));
+    }
 }
 
 // ---------------------------------------------------------------------------------------

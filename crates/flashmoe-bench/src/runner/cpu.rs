@@ -125,6 +125,11 @@ impl Implementation for CpuImplementation {
             (ProblemSpec::Attention(_) | ProblemSpec::Decode(_), CpuAlgorithm::Grouped) => {
                 Err("the grouped CPU algorithm is MoE-only".into())
             }
+            (ProblemSpec::Decode(p), CpuAlgorithm::Tiled) if !p.is_plain() => Err(
+                "the tiled CPU algorithm runs the plain causal step (no window, softcap or \
+                 ragged lengths)"
+                    .into(),
+            ),
             _ => Ok(()),
         }
     }

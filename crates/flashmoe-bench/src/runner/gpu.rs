@@ -239,7 +239,8 @@ impl GpuReferenceProvider {
         match problem {
             ProblemSpec::Attention(p) => p.flops() <= self.cpu_max_flops,
             ProblemSpec::Moe(p) => p.flops() <= self.cpu_max_flops,
-            ProblemSpec::Decode(p) => p.flops() <= self.cpu_max_flops,
+            // The GPU reference is dense attention: only the plain causal step.
+            ProblemSpec::Decode(p) => !p.is_plain() || p.flops() <= self.cpu_max_flops,
         }
     }
 }

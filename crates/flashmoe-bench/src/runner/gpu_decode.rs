@@ -1,6 +1,6 @@
 //! `flashmoe-decode`: the paged-KV decode plan ([`DecodePlan`]) on a decode config, timed
 //! with CUDA events after an L2 flush like every native implementation. The plan is used
-//! exactly as an engine would (and as `examples/decode_probe.rs` does): built once per
+//! exactly as an engine would: built once per
 //! class, its workspace allocated once, `forward_raw` enqueued on the lab's stream over
 //! buffers that live as long as the prepared implementation.
 //!
@@ -64,6 +64,7 @@ struct DecodePrepared {
     _v: DeviceTensor,
     _table: CudaSlice<i32>,
     _seqused: CudaSlice<i32>,
+    _cu_seqlens_q: Option<CudaSlice<i32>>,
     o: DeviceTensor,
     lse: DeviceTensor,
 }
@@ -79,24 +80,38 @@ impl DecodePrepared {
         let (b, sq, hq, hkv, d) = (p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim);
         let (nb, ps, mb) = (p.num_blocks(), p.page_size, p.max_blocks());
         let cache = PagedCache::build(p, x);
-        let q = DeviceTensor::from_f32(dev, p.dtype, &x.q)?;
+        // A mixed batch packs each sequence's rows (cu_seqlens_q); o and lse follow.
+        let tq = p.total_q();
+        let q = DeviceTensor::from_f32(dev, p.dtype, &p.pack_q(&x.q))?;
         let k = DeviceTensor::from_f32(dev, p.dtype, &cache.k)?;
         let v = DeviceTensor::from_f32(dev, p.dtype, &cache.v)?;
         drop(cache.k);
         drop(cache.v);
-        let o = DeviceTensor::alloc(dev, p.dtype, b * sq * hq * d)?;
-        let lse = DeviceTensor::alloc(dev, DType::F32, b * hq * sq)?;
+        let o = DeviceTensor::alloc(dev, p.dtype, tq * hq * d)?;
+        let lse = DeviceTensor::alloc(dev, DType::F32, tq * hq)?;
         let table = s.clone_htod(&cache.table)?;
-        let seqused = s.clone_htod(&vec![p.seqlen_k as i32; b])?;
+        let to_i32 = |v: Vec<usize>| v.into_iter().map(|n| n as i32).collect::<Vec<_>>();
+        let seqused = s.clone_htod(&to_i32(p.seqused()))?;
+        let cu = p
+            .cu_seqlens_q()
+            .map(|cu| s.clone_htod(&to_i32(cu)))
+            .transpose()?;
+        let (q_shape, lse_shape): (Vec<usize>, Vec<usize>) = match cu {
+            None => (vec![b, sq, hq, d], vec![b, hq, sq]),
+            Some(_) => (vec![tq, hq, d], vec![hq, tq]),
+        };
         let args = DecodeArgs {
-            q: q.raw(dev, "q", &[b, sq, hq, d])?,
+            q: q.raw(dev, "q", &q_shape)?,
             k_cache: k.raw(dev, "k_cache", &[nb, ps, hkv, d])?,
             v_cache: v.raw(dev, "v_cache", &[nb, ps, hkv, d])?,
             block_table: RawIndex::matrix(table.device_ptr(s).0, b, mb),
             seqused_k: RawIndex::vector(seqused.device_ptr(s).0, b),
-            o: o.raw(dev, "o", &[b, sq, hq, d])?,
-            lse: lse.raw(dev, "lse", &[b, hq, sq])?,
+            o: o.raw(dev, "o", &q_shape)?,
+            lse: lse.raw(dev, "lse", &lse_shape)?,
             max_seqlen_k: Some(p.seqlen_k),
+            cu_seqlens_q: cu
+                .as_ref()
+                .map(|cu| RawIndex::vector(cu.device_ptr(s).0, b + 1)),
         };
         let plan = DecodePlan::new(dev, p.class())?;
         let shape = plan.check(&args)?;
@@ -112,6 +127,7 @@ impl DecodePrepared {
             _v: v,
             _table: table,
             _seqused: seqused,
+            _cu_seqlens_q: cu,
             o,
             lse,
         })

@@ -746,6 +746,15 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
             ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
         };
+        if let ProblemSpec::Decode(p) = problem {
+            if !p.is_plain() {
+                return Err(
+                    "the dense baselines run the plain causal step (no window, softcap or \
+                     ragged lengths)"
+                        .into(),
+                );
+            }
+        }
         if list.contains(&self.name.as_str()) {
             Ok(())
         } else {

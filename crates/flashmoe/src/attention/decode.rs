@@ -16,7 +16,15 @@
 //! contiguous. Key `j` of sequence `b` is row `j % page_size` of block
 //! `block_table[b][j / page_size]`.
 //!
-//! Masking: query row `i` has the diagonal `seqused_k[b] - Sq + i` and sees the keys of
+//! Mixed batches (decode, speculative and chunked-prefill rows in one call, as
+//! FlashAttention's `cu_seqlens_q`): with [`DecodeArgs::cu_seqlens_q`] = int32 `[B + 1]`
+//! offsets, sequence `b` has the `Sq_b = cu[b+1] - cu[b]` rows `cu[b] .. cu[b+1]` (0 to
+//! `max_q_per_seq` each) of a packed q `[total_q, Hq, D]` (strided rows allowed); o is
+//! `[total_q, Hq, D]` and lse `[Hq, total_q]`, contiguous. The batch is the table's rows.
+//! Through [`DecodePlan::forward_raw`] (the cudarc wrapper takes the uniform layout).
+//!
+//! Masking: query row `i` has the diagonal `seqused_k[b] - Sq_b + i` (causal bottom-right
+//! per sequence; `Sq_b = Sq` without `cu_seqlens_q`) and sees the keys of
 //! `window = (left, right)` around it (-1 = unbounded, as FlashAttention's `window_size`):
 //! causal decode is `(-1, 0)`, full attention `(-1, -1)`. A row with no visible key gets
 //! O = 0 and LSE = -inf.
@@ -46,10 +54,9 @@ use cudarc::driver::{
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Kernel source of the three entries.
+/// Kernel source of the two entries.
 pub const DECODE_SOURCE: &str = "decode_paged.cu";
 pub const DECODE_ENTRY: &str = "decode_paged_fwd";
-pub const COMBINE_ENTRY: &str = "decode_combine";
 pub const APPEND_ENTRY: &str = "decode_append_kv";
 
 /// Threads per CTA of the decode kernel (4 warps) and keys per K/V tile (16 per warp).
@@ -57,8 +64,13 @@ pub const THREADS: u32 = 128;
 pub const BLOCK_N: usize = 64;
 /// Most query rows per sequence a class may declare.
 pub const MAX_Q_PER_SEQ: usize = 16;
-/// Most KV splits (bounds the workspace and the combine's loop).
+/// Most KV splits (bounds the workspace and the merge's loop).
 pub const MAX_SPLITS: usize = 128;
+/// Most (sequence, KV head, row block) groups of a split call: one arrival ticket each, at
+/// the start of the workspace (a fixed place, so every call finds the tickets the last one
+/// left zeroed).
+pub const MAX_SPLIT_GROUPS: usize = 16_384;
+const TICKET_BYTES: usize = MAX_SPLIT_GROUPS * 4;
 /// A split gets at least this many keys (4 tiles): shorter splits spend more on their
 /// prologue and partial write than on reading K/V.
 pub const MIN_KEYS_PER_SPLIT: usize = 256;
@@ -322,6 +334,10 @@ pub struct DecodeArgs {
     /// An upper bound on `seqused_k` (as FlashAttention's `max_seqlen_k`): it picks the
     /// number of KV splits. None: the table's capacity, `max_blocks · page_size`.
     pub max_seqlen_k: Option<usize>,
+    /// Mixed batches: int32 `[batch + 1]` row offsets of the sequences in a packed q
+    /// `[total_q, Hq, D]` (module docs). None: every sequence has the Sq rows of
+    /// `q [B, Sq, Hq, D]`.
+    pub cu_seqlens_q: Option<RawIndex>,
 }
 
 /// The tensors of one append: new rows `[B, Snew, Hkv, D]` written at positions
@@ -340,7 +356,12 @@ pub struct AppendArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeShape {
     pub batch: usize,
+    /// Rows per sequence the grid covers: Sq, or with `cu_seqlens_q` min(max_q_per_seq,
+    /// total_q).
     pub seqlen_q: usize,
+    /// Query tokens of the call: B · Sq, or total_q with `cu_seqlens_q`.
+    pub total_q: usize,
+    pub varlen: bool,
     pub num_blocks: usize,
     pub page_size: usize,
     pub max_blocks: usize,
@@ -430,26 +451,38 @@ pub fn all_decode_kernels() -> Vec<DecodeKernel> {
     v
 }
 
-/// The FlashAttention-2 split heuristic: with `ctas` CTAs of work per split and `slots` CTAs
-/// resident per wave, no split when the grid already fills 80% of a wave; otherwise the
-/// smallest split count whose wave efficiency (work / (waves · slots)) is within 85% of the
-/// best one up to `max_splits`.
-pub fn split_heuristic(ctas: usize, slots: usize, max_splits: usize) -> usize {
-    let max_splits = max_splits.clamp(1, MAX_SPLITS);
+/// The FlashAttention-2 split heuristic with a tighter bar and whole tiles: with `ctas`
+/// CTAs of work per split, `slots` CTAs resident per wave and `tiles` K/V tiles of
+/// [`BLOCK_N`] keys per sequence, no split when the grid already fills 80% of a wave;
+/// otherwise the smallest split count whose wave efficiency (work / (waves · slots)) is
+/// within 95% of the best one, among the counts of at least [`MIN_KEYS_PER_SPLIT`] keys a
+/// split that the kernel actually runs (s splits of ceil(tiles / s) tiles leave
+/// ceil(tiles / ceil(tiles / s)) of them non-empty). FA2 takes 85% and ignores the tiles;
+/// with the merge fused into the last split an extra split costs only its partial O, so
+/// filling the wave wins: B=1 Hkv=8 Sk=8192 gets 32 splits of 4 tiles, not 28 (26 of them
+/// non-empty, up to 5 tiles each).
+pub fn split_heuristic(ctas: usize, slots: usize, tiles: usize) -> usize {
+    let max_splits = tiles
+        .div_ceil(MIN_KEYS_PER_SPLIT / BLOCK_N)
+        .clamp(1, MAX_SPLITS);
     if ctas == 0 || slots == 0 || ctas * 5 >= slots * 4 {
         return 1;
     }
+    let runs = |s: usize| tiles.max(1).div_ceil(tiles.max(1).div_ceil(s)) == s;
     let eff = |s: usize| {
         let work = ctas * s;
         work as f64 / (work.div_ceil(slots) * slots) as f64
     };
-    let best = (1..=max_splits).map(eff).fold(0.0, f64::max);
+    let best = (1..=max_splits)
+        .filter(|&s| runs(s))
+        .map(eff)
+        .fold(0.0, f64::max);
     (1..=max_splits)
-        .find(|&s| eff(s) >= 0.85 * best)
+        .find(|&s| runs(s) && eff(s) >= 0.95 * best)
         .unwrap_or(1)
 }
 
-/// Kernel parameters of `decode_paged_fwd` (the .cu's `DecodeParams`, 208 bytes).
+/// Kernel parameters of `decode_paged_fwd` (the .cu's `DecodeParams`, 232 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 struct DecodeParams {
@@ -462,6 +495,8 @@ struct DecodeParams {
     seqused_k: u64,
     o_part: u64,
     lse_part: u64,
+    tickets: u64,
+    cu_seqlens_q: u64,
     q_sb: i64,
     q_ss: i64,
     q_sh: i64,
@@ -486,20 +521,7 @@ struct DecodeParams {
     scale_log2: f32,
     softcap_log2: f32,
     num_blocks: i32,
-}
-
-/// `decode_combine`'s parameters (48 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-struct CombineParams {
-    o_part: u64,
-    lse_part: u64,
-    o: u64,
-    lse: u64,
-    batch: i32,
-    seqlen_q: i32,
-    heads_q: i32,
-    splits: i32,
+    total_q: i32,
 }
 
 /// `decode_append_kv`'s parameters (168 bytes).
@@ -531,8 +553,7 @@ struct AppendParams {
     num_blocks: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 208);
-const _: () = assert!(std::mem::size_of::<CombineParams>() == 48);
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 232);
 const _: () = assert!(std::mem::size_of::<AppendParams>() == 168);
 
 /// Paged decode kernels resolved for one class on one device.
@@ -540,7 +561,6 @@ pub struct DecodePlan {
     class: DecodeClass,
     kernel: DecodeKernel,
     fwd: CudaFunction,
-    combine: CudaFunction,
     append: CudaFunction,
     ctx: Arc<CudaContext>,
     sm_count: u32,
@@ -600,7 +620,6 @@ impl DecodePlan {
         let kernel = DecodeKernel::for_class(&class);
         let defs = kernel.defines();
         let fwd = dev.load_kernel(DECODE_SOURCE, DECODE_ENTRY, &defs)?;
-        let combine = dev.load_kernel(DECODE_SOURCE, COMBINE_ENTRY, &defs)?;
         let append = dev.load_kernel(DECODE_SOURCE, APPEND_ENTRY, &defs)?;
         let smem = kernel.shared_mem_bytes();
         dev.set_dynamic_shared_memory(DECODE_ENTRY, &fwd, smem)?;
@@ -612,7 +631,6 @@ impl DecodePlan {
             class,
             kernel,
             fwd,
-            combine,
             append,
             ctx: dev.context().clone(),
             sm_count: dev.info().sm_count,
@@ -651,29 +669,35 @@ impl DecodePlan {
             (self.class.group() * self.class.max_q_per_seq).div_ceil(self.kernel.block_m());
         let ctas = batch * self.class.heads_kv * m_blocks;
         let slots = (self.sm_count * self.ctas_per_sm) as usize;
-        split_heuristic(ctas, slots, max_seqlen_k.div_ceil(MIN_KEYS_PER_SPLIT))
+        split_heuristic(ctas, slots, max_seqlen_k.div_ceil(BLOCK_N))
     }
 
-    /// Workspace bytes of a call (0 when it runs unsplit): per split, f32 O and LSE of
-    /// every (sequence, head, query row) at `max_q_per_seq` rows.
+    /// Workspace bytes of a call (0 when it runs unsplit): the split merge's tickets, then
+    /// per split f32 O and LSE of every (query token, head) at `max_q_per_seq` rows per
+    /// sequence. Zeroed once ([`DecodePlan::alloc_workspace`]); every launch leaves the
+    /// tickets zeroed.
     pub fn workspace_bytes(&self, batch: usize, max_seqlen_k: usize) -> usize {
         Self::partial_bytes(
             &self.class,
             self.splits(batch, max_seqlen_k),
-            batch,
-            self.class.max_q_per_seq,
+            batch * self.class.max_q_per_seq,
         )
-        .1
+        .2
     }
 
-    /// (offset of the LSE partials, total bytes) for `splits` splits of `sq` rows.
-    fn partial_bytes(c: &DecodeClass, splits: usize, batch: usize, sq: usize) -> (usize, usize) {
+    /// (offset of the O partials, offset of the LSE partials, total bytes) for `splits`
+    /// splits of `tokens` query tokens; the tickets sit at offset 0.
+    fn partial_bytes(c: &DecodeClass, splits: usize, tokens: usize) -> (usize, usize, usize) {
         if splits <= 1 {
-            return (0, 0);
+            return (0, 0, 0);
         }
-        let rows = splits * batch * c.heads_q * sq;
+        let rows = splits * tokens * c.heads_q;
         let o_bytes = (rows * c.head_dim * 4).div_ceil(256) * 256;
-        (o_bytes, o_bytes + rows * 4)
+        (
+            TICKET_BYTES,
+            TICKET_BYTES + o_bytes,
+            TICKET_BYTES + o_bytes + rows * 4,
+        )
     }
 
     /// A workspace for calls of up to `batch` sequences of `max_seqlen_k` keys on `stream`
@@ -739,31 +763,70 @@ impl DecodePlan {
     pub fn check(&self, a: &DecodeArgs) -> Result<DecodeShape> {
         let c = &self.class;
         let (hq, d) = (c.heads_q, c.head_dim);
-        for (name, t) in [("q", &a.q), ("o", &a.o)] {
-            if t.rank != 4 {
-                return Err(Error::invalid(format!(
-                    "{name} must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {:?}",
-                    t.shape()
-                )));
+        let (b, sq, total_q) = match &a.cu_seqlens_q {
+            None => {
+                for (name, t) in [("q", &a.q), ("o", &a.o)] {
+                    if t.rank != 4 {
+                        return Err(Error::invalid(format!(
+                            "{name} must be 4-D (batch, seqlen_q, heads_q, head_dim) but has \
+                             shape {:?}",
+                            t.shape()
+                        )));
+                    }
+                }
+                let [b, sq, _, _] = a.q.shape;
+                a.q.expect("q", c.dtype, &[b, sq, hq, d], 16)?;
+                a.o.expect_contiguous("o", c.dtype, &[b, sq, hq, d], 16)?;
+                a.lse
+                    .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
+                if b == 0 || sq == 0 {
+                    return Err(Error::invalid(format!(
+                        "empty decode call: batch {b}, seqlen_q {sq} (each must be >= 1)"
+                    )));
+                }
+                if sq > c.max_q_per_seq {
+                    return Err(Error::invalid(format!(
+                        "q has {sq} rows per sequence but the plan's class allows \
+                         max_q_per_seq = {}",
+                        c.max_q_per_seq
+                    )));
+                }
+                (b, sq, b * sq)
             }
-        }
-        let [b, sq, _, _] = a.q.shape;
-        a.q.expect("q", c.dtype, &[b, sq, hq, d], 16)?;
+            Some(cu) => {
+                for (name, t) in [("q", &a.q), ("o", &a.o)] {
+                    if t.rank != 3 {
+                        return Err(Error::invalid(format!(
+                            "with cu_seqlens_q, {name} must be 3-D (total_q, heads_q, \
+                             head_dim) but has shape {:?}",
+                            t.shape()
+                        )));
+                    }
+                }
+                let t = a.q.shape[0];
+                a.q.expect("q", c.dtype, &[t, hq, d], 16)?;
+                a.o.expect_contiguous("o", c.dtype, &[t, hq, d], 16)?;
+                a.lse.expect_contiguous("lse", DType::F32, &[hq, t], 4)?;
+                let b = a.block_table.rows;
+                cu.expect("cu_seqlens_q", b + 1, Some(1))?;
+                if b == 0 || t == 0 {
+                    return Err(Error::invalid(format!(
+                        "empty decode call: batch {b}, total_q {t} (each must be >= 1)"
+                    )));
+                }
+                // The workspace and the grid are sized for max_q_per_seq rows a sequence.
+                if t > b * c.max_q_per_seq {
+                    return Err(Error::invalid(format!(
+                        "q holds {t} rows but {b} sequences of at most max_q_per_seq = {} \
+                         rows hold at most {}",
+                        c.max_q_per_seq,
+                        b * c.max_q_per_seq
+                    )));
+                }
+                (b, t.min(c.max_q_per_seq), t)
+            }
+        };
         check_strides_16b("q", &a.q)?;
-        a.o.expect_contiguous("o", c.dtype, &[b, sq, hq, d], 16)?;
-        a.lse
-            .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
-        if b == 0 || sq == 0 {
-            return Err(Error::invalid(format!(
-                "empty decode call: batch {b}, seqlen_q {sq} (each must be >= 1)"
-            )));
-        }
-        if sq > c.max_q_per_seq {
-            return Err(Error::invalid(format!(
-                "q has {sq} rows per sequence but the plan's class allows max_q_per_seq = {}",
-                c.max_q_per_seq
-            )));
-        }
         if b > 65_535 {
             return Err(Error::unsupported(
                 DECODE_ENTRY,
@@ -782,10 +845,22 @@ impl DecodePlan {
         let splits = self.splits(b, max_seqlen_k);
         let m_blocks = (c.group() * sq).div_ceil(self.kernel.block_m());
         i32_of("grid x (splits · row blocks)", splits * m_blocks)?;
-        i32_of("batch · heads_q · seqlen_q · splits", b * hq * sq * splits)?;
+        i32_of("total_q · heads_q · splits", total_q * hq * splits)?;
+        if splits > 1 && b * c.heads_kv * m_blocks > MAX_SPLIT_GROUPS {
+            return Err(Error::unsupported(
+                DECODE_ENTRY,
+                format!(
+                    "{splits} KV splits over {} (sequence, KV head, row block) groups: a split \
+                     call serves at most {MAX_SPLIT_GROUPS} (use fewer splits or a smaller batch)",
+                    b * c.heads_kv * m_blocks
+                ),
+            ));
+        }
         Ok(DecodeShape {
             batch: b,
             seqlen_q: sq,
+            total_q,
+            varlen: a.cu_seqlens_q.is_some(),
             num_blocks: nb,
             page_size: ps,
             max_blocks: mb,
@@ -795,17 +870,20 @@ impl DecodePlan {
         })
     }
 
-    /// Enqueue decode attention on `stream`: o and lse of every query row (module docs).
-    /// Splits > 1 also enqueue the combine kernel; both read/write only the caller's memory
-    /// and `workspace`.
+    /// Enqueue decode attention on `stream` (one launch): o and lse of every query row
+    /// (module docs). It reads/writes only the caller's memory and `workspace`.
     ///
     /// # Safety
     /// The contract of [`crate::gpu::raw`]: every address in `a` is live device memory of
     /// this plan's context covering its tensor's span; `seqused_k[b] <= max_seqlen_k` (the
     /// kernel clamps to the table's capacity and never reads a block id outside
     /// `[0, num_blocks)`); the table's entries for the keys in use are valid block ids;
-    /// `workspace` covers [`DecodePlan::workspace_bytes`] and is not used by a launch that
-    /// may run at the same time; `stream` belongs to the context.
+    /// `cu_seqlens_q` starts at 0 and is non-decreasing with steps of at most
+    /// `max_q_per_seq` (the kernel clamps each sequence to `[0, total_q]` and to that many
+    /// rows, so other values leave rows of o unwritten but never access memory out of
+    /// range); `workspace` covers [`DecodePlan::workspace_bytes`], was zeroed once (as
+    /// [`DecodePlan::alloc_workspace`] does; every launch leaves it so) and is not used by a
+    /// launch that may run at the same time; `stream` belongs to the context.
     pub unsafe fn forward_raw(
         &self,
         stream: RawStream,
@@ -814,7 +892,7 @@ impl DecodePlan {
     ) -> Result<()> {
         let s = self.check(a)?;
         let c = &self.class;
-        let (lse_off, need) = Self::partial_bytes(c, s.splits, s.batch, s.seqlen_q);
+        let (o_off, lse_off, need) = Self::partial_bytes(c, s.splits, s.total_q);
         workspace.check(need, 16, "DecodePlan")?;
         self.ctx
             .bind_to_thread()
@@ -835,15 +913,22 @@ impl DecodePlan {
             lse: a.lse.ptr,
             block_table: a.block_table.ptr,
             seqused_k: a.seqused_k.ptr,
-            o_part: if need > 0 { workspace.ptr } else { 0 },
+            o_part: if need > 0 {
+                workspace.ptr + o_off as u64
+            } else {
+                0
+            },
             lse_part: if need > 0 {
                 workspace.ptr + lse_off as u64
             } else {
                 0
             },
-            q_sb: st(q, 0),
-            q_ss: st(q, 1),
-            q_sh: st(q, 2),
+            tickets: if need > 0 { workspace.ptr } else { 0 },
+            cu_seqlens_q: a.cu_seqlens_q.map_or(0, |cu| cu.ptr),
+            // Packed q [total_q, Hq, D]: no batch stride, rows counted from cu_seqlens_q[b].
+            q_sb: if s.varlen { 0 } else { st(q, 0) },
+            q_ss: st(q, if s.varlen { 0 } else { 1 }),
+            q_sh: st(q, if s.varlen { 1 } else { 2 }),
             k_sblk: st(k, 0),
             k_srow: st(k, 1),
             k_sh: st(k, 2),
@@ -865,6 +950,7 @@ impl DecodePlan {
             scale_log2,
             softcap_log2,
             num_blocks: s.num_blocks as i32,
+            total_q: s.total_q as i32,
         };
         let cfg = LaunchConfig {
             grid_dim: (
@@ -876,28 +962,7 @@ impl DecodePlan {
             shared_mem_bytes: self.kernel.shared_mem_bytes(),
         };
         let mut params: [*mut c_void; 1] = [param(&p)];
-        raw::launch(DECODE_ENTRY, &self.fwd, cfg, stream, &mut params)?;
-        if s.splits > 1 {
-            let cp = CombineParams {
-                o_part: p.o_part,
-                lse_part: p.lse_part,
-                o: a.o.ptr,
-                lse: a.lse.ptr,
-                batch: p.batch,
-                seqlen_q: p.seqlen_q,
-                heads_q: p.heads_q,
-                splits: p.splits,
-            };
-            let rows = s.batch * c.heads_q * s.seqlen_q;
-            let cfg = LaunchConfig {
-                grid_dim: (rows.div_ceil(4) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut params: [*mut c_void; 1] = [param(&cp)];
-            raw::launch(COMBINE_ENTRY, &self.combine, cfg, stream, &mut params)?;
-        }
-        Ok(())
+        raw::launch(DECODE_ENTRY, &self.fwd, cfg, stream, &mut params)
     }
 
     /// Check an append call; returns (batch, Snew).
@@ -1041,6 +1106,7 @@ impl DecodePlan {
             o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
             lse: RawTensor::contiguous(lp, DType::F32, &[b, hq, sq])?,
             max_seqlen_k,
+            cu_seqlens_q: None,
         };
         let shape = self.check(&args)?;
         for (name, span, len) in [
@@ -1056,7 +1122,7 @@ impl DecodePlan {
                 )));
             }
         }
-        let need = Self::partial_bytes(&self.class, shape.splits, b, sq).1;
+        let need = Self::partial_bytes(&self.class, shape.splits, shape.total_q).2;
         workspace.check_for(stream, need, "DecodePlan")?;
         let raw_ws = workspace.raw();
         // SAFETY: every buffer is a live cudarc allocation of the plan's context covering
@@ -1211,16 +1277,28 @@ mod tests {
     #[test]
     fn split_heuristic_fills_waves() {
         // Full grid: no split.
-        assert_eq!(split_heuristic(512, 264, 32), 1);
-        assert_eq!(split_heuristic(220, 264, 32), 1);
-        // B=1, Hkv=8 at Sk=8192 (32 splits allowed): most of a wave.
-        let s = split_heuristic(8, 264, 32);
-        assert!((27..=32).contains(&s), "{s}");
+        assert_eq!(split_heuristic(512, 264, 128), 1);
+        assert_eq!(split_heuristic(220, 264, 128), 1);
+        // B=1, Hkv=8 at Sk=8192 (128 tiles): 32 splits of 4 tiles, 97% of a wave.
+        assert_eq!(split_heuristic(8, 264, 128), 32);
+        // B=8, Hkv=8 at Sk=4096: 4 splits of 16 tiles.
+        assert_eq!(split_heuristic(64, 264, 64), 4);
         // B=16, Hkv=8: 128 CTAs → 2 splits fill 97% of a wave.
-        assert_eq!(split_heuristic(128, 264, 128), 2);
-        // Short sequences cap the splits.
-        assert_eq!(split_heuristic(8, 264, 1), 1);
-        assert!(split_heuristic(8, 264, 4) <= 4);
+        assert_eq!(split_heuristic(128, 264, 512), 2);
+        // Short sequences cap the splits (4 tiles a split at least).
+        assert_eq!(split_heuristic(8, 264, 4), 1);
+        assert!(split_heuristic(8, 264, 16) <= 4);
+        // Every answer is a count the kernel runs (no empty trailing splits).
+        for tiles in 1..300 {
+            for ctas in [1, 3, 8, 40, 100] {
+                let s = split_heuristic(ctas, 264, tiles);
+                assert_eq!(
+                    tiles.div_ceil(tiles.div_ceil(s)),
+                    s,
+                    "tiles {tiles} ctas {ctas}"
+                );
+            }
+        }
     }
 
     #[test]

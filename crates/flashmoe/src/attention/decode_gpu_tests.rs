@@ -8,6 +8,7 @@
 
 use super::decode::{
     identity_block_table, AppendArgs, DecodeArgs, DecodeClass, DecodePlan, RawIndex,
+    MAX_SPLIT_GROUPS,
 };
 use super::plan::Bshd;
 use crate::accuracy::{check, check_lse};
@@ -61,6 +62,8 @@ struct Case {
     block_pad: usize,
     /// Multiplies q (makes softcap bite).
     q_gain: f32,
+    /// Mixed batch: rows per sequence (cu_seqlens_q, packed q); None: `sq` each.
+    lens_q: Option<Vec<usize>>,
 }
 
 impl Case {
@@ -72,6 +75,34 @@ impl Case {
             splits,
             block_pad: 0,
             q_gain: 1.0,
+            lens_q: None,
+        }
+    }
+
+    /// A mixed batch: sequence b has `lens_q[b]` rows (0..=max_q_per_seq).
+    fn mixed(
+        class: DecodeClass,
+        seqused: &[usize],
+        lens_q: &[usize],
+        splits: Option<usize>,
+    ) -> Case {
+        Case {
+            lens_q: Some(lens_q.to_vec()),
+            ..Case::new(class, seqused, class.max_q_per_seq, splits)
+        }
+    }
+
+    /// Query tokens of the call and the cu_seqlens_q offsets (mixed batches).
+    fn tokens(&self) -> (usize, Option<Vec<usize>>) {
+        match &self.lens_q {
+            None => (self.seqused.len() * self.sq, None),
+            Some(l) => {
+                let mut cu = vec![0];
+                for &n in l {
+                    cu.push(cu.last().unwrap() + n);
+                }
+                (*cu.last().unwrap(), Some(cu))
+            }
         }
     }
 }
@@ -89,6 +120,7 @@ struct Paged {
     vc: CudaSlice<u16>,
     bt: CudaSlice<i32>,
     su: CudaSlice<i32>,
+    cu: Option<CudaSlice<i32>>,
     o: CudaSlice<u16>,
     lse: CudaSlice<f32>,
 }
@@ -140,7 +172,8 @@ impl Paged {
                 }
             }
         }
-        let qf: Vec<f32> = (0..b * c.sq * hq * d)
+        let (tokens, cu) = c.tokens();
+        let qf: Vec<f32> = (0..tokens * hq * d)
             .map(|_| dt.round(c.q_gain * rng.uniform()))
             .collect();
         let spec = PagedDecodeSpec {
@@ -157,16 +190,21 @@ impl Paged {
             scale: cl.scale() as f64,
         };
         let su: Vec<i32> = c.seqused.iter().map(|&n| n as i32).collect();
-        let mut o = s.alloc_zeros::<u16>(b * c.sq * hq * d).unwrap();
-        let mut lse = s.alloc_zeros::<f32>(b * hq * c.sq).unwrap();
+        let mut o = s.alloc_zeros::<u16>(tokens * hq * d).unwrap();
+        let mut lse = s.alloc_zeros::<f32>(tokens * hq).unwrap();
         poison(s, &mut o);
         poison(s, &mut lse);
+        let cu_dev = cu.as_ref().map(|cu| {
+            s.clone_htod(&cu.iter().map(|&x| x as i32).collect::<Vec<_>>())
+                .unwrap()
+        });
         Paged {
             q: s.clone_htod(&dt.encode_u16(&qf)).unwrap(),
             kc: s.clone_htod(&kc_bits).unwrap(),
             vc: s.clone_htod(&vc_bits).unwrap(),
             bt: s.clone_htod(&table).unwrap(),
             su: s.clone_htod(&su).unwrap(),
+            cu: cu_dev,
             o,
             lse,
             host: PagedDecodeInputs {
@@ -175,6 +213,7 @@ impl Paged {
                 v_cache: vh,
                 block_table: table,
                 seqused_k: c.seqused.clone(),
+                cu_seqlens_q: cu,
             },
             kc_bits,
             vc_bits,
@@ -202,15 +241,38 @@ impl Paged {
     fn args(&self, s: &Arc<CudaStream>, c: &DecodeClass) -> DecodeArgs {
         let (b, sq, hq, d) = (self.spec.batch, self.spec.seqlen_q, c.heads_q, c.head_dim);
         let max_sk = self.host.seqused_k.iter().copied().max().unwrap_or(0);
+        let t = |buf: &CudaSlice<u16>, shape: &[usize]| {
+            RawTensor::contiguous(addr(buf, s), c.dtype, shape).unwrap()
+        };
+        let lse =
+            |shape: &[usize]| RawTensor::contiguous(addr(&self.lse, s), DType::F32, shape).unwrap();
+        let (q, o, lse, cu) = match &self.cu {
+            None => (
+                t(&self.q, &[b, sq, hq, d]),
+                t(&self.o, &[b, sq, hq, d]),
+                lse(&[b, hq, sq]),
+                None,
+            ),
+            Some(cu) => {
+                let total = self.host.cu_seqlens_q.as_ref().unwrap()[b];
+                (
+                    t(&self.q, &[total, hq, d]),
+                    t(&self.o, &[total, hq, d]),
+                    lse(&[hq, total]),
+                    Some(RawIndex::vector(addr(cu, s), b + 1)),
+                )
+            }
+        };
         DecodeArgs {
-            q: RawTensor::contiguous(addr(&self.q, s), c.dtype, &[b, sq, hq, d]).unwrap(),
+            q,
             k_cache: self.cache_tensor(s, c, &self.kc),
             v_cache: self.cache_tensor(s, c, &self.vc),
             block_table: RawIndex::matrix(addr(&self.bt, s), b, self.spec.max_blocks),
             seqused_k: RawIndex::vector(addr(&self.su, s), b),
-            o: RawTensor::contiguous(addr(&self.o, s), c.dtype, &[b, sq, hq, d]).unwrap(),
-            lse: RawTensor::contiguous(addr(&self.lse, s), DType::F32, &[b, hq, sq]).unwrap(),
+            o,
+            lse,
             max_seqlen_k: Some(max_sk.max(1)),
+            cu_seqlens_q: cu,
         }
     }
 
@@ -253,21 +315,91 @@ fn run_case(dev: &Device, c: &Case, rng: &mut Rng) -> usize {
         .unwrap();
     unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
     let tag = format!(
-        "{} D={} Hq={} Hkv={} page={} Sq={} seqused={:?} window={:?} softcap={} splits={} (m_blocks {})",
+        "{} D={} Hq={} Hkv={} page={} Sq={} lens_q={:?} seqused={:?} window={:?} softcap={} splits={} (m_blocks {})",
         c.class.dtype,
         c.class.head_dim,
         c.class.heads_q,
         c.class.heads_kv,
         c.class.page_size,
         c.sq,
+        c.lens_q,
         c.seqused,
         c.class.window,
         c.class.softcap,
         shape.splits,
         shape.m_blocks
     );
-    p.verify(s, c.class.dtype, &tag);
+    let (o1, l1) = p.verify(s, c.class.dtype, &tag);
+    if shape.splits > 1 {
+        // The merge left every ticket at zero, and a second launch over the same workspace
+        // gives the same bits (the merge order does not depend on arrival order).
+        let t = s
+            .clone_dtoh(&ws.buffer().slice(0..MAX_SPLIT_GROUPS * 4))
+            .unwrap();
+        assert!(t.iter().all(|&x| x == 0), "{tag}: tickets not reset");
+        let mut p = p;
+        poison(s, &mut p.o);
+        poison(s, &mut p.lse);
+        unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
+        let (o2, l2) = p.outputs(s, c.class.dtype);
+        assert!(
+            o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits())
+                && l1.iter().zip(&l2).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{tag}: a second launch differs"
+        );
+    }
     shape.splits
+}
+
+/// Mixed batches (cu_seqlens_q): decode, speculative and chunked rows (0..=max_q_per_seq,
+/// empty sequences too) in one packed call, against the reference per sequence; GQA 1..16,
+/// pages 16..256, windows touching both ends, softcap, splits 1 / heuristic / many.
+#[test]
+fn decode_mixed_batches_match_reference() {
+    with_gpu("decode-mixed", |dev| {
+        let mut rng = Rng(fresh_seed("decode-mixed"));
+        let bf = DType::Bf16;
+        let mut n = 0;
+        for &(hq, hkv, maxq, ps, window, softcap) in &[
+            (32, 8, 1, 16, (-1, 0), 0.0),
+            (32, 8, 4, 16, (-1, 0), 0.0),
+            (8, 8, 16, 64, (-1, 0), 0.0),
+            (16, 1, 16, 256, (-1, 0), 0.0),
+            (14, 2, 7, 48, (33, 0), 0.0),
+            (32, 2, 5, 128, (-1, 0), 30.0),
+            (8, 4, 3, 16, (5, 2), 0.0),
+        ] {
+            let c = DecodeClass {
+                window,
+                softcap,
+                ..cls(bf, 128, hq, hkv, ps, maxq)
+            };
+            // Ragged rows per sequence (1 and the maximum always present, 0 when it fits).
+            let lens: Vec<usize> = [1, maxq, maxq / 2, 0, (maxq + 1) / 3, maxq]
+                .iter()
+                .map(|&x| x.min(maxq))
+                .collect();
+            let seqused = [1, ps - 1, ps + 1, 97, 1031, 2999];
+            for splits in [Some(1), None, Some(11)] {
+                let mut case = Case::mixed(c, &seqused, &lens, splits);
+                case.q_gain = if softcap > 0.0 { 4.0 } else { 1.0 };
+                run_case(dev, &case, &mut rng);
+                n += 1;
+            }
+        }
+        // f16, D = 64 and 256, and a batch of one-row decodes next to a 16-row chunk.
+        for d in [64, 256] {
+            let c = cls(DType::F16, d, 16, 4, 32, 16);
+            let lens = [16, 1, 1, 1, 9];
+            run_case(
+                dev,
+                &Case::mixed(c, &[700, 33, 64, 1, 2000], &lens, None),
+                &mut rng,
+            );
+            n += 1;
+        }
+        eprintln!("decode-mixed: {n} cases passed");
+    });
 }
 
 /// GQA ratios 1, 2, 4, 7, 8, 16 × Sq 1..16 × page sizes × ragged lengths (1, page ± 1,
@@ -484,6 +616,7 @@ fn dense_cache_is_one_page_per_sequence() {
             o: t(&o, &[b, sq, hq, d]),
             lse: RawTensor::contiguous(addr(&lse, s), DType::F32, &[b, hq, sq]).unwrap(),
             max_seqlen_k: None,
+            cu_seqlens_q: None,
         };
         let shape = plan.check(&a).unwrap();
         let ws = plan.alloc_workspace(s, b, shape.max_seqlen_k).unwrap();
@@ -507,6 +640,7 @@ fn dense_cache_is_one_page_per_sequence() {
             v_cache: vf,
             block_table: identity_block_table(b),
             seqused_k: seqused.to_vec(),
+            cu_seqlens_q: None,
         };
         let want = paged_decode_f64(&spec, &host).unwrap();
         let og = c.dtype.decode_u16(&s.clone_dtoh(&o).unwrap());
@@ -654,6 +788,27 @@ fn decode_cudarc_path_and_bad_input() {
         a.o = RawTensor::contiguous(a.o.ptr, c.dtype, &[b, 5, hq, d]).unwrap();
         a.lse = RawTensor::contiguous(a.lse.ptr, DType::F32, &[b, hq, 5]).unwrap();
         bad(plan.check(&a).map(|_| ()), "max_q_per_seq");
+        // Mixed batches: q must be packed 3-D, cu_seqlens_q has batch + 1 entries, and the
+        // rows fit batch × max_q_per_seq.
+        let mut a = raw_args;
+        a.cu_seqlens_q = Some(RawIndex::vector(addr(&p.su, s), b));
+        bad(plan.check(&a).map(|_| ()), "must be 3-D (total_q");
+        let packed = |t: usize| {
+            (
+                RawTensor::contiguous(raw_args.q.ptr, c.dtype, &[t, hq, d]).unwrap(),
+                RawTensor::contiguous(raw_args.o.ptr, c.dtype, &[t, hq, d]).unwrap(),
+                RawTensor::contiguous(raw_args.lse.ptr, DType::F32, &[hq, t]).unwrap(),
+            )
+        };
+        (a.q, a.o, a.lse) = packed(b * sq);
+        bad(
+            plan.check(&a).map(|_| ()),
+            "cu_seqlens_q is int32 [3, 1] but [4, 1]",
+        );
+        a.cu_seqlens_q = Some(RawIndex::vector(addr(&p.su, s), b + 1));
+        plan.check(&a).unwrap();
+        (a.q, a.o, a.lse) = packed(b * sq + 1);
+        bad(plan.check(&a).map(|_| ()), "at most max_q_per_seq = 4");
         // Wrong dtype of the cache.
         let mut a = raw_args;
         a.k_cache.dtype = DType::F16;

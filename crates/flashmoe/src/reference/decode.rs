@@ -9,7 +9,12 @@
 //! Query row `i` of a sequence with `seqlen_q` rows and `seqused_k[b]` keys has the
 //! diagonal `d = seqused_k[b] - seqlen_q + i` and sees keys `j < seqused_k[b]` with
 //! `j >= d - window.0` (when `window.0 >= 0`) and `j <= d + window.1` (when `window.1 >= 0`);
-//! causal decode is `window = (-1, 0)`. Scores are `scale · q·k`, then
+//! causal decode is `window = (-1, 0)`.
+//!
+//! Mixed batches ([`PagedDecodeInputs::cu_seqlens_q`]): sequence `b` has the rows
+//! `cu[b] .. cu[b+1]` of a packed q `[total_q, heads_q, head_dim]` (at most `seqlen_q`
+//! each), its own `Sq_b` in the diagonal; o is `[total_q, heads_q, head_dim]` and lse
+//! `[heads_q, total_q]`. Scores are `scale · q·k`, then
 //! `softcap · tanh(score / softcap)` when `softcap > 0`. A row that sees no key gets O = 0
 //! and LSE = −inf.
 
@@ -44,12 +49,20 @@ pub struct PagedDecodeInputs {
     pub block_table: Vec<i32>,
     /// Keys used per sequence.
     pub seqused_k: Vec<usize>,
+    /// `[batch + 1]` row offsets of a packed q (mixed batches); None: `seqlen_q` rows each.
+    pub cu_seqlens_q: Option<Vec<usize>>,
 }
 
 impl PagedDecodeSpec {
-    /// Visible keys `[lo, hi)` of query row `i` of sequence `b` (empty when `hi <= lo`).
+    /// Visible keys `[lo, hi)` of query row `i` of a sequence of `seqlen_q` rows (empty when
+    /// `hi <= lo`).
     pub fn visible(&self, seqlen_k: usize, i: usize) -> (usize, usize) {
-        let d = seqlen_k as i64 - self.seqlen_q as i64 + i as i64;
+        self.visible_of(seqlen_k, self.seqlen_q, i)
+    }
+
+    /// [`PagedDecodeSpec::visible`] for a sequence of `seqlen_q` rows (mixed batches).
+    pub fn visible_of(&self, seqlen_k: usize, seqlen_q: usize, i: usize) -> (usize, usize) {
+        let d = seqlen_k as i64 - seqlen_q as i64 + i as i64;
         let lo = if self.window.0 < 0 {
             0
         } else {
@@ -79,8 +92,30 @@ impl PagedDecodeSpec {
             )));
         }
         let cache = self.num_blocks * self.page_size * hkv * d;
+        let tokens = match &x.cu_seqlens_q {
+            None => b * sq,
+            Some(cu) => {
+                super::check_len("cu_seqlens_q", b + 1, cu.len())?;
+                if cu[0] != 0 {
+                    return Err(Error::invalid(format!(
+                        "cu_seqlens_q[0] = {} must be 0",
+                        cu[0]
+                    )));
+                }
+                for bi in 0..b {
+                    if cu[bi + 1] < cu[bi] || cu[bi + 1] - cu[bi] > sq {
+                        return Err(Error::invalid(format!(
+                            "cu_seqlens_q[{}] - cu_seqlens_q[{bi}] = {} must be in 0..={sq}",
+                            bi + 1,
+                            cu[bi + 1] as i64 - cu[bi] as i64
+                        )));
+                    }
+                }
+                cu[b]
+            }
+        };
         for (name, want, got) in [
-            ("q", b * sq * hq * d, x.q.len()),
+            ("q", tokens * hq * d, x.q.len()),
             ("k_cache", cache, x.k_cache.len()),
             ("v_cache", cache, x.v_cache.len()),
             ("block_table", b * self.max_blocks, x.block_table.len()),
@@ -129,17 +164,28 @@ pub fn paged_decode_f64(
     x: &PagedDecodeInputs,
 ) -> Result<AttentionOutput<f64>> {
     s.check(x)?;
-    let (b, sq, hq, d) = (s.batch, s.seqlen_q, s.heads_q, s.head_dim);
+    let (b, hq, d) = (s.batch, s.heads_q, s.head_dim);
     let group = hq / s.heads_kv;
-    let mut o = vec![0f64; b * sq * hq * d];
-    let mut lse = vec![0f64; b * hq * sq];
+    // (first token, rows) of each sequence; lse index of (token, head).
+    let rows: Vec<(usize, usize)> = match &x.cu_seqlens_q {
+        None => (0..b).map(|bi| (bi * s.seqlen_q, s.seqlen_q)).collect(),
+        Some(cu) => (0..b).map(|bi| (cu[bi], cu[bi + 1] - cu[bi])).collect(),
+    };
+    let tokens = x.q.len() / (hq * d);
+    let lse_at = |bi: usize, tok0: usize, sq: usize, h: usize, i: usize| match x.cu_seqlens_q {
+        None => (bi * hq + h) * sq + i,
+        Some(_) => h * tokens + tok0 + i,
+    };
+    let mut o = vec![0f64; tokens * hq * d];
+    let mut lse = vec![0f64; tokens * hq];
     for bi in 0..b {
         let sk = x.seqused_k[bi];
+        let (tok0, sq) = rows[bi];
         for h in 0..hq {
             let kvh = h / group;
             for i in 0..sq {
-                let (lo, hi) = s.visible(sk, i);
-                let qoff = ((bi * sq + i) * hq + h) * d;
+                let (lo, hi) = s.visible_of(sk, sq, i);
+                let qoff = ((tok0 + i) * hq + h) * d;
                 let q = &x.q[qoff..qoff + d];
                 let mut scores: Vec<f64> = (lo..hi)
                     .map(|j| {
@@ -153,7 +199,7 @@ pub fn paged_decode_f64(
                         }
                     })
                     .collect();
-                lse[(bi * hq + h) * sq + i] = softmax_in_place(&mut scores);
+                lse[lse_at(bi, tok0, sq, h, i)] = softmax_in_place(&mut scores);
                 let orow = &mut o[qoff..qoff + d];
                 for (w, j) in scores.iter().zip(lo..hi) {
                     let v = s.cache_row(&x.v_cache, &x.block_table, bi, j, kvh);
@@ -231,6 +277,7 @@ mod tests {
             v_cache: vc,
             block_table: table,
             seqused_k: vec![sk; b],
+            cu_seqlens_q: None,
         };
         (spec, inputs)
     }
@@ -317,6 +364,7 @@ mod tests {
             v_cache: v,
             block_table: vec![0],
             seqused_k: vec![2],
+            cu_seqlens_q: None,
         };
         let out = paged_decode_f64(&c, &inputs).unwrap();
         assert_eq!(out.lse[0], f64::NEG_INFINITY);
@@ -336,6 +384,88 @@ mod tests {
         for l in &out.lse {
             assert!(*l <= (16f64).ln() + 5.0 + 1e-12, "{l}");
         }
+    }
+
+    /// A mixed batch equals each sequence run alone with its own Sq (packed rows, lse
+    /// `[heads_q, total_q]`); bad offsets are errors.
+    #[test]
+    fn mixed_batch_is_each_sequence_alone() {
+        let (hq, hkv, d, page, mb) = (4, 2, 16, 16, 3);
+        let lens_q = [1usize, 4, 0, 2];
+        let seqused = [20usize, 3, 9, 40];
+        let b = lens_q.len();
+        let mut cu = vec![0usize];
+        for &n in &lens_q {
+            cu.push(cu.last().unwrap() + n);
+        }
+        let total = cu[b];
+        let num_blocks = b * mb;
+        let mut seed = 5u64;
+        let mut gen = |n: usize| (0..n).map(|_| lcg(&mut seed)).collect::<Vec<f32>>();
+        let q = gen(total * hq * d);
+        let kc = gen(num_blocks * page * hkv * d);
+        let vc = gen(num_blocks * page * hkv * d);
+        let table: Vec<i32> = (0..num_blocks as i32).rev().collect();
+        let spec = PagedDecodeSpec {
+            batch: b,
+            seqlen_q: 4,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+            num_blocks,
+            page_size: page,
+            max_blocks: mb,
+            window: (5, 0),
+            softcap: 0.0,
+            scale: 0.5,
+        };
+        let x = PagedDecodeInputs {
+            q: q.clone(),
+            k_cache: kc.clone(),
+            v_cache: vc.clone(),
+            block_table: table.clone(),
+            seqused_k: seqused.to_vec(),
+            cu_seqlens_q: Some(cu.clone()),
+        };
+        let mixed = paged_decode_f64(&spec, &x).unwrap();
+        assert_eq!(
+            (mixed.o.len(), mixed.lse.len()),
+            (total * hq * d, hq * total)
+        );
+        for bi in 0..b {
+            let sq = lens_q[bi];
+            if sq == 0 {
+                continue;
+            }
+            let one = PagedDecodeSpec {
+                batch: 1,
+                seqlen_q: sq,
+                ..spec.clone()
+            };
+            let rows = cu[bi] * hq * d..cu[bi + 1] * hq * d;
+            let alone = paged_decode_f64(
+                &one,
+                &PagedDecodeInputs {
+                    q: q[rows.clone()].to_vec(),
+                    k_cache: kc.clone(),
+                    v_cache: vc.clone(),
+                    block_table: table[bi * mb..(bi + 1) * mb].to_vec(),
+                    seqused_k: vec![seqused[bi]],
+                    cu_seqlens_q: None,
+                },
+            )
+            .unwrap();
+            assert_eq!(&mixed.o[rows], &alone.o[..], "o of sequence {bi}");
+            for h in 0..hq {
+                for i in 0..sq {
+                    assert_eq!(mixed.lse[h * total + cu[bi] + i], alone.lse[h * sq + i]);
+                }
+            }
+        }
+        let mut bad = x.clone();
+        bad.cu_seqlens_q = Some(vec![0, 1, 6, 6, 8]);
+        let e = paged_decode_f64(&spec, &bad).unwrap_err().to_string();
+        assert!(e.contains("cu_seqlens_q[2] - cu_seqlens_q[1] = 5"), "{e}");
     }
 
     #[test]
@@ -359,6 +489,7 @@ mod tests {
             v_cache: vec![0.0; 2 * 16 * 16],
             block_table: vec![0, 5],
             seqused_k: vec![20],
+            cu_seqlens_q: None,
         };
         let e = paged_decode_f64(&s, &x).unwrap_err().to_string();
         assert!(e.contains("block_table[0][1] = 5"), "{e}");
