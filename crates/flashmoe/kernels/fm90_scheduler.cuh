@@ -4,7 +4,8 @@
 // as the producer posts it (WorkTile, post_tile / read_tile), the launch's schedule
 // (make_schedule: which ranks are whole tiles, which are slots of the last wave's tiles
 // split over key ranges), the rank -> tile order (decode_tile: causal heaviest first, in
-// groups of heads) and the slot cursor of split tiles (decode_rank, next_segment). Run by
+// groups of heads), the slot cursor of split tiles (decode_rank, next_segment) and, for
+// FM_VARLEN, the walk over the packed batch's sequences (decode_varlen). Run by
 // the producer thread only; the consumers just read the posted record. Included by
 // fm90_producer.cuh and flash_attn_fwd_sm90.cu.
 #pragma once
@@ -170,16 +171,21 @@ struct VarlenSeqs {
 };
 
 // The producer's walk over the sequences: ranks are drawn in increasing order by each CTA,
-// so the sequence of a rank is found by advancing from the last one (each CTA reads every
-// offset about once per launch; no table, no search). Sequence b's tiles are ranks
-// [base, base + n): each query block (causal: heaviest, the last rows, first) of all its
-// heads in turn (GQA heads sharing K/V run together, the sequence's K/V stays in L2).
-// Sequences go in batch order: the dispenser still balances (a CTA that drew heavy tiles
-// draws fewer), and the launch's tail costs at most one tile of the last sequences.
-// Only (b, base, n) are kept: the producer runs on 24 registers (PRODUCER_REGS), so the
-// offsets are read again (L1 hits) for each tile posted.
+// so the sequence of a rank is found by advancing from the last one (no table, no search).
+// Longest first, without sorting on the device: the walk goes over the batch
+// VARLEN_PASSES times, pass p taking the sequences whose key tiles kt = ceil(sk / BN) have
+// floor(log2 kt) = VARLEN_PASSES - 1 - p (pass 0: kt >= 32, i.e. 4096 keys at BN = 128;
+// the last pass: kt <= 1). So the launch ends on the tiles of the shortest sequences and
+// its tail (the CTAs idle while the last tiles run) costs at most a short tile, where batch
+// order could end on a 4000-key tile (0.951x dense at D=128 non-causal; docs/perf-notes.md
+// §9). The enumeration is model-checked by python/dev/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
+// last rows first) of all its heads in turn (GQA heads sharing K/V run together, the
+// sequence's K/V stays in L2). Only (pass, b, base, n) are kept: the producer runs on 24
+// registers (PRODUCER_REGS), so the offsets are read again (L1 hits) when needed.
+constexpr int VARLEN_PASSES = 6;
 struct VarlenCursor {
-    int b = -1;  // current sequence (-1: none yet)
+    int b = -1;    // current sequence (-1: before the first of this pass)
+    int pass = 0;  // VARLEN_PASSES: no work left
     int base = 0, n = 0;
 };
 
@@ -190,11 +196,24 @@ __device__ __forceinline__ int2 seq_rows(const int* cu, int b, int total) {
     return make_int2(start, min(max(__ldg(cu + b + 1), start), total));
 }
 
+// The walk's pass of a sequence of sk keys.
+__device__ __forceinline__ int varlen_pass(int sk) {
+    const int kt = max(1, (sk + BN - 1) / BN);
+    return max(0, VARLEN_PASSES - 1 - (31 - __clz(kt)));
+}
+
 __device__ __forceinline__ WorkTile decode_varlen(int rank, VarlenCursor& c, const VarlenSeqs& v) {
     while (rank >= c.base + c.n) {
-        if (c.b + 1 >= v.batch) return WorkTile{0, -1, 0, 0, 0, -1, 0, 0};  // no work left
+        if (c.pass >= VARLEN_PASSES) return WorkTile{0, -1, 0, 0, 0, -1, 0, 0};  // no work left
         c.base += c.n;
-        ++c.b;
+        c.n = 0;
+        if (++c.b == v.batch) {
+            c.b = -1;
+            ++c.pass;
+            continue;
+        }
+        const int2 k = seq_rows(v.cu_k, c.b, v.total_k);
+        if (varlen_pass(k.y - k.x) != c.pass) continue;
         const int2 q = seq_rows(v.cu_q, c.b, v.total_q);
         c.n = (q.y - q.x + BM - 1) / BM * v.heads_q;  // empty sequences have no tiles
     }

@@ -28,7 +28,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -425,11 +427,14 @@ mod tests {
                 let tile = config::sm90_tile(d).unwrap().for_varlen();
                 assert_eq!(v.shared_mem_bytes, tile.shared_mem_bytes());
                 // No split of the last wave: the workspace is the dispenser alone.
-                assert_eq!(v.abi, KernelAbi::TensorMaps {
-                    block_n: tile.block_n,
-                    persistent: true,
-                    workspace_bytes: 256
-                });
+                assert_eq!(
+                    v.abi,
+                    KernelAbi::TensorMaps {
+                        block_n: tile.block_n,
+                        persistent: true,
+                        workspace_bytes: 256
+                    }
+                );
             }
         }
     }

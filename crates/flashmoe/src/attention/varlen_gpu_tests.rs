@@ -75,10 +75,18 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<i32> {
 }
 
 impl Packed {
-    fn new(stream: &Arc<CudaStream>, class: AttentionClass, lens: &[(usize, usize)], seed: u64) -> Packed {
+    fn new(
+        stream: &Arc<CudaStream>,
+        class: AttentionClass,
+        lens: &[(usize, usize)],
+        seed: u64,
+    ) -> Packed {
         let cu_q = offsets(lens.iter().map(|l| l.0));
         let cu_k = offsets(lens.iter().map(|l| l.1));
-        let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+        let (tq, tk) = (
+            *cu_q.last().unwrap() as usize,
+            *cu_k.last().unwrap() as usize,
+        );
         let (hq, hkv, d, dt) = (class.heads_q, class.heads_kv, class.head_dim, class.dtype);
         let q = generate(seed, TensorId::Q, tq * hq * d, 1.0, dt);
         let k = generate(seed, TensorId::K, tk * hkv * d, 1.0, dt);
@@ -102,7 +110,10 @@ impl Packed {
         }
     }
     fn totals(&self) -> (usize, usize) {
-        (*self.cu_q.last().unwrap() as usize, *self.cu_k.last().unwrap() as usize)
+        (
+            *self.cu_q.last().unwrap() as usize,
+            *self.cu_k.last().unwrap() as usize,
+        )
     }
     fn args(&self, stream: &Arc<CudaStream>) -> VarlenArgs {
         let (tq, tk) = self.totals();
@@ -152,8 +163,12 @@ impl Packed {
                 .collect();
             if sk == 0 {
                 // No key: O = 0, LSE = -inf.
-                if o_seq.iter().any(|&x| x != 0.0) || lse_seq.iter().any(|&x| x != f32::NEG_INFINITY) {
-                    failures.push(format!("seq {b} ({sq}, {sk}): expected O = 0 and LSE = -inf"));
+                if o_seq.iter().any(|&x| x != 0.0)
+                    || lse_seq.iter().any(|&x| x != f32::NEG_INFINITY)
+                {
+                    failures.push(format!(
+                        "seq {b} ({sq}, {sk}): expected O = 0 and LSE = -inf"
+                    ));
                 }
                 continue;
             }
@@ -249,7 +264,9 @@ fn varlen_many_sequences_over_several_waves() {
         let mut s = seed;
         let lens: Vec<(usize, usize)> = (0..24)
             .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 let l = 100 + (s >> 33) as usize % 1400;
                 (l, l)
             })
@@ -264,7 +281,12 @@ fn varlen_many_sequences_over_several_waves() {
                 causal,
                 softmax_scale: Some(0.07),
             };
-            failures.extend(case(dev, class, &lens, &format!("D={d} Hq={hq} Hkv={hkv} causal={causal}")));
+            failures.extend(case(
+                dev,
+                class,
+                &lens,
+                &format!("D={d} Hq={hq} Hkv={hkv} causal={causal}"),
+            ));
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
@@ -285,7 +307,9 @@ fn varlen_is_deterministic_and_reuses_its_workspace() {
             softmax_scale: None,
         };
         let plan = VarlenPlan::new(dev, class).unwrap();
-        let lens: Vec<(usize, usize)> = (0..40).map(|i| (1 + 97 * i % 700, 1 + 97 * i % 700)).collect();
+        let lens: Vec<(usize, usize)> = (0..40)
+            .map(|i| (1 + 97 * i % 700, 1 + 97 * i % 700))
+            .collect();
         let mut p = Packed::new(&stream, class, &lens, fresh_seed("varlen determinism"));
         let ws = plan.alloc_workspace(&stream).unwrap();
         let args = p.args(&stream);
@@ -311,7 +335,10 @@ fn varlen_is_deterministic_and_reuses_its_workspace() {
         }
         // The workspace is left zeroed (the dispenser reset itself).
         let w: Vec<u8> = stream.clone_dtoh(ws.buffer()).unwrap();
-        assert!(w.iter().all(|&x| x == 0), "workspace not zero after the launches");
+        assert!(
+            w.iter().all(|&x| x == 0),
+            "workspace not zero after the launches"
+        );
     });
 }
 
@@ -342,8 +369,10 @@ fn varlen_cudarc_path_and_bad_input() {
         poison(&stream, &mut o);
         poison(&stream, &mut lse);
         let mut ws = plan.alloc_workspace(&stream).unwrap();
-        plan.forward(&stream, &q, &k, &v, &mut o, &mut lse, &p.dcu_q, &p.dcu_k, 150, 150, &mut ws)
-            .unwrap();
+        plan.forward(
+            &stream, &q, &k, &v, &mut o, &mut lse, &p.dcu_q, &p.dcu_k, 150, 150, &mut ws,
+        )
+        .unwrap();
         let o_h: Vec<u16> = stream
             .clone_dtoh(&o)
             .unwrap()
@@ -385,9 +414,79 @@ fn varlen_cudarc_path_and_bad_input() {
         assert!(e.contains("lse"), "{e}");
         let mut short: CudaSlice<f32> = stream.alloc_zeros(4 * tq - 1).unwrap();
         let e = plan
-            .forward(&stream, &q, &k, &v, &mut o, &mut short, &p.dcu_q, &p.dcu_k, 150, 150, &mut ws)
+            .forward(
+                &stream, &q, &k, &v, &mut o, &mut short, &p.dcu_q, &p.dcu_k, 150, 150, &mut ws,
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("lse holds"), "{e}");
+    });
+}
+
+/// Captured once into a CUDA graph, replayed with new offsets written into the same
+/// cu_seqlens buffers (same totals): the kernel reads the offsets at run time, so each
+/// replay matches the reference of its own lengths.
+#[test]
+fn varlen_replays_in_a_cuda_graph_with_new_lengths() {
+    with_gpu("varlen_replays_in_a_cuda_graph_with_new_lengths", |dev| {
+        let stream = dev.stream().clone();
+        let class = AttentionClass {
+            dtype: DType::Bf16,
+            head_dim: 128,
+            heads_q: 8,
+            heads_kv: 2,
+            causal: true,
+            softmax_scale: None,
+        };
+        let plan = VarlenPlan::new(dev, class).unwrap();
+        let seed = fresh_seed("varlen graph");
+        // Three splits of the same 1200 query and 1500 key rows.
+        let splits: [&[(usize, usize)]; 3] = [
+            &[(600, 700), (1, 1), (599, 799)],
+            &[(100, 100), (1000, 1200), (0, 100), (100, 100)],
+            &[(1200, 1500)],
+        ];
+        let mut runs: Vec<Packed> = splits
+            .iter()
+            .map(|l| Packed::new(&stream, class, l, seed))
+            .collect();
+        let ws = plan.alloc_workspace(&stream).unwrap();
+        // max_seqlen_q only sizes the grid: the capture uses the largest.
+        let mut args = runs[0].args(&stream);
+        args.max_seqlen_q = 1200;
+        args.max_seqlen_k = 1500;
+        stream.synchronize().unwrap();
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        unsafe { plan.forward_raw(stream.cu_stream(), &args, ws.raw()) }.unwrap();
+        let graph = stream
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .unwrap()
+            .expect("a captured graph");
+        let mut failures = Vec::new();
+        for (i, lens) in splits.iter().enumerate() {
+            let (cu_q, cu_k) = (runs[i].cu_q.clone(), runs[i].cu_k.clone());
+            let r0 = &mut runs[0];
+            stream.memcpy_htod(&cu_q, &mut r0.dcu_q).unwrap();
+            stream.memcpy_htod(&cu_k, &mut r0.dcu_k).unwrap();
+            poison(&stream, &mut r0.o);
+            poison(&stream, &mut r0.lse);
+            graph.launch().unwrap();
+            let o = stream.clone_dtoh(&r0.o).unwrap();
+            let l = stream.clone_dtoh(&r0.lse).unwrap();
+            stream.synchronize().unwrap();
+            // Same seed and totals: runs[i] holds the same q, k, v with its own offsets.
+            assert_eq!(runs[i].q, runs[0].q);
+            failures.extend(
+                runs[i]
+                    .verify(&o, &l)
+                    .into_iter()
+                    .map(|f| format!("lengths {lens:?}: {f}")),
+            );
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
 }
