@@ -26,6 +26,9 @@ step "Merge protocol of a split work tile (sm_90a): the kernel's passes, each mu
 python3 python/dev/split_merge_model.py
 python3 python/dev/split_merge_model.py --mutants
 
+step "Varlen work-tile enumeration (sm_90a): every tile once, longest first"
+python3 python/dev/varlen_schedule_model.py 500
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

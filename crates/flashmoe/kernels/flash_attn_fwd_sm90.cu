@@ -48,6 +48,14 @@
 //   (SPLIT, make_schedule). workspace: WS_BYTES of global memory, zero before the launch
 //   and left zero by it; launches that may overlap (other streams) need their own.
 //   Block 128 * (CONSUMERS + 1) threads.
+//   FM_VARLEN (packed variable-length batch): two more parameters, const int* cu_seqlens_q,
+//   cu_seqlens_k ([batch + 1] offsets, device memory); seqlen_q / seqlen_k are then the
+//   packed row counts total_q / total_k; q, o (total_q, heads_q, D) and k, v (total_k,
+//   heads_kv, D) are mapped as (D, heads, total, 1); lse is (heads_q, total_q); tm_o is
+//   unused. Sequence b is rows [cu_q[b], cu_q[b+1]) of q and [cu_k[b], cu_k[b+1]) of k,
+//   causal bottom-right per sequence. A tile's rows past its sequence's end load the next
+//   sequence's rows: keys >= sk are masked in the scores, queries >= sq are not stored.
+//   Work tiles: (sequence, query block, head), see decode_varlen; no split.
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -84,7 +92,12 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                         const __grid_constant__ FmTensorMap tm_o, u16* __restrict__ o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
                         int heads_kv, float softmax_scale_log2, int batch_size,
-                        unsigned char* __restrict__ workspace) {
+                        unsigned char* __restrict__ workspace
+#if FM_VARLEN
+                        ,
+                        const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
+#endif
+                        ) {
     using namespace fm90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 128B-swizzle atoms must start on 1024-byte boundaries (descriptor base offset 0).
@@ -129,6 +142,9 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             int* disp = reinterpret_cast<int*>(workspace);
             Producer p{&tm_q, &tm_k, &tm_v, base, group,
                        make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k)};
+#if FM_VARLEN
+            p.seqs = VarlenSeqs{cu_seqlens_q, cu_seqlens_k, batch_size, heads_q, seqlen_q, seqlen_k};
+#endif
             p.rank = draw_rank(disp);
             p.post_next(0);
             for (int i = 0;; ++i) {
@@ -166,11 +182,19 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             trace(i, TR_POSTED);
             const WorkTile w = read_tile(tile_records + (i & 1) * 32);  // tile_record(base, i)
             if (w.head < 0) break;
-            u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
-            float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
-            consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, seqlen_q,
-                    seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg, ring, i,
-                    workspace);
+            if (VARLEN) {  // rows of the sequence: o (total_q, Hq, D) from row q0, lse (Hq, total_q)
+                u16* og = o + ((i64)w.q0 * heads_q + w.head) * D;
+                float* lseg = lse + (i64)w.head * seqlen_q + w.q0;
+                consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, w.sq,
+                        w.sk, w.sk - w.sq, softmax_scale_log2, &tm_o, w.head, 0, og, q_stride, lseg, ring, i,
+                        workspace);
+            } else {
+                u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
+                float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
+                consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split,
+                        seqlen_q, seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg,
+                        ring, i, workspace);
+            }
         }
         // The shared memory the last O stores read must outlive them.
         if (O_TMA_STORE && (threadIdx.x & 31) == 0) bulk_wait<0>();

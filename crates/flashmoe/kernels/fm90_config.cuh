@@ -22,6 +22,10 @@
 //   FM_Q_REGS      1: each consumer reads its Q rows into registers once per work tile
 //                  (ldmatrix) and S = Q K^T takes A from registers (wgmma RS): a third less
 //                  shared-memory traffic per QK^T, and Q is released at the tile's start
+//   FM_VARLEN      1: packed variable-length batches (cu_seqlens; see the ABI note in
+//                  flash_attn_fwd_sm90.cu): per-sequence lengths, offsets and causal diagonal
+//                  travel in the posted work tile; O is stored without TMA (a box would
+//                  write the next sequence's rows) and the last wave is not split.
 //   FM_TRACE       1: development timeline (fm90_trace.cuh, examples/sm90_trace.rs). Never
 //                  set by the production table.
 // Always on (their switches were retired once every production tile used them; git
@@ -57,6 +61,9 @@
 #ifndef FM_Q_REGS
 #define FM_Q_REGS 0
 #endif
+#ifndef FM_VARLEN
+#define FM_VARLEN 0
+#endif
 #ifndef FM_TRACE
 #define FM_TRACE 0
 #endif
@@ -71,6 +78,7 @@ constexpr int NCW = FM_CONSUMERS;
 constexpr int BM = 64 * NCW;
 constexpr int THREADS = 128 * (NCW + 1);
 constexpr bool CAUSAL = FM_CAUSAL != 0;
+constexpr bool VARLEN = FM_VARLEN != 0;
 
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
@@ -84,7 +92,9 @@ constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 // whole 16-byte chunks of contiguous rows. Measured on the H100 (runs 46-50): the TMA
 // store gains 1-2 % at D=128 S <= 1024; at D=64 ptxas then schedules the steady-state
 // loop differently, and the build measured 1-3 % slower at S = 8192 (run 50).
-constexpr bool O_TMA_STORE = D >= 128;
+// Varlen: a 16-row box clipped only at the packed tensor's end would write the next
+// sequence's first rows, so those variants store O with plain (row-checked) stores.
+constexpr bool O_TMA_STORE = D >= 128 && !VARLEN;
 // TMA: DH boxes of 16 rows x 128 bytes in the 128B swizzle (which also keeps the 8 rows a
 // fragment store touches in different banks), 1024-byte aligned as the swizzle atom
 // requires. Plain: rows padded by 16 bytes, for the same bank spread.
@@ -161,7 +171,8 @@ struct SlotPhases {
 // cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
 // cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
 // round trip through L2.
-constexpr bool SPLIT = !CAUSAL && D >= 128;
+// (Varlen: not split; the work-tile record carries the sequence instead of the split.)
+constexpr bool SPLIT = !CAUSAL && D >= 128 && !VARLEN;
 constexpr int SPLIT_MIN_KV_TILES = 32;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;

@@ -28,6 +28,8 @@ struct Producer {
     int group;  // query heads per KV head
     Schedule sc;
     SlotCursor cur;
+    VarlenSeqs seqs;   // VARLEN: the packed batch's sequences
+    VarlenCursor vcur;  // VARLEN: the sequence of the last rank decoded
     int rank = 0;            // the last rank drawn (decoded when the cursor's slot is empty)
     bool k0_loaded = false;  // the posted tile's first K is already loaded (into slot 0)
     SlotPhases ring;
@@ -37,11 +39,13 @@ struct Producer {
     // The work after the current tile (the rest of the cursor's slot, or the drawn rank),
     // written to record i.
     __device__ __forceinline__ void post_next(int i) {
-        post_tile(record(i), cur.pos != cur.end ? next_segment(sc, cur) : decode_rank(rank, sc, cur));
+        if (VARLEN) post_tile(record(i), decode_varlen(rank, vcur, seqs));
+        else post_tile(record(i), cur.pos != cur.end ? next_segment(sc, cur) : decode_rank(rank, sc, cur));
     }
     // K (or V) of key tile n0 into ring slot s: once every consumer warp released the
     // slot's previous contents (that use's parity). K and V are released separately: K as
     // soon as S is computed, V after P V, so the next K load starts early.
+    // n0: the key tile's first row in k / v (varlen: in the packed tensor).
     __device__ __forceinline__ void load_kv(bool is_v, int s, int round, int kv_head, int n0, int batch) {
         const u32 full = is_v ? bar().v_full(s) : bar().k_full(s);
         if (ring.reused(s, round)) mbar_wait(is_v ? bar().v_empty(s) : bar().k_empty(s), ring.parity(s, round) ^ 1u);
@@ -56,15 +60,17 @@ struct Producer {
         const int kv_head = w.head / group;
         mbar_arrive_expect_tx(bar().q_full(), Q_BYTES);
 #pragma unroll
-        for (int h = 0; h < DH; ++h) tma_load_4d(base + h * HALF_Q, tq, bar().q_full(), h * 64, w.head, w.m0, w.batch);
+        for (int h = 0; h < DH; ++h)
+            tma_load_4d(base + h * HALF_Q, tq, bar().q_full(), h * 64, w.head, w.q0 + w.m0, VARLEN ? 0 : w.batch);
         trace(i, TR_S0);
         int s = 0, round = 0;
         for (int it = 0; it < w.n_tiles; ++it) {
-            const int n0 = (w.kt_end - 1 - it) * BN;
-            if (it > 0 || !k0_loaded) load_kv(false, s, round, kv_head, n0, w.batch);
+            const int n0 = w.k0 + (w.kt_end - 1 - it) * BN;
+            const int batch = VARLEN ? 0 : w.batch;
+            if (it > 0 || !k0_loaded) load_kv(false, s, round, kv_head, n0, batch);
             if (it == 0 && !k0_loaded) trace(i, TR_K0);
             if (it == 1) trace(i, TR_K1);
-            load_kv(true, s, round, kv_head, n0, w.batch);
+            load_kv(true, s, round, kv_head, n0, batch);
             if (it == 0) trace(i, TR_V0);
             if (it == min(STAGES - 1, w.n_tiles - 1)) {  // the ring is full: slack until a slot frees
                 post_next(i + 1);
@@ -80,7 +86,7 @@ struct Producer {
         const WorkTile next = read_tile(record(i + 1));
         k0_loaded = next.head >= 0 && next.n_tiles > 0;
         if (k0_loaded) {
-            load_kv(false, 0, 0, next.head / group, (next.kt_end - 1) * BN, next.batch);
+            load_kv(false, 0, 0, next.head / group, next.k0 + (next.kt_end - 1) * BN, VARLEN ? 0 : next.batch);
             trace(i + 1, TR_K0);
         }
     }

@@ -4,7 +4,8 @@
 // as the producer posts it (WorkTile, post_tile / read_tile), the launch's schedule
 // (make_schedule: which ranks are whole tiles, which are slots of the last wave's tiles
 // split over key ranges), the rank -> tile order (decode_tile: causal heaviest first, in
-// groups of heads) and the slot cursor of split tiles (decode_rank, next_segment). Run by
+// groups of heads), the slot cursor of split tiles (decode_rank, next_segment) and, for
+// FM_VARLEN, the walk over the packed batch's sequences (decode_varlen). Run by
 // the producer thread only; the consumers just read the posted record. Included by
 // fm90_producer.cuh and flash_attn_fwd_sm90.cu.
 #pragma once
@@ -33,9 +34,13 @@ __device__ __forceinline__ void leave_dispenser(int* disp) {
 // head, the batch, the number of key tiles it visits, key tiles kt_end - n_tiles .. kt_end
 // - 1 (last to first; kt_end = n_tiles unless split), and split: -1, or the part of a tile
 // split over two key ranges (see the split below): 2 * boundary + part. head = -1: no work left.
+// VARLEN posts, instead of kt_end and split (never split there), the sequence: its first
+// query and key rows in the packed tensors (q0, k0) and its lengths (sq, sk); m0 and the
+// rows the tile's masks and stores use are relative to the sequence. Dense: q0 = k0 = 0.
 struct WorkTile {
     int m0, head, batch, n_tiles;
     int kt_end, split, pad0, pad1;
+    int q0 = 0, k0 = 0, sq = 0, sk = 0;
 };
 
 // ---- split of the launch's last tiles over key ranges (non-causal) ----
@@ -154,6 +159,81 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
     return WorkTile{m0, bh % heads_q, bh / heads_q, n_tiles, n_tiles, -1, 0, 0};
 }
 
+// ---- varlen: work tiles over the sequences of a packed batch ----
+// The sequences as the launch gives them: cu_q / cu_k [batch + 1] int32 offsets into the
+// packed q (total_q rows) and k / v (total_k rows). Offsets are clamped to [previous,
+// total], so malformed offsets shorten sequences instead of reaching past the tensors.
+// Read by the producer thread only.
+struct VarlenSeqs {
+    const int* cu_q;
+    const int* cu_k;
+    int batch, heads_q, total_q, total_k;
+};
+
+// The producer's walk over the sequences: ranks are drawn in increasing order by each CTA,
+// so the sequence of a rank is found by advancing from the last one (no table, no search).
+// Longest first, without sorting on the device: the walk goes over the batch
+// VARLEN_PASSES times, pass p taking the sequences whose key tiles kt = ceil(sk / BN) have
+// floor(log2 kt) = VARLEN_PASSES - 1 - p (pass 0: kt >= 32, i.e. 4096 keys at BN = 128;
+// the last pass: kt <= 1). So the launch ends on the tiles of the shortest sequences and
+// its tail (the CTAs idle while the last tiles run) costs at most a short tile, where batch
+// order could end on a 4000-key tile (0.951x dense at D=128 non-causal; docs/perf-notes.md
+// §9). The enumeration is model-checked by python/dev/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
+// last rows first) of all its heads in turn (GQA heads sharing K/V run together, the
+// sequence's K/V stays in L2). Only (pass, b, base, n) are kept: the producer runs on 24
+// registers (PRODUCER_REGS), so the offsets are read again (L1 hits) when needed.
+constexpr int VARLEN_PASSES = 6;
+struct VarlenCursor {
+    int b = -1;    // current sequence (-1: before the first of this pass)
+    int pass = 0;  // VARLEN_PASSES: no work left
+    int base = 0, n = 0;
+};
+
+// Rows [start, end) of sequence b in a packed tensor of `total` rows: offsets clamped to
+// [0, total] and end to >= start.
+__device__ __forceinline__ int2 seq_rows(const int* cu, int b, int total) {
+    const int start = min(max(__ldg(cu + b), 0), total);
+    return make_int2(start, min(max(__ldg(cu + b + 1), start), total));
+}
+
+// The walk's pass of a sequence of sk keys.
+__device__ __forceinline__ int varlen_pass(int sk) {
+    const int kt = max(1, (sk + BN - 1) / BN);
+    return max(0, VARLEN_PASSES - 1 - (31 - __clz(kt)));
+}
+
+__device__ __forceinline__ WorkTile decode_varlen(int rank, VarlenCursor& c, const VarlenSeqs& v) {
+    while (rank >= c.base + c.n) {
+        if (c.pass >= VARLEN_PASSES) return WorkTile{0, -1, 0, 0, 0, -1, 0, 0};  // no work left
+        c.base += c.n;
+        c.n = 0;
+        if (++c.b == v.batch) {
+            c.b = -1;
+            ++c.pass;
+            continue;
+        }
+        const int2 k = seq_rows(v.cu_k, c.b, v.total_k);
+        if (varlen_pass(k.y - k.x) != c.pass) continue;
+        const int2 q = seq_rows(v.cu_q, c.b, v.total_q);
+        c.n = (q.y - q.x + BM - 1) / BM * v.heads_q;  // empty sequences have no tiles
+    }
+    const int2 q = seq_rows(v.cu_q, c.b, v.total_q), k = seq_rows(v.cu_k, c.b, v.total_k);
+    const int sq = q.y - q.x, sk = k.y - k.x;
+    const int r = rank - c.base;
+    const int mb = r / v.heads_q;
+    const int head = r - mb * v.heads_q;
+    // The same block alignment and key range as decode_tile, per sequence.
+    const int m0 = CAUSAL ? ((sq + 15) & ~15) - (mb + 1) * BM : mb * BM;
+    const int n_end = CAUSAL ? max(0, min(sk, m0 + BM + sk - sq)) : sk;
+    const int n_tiles = (n_end + BN - 1) / BN;
+    WorkTile w{m0, head, c.b, n_tiles, n_tiles, -1, 0, 0};
+    w.q0 = q.x;
+    w.k0 = k.x;
+    w.sq = sq;
+    w.sk = sk;
+    return w;
+}
+
 // The producer's position in its slot of split tiles: key-tile iterations [pos, end) of
 // the tiles [n_whole, total), in a row. Empty (pos == end) outside a slot.
 struct SlotCursor {
@@ -197,9 +277,14 @@ __device__ __forceinline__ void post_tile(u32 slot, const WorkTile& w) {
     asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(w.m0), "r"(w.head),
                  "r"(w.batch), "r"(w.n_tiles)
                  : "memory");
-    asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(w.kt_end), "r"(w.split),
-                 "r"(w.pad0), "r"(w.pad1)
-                 : "memory");
+    if (VARLEN)
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(w.q0), "r"(w.k0),
+                     "r"(w.sq), "r"(w.sk)
+                     : "memory");
+    else
+        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + 16), "r"(w.kt_end),
+                     "r"(w.split), "r"(w.pad0), "r"(w.pad1)
+                     : "memory");
 }
 __device__ __forceinline__ WorkTile read_tile(u32 slot) {
     WorkTile w;
@@ -207,10 +292,19 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
                  : "=r"(w.m0), "=r"(w.head), "=r"(w.batch), "=r"(w.n_tiles)
                  : "r"(slot)
                  : "memory");
-    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(w.kt_end), "=r"(w.split), "=r"(w.pad0), "=r"(w.pad1)
-                 : "r"(slot + 16)
-                 : "memory");
+    if (VARLEN) {
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w.q0), "=r"(w.k0), "=r"(w.sq), "=r"(w.sk)
+                     : "r"(slot + 16)
+                     : "memory");
+        w.kt_end = w.n_tiles;
+        w.split = -1;
+    } else {
+        asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(w.kt_end), "=r"(w.split), "=r"(w.pad0), "=r"(w.pad1)
+                     : "r"(slot + 16)
+                     : "memory");
+    }
     return w;
 }
 

@@ -9,7 +9,8 @@
 //! Run with `--nocapture` to see the resource report of each variant.
 
 use flashmoe::attention::config::{
-    all_reference_variants, all_sm90_variants, all_v1_variants, KernelVariant,
+    all_reference_variants, all_sm90_variants, all_sm90_varlen_variants, all_v1_variants,
+    KernelVariant,
 };
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::{nvrtc_compile, CompiledKernel, ImageKind, KernelCache};
@@ -263,6 +264,7 @@ fn every_attention_variant_compiles_without_spills() {
     let mut rows = compile_variants("v1", v1);
     // The sm_90a kernel has min_arch 90: compiled for sm_90a only.
     rows.extend(compile_variants("sm90", all_sm90_variants()));
+    rows.extend(compile_variants("sm90-vl", all_sm90_varlen_variants()));
     rows.extend(compile_variants("reference", reference));
 
     let mut failures = Vec::new();

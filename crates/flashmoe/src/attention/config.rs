@@ -391,6 +391,10 @@ pub struct Sm90Tile {
     /// static round robin made persistent causal 8 % slower at D=128 and 31 % at D=64;
     /// docs/perf-notes.md §7.8). False: one CTA per work tile.
     pub persistent: bool,
+    /// Packed variable-length batches (`FM_VARLEN`, [`super::varlen`]): O stored without
+    /// TMA, no split of the last wave. The table's tiles are dense; [`Sm90Tile::for_varlen`]
+    /// makes the varlen one.
+    pub varlen: bool,
 }
 
 impl Sm90Tile {
@@ -407,7 +411,7 @@ impl Sm90Tile {
     /// Bytes of padding per staged O row: 0 where the kernel stores O with TMA (head dim
     /// >= 128, `O_TMA_STORE` in fm90_config.cuh), 16 where warps copy their rows out themselves.
     pub const fn o_staging_pad(&self) -> u32 {
-        if self.head_dim >= 128 {
+        if self.head_dim >= 128 && !self.varlen {
             0
         } else {
             16
@@ -420,9 +424,16 @@ impl Sm90Tile {
             + 64
     }
     /// Whether the kernel splits the launch's last tiles over key ranges (`SPLIT` in
-    /// fm90_config.cuh): non-causal, head dim >= 128.
+    /// fm90_config.cuh): non-causal, head dim >= 128, not varlen.
     pub const fn splits(&self, causal: bool) -> bool {
-        !causal && self.head_dim >= 128
+        !causal && self.head_dim >= 128 && !self.varlen
+    }
+    /// The same tile for packed variable-length batches.
+    pub const fn for_varlen(self) -> Sm90Tile {
+        Sm90Tile {
+            varlen: true,
+            ..self
+        }
     }
     /// Bytes of the launch workspace, THE formula (mirrored by `WS_BYTES` in
     /// kernels/fm90_config.cuh): 256 for the rank dispenser; with the split, per boundary
@@ -477,6 +488,9 @@ impl Sm90Tile {
             kv("FM_PINGPONG", self.pingpong as u32),
             kv("FM_Q_REGS", self.q_regs as u32),
         ]);
+        if self.varlen {
+            d.push(kv("FM_VARLEN", 1));
+        }
         d
     }
 }
@@ -521,6 +535,7 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
             pingpong: flag(f[3], "PINGPONG")?,
             q_regs: false,
             persistent: true,
+            varlen: false,
         };
         for opt in &fields[4..] {
             let (key, value) = opt
@@ -584,6 +599,7 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
         // S=4096 (run 34, H100). D=64's three consumers have no registers for it.
         q_regs: head_dim == 128,
         persistent,
+        varlen: false,
     };
     //                D    (BN, ST, CONS)  PINGPONG PERSISTENT
     Some(match head_dim {
@@ -700,6 +716,21 @@ pub fn all_sm90_variants() -> Vec<KernelVariant> {
         for dtype in [DType::F16, DType::Bf16] {
             for causal in [false, true] {
                 let tile = sm90_tile(d).expect("table covers the dims");
+                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+            }
+        }
+    }
+    out
+}
+
+/// Every sm_90a varlen variant (the table's tiles with [`Sm90Tile::for_varlen`]), for the
+/// compile-everything test.
+pub fn all_sm90_varlen_variants() -> Vec<KernelVariant> {
+    let mut out = Vec::new();
+    for &d in SM90_HEAD_DIMS.iter() {
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                let tile = sm90_tile(d).expect("table covers the dims").for_varlen();
                 out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
             }
         }

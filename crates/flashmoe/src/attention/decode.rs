@@ -319,6 +319,17 @@ impl RawIndex {
         }
         Ok(())
     }
+    /// A contiguous vector of `n` elements (varlen's cu_seqlens).
+    pub(crate) fn expect_vector(&self, name: &str, n: usize) -> Result<()> {
+        self.expect(name, n, Some(1))?;
+        if n > 1 && self.row_stride != 1 {
+            return Err(Error::invalid(format!(
+                "{name} must be contiguous (element stride 1) but has stride {}",
+                self.row_stride
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The tensors of one decode call, raw (shapes in the module docs).

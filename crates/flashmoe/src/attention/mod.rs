@@ -4,6 +4,8 @@
 //! - [`AttentionPlan`]: built once per shape class, enqueued on the caller's stream over
 //!   the caller's memory (raw pointers with strides, or cudarc buffers). The one path to
 //!   the kernels: everything below goes through it.
+//! - [`VarlenPlan`] ([`varlen`]): packed variable-length batches (cu_seqlens) on the
+//!   sm_90a kernel.
 //! - [`forward`] / [`reference_forward`]: one-off calls on [`DeviceTensor`]s (they build a
 //!   plan and a workspace each call: convenient, not fast).
 //! - [`AttentionRunner`]: owns a problem's buffers, plan and workspace; `run()` is one
@@ -17,9 +19,13 @@ pub mod plan;
 #[cfg(test)]
 mod plan_gpu_tests;
 pub mod tma;
+pub mod varlen;
+#[cfg(test)]
+mod varlen_gpu_tests;
 
 pub use crate::gpu::{RawWorkspace, Workspace};
 pub use plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd, CallShape, Element};
+pub use varlen::{VarlenArgs, VarlenPlan, VarlenShape};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
