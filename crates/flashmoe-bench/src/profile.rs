@@ -114,7 +114,9 @@ pub fn diagnose_ncu_failure(status: Option<i32>, output: &str) -> String {
             .into();
     }
     if output.contains("LibraryNotLoaded") || output.contains("Failed to initialize the profiler") {
-        return format!("ncu could not initialise the profiler on this machine (a sandboxed GPU?): {tail}");
+        return format!(
+            "ncu could not initialise the profiler on this machine (a sandboxed GPU?): {tail}"
+        );
     }
     let code = status.map_or("a signal".to_string(), |c| format!("exit code {c}"));
     format!("ncu failed ({code}): {tail}")
@@ -172,7 +174,11 @@ fn number(s: &str) -> Option<f64> {
 /// holds units is skipped too.
 pub fn parse_raw_csv(text: &str) -> Result<Vec<KernelRecord>, String> {
     let mut lines = text.lines().filter(|l| l.starts_with('"'));
-    let header = csv_fields(lines.next().ok_or("ncu printed no CSV (no kernel was profiled?)")?);
+    let header = csv_fields(
+        lines
+            .next()
+            .ok_or("ncu printed no CSV (no kernel was profiled?)")?,
+    );
     let col: BTreeMap<&str, usize> = header
         .iter()
         .enumerate()
@@ -402,7 +408,12 @@ mod tests {
         let row = ProfileRow::from_kernels("id".into(), "label".into(), "fa4".into(), 1e12, k);
         assert!((row.total_us.unwrap() - 1532.384).abs() < 1e-9);
         assert!((row.tflops.unwrap() - 1e12 / 1532.384e-6 / 1e12).abs() < 1e-9);
-        assert!(row.main.as_ref().unwrap().name.starts_with("kernel_cutlass"));
+        assert!(row
+            .main
+            .as_ref()
+            .unwrap()
+            .name
+            .starts_with("kernel_cutlass"));
         assert!(row.error.is_none());
         let md = render_markdown(&ProfileResults {
             rows: vec![row],
@@ -430,7 +441,10 @@ mod tests {
             Some(1),
             "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters",
         );
-        assert!(e.contains("lacks permission") && e.contains("NVreg_RestrictProfilingToAdminUsers"), "{e}");
+        assert!(
+            e.contains("lacks permission") && e.contains("NVreg_RestrictProfilingToAdminUsers"),
+            "{e}"
+        );
         let e = diagnose_ncu_failure(Some(3), "==ERROR== something else\nlast line");
         assert!(e.contains("exit code 3") && e.contains("last line"), "{e}");
     }
@@ -439,8 +453,14 @@ mod tests {
     fn ncu_command_line() {
         let a = ncu_args(Path::new("/tmp/r"), &["prog".into(), "x".into()]);
         let s = a.join(" ");
-        assert!(s.starts_with("--clock-control none --profile-from-start off"), "{s}");
-        assert!(s.contains("--export /tmp/r") && s.ends_with("prog x"), "{s}");
+        assert!(
+            s.starts_with("--clock-control none --profile-from-start off"),
+            "{s}"
+        );
+        assert!(
+            s.contains("--export /tmp/r") && s.ends_with("prog x"),
+            "{s}"
+        );
         assert!(s.contains("--section LaunchStats") && s.contains("gpu__time_duration.sum"));
     }
 }

@@ -1089,8 +1089,14 @@ mod tests {
             .iter()
             .chain(&["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"])
         {
-            assert!(ATTENTION_BASELINES.contains(n) || MOE_BASELINES.contains(n), "{n}");
-            assert!(pk.contains(&format!("\"{n}\": (")), "{n} missing from flashmoe_packages.py");
+            assert!(
+                ATTENTION_BASELINES.contains(n) || MOE_BASELINES.contains(n),
+                "{n}"
+            );
+            assert!(
+                pk.contains(&format!("\"{n}\": (")),
+                "{n} missing from flashmoe_packages.py"
+            );
         }
     }
 
