@@ -326,8 +326,12 @@ pub fn render_markdown(r: &ProfileResults) -> String {
     s.push_str(
         "Duration is the sum over the call's kernels under ncu (serialised, L2 not flushed \
          between replay passes); the other columns are the longest kernel's. Tensor % is the \
-         tensor pipe's active cycles over peak (`gmma` on Hopper).\n\n",
+         tensor pipe's active cycles over peak",
     );
+    match r.rows.iter().find_map(|x| x.main.as_ref()?.tensor_pipe_metric.clone()) {
+        Some(m) => s.push_str(&format!(" (`{m}`).\n\n")),
+        None => s.push_str(".\n\n"),
+    }
     let mut labels: Vec<(&str, &str)> = Vec::new();
     for row in &r.rows {
         if !labels.iter().any(|(id, _)| *id == row.config_id) {
