@@ -328,7 +328,11 @@ pub fn render_markdown(r: &ProfileResults) -> String {
          between replay passes); the other columns are the longest kernel's. Tensor % is the \
          tensor pipe's active cycles over peak",
     );
-    match r.rows.iter().find_map(|x| x.main.as_ref()?.tensor_pipe_metric.clone()) {
+    match r
+        .rows
+        .iter()
+        .find_map(|x| x.main.as_ref()?.tensor_pipe_metric.clone())
+    {
         Some(m) => s.push_str(&format!(" (`{m}`).\n\n")),
         None => s.push_str(".\n\n"),
     }
