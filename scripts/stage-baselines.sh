@@ -39,7 +39,7 @@ python3 -m pip download --quiet --no-deps --pre --only-binary=:all: --python-ver
 rm -rf "$DIR/site" && mkdir -p "$DIR/site"
 for w in "$DIR"/wheels/*.whl; do
   case $(basename "$w") in nvidia_cutlass_dsl_libs_cu12*) continue ;; esac
-  python3 -m zipfile -e "$w" "$DIR/site"
+  unzip -q -o "$w" -d "$DIR/site"  # keeps the .so files' modes
 done
 grep -q dsl_packages "$DIR"/site/nvidia_cutlass_dsl*.pth
 
