@@ -179,7 +179,7 @@ for s in "$@"; do
     sweep-fa4)    stage sweep-fa4 ${SWEEP_LIMIT:-330} $BIN bench attention --preset sweep --impl flashmoe-sm90,fa4,sdpa-cudnn,sdpa-flash --max-time ${SWEEP_MAX_TIME:-0.5} --out /tmp/sweep-fa4
                   for f in results.json results.md report.html; do cp /tmp/sweep-fa4/$f "$OUT/sweep-fa4-$f" 2>/dev/null; done ;;
     # ncu profiles of the sweep's key configs (D=128 S=4096 causal and not, D=64 S=8192):
-    # about 17 s per (config, implementation) on the H100 (run of 2026-11-25).
+    # about 20 s per (config, implementation) on the H100 (run of 2026-11-25).
     profile-key)  stage profile-key ${PROFILE_LIMIT:-300} $BIN profile attention --preset sweep --select sq4096_sk4096_d128,sq8192_sk8192_d64_full \
                     --impl ${PROFILE_IMPLS:-flashmoe-sm90,fa4,sdpa-cudnn} --out /tmp/profile-key
                   tar -C /tmp -czf "$OUT/profile-key.tgz" profile-key 2>/dev/null ;;
