@@ -37,6 +37,12 @@ PROTOCOL_VERSION = 1
 
 ATTENTION_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "torch-naive"]
 MOE_IMPLS = ["moe-naive-loop", "moe-grouped-mm", "moe-dense-chain"]
+# Baselines from third-party packages (flashmoe_packages.py), run when importable; the
+# hello lists the others under "unavailable" with the reason.
+PACKAGE_ATTENTION_IMPLS = ["fa4", "fa3", "xformers", "flashinfer-prefill"]
+PACKAGE_MOE_IMPLS = ["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"]
+ATTENTION_IMPLS += PACKAGE_ATTENTION_IMPLS
+MOE_IMPLS += PACKAGE_MOE_IMPLS
 # Decode-from-a-cache baselines (``flashmoe bench decode``): attention problems whose K/V
 # are the cache, causal bottom-right. n/a when the package is not importable.
 DECODE_IMPLS = ["fa-kvcache", "flashinfer-decode"]
@@ -52,6 +58,7 @@ torch = None  # imported in build_hello()
 F = None
 np = None
 fi = None  # flashmoe_inputs
+pk = None  # flashmoe_packages
 
 
 def log(*args):
@@ -95,9 +102,11 @@ def build_hello(device):
         "timer": None,
         "flush_bytes": None,
         "implementations": ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS,
+        "unavailable": {},
+        "packages": [],
         "pid": os.getpid(),
     }
-    global np, fi, torch, F
+    global np, fi, pk, torch, F
     try:
         import numpy
         np = numpy
@@ -108,9 +117,10 @@ def build_hello(device):
     try:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import flashmoe_inputs
-        fi = flashmoe_inputs
+        import flashmoe_packages
+        fi, pk = flashmoe_inputs, flashmoe_packages
     except Exception as e:  # noqa: BLE001
-        hello["reason"] = f"cannot import flashmoe_inputs.py next to the worker ({first_line(e)})"
+        hello["reason"] = f"cannot import flashmoe_inputs.py / flashmoe_packages.py next to the worker ({first_line(e)})"
         return hello
     try:
         import torch as _torch
@@ -136,6 +146,7 @@ def build_hello(device):
     except Exception:  # noqa: BLE001
         v["triton"] = "not installed"
     torch.set_grad_enabled(False)
+    hello["unavailable"], hello["packages"] = pk.availability()
     if device == "cuda":
         try:
             available = torch.cuda.is_available()
@@ -370,6 +381,11 @@ class Worker:
         self.flush = None
         self.cycles_per_us = None
         self.spin = True
+        # `flashmoe profile` runs the worker under ncu --profile-from-start off: each
+        # sample's call alone (no flush, no spin) inside cudaProfilerStart/Stop.
+        self.profile_range = os.environ.get("FLASHMOE_WORKER_PROFILE_RANGE") == "1" and self.cuda
+        if self.profile_range:
+            self.flush_bytes, self.spin = 0, False
 
     # ---------------------------------------------------------------- plumbing
     def sync(self):
@@ -453,6 +469,8 @@ class Worker:
 
     # ---------------------------------------------------------------- ops
     def op_configure(self, req):
+        if self.profile_range:
+            return {"flush_bytes": 0, "spin": False, "profile_range": True}
         if "flush_bytes" in req and req["flush_bytes"] is not None:
             self.flush_bytes = int(req["flush_bytes"])
             self.flush = None
@@ -561,10 +579,14 @@ class Worker:
                         flush.zero_()
                     if spin:
                         torch.cuda._sleep(spin)
+                    if self.profile_range:
+                        torch.cuda.profiler.start()
                     start.record()
                     r = p.fn()
                     end.record()
                     end.synchronize()
+                    if self.profile_range:
+                        torch.cuda.profiler.stop()
                     del r
                     ms.append(start.elapsed_time(end))
             else:
@@ -668,6 +690,15 @@ class Worker:
             self.build_flex(p, sq, sk, gqa, causal, scale, to_bshd)
         elif p.impl in DECODE_IMPLS:
             self.build_kvcache(p, b, hq, hkv, sq, sk, d, causal, scale)
+        elif p.impl in PACKAGE_ATTENTION_IMPLS:
+            if not self.cuda:
+                raise NotApplicable(f"{p.impl} needs CUDA")
+            q, k, v = self.bshd_inputs(p)
+            a = pk.Attn(torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale)
+            try:
+                pk.build_attention(p.impl, p, a, self.sync, spot_check_lse)
+            except pk.Unavailable as e:
+                raise NotApplicable(str(e)) from None
         elif p.impl == "torch-naive":
             need = b * hq * sq * sk * (2 * dt.itemsize + 8) + (sq * sk if causal else 0)
             free = self.free_memory()
@@ -789,11 +820,8 @@ class Worker:
 
         p.check = check
 
-    def build_kvcache(self, p, b, hq, hkv, sq, sk, d, causal, scale):
-        """flash_attn_with_kvcache on the dense (B, Sk, Hkv, D) cache, or FlashInfer's batch
-        decode over the same cache viewed as pages of 16 keys (Sq = 1 only)."""
-        if not self.cuda:
-            raise NotApplicable(f"{p.impl} needs CUDA")
+    def bshd_inputs(self, p):
+        """q, k, v as contiguous (B, S, H, D) tensors (flashmoe's own layout)."""
         t = p.inputs.tensors
         if any(t.get(n) is None for n in ("q", "k", "v")):
             # An SDPA baseline kept only its (B, H, S, D) copies: back to (B, S, H, D), once.
@@ -801,9 +829,15 @@ class Worker:
             if got is None:
                 got = tuple(x.transpose(1, 2).contiguous() for x in p.inputs.derived["bhsd"])
                 p.inputs.derived["bshd"] = got
-            q, k, v = got
-        else:
-            q, k, v = t["q"], t["k"], t["v"]
+            return got
+        return t["q"], t["k"], t["v"]
+
+    def build_kvcache(self, p, b, hq, hkv, sq, sk, d, causal, scale):
+        """flash_attn_with_kvcache on the dense (B, Sk, Hkv, D) cache, or FlashInfer's batch
+        decode over the same cache viewed as pages of 16 keys (Sq = 1 only)."""
+        if not self.cuda:
+            raise NotApplicable(f"{p.impl} needs CUDA")
+        q, k, v = self.bshd_inputs(p)
         if p.impl == "fa-kvcache":
             try:
                 from flash_attn import flash_attn_with_kvcache
@@ -966,7 +1000,15 @@ class Worker:
             return torch.matmul(swiglu(torch.matmul(x, sw13)), sw2).float()
 
         p.outputs = ["out", "topk_ids"]
-        if p.impl == "moe-naive-loop":
+        if p.impl in PACKAGE_MOE_IMPLS:
+            if not self.cuda:
+                raise NotApplicable(f"{p.impl} needs CUDA")
+            m = pk.Moe(torch, x, w13, w2, t_, h_, i_, e_, k_, dt, route, swiglu, shared_out if shared else None)
+            try:
+                pk.build_moe(p.impl, p, m, p.inputs.derived)
+            except pk.Unavailable as e:
+                raise NotApplicable(str(e)) from None
+        elif p.impl == "moe-naive-loop":
             def layer():
                 w, ids = route()
                 out = torch.zeros(t_, h_, dtype=torch.float32, device=self.device)

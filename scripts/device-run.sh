@@ -189,6 +189,32 @@ for s in "$@"; do
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
+    # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
+    # travels in parts of ≤ 33 MiB: `baselines-part` (one call) keeps the carried
+    # .baselines/part-* in /root/fa4-parts; `baselines` (the next call, inside the warm
+    # window) adds this call's parts, checks the sha256, unpacks to /root/fa4-site and
+    # exports PYTHONPATH for the later stages of the same call.
+    baselines-part) mkdir -p /root/fa4-parts && cp .baselines/part-* /root/fa4-parts/ && ls -l /root/fa4-parts | tee -a "$LOG" ;;
+    baselines)    mkdir -p /root/fa4-parts /root/fa4-site
+                  cp .baselines/part-* /root/fa4-parts/ 2>/dev/null
+                  cat /root/fa4-parts/part-* >/root/fa4-site.tar.xz
+                  want=$(cut -d' ' -f1 .baselines/fa4-site.sha256 2>/dev/null)
+                  got=$(sha256sum /root/fa4-site.tar.xz | cut -d' ' -f1)
+                  echo "baselines archive sha256 $got (expected ${want:-unknown})" | tee -a "$LOG"
+                  [ -n "$want" ] && [ "$want" != "$got" ] && echo "baselines: archive sha256 MISMATCH (a part is missing?)" | tee -a "$LOG"
+                  stage baselines-unpack 120 tar -xJf /root/fa4-site.tar.xz -C /root/fa4-site
+                  export PYTHONPATH=/root/fa4-site:/root/fa4-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+                  # FA4 keeps its compiled kernels on disk, so later processes (profile) reuse them.
+                  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+                  stage baselines-import 120 python3 -c "import flash_attn.cute, quack.gemm_interface, sys; sys.path.insert(0, 'python'); import flashmoe_packages as p; print(p.availability())" ;;
+    # The sweep with FA4 beside cuDNN and FA2 (issue 24); needs the baselines stage first.
+    sweep-fa4)    stage sweep-fa4 ${SWEEP_LIMIT:-330} $BIN bench attention --preset sweep --impl flashmoe-sm90,fa4,sdpa-cudnn,sdpa-flash --max-time ${SWEEP_MAX_TIME:-0.5} --out /tmp/sweep-fa4
+                  for f in results.json results.md report.html; do cp /tmp/sweep-fa4/$f "$OUT/sweep-fa4-$f" 2>/dev/null; done ;;
+    # ncu profiles of the sweep's key configs (D=128 S=4096 causal and not, D=64 S=8192):
+    # about 20 s per (config, implementation) on the H100 (run of 2026-11-25).
+    profile-key)  stage profile-key ${PROFILE_LIMIT:-300} $BIN profile attention --preset sweep --select sq4096_sk4096_d128,sq8192_sk8192_d64_full \
+                    --impl ${PROFILE_IMPLS:-flashmoe-sm90,fa4,sdpa-cudnn} --out /tmp/profile-key
+                  tar -C /tmp -czf "$OUT/profile-key.tgz" profile-key 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done

@@ -11,6 +11,7 @@ pub mod decode;
 pub mod gpu;
 pub mod manifest;
 pub mod measure;
+pub mod profile;
 pub mod report;
 pub mod results;
 pub mod runner;

@@ -55,6 +55,12 @@ pub struct PythonManifest {
     pub cudnn: String,
     pub triton: String,
     pub gpu_name: String,
+    /// Third-party baseline packages found, as "distribution version" (e.g. "flash-attn-4 4.0.0b36").
+    #[serde(default)]
+    pub packages: Vec<String>,
+    /// Baselines left out of the run because their package is not importable, as "name: reason".
+    #[serde(default)]
+    pub skipped: Vec<String>,
 }
 
 fn run(cmd: &str, args: &[&str]) -> Option<String> {

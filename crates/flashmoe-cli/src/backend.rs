@@ -164,6 +164,12 @@ fn add_baselines(lab: &mut Lab, suite: Suite, python: &Path, seed: u64) {
                 manifest.triton,
                 python.display()
             );
+            if !manifest.packages.is_empty() {
+                eprintln!("baseline packages: {}", manifest.packages.join(", "));
+            }
+            for why in &manifest.skipped {
+                eprintln!("baseline not run: {why}");
+            }
             lab.implementations.extend(implementations);
             lab.manifest.python = Some(manifest);
         }

@@ -63,7 +63,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
 
     // Implementations: all available, or those named by --impl (unknown names are errors).
     let available: Vec<&str> = lab.implementations.iter().map(|i| i.name()).collect();
+    let skipped = lab
+        .manifest
+        .python
+        .as_ref()
+        .map(|p| p.skipped.as_slice())
+        .unwrap_or_default();
     for want in &args.implementations {
+        if let Some(why) = skipped.iter().find(|s| s.starts_with(&format!("{want}: "))) {
+            bail!("baseline {why}: see docs/baselines.md for how to install it");
+        }
         if !available.contains(&want.as_str()) {
             bail!(
                 "unknown implementation '{want}': available here: {}",

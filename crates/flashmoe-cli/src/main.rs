@@ -4,6 +4,7 @@ mod backend;
 mod bench;
 mod check;
 mod e2e;
+mod profile;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -30,6 +31,11 @@ enum Command {
     Check(CheckArgs),
     /// Compare two result files; exit 1 on a significant regression.
     Compare(CompareArgs),
+    /// Profile implementations on chosen configs with Nsight Compute (ncu).
+    Profile(ProfileArgs),
+    /// One profiled call (run by `profile` under ncu).
+    #[command(hide = true)]
+    ProfileTarget(ProfileTargetArgs),
     /// Print the environment manifest.
     Env {
         /// Print JSON instead of text.
@@ -122,6 +128,50 @@ pub struct CheckArgs {
 }
 
 #[derive(Args)]
+pub struct ProfileArgs {
+    /// What to profile.
+    #[arg(value_enum)]
+    suite: SuiteArg,
+    /// Named set of configs (as for bench).
+    #[arg(long, conflicts_with = "config")]
+    preset: Option<String>,
+    /// TOML file listing the configs.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Keep only configs whose id contains one of these (comma-separated), e.g. d128_causal.
+    #[arg(long, value_delimiter = ',')]
+    select: Vec<String>,
+    /// Comma-separated implementations to profile (ours and Python baselines).
+    #[arg(long = "impl", value_delimiter = ',')]
+    implementations: Vec<String>,
+    /// Output directory for profile.json, profile.md and the ncu reports.
+    #[arg(long, default_value = "out-profile")]
+    out: PathBuf,
+    /// Path of ncu (default: $FLASHMOE_NCU, ncu on PATH, /usr/local/cuda/bin/ncu).
+    #[arg(long)]
+    ncu: Option<PathBuf>,
+    /// Seed of the input generator.
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u64,
+    /// Python interpreter with PyTorch for the baselines.
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+}
+
+#[derive(Args)]
+pub struct ProfileTargetArgs {
+    /// The config as JSON (a ProblemSpec).
+    #[arg(long)]
+    problem: String,
+    #[arg(long = "impl")]
+    implementation: String,
+    #[arg(long, default_value_t = 0x5eed)]
+    seed: u64,
+    #[arg(long, default_value = "python3")]
+    python: PathBuf,
+}
+
+#[derive(Args)]
 struct CompareArgs {
     old: PathBuf,
     new: PathBuf,
@@ -198,6 +248,8 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::Check(args) => check::run(args),
         Command::Compare(args) => compare(args),
+        Command::Profile(args) => profile::run(args),
+        Command::ProfileTarget(args) => profile::target(args),
         Command::Env { json } => env(*json),
     };
     match result {

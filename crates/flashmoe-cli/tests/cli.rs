@@ -245,3 +245,55 @@ fn cpu_decode_preset_runs_the_paged_reference_and_writes_every_report() {
     let o = flashmoe(&["compare", json.to_str().unwrap(), json.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
+
+#[test]
+fn profile_without_a_usable_ncu_gives_one_clear_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let out = out.to_str().unwrap();
+    let missing = dir.path().join("no-ncu");
+    assert_clean_error(
+        &flashmoe(&[
+            "profile",
+            "attention",
+            "--preset",
+            "sweep",
+            "--impl",
+            "flashmoe-sm90",
+            "--ncu",
+            missing.to_str().unwrap(),
+            "--out",
+            out,
+        ]),
+        "ncu not found",
+    );
+    // An ncu that refuses the performance counters, as a non-root user sees it.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let fake = dir.path().join("ncu");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance Counters on the target device 0.' >&2\nexit 1\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_clean_error(
+            &flashmoe(&[
+                "profile",
+                "attention",
+                "--preset",
+                "sweep",
+                "--select",
+                "sq4096_sk4096_d128_causal",
+                "--impl",
+                "flashmoe-sm90",
+                "--ncu",
+                fake.to_str().unwrap(),
+                "--out",
+                out,
+            ]),
+            "lacks permission",
+        );
+    }
+}

@@ -10,6 +10,20 @@ pub use ceiling::{
 };
 pub use timing::{time_back_to_back, EventTimer, L2Flusher};
 
+/// Runs `f` inside cuProfilerStart/cuProfilerStop on the current context: the range that
+/// `ncu --profile-from-start off` profiles (`flashmoe profile`). Stop runs even if `f` fails.
+pub fn profiler_range<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    // SAFETY: plain driver calls without arguments; the caller's context is current.
+    unsafe { cudarc::driver::sys::cuProfilerStart() }
+        .result()
+        .map_err(|e| anyhow::anyhow!("cuProfilerStart failed: {e}"))?;
+    let r = f();
+    let stop = unsafe { cudarc::driver::sys::cuProfilerStop() }.result();
+    let v = r?;
+    stop.map_err(|e| anyhow::anyhow!("cuProfilerStop failed: {e}"))?;
+    Ok(v)
+}
+
 /// Tests that need a GPU; each prints "skipped: no GPU" and passes without one.
 #[cfg(test)]
 mod gpu_tests {

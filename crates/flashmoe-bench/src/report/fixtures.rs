@@ -195,6 +195,8 @@ pub fn manifest(gpu: bool) -> Manifest {
             cudnn: "90501".to_string(),
             triton: "3.2.0".to_string(),
             gpu_name: "NVIDIA H100 80GB HBM3".to_string(),
+            packages: vec!["flash-attn-4 4.0.0b36".to_string()],
+            skipped: vec!["fa3: flash_attn_interface not importable".to_string()],
         }),
     }
 }

@@ -139,6 +139,12 @@ pub fn to_html(results: &RunResults) -> String {
                 p.python, p.torch, p.cuda, p.cudnn, p.triton, p.gpu_name
             ),
         ));
+        if !p.packages.is_empty() {
+            host.push(("Baseline packages", p.packages.join(", ")));
+        }
+        if !p.skipped.is_empty() {
+            host.push(("Baselines not run", p.skipped.join("; ")));
+        }
     }
     h.push_str(&kv_table(&host));
     h.push_str("</div><div>\n<h3>GPU</h3>\n");

@@ -112,6 +112,12 @@ pub fn to_markdown(results: &RunResults) -> String {
                 p.python, p.torch, p.cuda, p.cudnn, p.triton
             )),
         );
+        if !p.packages.is_empty() {
+            kv("Baseline packages", md_escape(&p.packages.join(", ")));
+        }
+        if !p.skipped.is_empty() {
+            kv("Baselines not run", md_escape(&p.skipped.join("; ")));
+        }
     }
     kv("Command", md_escape(&m.command_line));
     kv("Candidate", md_escape(&results.candidate));

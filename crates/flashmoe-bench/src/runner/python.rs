@@ -37,7 +37,9 @@ use std::time::{Duration, Instant};
 /// Version of the JSON-lines protocol; the worker's hello must carry the same.
 pub const PROTOCOL_VERSION: u64 = 1;
 
-/// Attention baselines, in report order.
+/// Attention baselines, in report order. The last four come from third-party packages
+/// (`python/flashmoe_packages.py`: FlashAttention-4, FlashAttention-3, xFormers, FlashInfer)
+/// and are left out of a run, with a note, where their package is not importable.
 pub const ATTENTION_BASELINES: &[&str] = &[
     "sdpa-flash",
     "sdpa-cudnn",
@@ -45,6 +47,10 @@ pub const ATTENTION_BASELINES: &[&str] = &[
     "sdpa-math",
     "flex",
     "torch-naive",
+    "fa4",
+    "fa3",
+    "xformers",
+    "flashinfer-prefill",
 ];
 
 /// Decode baselines, in report order: SDPA cuDNN and flash on the dense cache (`enable_gqa`),
@@ -58,8 +64,16 @@ pub const DECODE_BASELINES: &[&str] = &[
     "flashinfer-decode",
 ];
 
-/// MoE baselines, in report order.
-pub const MOE_BASELINES: &[&str] = &["moe-naive-loop", "moe-grouped-mm", "moe-dense-chain"];
+/// MoE baselines, in report order; the last three come from third-party packages (vLLM's
+/// and SGLang's Triton `fused_experts`, QuACK's varlen grouped GEMM), run when importable.
+pub const MOE_BASELINES: &[&str] = &[
+    "moe-naive-loop",
+    "moe-grouped-mm",
+    "moe-dense-chain",
+    "vllm-fused-moe",
+    "sglang-fused-moe",
+    "quack-grouped-gemm",
+];
 
 /// Baselines whose timed call is a throughput ceiling, not the layer: their output is not
 /// comparable with the reference (run_for_check returns an empty output for them).
@@ -158,6 +172,12 @@ pub struct Hello {
     pub flush_bytes: Option<u64>,
     #[serde(default)]
     pub implementations: Vec<String>,
+    /// Baselines whose package is not importable, with the reason.
+    #[serde(default)]
+    pub unavailable: std::collections::BTreeMap<String, String>,
+    /// Third-party baseline packages found ("distribution version").
+    #[serde(default)]
+    pub packages: Vec<String>,
     #[serde(default)]
     pub pid: Option<u32>,
 }
@@ -442,6 +462,8 @@ impl PythonWorker {
                 .as_ref()
                 .map(|g| g.name.clone())
                 .unwrap_or_default(),
+            packages: self.hello.packages.clone(),
+            skipped: Vec::new(),
         }
     }
 
@@ -1024,12 +1046,21 @@ pub fn baselines_with(
     seed: u64,
 ) -> Result<(Vec<Box<dyn Implementation>>, PythonManifest), String> {
     let worker = PythonWorker::start(&options)?;
-    let manifest = worker.manifest();
-    let names = match suite {
+    let mut manifest = worker.manifest();
+    let all = match suite {
         Suite::Attention => ATTENTION_BASELINES,
         Suite::Moe => MOE_BASELINES,
         Suite::Decode => DECODE_BASELINES,
     };
+    // A baseline whose package is missing is left out of the run, with the reason.
+    let unavailable = &worker.hello().unavailable;
+    let mut names = Vec::new();
+    for n in all {
+        match unavailable.get(*n) {
+            Some(why) => manifest.skipped.push(format!("{n}: {why}")),
+            None => names.push(*n),
+        }
+    }
     let shared = Arc::new(Mutex::new(Shared {
         options,
         seed,
@@ -1068,6 +1099,21 @@ mod tests {
             );
         }
         assert!(src.contains(&format!("PROTOCOL_VERSION = {PROTOCOL_VERSION}")));
+        // The package baselines (worker lists them; flashmoe_packages.py knows their module).
+        let pk = include_str!("../../../../python/flashmoe_packages.py");
+        for n in ["fa4", "fa3", "xformers", "flashinfer-prefill"]
+            .iter()
+            .chain(&["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"])
+        {
+            assert!(
+                ATTENTION_BASELINES.contains(n) || MOE_BASELINES.contains(n),
+                "{n}"
+            );
+            assert!(
+                pk.contains(&format!("\"{n}\": (")),
+                "{n} missing from flashmoe_packages.py"
+            );
+        }
     }
 
     #[test]

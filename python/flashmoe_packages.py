@@ -1,0 +1,369 @@
+"""Baselines from third-party packages, for the flashmoe worker (``flashmoe_worker.py``).
+
+Each baseline runs only when its package is importable; otherwise the worker's hello
+lists it under ``unavailable`` with the reason, and the Rust side leaves it out of the run
+with a note. Every one goes through the same ``prepare`` → ``run_for_check`` (gate) →
+``sample`` path as the PyTorch baselines; see ``docs/baselines.md``.
+
+Attention (inputs (B, S, H, D), causal bottom-right aligned as in flashmoe):
+
+* ``fa4``: FlashAttention-4, ``flash_attn.cute.flash_attn_func`` (pip ``flash-attn-4``,
+  CuTe DSL; on sm_90 it runs FA3's design).
+* ``fa3``: FlashAttention-3, ``flash_attn_interface.flash_attn_func`` (built from the
+  ``hopper/`` folder of the flash-attention repository).
+* ``xformers``: ``xformers.ops.memory_efficient_attention`` (its best forward operator).
+* ``flashinfer-prefill``: FlashInfer ``BatchPrefillWithRaggedKVCacheWrapper``.
+
+MoE (the reference's routing, then the package's expert computation):
+
+* ``vllm-fused-moe``: vLLM's Triton ``fused_experts``.
+* ``sglang-fused-moe``: SGLang's Triton ``fused_experts``.
+* ``quack-grouped-gemm``: QuACK's varlen-M grouped GEMM (``quack.gemm_interface.gemm``
+  with ``cu_seqlens_m`` and a gather index) for gate/up and down.
+"""
+
+import importlib
+import importlib.util
+import math
+import time
+
+# name -> (module that must be importable, pip distribution(s) whose version is reported)
+PACKAGES = {
+    "fa4": ("flash_attn.cute", ("flash-attn-4", "nvidia-cutlass-dsl")),
+    "fa3": ("flash_attn_interface", ("flash-attn-3", "flash_attn_3", "flashattn-hopper")),
+    "xformers": ("xformers.ops", ("xformers",)),
+    "flashinfer-prefill": ("flashinfer", ("flashinfer-python", "flashinfer")),
+    "vllm-fused-moe": ("vllm.model_executor.layers.fused_moe", ("vllm",)),
+    "sglang-fused-moe": ("sglang.srt.layers.moe.fused_moe_triton", ("sglang",)),
+    "quack-grouped-gemm": ("quack.gemm_interface", ("quack-kernels", "nvidia-cutlass-dsl")),
+}
+ATTENTION = ["fa4", "fa3", "xformers", "flashinfer-prefill"]
+MOE = ["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"]
+
+
+class Unavailable(Exception):
+    """The package is missing or rejects this config (the worker reports 'n/a: reason')."""
+
+
+def _first_line(e):
+    s = str(e).strip()
+    line = s.splitlines()[0] if s else type(e).__name__
+    return line if len(line) <= 200 else line[:200] + "..."
+
+
+def _find(module):
+    """Whether `module` can be found, without importing it (its parents are imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None, None
+    except ModuleNotFoundError:
+        return False, None
+    except Exception as e:  # noqa: BLE001  (a parent package failed to import)
+        return False, _first_line(e)
+
+
+def distribution_version(names):
+    from importlib import metadata
+    for n in names:
+        try:
+            return f"{n} {metadata.version(n)}"
+        except Exception:  # noqa: BLE001
+            continue
+    return None
+
+
+def availability():
+    """({name: reason} for the baselines that cannot run here, [package versions found])."""
+    missing, versions = {}, []
+    for name, (module, dists) in PACKAGES.items():
+        ok, why = _find(module)
+        if not ok:
+            pip = dists[0]
+            missing[name] = f"{module} not importable" + (f" ({why})" if why else f" (pip {pip} not installed)")
+            continue
+        for d in dists:
+            v = distribution_version((d,))
+            if v and v not in versions:
+                versions.append(v)
+    return missing, versions
+
+
+def _import(name):
+    module = PACKAGES[name][0]
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001
+        raise Unavailable(f"{module} failed to import: {_first_line(e)}") from e
+
+
+def _note_version(p, name):
+    v = distribution_version(PACKAGES[name][1])
+    if v:
+        p.notes.append(v)
+
+
+# ---------------------------------------------------------------------- attention
+
+class Attn:
+    """The attention problem as the package builders need it."""
+
+    def __init__(self, torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale):
+        self.torch = torch
+        self.q, self.k, self.v = q, k, v  # (B, S, H, D) contiguous
+        self.b, self.hq, self.hkv, self.sq, self.sk, self.d = b, hq, hkv, sq, sk, d
+        self.causal, self.scale = causal, scale
+
+    def expanded_kv(self):
+        g = self.hq // self.hkv
+        return self.k.repeat_interleave(g, dim=2), self.v.repeat_interleave(g, dim=2)
+
+
+def _checked_lse(a, p, lse, lse_check, base2_ok=False):
+    """The LSE as (B, Hq, Sq) natural log if it passes the spot check, else None (noted)."""
+    want = a.b * a.hq * a.sq
+    if lse is None or lse.numel() != want:
+        p.notes.append(f"LSE not reported: the package returned {None if lse is None else tuple(lse.shape)}")
+        return None
+    mode = "none" if not a.causal else ("square" if a.sq == a.sk else "lower_right")
+    qh, kh = a.q.transpose(1, 2), a.k.transpose(1, 2)
+    lse = lse.float().reshape(a.b, a.hq, a.sq)
+    ok, why = lse_check(lse, qh, kh, a.scale, mode, a.sq, a.sk)
+    if ok:
+        return lse
+    if base2_ok:
+        lse_e = lse * math.log(2.0)
+        ok2, _ = lse_check(lse_e, qh, kh, a.scale, mode, a.sq, a.sk)
+        if ok2:
+            if not any("base-2" in n for n in p.notes):
+                p.notes.append("the package's LSE is base 2: converted to natural log for the gate")
+            return lse_e
+    p.notes.append(f"LSE not reported: {why}")
+    return None
+
+
+def _timed_first_call(call):
+    """Run the first call (JIT compile for the DSL packages); its time in ms."""
+    t0 = time.perf_counter()
+    call()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def build_attention(name, p, a, sync, lse_check):
+    """Set p.fn / p.check / p.outputs for the package baseline `name` on problem `a`."""
+    if name == "fa4":
+        _fa4(p, a, sync, lse_check)
+    elif name == "fa3":
+        _fa3(p, a, lse_check)
+    elif name == "xformers":
+        _xformers(p, a)
+    elif name == "flashinfer-prefill":
+        _flashinfer_prefill(p, a, lse_check)
+    else:
+        raise Unavailable(f"unknown package baseline '{name}'")
+    _note_version(p, name)
+
+
+def _fa4(p, a, sync, lse_check):
+    cute = _import("fa4")
+    f = cute.flash_attn_func
+    q, k, v = a.q, a.k, a.v
+
+    # return_lse in the timed call too: flashmoe's kernel writes the LSE as well, and one
+    # compiled variant serves both calls (the LSE is B·H·S floats, noise in the traffic).
+    def fn():
+        return f(q, k, v, softmax_scale=a.scale, causal=a.causal, return_lse=True)
+
+    try:
+        p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"flash_attn.cute rejected the config: {_first_line(e)}") from e
+
+    def check():
+        o, lse = fn()
+        out = {"o": o}
+        lse = _checked_lse(a, p, lse, lse_check)
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+    # FA4 compiles once per kernel variant (dtype, head dim, causal, ...) and process.
+    first = (f"JIT compile {p.compile_ms / 1e3:.1f} s" if p.compile_ms >= 100
+             else "variant already compiled in this process")
+    p.notes.append(f"flash_attn.cute.flash_attn_func, (B, S, H, D) inputs, GQA native; first call: {first} (not timed)")
+
+
+def _fa3(p, a, lse_check):
+    fa3 = _import("fa3")
+    q, k, v = a.q, a.k, a.v
+
+    def fn():
+        return fa3.flash_attn_func(q, k, v, softmax_scale=a.scale, causal=a.causal)
+
+    def check():
+        r = fn()
+        o, lse = (r[0], r[1] if len(r) > 1 else None) if isinstance(r, (tuple, list)) else (r, None)
+        out = {"o": o}
+        lse = _checked_lse(a, p, lse, lse_check) if lse is not None else None
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+    p.notes.append("flash_attn_interface.flash_attn_func (FA3), (B, S, H, D) inputs, GQA native")
+
+
+def _xformers(p, a):
+    xops = _import("xformers")
+    q = a.q
+    k, v = (a.k, a.v) if a.hq == a.hkv else a.expanded_kv()
+    if a.hq != a.hkv:
+        p.notes.append("K/V heads expanded to Hq outside the timed region")
+    bias = None
+    if a.causal:
+        # Bottom-right aligned, as flashmoe's causal (equal to top-left when Sq == Sk).
+        bias = xops.fmha.attn_bias.LowerTriangularFromBottomRightMask()
+
+    def fn():
+        return xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=a.scale)
+
+    p.fn, p.outputs = fn, ["o"]
+    p.check = lambda: {"o": fn()}
+    p.notes.append("xformers.ops.memory_efficient_attention (its dispatcher picks the operator); "
+                   "LSE not reported (O checked only)")
+
+
+def _flashinfer_prefill(p, a, lse_check):
+    flashinfer = _import("flashinfer-prefill")
+    torch = a.torch
+    dev = a.q.device
+    qo = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * a.sq
+    kv = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * a.sk
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    # FlashInfer's causal mask is bottom-right aligned (query i sees keys j <= i + Sk - Sq).
+    w.plan(qo, kv, a.hq, a.hkv, a.d, causal=a.causal, sm_scale=a.scale, q_data_type=a.q.dtype,
+           kv_data_type=a.k.dtype)
+    q = a.q.reshape(a.b * a.sq, a.hq, a.d)
+    k = a.k.reshape(a.b * a.sk, a.hkv, a.d)
+    v = a.v.reshape(a.b * a.sk, a.hkv, a.d)
+
+    def fn():
+        return w.run(q, k, v, return_lse=True)
+
+    def check():
+        o, lse = fn()
+        out = {"o": o.reshape(a.b, a.sq, a.hq, a.d)}
+        # (B·Sq, Hq) → (B, Hq, Sq)
+        lse = lse.reshape(a.b, a.sq, a.hq).transpose(1, 2)
+        lse = _checked_lse(a, p, lse, lse_check, base2_ok=True)
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+    p.notes.append("FlashInfer BatchPrefillWithRaggedKVCacheWrapper (planned once, outside the timing)")
+
+
+# ---------------------------------------------------------------------------- MoE
+
+class Moe:
+    """The MoE problem and the worker's routing pieces, for the package builders."""
+
+    def __init__(self, torch, x, w13, w2, t, h, i, e, k, dt, route, swiglu, shared_out):
+        self.torch = torch
+        self.x, self.w13, self.w2 = x, w13, w2  # w13 (E, H, 2I) gate | up, w2 (E, I, H)
+        self.t, self.h, self.i, self.e, self.k, self.dt = t, h, i, e, k, dt
+        self.route, self.swiglu, self.shared_out = route, swiglu, shared_out
+
+
+def build_moe(name, p, m, derived):
+    """Set p.fn / p.check for the MoE package baseline `name`; `derived` caches weight copies."""
+    if name in ("vllm-fused-moe", "sglang-fused-moe"):
+        _fused_moe(name, p, m, derived)
+    elif name == "quack-grouped-gemm":
+        _quack(p, m)
+    else:
+        raise Unavailable(f"unknown package baseline '{name}'")
+    p.outputs = ["out", "topk_ids"]
+    p.check = lambda: dict(zip(("out", "topk_ids"), p.fn()))
+    _note_version(p, name)
+
+
+def _nk_weights(m, derived):
+    """vLLM/SGLang layouts: w1 (E, 2I, H) with gate rows first, w2 (E, H, I); made once."""
+    got = derived.get("moe_nk")
+    if got is None:
+        got = (m.w13.transpose(1, 2).contiguous(), m.w2.transpose(1, 2).contiguous())
+        derived["moe_nk"] = got
+    return got
+
+
+def _fused_moe(name, p, m, derived):
+    mod = _import(name)
+    fused_experts = getattr(mod, "fused_experts", None)
+    if fused_experts is None:
+        if name == "sglang-fused-moe":
+            try:
+                fused_experts = importlib.import_module(PACKAGES[name][0] + ".fused_moe").fused_experts
+            except Exception as e:  # noqa: BLE001
+                raise Unavailable(f"sglang fused_experts not found: {_first_line(e)}") from e
+        else:
+            raise Unavailable(f"{PACKAGES[name][0]} has no fused_experts")
+    w1, w2 = _nk_weights(m, derived)
+    torch = m.torch
+
+    def layer():
+        w, ids = m.route()
+        # silu(h[:, :I]) * h[:, I:], the activation both packages apply to w1's output.
+        y = fused_experts(m.x, w1, w2, w.float(), ids.to(torch.int32), inplace=False)
+        out = y.float()
+        if m.shared_out is not None:
+            out = out + m.shared_out()
+        return out.to(m.dt), ids
+
+    try:
+        layer()
+    except TypeError as e:
+        raise Unavailable(f"{name}: fused_experts has another signature in this version ({_first_line(e)})") from e
+    p.fn = layer
+    p.notes.append(f"{PACKAGES[name][0]}.fused_experts (Triton), weights transposed to (E, N, K) "
+                   "outside the timed region; routing as the reference")
+
+
+def _quack(p, m):
+    qg = _import("quack-grouped-gemm")
+    torch = m.torch
+    e_, k_ = m.e, m.k
+
+    def layer():
+        w, ids = m.route()
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e_)
+        cu = torch.zeros(e_ + 1, dtype=torch.int32, device=m.x.device)
+        cu[1:] = torch.cumsum(counts, 0)
+        tok = torch.div(order, k_, rounding_mode="floor").to(torch.int32)
+        # Varlen-M grouped GEMM with the token gather fused (A_idx): rows of expert e are
+        # cu[e]..cu[e+1]; B is (E, K, N).
+        hs = qg.gemm(m.x, m.w13, cu_seqlens_m=cu, A_idx=tok)
+        ys = qg.gemm(m.swiglu(hs), m.w2, cu_seqlens_m=cu)
+        y = torch.empty_like(ys)
+        y[order] = ys
+        out = (y.view(m.t, k_, m.h).float() * w.unsqueeze(-1)).sum(dim=1)
+        if m.shared_out is not None:
+            out = out + m.shared_out()
+        return out.to(m.dt), ids
+
+    t0 = time.perf_counter()
+    try:
+        layer()
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"quack gemm rejected the config: {_first_line(e)}") from e
+    p.compile_ms = (time.perf_counter() - t0) * 1e3
+    p.fn = layer
+    p.notes.append("quack.gemm_interface.gemm varlen-M (cu_seqlens_m, gathered A) for gate/up and down, "
+                   f"deterministic weighted combine; JIT compile and tuning {p.compile_ms / 1e3:.1f} s (not timed)")

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build the archive that brings FlashAttention-4 (flash_attn.cute) and QuACK, with their
+# CuTe-DSL libraries, to a GPU machine that has no package registry (docs/baselines.md).
+# Run it where PyPI is reachable; the GPU machine needs only python3 with torch.
+#
+#   scripts/stage-baselines.sh [PART_MB]
+#
+# Output in .baselines/ (gitignored): wheels/, site/ (the unpacked packages),
+# fa4-site.tar.xz, and part-00, part-01, ... of at most PART_MB MiB each (default 33: what
+# fits beside the ~31 MB working tree in one 64 MiB transfer). Unpack on the GPU machine
+# with `scripts/device-run.sh baselines` (it also sets PYTHONPATH).
+set -euo pipefail
+PART_MB=${1:-33}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+DIR="$ROOT/.baselines"
+# The GPU machine: CPython 3.12 on x86-64 Linux, torch 2.11 (CUDA 13) already installed.
+PY=${BASELINES_PYTHON_VERSION:-3.12}
+PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
+# Pinned: flash-attn-4 is published as pre-releases only; cutlass-dsl's CUDA-13 libraries
+# match the machine's torch (cu130). torch, numpy, typing_extensions, einops, protobuf and
+# cuda-bindings are already on the machine and left out.
+WHEELS=(
+  flash-attn-4==4.0.0b36
+  quack-kernels==0.6.5
+  nvidia-cutlass-dsl==4.8.1
+  nvidia-cutlass-dsl-libs-base==4.8.1
+  nvidia-cutlass-dsl-libs-core==4.8.1
+  nvidia-cutlass-dsl-libs-cu13==4.8.1
+  apache-tvm-ffi==0.1.15.post2
+  torch-c-dlpack-ext==0.1.5
+)
+mkdir -p "$DIR/wheels"
+python3 -m pip download --quiet --no-deps --pre --only-binary=:all: --python-version "$PY" \
+  --implementation cp "${PLAT[@]}" -d "$DIR/wheels" "${WHEELS[@]}"
+
+# Install = unzip (pure wheels, no scripts); PYTHONPATH skips .pth files, so the
+# dsl_packages folder that nvidia_cutlass_dsl's .pth adds must go on PYTHONPATH too.
+rm -rf "$DIR/site" && mkdir -p "$DIR/site"
+for w in "$DIR"/wheels/*.whl; do
+  case $(basename "$w") in nvidia_cutlass_dsl_libs_cu12*) continue ;; esac
+  unzip -q -o "$w" -d "$DIR/site"  # keeps the .so files' modes
+done
+grep -q dsl_packages "$DIR"/site/nvidia_cutlass_dsl*.pth
+
+rm -f "$DIR"/fa4-site.tar.xz "$DIR"/part-*
+tar -C "$DIR/site" -cf - . | xz -9e -T"${XZ_THREADS:-1}" >"$DIR/fa4-site.tar.xz"
+split -b "${PART_MB}M" -d "$DIR/fa4-site.tar.xz" "$DIR/part-"
+ls -l "$DIR"/fa4-site.tar.xz "$DIR"/part-*
+sha256sum "$DIR"/fa4-site.tar.xz | tee "$DIR/fa4-site.sha256"
