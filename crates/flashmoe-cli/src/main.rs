@@ -56,7 +56,7 @@ enum SuiteArg {
 
 impl SuiteArg {
     /// The lab suite measured by the Rust pipeline; `e2e` runs in the Python script instead.
-    fn lab_suite(self) -> anyhow::Result<Suite> {
+    pub(crate) fn lab_suite(self) -> anyhow::Result<Suite> {
         match self {
             SuiteArg::Attention => Ok(Suite::Attention),
             SuiteArg::Moe => Ok(Suite::Moe),

@@ -57,7 +57,7 @@ fn gpu_name() -> String {
 }
 
 pub fn run(args: &ProfileArgs) -> anyhow::Result<ExitCode> {
-    let suite: Suite = args.suite.into();
+    let suite: Suite = args.suite.lab_suite()?;
     // ncu first: a missing or unusable profiler is the most common failure.
     let ncu = locate_ncu(args.ncu.as_deref()).map_err(|e| anyhow!(e))?;
     let (configs, source) = match (&args.preset, &args.config) {
