@@ -1109,7 +1109,7 @@ mod tests {
             "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
-        assert!(src.contains("constexpr bool O_TMA_STORE = D >= 128;"));
+        assert!(src.contains("constexpr bool O_TMA_STORE = D >= 128 && !VARLEN;"));
         assert!(src.contains("constexpr int STAGE_PITCH = 2 * D + (O_TMA_STORE ? 0 : 16);"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));
         for name in [
