@@ -99,7 +99,7 @@ def attention_figures():
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
-    ws, wsb = _torch._attention_workspace(plan.workspace_bytes, 0, stream)
+    ws, wsb = _torch._workspace("prefill", plan.workspace_bytes, 0, stream)
     descs = [_torch._desc(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
     o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
 

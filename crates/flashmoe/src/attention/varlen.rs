@@ -122,6 +122,15 @@ pub fn check_args(class: &AttentionClass, a: &VarlenArgs) -> Result<VarlenShape>
 }
 
 fn check_call(c: &AttentionClass, variant: &KernelVariant, a: &VarlenArgs) -> Result<VarlenShape> {
+    check_maps(c, variant, a).map(|(shape, _)| shape)
+}
+
+/// The checks and the TMA parameters of q, k and v (whose stride rules they enforce).
+fn check_maps(
+    c: &AttentionClass,
+    variant: &KernelVariant,
+    a: &VarlenArgs,
+) -> Result<(VarlenShape, [tma::TensorMapParams; 3])> {
     let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
     for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
         if t.rank != 3 {
@@ -183,7 +192,25 @@ fn check_call(c: &AttentionClass, variant: &KernelVariant, a: &VarlenArgs) -> Re
             format!("up to {tiles} work tiles exceed the kernel's int work-tile counter"),
         ));
     }
-    Ok(shape)
+    let KernelAbi::TensorMaps { block_n, .. } = variant.abi else {
+        return Err(Error::unsupported(
+            "flash-sm90-varlen",
+            "the varlen kernel takes tensor maps",
+        ));
+    };
+    // Packed (total, heads, head_dim) as a 4-D (1, total, heads, head_dim) map: the kernel's
+    // batch coordinate is 0 and its row coordinate is the packed row.
+    let as4 = |name: &str, t: &RawTensor, rows: u32| {
+        let [n, h, d] = [t.shape[0], t.shape[1], t.shape[2]];
+        let [s0, s1, s2] = [t.strides[0], t.strides[1], t.strides[2]];
+        tma::bshd_strided_params(name, [1, n, h, d], [n * s0, s0, s1, s2], rows)
+    };
+    let maps = [
+        as4("q", &a.q, variant.block_m)?,
+        as4("k", &a.k, block_n)?,
+        as4("v", &a.v, block_n)?,
+    ];
+    Ok((shape, maps))
 }
 
 impl VarlenPlan {
@@ -256,28 +283,12 @@ impl VarlenPlan {
         a: &VarlenArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
-        let shape = self.check(a)?;
+        let (shape, [pq, pk, pv]) = check_maps(&self.class, &self.variant, a)?;
         workspace.check(self.workspace_bytes(), 16, "VarlenPlan")?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let KernelAbi::TensorMaps { block_n, .. } = self.variant.abi else {
-            return Err(Error::unsupported(
-                "flash-sm90-varlen",
-                "the varlen kernel takes tensor maps",
-            ));
-        };
         let dt = self.class.dtype;
-        // Packed (total, heads, head_dim) as a 4-D (1, total, heads, head_dim) map: the
-        // kernel's batch coordinate is 0 and its row coordinate is the packed row.
-        let as4 = |name: &str, t: &RawTensor, rows: u32| {
-            let [n, h, d] = [t.shape[0], t.shape[1], t.shape[2]];
-            let [s0, s1, s2] = [t.strides[0], t.strides[1], t.strides[2]];
-            tma::bshd_strided_params(name, [1, n, h, d], [n * s0, s0, s1, s2], rows)
-        };
-        let pq = as4("q", &a.q, self.variant.block_m)?;
-        let pk = as4("k", &a.k, block_n)?;
-        let pv = as4("v", &a.v, block_n)?;
         let mq = tma::encode("q", &pq, dt, a.q.ptr)?;
         let maps = [
             mq,
