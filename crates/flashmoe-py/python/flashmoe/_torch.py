@@ -290,6 +290,7 @@ def attention_varlen(
 
 
 _decode_plans = {}
+_MAX_Q = _core.MAX_Q_PER_SEQ  # most query rows per sequence of a decode call (16)
 # Rows per sequence a decode plan is built for: Sq rounded up to a power of two (≤ 16), so a few
 # plans serve every call.
 _Q_BUCKETS = [1, 1, 2, 4, 4] + [8] * 4 + [16] * 8
@@ -418,11 +419,11 @@ def attention_with_kvcache(
             raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {list(q.shape)}")
         rows, what = q.shape[1], f"q has {q.shape[1]} rows per sequence"
     else:
-        rows = _core.MAX_Q_PER_SEQ if max_seqlen_q is None else max_seqlen_q
+        rows = _MAX_Q if max_seqlen_q is None else max_seqlen_q
         what = f"max_seqlen_q is {rows}"
-    if rows > _core.MAX_Q_PER_SEQ:
+    if rows > _MAX_Q:
         raise ValueError(
-            f"{what} but attention_with_kvcache takes at most {_core.MAX_Q_PER_SEQ} "
+            f"{what} but attention_with_kvcache takes at most {_MAX_Q} "
             "(longer prefills: attention_varlen)"
         )
     max_q = _Q_BUCKETS[max(rows, 1)]  # rows = 0: the call itself is rejected as empty
