@@ -81,8 +81,8 @@ except AttributeError:  # pragma: no cover - older or future torch
 
 _attention_plans = {}
 # (kernel family, device index, stream) -> [uint8 tensor, zeroed outside any graph capture,
-# address, bytes]. Each family (dense and varlen prefill share one, decode has its own) leaves
-# its workspace zeroed after every launch in its own way, so families never share one.
+# address, bytes]. Each family ("prefill", "varlen", "decode") leaves its workspace zeroed after
+# every launch in its own way (the decode kernel only its tickets), so families never share one.
 _workspaces = {}
 # Workspaces that a larger plan replaced: never freed, since a captured graph may hold their address.
 _retired_workspaces = []
@@ -241,7 +241,7 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     stream = _raw_stream(index)
-    ws, ws_bytes = _workspace("prefill", plan.workspace_bytes, index, stream)
+    ws, ws_bytes = _workspace("varlen", plan.workspace_bytes, index, stream)
     plan.forward(stream, dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
     return o, lse
 
