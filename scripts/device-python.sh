@@ -39,5 +39,5 @@ export PYTHONPATH=$SITE
 cd "$D" || exit 1
 timeout "${PYTEST_LIMIT:-330}" python3 -m pytest -v -rs tests 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
-timeout "${OVERHEAD_LIMIT:-60}" python3 tools/overhead.py "$OUT/python-overhead.json" || rc=1
+timeout "${OVERHEAD_LIMIT:-90}" python3 tools/overhead.py "$OUT/python-overhead.json" || rc=1
 exit "$rc"
