@@ -321,6 +321,9 @@ fn varlen_args(
     Ok((class, args))
 }
 
+/// Shapes of a varlen call's o `(total_q, heads_q, head_dim)` and lse `(heads_q, total_q)`.
+type VarlenShapes = ((usize, usize, usize), (usize, usize));
+
 /// Check a varlen call without a GPU: q (total_q, heads_q, head_dim), k and v (total_k,
 /// heads_kv, head_dim), int32 cu_seqlens_q and cu_seqlens_k [batch + 1]. Returns the shapes
 /// of o (total_q, heads_q, head_dim) and lse (heads_q, total_q).
@@ -337,7 +340,7 @@ fn check_attention_varlen(
     max_seqlen_k: usize,
     causal: bool,
     softmax_scale: Option<f32>,
-) -> PyResult<((usize, usize, usize), (usize, usize))> {
+) -> PyResult<VarlenShapes> {
     let (class, args) = varlen_args(
         &q,
         &k,
