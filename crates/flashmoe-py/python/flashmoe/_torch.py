@@ -88,6 +88,24 @@ _workspaces = {}
 _retired_workspaces = []
 
 
+# (device index, stream) -> (uint8 tensor, address, bytes): where eager launches whose caller did
+# not ask for lse write it. Nobody reads it, and launches on one stream run in order, so one
+# buffer per stream replaces an output allocation per call (a few µs of host time). Kept, never
+# freed, when outgrown (a captured graph may hold its address).
+_lse_sinks = {}
+
+
+def _lse_sink(nbytes: int, index: int, stream: int) -> int:
+    entry = _lse_sinks.get((index, stream))
+    if entry is None or entry[2] < nbytes:
+        if entry is not None:
+            _retired_workspaces.append(entry[0])
+        t = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=torch.device("cuda", index))
+        entry = (t, t.data_ptr(), t.numel())
+        _lse_sinks[(index, stream)] = entry
+    return entry[1]
+
+
 def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale):
     """Build and cache the plan of a class (the call path looks the cache up itself)."""
     key = (index, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale)
@@ -151,21 +169,26 @@ def _register(name, impl, fake):
     torch.library.register_fake(f"flashmoe::{name}", fake, lib=_lib)
 
 
-def _attention_impl(q, k, v, causal, softmax_scale):
+def _attention_impl(q, k, v, causal, softmax_scale, want_lse=True):
     index = _device_index((("q", q), ("k", k), ("v", v)))
     _same_dtype((("q", q), ("k", k), ("v", v)))
     dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         _core.check_attention(dq, dk, dv, causal, softmax_scale)  # raises, naming the tensor
-    b, sq, hq, d = q.shape
+    b, sq, hq, d = dq[2]
     plan = _attention_plans.get((index, q.dtype, d, hq, k.shape[2], causal, softmax_scale))
     if plan is None:
         plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale)
-    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    dev = q.device
+    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     stream = _raw_stream(index)
+    if want_lse:
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * b * hq * sq, index, stream)
     ws, ws_bytes = _workspace("prefill", plan.workspace_bytes, index, stream)
-    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
+    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse_ptr, ws, ws_bytes)
     return o, lse
 
 
@@ -204,7 +227,7 @@ def attention(
     ``torch.ops.flashmoe.attention``. Forward only (no autograd formula).
     """
     if _plain(q, k, v):
-        o, lse = _attention_impl(q, k, v, causal, softmax_scale)
+        o, lse = _attention_impl(q, k, v, causal, softmax_scale, return_lse)
     else:
         o, lse = _attention_op(q, k, v, causal, softmax_scale)
     return (o, lse) if return_lse else o
@@ -224,7 +247,8 @@ def _idesc(t: torch.Tensor, name: str):
 _varlen_plans = {}
 
 
-def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           want_lse=True):
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     index = _device_index(named)
     _same_dtype(named[:3])
@@ -239,10 +263,14 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         plan = _core.VarlenPlan(index, dq[1], d, hq, k.shape[1], causal, softmax_scale)
         _varlen_plans[key] = plan
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     stream = _raw_stream(index)
+    if want_lse:
+        lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * hq * tq, index, stream)
     ws, ws_bytes = _workspace("varlen", plan.workspace_bytes, index, stream)
-    plan.forward(stream, dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
+    plan.forward(stream, dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k, o.data_ptr(), lse_ptr, ws, ws_bytes)
     return o, lse
 
 
@@ -283,7 +311,7 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
     if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        o, lse = _attention_varlen_impl(*args)
+        o, lse = _attention_varlen_impl(*args, return_lse)
     else:
         o, lse = _attention_varlen_op(*args)
     return (o, lse) if return_lse else o
@@ -316,7 +344,7 @@ def _cache_named(q, k_cache, v_cache, block_table, seqlens, seqlens_name, cu_seq
 
 
 def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, max_q_per_seq,
-                            window_left, window_right, softcap, softmax_scale):
+                            window_left, window_right, softcap, softmax_scale, want_lse=True):
     named = _cache_named(q, k_cache, v_cache, block_table, seqused_k, "cache_seqlens", cu_seqlens_q)
     index = _device_index(named)
     _same_dtype(named[:3])
@@ -331,13 +359,17 @@ def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seql
     plan = _decode_plan(index, q.dtype, d, hq, k_cache.shape[2], max_q_per_seq, window_left, window_right,
                         softcap, softmax_scale)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse_shape = (hq, q.shape[0]) if dcu else (q.shape[0], hq, q.shape[1])
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     stream = _raw_stream(index)
+    if want_lse:
+        lse_shape = (hq, q.shape[0]) if dcu else (q.shape[0], hq, q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * (q.numel() // d), index, stream)  # one f32 per (row, head)
     # The split count (and so the workspace) follows the table's capacity, a host-side shape.
     need = plan.workspace_bytes(block_table.shape[0], block_table.shape[1] * k_cache.shape[1])
     ws, ws_bytes = _workspace("decode", need, index, stream)
-    plan.forward(stream, dq, dkc, dvc, dbt, dsu, dcu, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
+    plan.forward(stream, dq, dkc, dvc, dbt, dsu, dcu, o.data_ptr(), lse_ptr, ws, ws_bytes)
     return o, lse
 
 
@@ -437,9 +469,11 @@ def attention_with_kvcache(
     if k is not None:
         (_append_kv_impl if plain else _append_kv_op)(k, v, k_cache, v_cache, block_table, cache_seqlens)
         seqused = cache_seqlens + k.shape[1]
-    run = _attention_kvcache_impl if plain else _attention_kvcache_op
-    o, lse = run(q, k_cache, v_cache, block_table, seqused, cu_seqlens_q, max_q, left, right, float(softcap),
-                 softmax_scale)
+    args = (q, k_cache, v_cache, block_table, seqused, cu_seqlens_q, max_q, left, right, float(softcap), softmax_scale)
+    if plain:
+        o, lse = _attention_kvcache_impl(*args, return_lse)
+    else:
+        o, lse = _attention_kvcache_op(*args)
     return (o, lse) if return_lse else o
 
 
