@@ -49,7 +49,7 @@ for s in "$@"; do
                   [ -x ./target/release/flashmoe-bench-gpu-tests ] && stage unit-bench 120 ./target/release/flashmoe-bench-gpu-tests gpu:: --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
     # the Python package: carry target/py-device (scripts/device-python.sh --pack)
-    python)       stage python 240 bash scripts/device-python.sh target/py-device ;;
+    python)       stage python 420 bash scripts/device-python.sh target/py-device ;;
     # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device
     # (scripts/device-python.sh --pack): seed 003's dense models, the MoE stacks, and the
     # large / Qwen3 models under torch.compile.

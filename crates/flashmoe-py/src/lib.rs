@@ -12,6 +12,10 @@
 //! tensor) naming the tensor and the rule; a shape class no kernel implements raises
 //! `NotImplementedError`; no driver, no GPU or a CUDA failure raises `RuntimeError`.
 
+use flashmoe::attention::decode::{
+    AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
+};
+use flashmoe::attention::varlen::{self, VarlenArgs, VarlenPlan as VPlan};
 use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan as Plan};
 use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
 use flashmoe::moe::{MoeArgs, MoeClass, MoePlan as MPlan, RawU32, RoutingArgs};
@@ -98,6 +102,51 @@ impl Desc {
                 "{name} has dtype int32; a floating-point tensor is required"
             ))),
         }
+    }
+
+    /// An int32 descriptor's strides, or a `TypeError` naming the tensor.
+    fn int32(&self, name: &str) -> PyResult<()> {
+        if elem(name, &self.1)? != Elem::I32 {
+            return Err(PyTypeError::new_err(format!(
+                "{name} has dtype {} but int32 is required",
+                self.1
+            )));
+        }
+        Ok(())
+    }
+
+    /// A contiguous int32 vector (cu_seqlens, cache_seqlens), optionally of `len` elements.
+    fn index_vector(&self, name: &str, len: Option<usize>) -> PyResult<RawIndex> {
+        self.int32(name)?;
+        let (shape, strides) = (&self.2, &self.3);
+        let ok_len = len.is_none_or(|n| shape.first() == Some(&n));
+        if shape.len() != 1 || strides.len() != 1 || !ok_len || (shape[0] > 1 && strides[0] != 1) {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a contiguous 1-D int32 tensor{} but has shape {shape:?} and \
+                 strides {strides:?}",
+                len.map_or(String::new(), |n| format!(" of {n} elements"))
+            )));
+        }
+        Ok(RawIndex::vector(self.0, shape[0]))
+    }
+
+    /// An int32 matrix with contiguous rows (a block table); any row stride.
+    fn index_matrix(&self, name: &str) -> PyResult<RawIndex> {
+        self.int32(name)?;
+        let (shape, strides) = (&self.2, &self.3);
+        if shape.len() != 2 || strides.len() != 2 || (shape[1] > 1 && strides[1] != 1) {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a 2-D int32 tensor (batch, max_blocks) with contiguous rows but \
+                 has shape {shape:?} and strides {strides:?}"
+            )));
+        }
+        let row_stride = if shape[0] > 1 { strides[0] } else { shape[1] };
+        Ok(RawIndex {
+            ptr: self.0,
+            rows: shape[0],
+            cols: shape[1],
+            row_stride,
+        })
     }
 
     /// The tensor as a contiguous u32/i32 array of `len` elements (routing outputs).
@@ -194,6 +243,304 @@ fn check_attention(
     let s = class.check_inputs(&rq, &rk, &rv).map_err(py_err)?;
     let (b, sq, hq, d) = (s.batch, s.seqlen_q, class.heads_q, class.head_dim);
     Ok(((b, sq, hq, d), (b, hq, sq)))
+}
+
+/// A placeholder output address for the device-free checks (aligned, never dereferenced).
+const CHECK_OUT: u64 = 1 << 20;
+
+/// The float dtype of q (bf16 or f16) and the same dtype for every other named tensor.
+fn attention_dtype(q: &Desc, others: &[(&str, &Desc)]) -> PyResult<DType> {
+    let dtype = q.float("q")?;
+    if dtype == DType::F32 {
+        return Err(PyTypeError::new_err(
+            "q has dtype f32; flashmoe's attention takes bf16 or f16",
+        ));
+    }
+    for (name, d) in others {
+        same_dtype(name, d.float(name)?, dtype, "q")?;
+    }
+    Ok(dtype)
+}
+
+/// The 3-D raw tensor of a packed (tokens, heads, head_dim) descriptor.
+fn packed(d: &Desc, name: &str) -> PyResult<RawTensor> {
+    let t = d.raw(name)?;
+    if t.rank != 3 {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be 3-D (total_tokens, heads, head_dim) for a varlen call but has shape \
+             {:?}",
+            t.shape()
+        )));
+    }
+    Ok(t)
+}
+
+/// The varlen class and arguments of a call; o and lse at `o`/`lse` (contiguous).
+#[allow(clippy::too_many_arguments)]
+fn varlen_args(
+    q: &Desc,
+    k: &Desc,
+    v: &Desc,
+    cu_seqlens_q: &Desc,
+    cu_seqlens_k: &Desc,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    causal: bool,
+    softmax_scale: Option<f32>,
+    (o, lse): (u64, u64),
+) -> PyResult<(AttentionClass, VarlenArgs)> {
+    let dtype = attention_dtype(q, &[("k", k), ("v", v)])?;
+    let (rq, rk, rv) = (packed(q, "q")?, packed(k, "k")?, packed(v, "v")?);
+    let (tq, hq, d, hkv) = (rq.shape[0], rq.shape[1], rq.shape[2], rk.shape[1]);
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(PyValueError::new_err(format!(
+            "q has {hq} heads and k {hkv}: the query heads must be a multiple of the key/value \
+             heads (GQA)"
+        )));
+    }
+    let batch1 = cu_seqlens_q.2.first().copied().unwrap_or(0);
+    let args = VarlenArgs {
+        q: rq,
+        k: rk,
+        v: rv,
+        o: RawTensor::contiguous(o, dtype, &[tq, hq, d]).map_err(py_err)?,
+        lse: RawTensor::contiguous(lse, DType::F32, &[hq, tq]).map_err(py_err)?,
+        cu_seqlens_q: cu_seqlens_q.index_vector("cu_seqlens_q", None)?,
+        cu_seqlens_k: cu_seqlens_k.index_vector("cu_seqlens_k", Some(batch1))?,
+        max_seqlen_q,
+        max_seqlen_k,
+    };
+    let class = AttentionClass {
+        dtype,
+        head_dim: d,
+        heads_q: hq,
+        heads_kv: hkv,
+        causal,
+        softmax_scale,
+    };
+    Ok((class, args))
+}
+
+/// Shapes of a varlen call's o `(total_q, heads_q, head_dim)` and lse `(heads_q, total_q)`.
+type VarlenShapes = ((usize, usize, usize), (usize, usize));
+
+/// Check a varlen call without a GPU: q (total_q, heads_q, head_dim), k and v (total_k,
+/// heads_kv, head_dim), int32 cu_seqlens_q and cu_seqlens_k [batch + 1]. Returns the shapes
+/// of o (total_q, heads_q, head_dim) and lse (heads_q, total_q).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=false, softmax_scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn check_attention_varlen(
+    q: Desc,
+    k: Desc,
+    v: Desc,
+    cu_seqlens_q: Desc,
+    cu_seqlens_k: Desc,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    causal: bool,
+    softmax_scale: Option<f32>,
+) -> PyResult<VarlenShapes> {
+    let (class, args) = varlen_args(
+        &q,
+        &k,
+        &v,
+        &cu_seqlens_q,
+        &cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        (CHECK_OUT, CHECK_OUT),
+    )?;
+    let s = varlen::check_args(&class, &args).map_err(py_err)?;
+    let (hq, d) = (class.heads_q, class.head_dim);
+    Ok(((s.total_q, hq, d), (hq, s.total_q)))
+}
+
+/// A decode class from the Python layer's parameters (page size taken from the cache per
+/// call: it changes no kernel).
+#[allow(clippy::too_many_arguments)]
+fn decode_class(
+    dtype: DType,
+    head_dim: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    max_q_per_seq: usize,
+    window: (i32, i32),
+    softcap: f32,
+    softmax_scale: Option<f32>,
+) -> PyResult<DecodeClass> {
+    let class = DecodeClass {
+        dtype,
+        head_dim,
+        heads_q,
+        heads_kv,
+        page_size: 0,
+        max_q_per_seq,
+        window,
+        softcap,
+        softmax_scale,
+    };
+    class.validate().map_err(py_err)?;
+    Ok(class)
+}
+
+/// The decode arguments of a call; o and lse at `o`/`lse` (contiguous, q's shape and
+/// (B, Hq, Sq) or (Hq, total_q)). `seqused_k` is named `cache_seqlens` in errors.
+#[allow(clippy::too_many_arguments)]
+fn decode_args(
+    dtype: DType,
+    q: &Desc,
+    k_cache: &Desc,
+    v_cache: &Desc,
+    block_table: &Desc,
+    seqused_k: &Desc,
+    cu_seqlens_q: Option<&Desc>,
+    (o, lse): (u64, u64),
+) -> PyResult<DecodeArgs> {
+    let rq = q.raw("q")?;
+    let bt = block_table.index_matrix("block_table")?;
+    let seqused = seqused_k.index_vector("cache_seqlens", Some(bt.rows))?;
+    let cu = match cu_seqlens_q {
+        Some(c) => Some(c.index_vector("cu_seqlens_q", Some(bt.rows + 1))?),
+        None => None,
+    };
+    let lse_shape: &[usize] = match (cu.is_some(), rq.shape()) {
+        (false, &[b, sq, hq, _]) => &[b, hq, sq],
+        (true, &[t, hq, _]) => &[hq, t],
+        (varlen, shape) => {
+            return Err(PyValueError::new_err(format!(
+                "q must be {} but has shape {shape:?}",
+                if varlen {
+                    "3-D (total_q, heads_q, head_dim) with cu_seqlens_q"
+                } else {
+                    "4-D (batch, seqlen_q, heads_q, head_dim)"
+                }
+            )))
+        }
+    };
+    Ok(DecodeArgs {
+        o: RawTensor::contiguous(o, dtype, rq.shape()).map_err(py_err)?,
+        lse: RawTensor::contiguous(lse, DType::F32, lse_shape).map_err(py_err)?,
+        q: rq,
+        k_cache: k_cache.raw("k_cache")?,
+        v_cache: v_cache.raw("v_cache")?,
+        block_table: bt,
+        seqused_k: seqused,
+        max_seqlen_k: None,
+        cu_seqlens_q: cu,
+    })
+}
+
+/// The append arguments: new rows k, v (batch, s_new, heads_kv, head_dim) written at
+/// `cache_seqlens[b]..` through the block table.
+fn append_args(
+    k: &Desc,
+    v: &Desc,
+    k_cache: &Desc,
+    v_cache: &Desc,
+    block_table: &Desc,
+    cache_seqlens: &Desc,
+) -> PyResult<AppendArgs> {
+    let bt = block_table.index_matrix("block_table")?;
+    if let Some(&b) = k.2.first() {
+        if b != bt.rows {
+            return Err(PyValueError::new_err(format!(
+                "k holds new rows of {b} sequences but block_table has {} rows",
+                bt.rows
+            )));
+        }
+    }
+    Ok(AppendArgs {
+        k_new: k.raw("k")?,
+        v_new: v.raw("v")?,
+        k_cache: k_cache.raw("k_cache")?,
+        v_cache: v_cache.raw("v_cache")?,
+        seqused_k: cache_seqlens.index_vector("cache_seqlens", Some(bt.rows))?,
+        block_table: bt,
+    })
+}
+
+/// Check a paged-KV-cache attention call without a GPU. q (batch, seqlen_q, heads_q,
+/// head_dim), or (total_q, heads_q, head_dim) with int32 cu_seqlens_q [batch + 1]; k_cache,
+/// v_cache (num_blocks, page_size, heads_kv, head_dim); int32 block_table (batch,
+/// max_blocks) and cache_seqlens [batch]; new rows k, v (batch, s_new, heads_kv, head_dim)
+/// to append (both or neither). The class: `max_q_per_seq` (1..=16), `window` (left,
+/// right), `softcap`. Returns the shapes of o (q's) and lse ((batch, heads_q, seqlen_q) or
+/// (heads_q, total_q)).
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, block_table, cache_seqlens, k=None, v=None, cu_seqlens_q=None, *, max_q_per_seq, window=(-1, 0), softcap=0.0, softmax_scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn check_attention_kvcache(
+    q: Desc,
+    k_cache: Desc,
+    v_cache: Desc,
+    block_table: Desc,
+    cache_seqlens: Desc,
+    k: Option<Desc>,
+    v: Option<Desc>,
+    cu_seqlens_q: Option<Desc>,
+    max_q_per_seq: usize,
+    window: (i32, i32),
+    softcap: f32,
+    softmax_scale: Option<f32>,
+) -> PyResult<(Vec<usize>, Vec<usize>)> {
+    let dtype = attention_dtype(&q, &[("k_cache", &k_cache), ("v_cache", &v_cache)])?;
+    let (hq, d) = match q.2.as_slice() {
+        [.., h, d] if q.2.len() >= 3 => (*h, *d),
+        shape => {
+            return Err(PyValueError::new_err(format!(
+                "q must be (batch, seqlen_q, heads_q, head_dim) or (total_q, heads_q, head_dim) \
+                 but has shape {shape:?}"
+            )))
+        }
+    };
+    let hkv = match k_cache.2.as_slice() {
+        [_, _, h, _] => *h,
+        shape => {
+            return Err(PyValueError::new_err(format!(
+                "k_cache must be 4-D (num_blocks, page_size, heads_kv, head_dim) but has shape \
+                 {shape:?}"
+            )))
+        }
+    };
+    let class = decode_class(
+        dtype,
+        d,
+        hq,
+        hkv,
+        max_q_per_seq,
+        window,
+        softcap,
+        softmax_scale,
+    )?;
+    match (&k, &v) {
+        (Some(k), Some(v)) => {
+            same_dtype("k", k.float("k")?, dtype, "q")?;
+            same_dtype("v", v.float("v")?, dtype, "q")?;
+            let a = append_args(k, v, &k_cache, &v_cache, &block_table, &cache_seqlens)?;
+            class.check_append(&a).map_err(py_err)?;
+        }
+        (None, None) => {}
+        _ => {
+            return Err(PyValueError::new_err(
+                "k and v are appended together: give both or neither",
+            ))
+        }
+    }
+    let a = decode_args(
+        dtype,
+        &q,
+        &k_cache,
+        &v_cache,
+        &block_table,
+        &cache_seqlens,
+        cu_seqlens_q.as_ref(),
+        (CHECK_OUT, CHECK_OUT),
+    )?;
+    class.check_args(&a).map_err(py_err)?;
+    Ok((a.o.shape().to_vec(), a.lse.shape().to_vec()))
 }
 
 /// The MoE class of a call, from the shapes of x, the router and the weights.
@@ -339,6 +686,16 @@ fn check_moe(
     );
     moe_args(&class, &x, &router_w, &w13, &w2, shared, outs)?;
     Ok((tokens, class.hidden, class.intermediate, class.experts))
+}
+
+/// A plan's element type from its name: bf16 or f16, else a `TypeError` naming `what`.
+fn half_dtype(dtype: &str, what: &str) -> PyResult<DType> {
+    match elem("dtype", dtype)? {
+        Elem::Float(d) if d != DType::F32 => Ok(d),
+        _ => Err(PyTypeError::new_err(format!(
+            "dtype {dtype}: {what} takes bf16 or f16"
+        ))),
+    }
 }
 
 /// One `Device` per ordinal over the device's primary context (the one PyTorch uses),
@@ -491,6 +848,210 @@ impl AttentionPlan {
     }
 }
 
+/// A varlen plan (sm_90a, head dims 64 and 128): packed sequences of unequal lengths.
+#[pyclass(frozen, module = "flashmoe._core")]
+struct VarlenPlan {
+    plan: VPlan,
+}
+
+#[pymethods]
+impl VarlenPlan {
+    #[new]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None))]
+    fn new(
+        device: usize,
+        dtype: &str,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        causal: bool,
+        softmax_scale: Option<f32>,
+    ) -> PyResult<Self> {
+        let class = AttentionClass {
+            dtype: half_dtype(dtype, "a varlen plan")?,
+            head_dim,
+            heads_q,
+            heads_kv,
+            causal,
+            softmax_scale,
+        };
+        class.problem(1, 1, 1).validate().map_err(py_err)?;
+        let dev = self::device(device)?;
+        Ok(VarlenPlan {
+            plan: VPlan::new(&dev, class).map_err(py_err)?,
+        })
+    }
+
+    /// Bytes of the zeroed workspace a launch needs (every launch leaves it zeroed).
+    #[getter]
+    fn workspace_bytes(&self) -> usize {
+        self.plan.workspace_bytes()
+    }
+
+    /// Enqueue one varlen forward on `stream`. q, k, v, cu_seqlens_q and cu_seqlens_k are
+    /// descriptors; `o` (total_q, heads_q, head_dim) and `lse` f32 (heads_q, total_q) are
+    /// addresses of contiguous outputs; the workspace as in `AttentionPlan.forward`.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        stream: usize,
+        q: Desc,
+        k: Desc,
+        v: Desc,
+        cu_seqlens_q: Desc,
+        cu_seqlens_k: Desc,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+        o: u64,
+        lse: u64,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> PyResult<()> {
+        let c = self.plan.class();
+        let (_, args) = varlen_args(
+            &q,
+            &k,
+            &v,
+            &cu_seqlens_q,
+            &cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            c.causal,
+            c.softmax_scale,
+            (o, lse),
+        )?;
+        let ws = RawWorkspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        };
+        // SAFETY: as in AttentionPlan::forward; the offsets are int32 device tensors of the
+        // same device (the kernel clamps them into the tensors).
+        unsafe {
+            self.plan
+                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .map_err(py_err)
+        }
+    }
+}
+
+/// A paged-KV decode plan: one class (dtype, head dim, head counts, rows per sequence,
+/// window, softcap, scale) on one device; the page size comes from the cache per call.
+#[pyclass(frozen, module = "flashmoe._core")]
+struct DecodePlan {
+    plan: DPlan,
+}
+
+#[pymethods]
+impl DecodePlan {
+    #[new]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, max_q_per_seq, window, softcap, softmax_scale=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        dtype: &str,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        max_q_per_seq: usize,
+        window: (i32, i32),
+        softcap: f32,
+        softmax_scale: Option<f32>,
+    ) -> PyResult<Self> {
+        let class = decode_class(
+            half_dtype(dtype, "a decode plan")?,
+            head_dim,
+            heads_q,
+            heads_kv,
+            max_q_per_seq,
+            window,
+            softcap,
+            softmax_scale,
+        )?;
+        let dev = self::device(device)?;
+        Ok(DecodePlan {
+            plan: DPlan::new(&dev, class).map_err(py_err)?,
+        })
+    }
+
+    /// Bytes of the zeroed workspace of a call of `batch` sequences with a table of
+    /// `max_seqlen_k` keys' capacity (0: the call runs unsplit).
+    fn workspace_bytes(&self, batch: usize, max_seqlen_k: usize) -> usize {
+        self.plan.workspace_bytes(batch, max_seqlen_k)
+    }
+
+    /// Enqueue decode attention on `stream`: q, the caches, block_table, seqused_k (keys in
+    /// use per sequence) and cu_seqlens_q (None: q is (B, Sq, Hq, D)) are descriptors; `o`
+    /// (q's shape) and `lse` f32 ((B, Hq, Sq) or (Hq, total_q)) addresses of contiguous
+    /// outputs; the workspace is the stream's own, zeroed, of `workspace_bytes(batch,
+    /// max_blocks · page_size)`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, o, lse, workspace, workspace_bytes))]
+    fn forward(
+        &self,
+        stream: usize,
+        q: Desc,
+        k_cache: Desc,
+        v_cache: Desc,
+        block_table: Desc,
+        seqused_k: Desc,
+        cu_seqlens_q: Option<Desc>,
+        o: u64,
+        lse: u64,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> PyResult<()> {
+        let dt = self.plan.class().dtype;
+        for (name, d) in [("q", &q), ("k_cache", &k_cache), ("v_cache", &v_cache)] {
+            same_dtype(name, d.float(name)?, dt, "the plan")?;
+        }
+        let args = decode_args(
+            dt,
+            &q,
+            &k_cache,
+            &v_cache,
+            &block_table,
+            &seqused_k,
+            cu_seqlens_q.as_ref(),
+            (o, lse),
+        )?;
+        let ws = RawWorkspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        };
+        // SAFETY: as in AttentionPlan::forward; block_table, seqused_k and cu_seqlens_q are
+        // int32 tensors of the same device; the caller keeps seqused_k within the table's
+        // capacity (the kernel clamps to it and to [0, num_blocks)).
+        unsafe {
+            self.plan
+                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .map_err(py_err)
+        }
+    }
+
+    /// Enqueue the append of k, v (batch, s_new, heads_kv, head_dim) into the caches at
+    /// positions `cache_seqlens[b] ..` (the lengths before the append) on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn append_kv(
+        &self,
+        stream: usize,
+        k: Desc,
+        v: Desc,
+        k_cache: Desc,
+        v_cache: Desc,
+        block_table: Desc,
+        cache_seqlens: Desc,
+    ) -> PyResult<()> {
+        let a = append_args(&k, &v, &k_cache, &v_cache, &block_table, &cache_seqlens)?;
+        // SAFETY: as in `forward`; positions past the table's capacity or on block ids out
+        // of range are skipped by the kernel.
+        unsafe {
+            self.plan
+                .append_kv_raw(stream as gpu::RawStream, &a)
+                .map_err(py_err)
+        }
+    }
+}
+
 /// An MoE plan: one MoE layer for one class (dims, dtype, top-k, scoring, shared
 /// expert) and calls of 1..=max_tokens tokens on one device.
 #[pyclass(frozen, module = "flashmoe._core")]
@@ -619,9 +1180,14 @@ impl MoePlan {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_attention, m)?)?;
     m.add_function(wrap_pyfunction!(check_moe, m)?)?;
+    m.add_function(wrap_pyfunction!(check_attention_varlen, m)?)?;
+    m.add_function(wrap_pyfunction!(check_attention_kvcache, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(device_name, m)?)?;
     m.add_class::<AttentionPlan>()?;
     m.add_class::<MoePlan>()?;
+    m.add_class::<VarlenPlan>()?;
+    m.add_class::<DecodePlan>()?;
+    m.add("MAX_Q_PER_SEQ", MAX_Q_PER_SEQ)?;
     Ok(())
 }

@@ -202,6 +202,221 @@ def test_moe_errors_name_tensor_and_rule(case, exc, words):
         assert w in str(e.value), (w, str(e.value))
 
 
+# --------------------------------------------------------------------------- varlen
+
+
+def varlen_tensors(tq=300, tk=400, hq=8, hkv=2, d=128, batch=3, dtype="bf16"):
+    return dict(
+        q=t((tq, hq, d), dtype), k=t((tk, hkv, d), dtype), v=t((tk, hkv, d), dtype),
+        cu_seqlens_q=t((batch + 1,), "i32"), cu_seqlens_k=t((batch + 1,), "i32"),
+    )
+
+
+def check_varlen(d, max_seqlen_q=200, max_seqlen_k=300, **kw):
+    return _core.check_attention_varlen(
+        d["q"], d["k"], d["v"], d["cu_seqlens_q"], d["cu_seqlens_k"], max_seqlen_q, max_seqlen_k, **kw
+    )
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_shapes(d, causal):
+    assert check_varlen(varlen_tensors(d=d), causal=causal) == ((300, 8, d), (8, 300))
+
+
+def test_varlen_packed_qkv_views():
+    # q, k, v as views of one (total, hq + 2 hkv, d) tensor.
+    tot, hq, hkv, d = 97, 8, 2, 64
+    row = contiguous((tot, hq + 2 * hkv, d))
+    dd = varlen_tensors(tq=tot, tk=tot, hq=hq, hkv=hkv, d=d)
+    dd["q"] = t((tot, hq, d), ptr=BASE, strides=row)
+    dd["k"] = t((tot, hkv, d), ptr=BASE + 2 * hq * d, strides=row)
+    dd["v"] = t((tot, hkv, d), ptr=BASE + 2 * (hq + hkv) * d, strides=row)
+    assert check_varlen(dd, max_seqlen_q=50, max_seqlen_k=50, causal=True)[0] == (tot, hq, d)
+
+
+@pytest.mark.parametrize(
+    "case, exc, words",
+    [
+        ("rank", ValueError, ["q must be 3-D (total_tokens, heads, head_dim)", "[2, 300, 8, 128]"]),
+        ("cu_dtype", TypeError, ["cu_seqlens_q has dtype bf16 but int32 is required"]),
+        ("cu_k_len", ValueError, ["cu_seqlens_k must be a contiguous 1-D int32 tensor of 4 elements", "[5]"]),
+        ("cu_stride", ValueError, ["cu_seqlens_q must be a contiguous", "strides [2]"]),
+        ("cu_one", ValueError, ["cu_seqlens_q has 1 elements but batch + 1 >= 2"]),
+        ("head_dim", NotImplementedError, ["head dim 96", "sm_90a"]),
+        ("gqa", ValueError, ["q has 8 heads and k 3"]),
+        ("v_shape", ValueError, ["v has shape [399, 2, 128]", "[400, 2, 128]"]),
+        ("dtype_mix", TypeError, ["k holds f16", "bf16"]),
+        ("max_q", ValueError, ["max_seqlen_q = 301 must be in 1..=300"]),
+        ("max_k_zero", ValueError, ["max_seqlen_k = 0"]),
+        ("seq_stride", ValueError, ["q", "16 bytes"]),
+    ],
+)
+def test_varlen_errors_name_tensor_and_rule(case, exc, words):
+    d = varlen_tensors()
+    kw = {}
+    if case == "rank":
+        d["q"] = t((2, 300, 8, 128))
+    elif case == "cu_dtype":
+        d["cu_seqlens_q"] = t((4,), "bf16")
+    elif case == "cu_k_len":
+        d["cu_seqlens_k"] = t((5,), "i32")
+    elif case == "cu_stride":
+        d["cu_seqlens_q"] = t((4,), "i32", strides=(2,))
+    elif case == "cu_one":
+        d["cu_seqlens_q"], d["cu_seqlens_k"] = t((1,), "i32"), t((1,), "i32")
+    elif case == "head_dim":
+        d = varlen_tensors(d=96)
+    elif case == "gqa":
+        d = varlen_tensors(hkv=3)
+    elif case == "v_shape":
+        d["v"] = t((399, 2, 128))
+    elif case == "dtype_mix":
+        d["k"] = t((400, 2, 128), "f16")
+    elif case == "max_q":
+        kw["max_seqlen_q"] = 301
+    elif case == "max_k_zero":
+        kw["max_seqlen_k"] = 0
+    elif case == "seq_stride":
+        d["q"] = t((300, 8, 128), strides=(8 * 128 + 4, 128, 1))
+    with pytest.raises(exc) as e:
+        check_varlen(d, **kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def cache_tensors(b=3, sq=1, hq=8, hkv=2, d=128, nb=20, ps=16, mb=5, dtype="bf16"):
+    return dict(
+        q=t((b, sq, hq, d), dtype), k_cache=t((nb, ps, hkv, d), dtype), v_cache=t((nb, ps, hkv, d), dtype),
+        block_table=t((b, mb), "i32"), cache_seqlens=t((b,), "i32"),
+    )
+
+
+def check_cache(d, max_q_per_seq=1, **kw):
+    return _core.check_attention_kvcache(
+        d["q"], d["k_cache"], d["v_cache"], d["block_table"], d["cache_seqlens"], d.get("k"), d.get("v"),
+        d.get("cu_seqlens_q"), max_q_per_seq=max_q_per_seq, **kw,
+    )
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kvcache_shapes(d):
+    assert check_cache(cache_tensors(d=d)) == ([3, 1, 8, d], [3, 8, 1])
+    assert check_cache(cache_tensors(sq=4, d=d), max_q_per_seq=4, window=(10, 0), softcap=30.0) == (
+        [3, 4, 8, d], [3, 8, 4])
+
+
+def test_kvcache_mixed_batch_and_append():
+    d = cache_tensors()
+    d["q"], d["cu_seqlens_q"] = t((7, 8, 128)), t((4,), "i32")
+    assert check_cache(d, max_q_per_seq=4) == ([7, 8, 128], [8, 7])
+    d = cache_tensors()
+    d["k"], d["v"] = t((3, 2, 2, 128)), t((3, 2, 2, 128))
+    assert check_cache(d) == ([3, 1, 8, 128], [3, 8, 1])
+    # a dense cache: one page of any length per sequence
+    d = cache_tensors(nb=3, ps=100, mb=1)
+    assert check_cache(d) == ([3, 1, 8, 128], [3, 8, 1])
+
+
+def test_kvcache_strided_block_table_rows():
+    d = cache_tensors()
+    d["block_table"] = t((3, 5), "i32", strides=(8, 1))  # a view of a wider table
+    assert check_cache(d)[0] == [3, 1, 8, 128]
+
+
+@pytest.mark.parametrize(
+    "case, exc, words",
+    [
+        ("rows", ValueError, ["q has 4 rows per sequence", "max_q_per_seq = 2"]),
+        ("seqlens_len", ValueError, ["cache_seqlens must be a contiguous 1-D int32 tensor of 3 elements", "[2]"]),
+        ("seqlens_dtype", TypeError, ["cache_seqlens has dtype f32 but int32 is required"]),
+        ("table_dtype", TypeError, ["block_table has dtype bf16 but int32 is required"]),
+        ("table_rows", ValueError, ["block_table is int32 [2, 5] but [3, max_blocks >= 1] is required"]),
+        ("table_inner", ValueError, ["block_table must be a 2-D int32 tensor", "strides [10, 2]"]),
+        ("page_size", ValueError, ["page_size 24 is not a multiple of 16", "5 columns"]),
+        ("head_dim", ValueError, ["decode head_dim 96"]),
+        ("heads", ValueError, ["heads_q 8 must be a positive multiple of heads_kv 3"]),
+        ("v_cache", ValueError, ["v_cache has shape [20, 16, 2, 64] but [20, 16, 2, 128] is required"]),
+        ("cache_dtype", TypeError, ["k_cache holds f16 elements but bf16 (q's dtype) is required"]),
+        ("cache_rank", ValueError, ["k_cache must be 4-D (num_blocks, page_size, heads_kv, head_dim)"]),
+        ("window", ValueError, ["window (-2, 0)"]),
+        ("softcap", ValueError, ["softcap -1 must be finite and >= 0"]),
+        ("k_only", ValueError, ["k and v are appended together"]),
+        ("k_batch", ValueError, ["k holds new rows of 2 sequences but block_table has 3 rows"]),
+        ("k_dtype", TypeError, ["k holds f16 elements but bf16 (q's dtype) is required"]),
+        ("k_heads", ValueError, ["k_new has shape [3, 2, 4, 128] but [3, 2, 2, 128] is required"]),
+        ("q4_with_cu", ValueError, ["q must be 3-D (total_q, heads_q, head_dim) with cu_seqlens_q"]),
+        ("cu_len", ValueError, ["cu_seqlens_q must be a contiguous 1-D int32 tensor of 4 elements"]),
+        ("cu_total", ValueError, ["q holds 13 rows but 3 sequences of at most max_q_per_seq = 4"]),
+        ("q_stride", ValueError, ["q's stride 1028 (dimension 1) is not a multiple of 8 elements"]),
+        ("max_q", ValueError, ["max_q_per_seq 17 must be in 1..=16"]),
+        ("misaligned", ValueError, ["k_cache at 0x", "16-byte aligned"]),
+        ("empty", ValueError, ["empty decode call"]),
+    ],
+)
+def test_kvcache_errors_name_tensor_and_rule(case, exc, words):
+    d = cache_tensors()
+    kw = {}
+    if case == "rows":
+        d, kw["max_q_per_seq"] = cache_tensors(sq=4), 2
+    elif case == "seqlens_len":
+        d["cache_seqlens"] = t((2,), "i32")
+    elif case == "seqlens_dtype":
+        d["cache_seqlens"] = t((3,), "f32")
+    elif case == "table_dtype":
+        d["block_table"] = t((3, 5), "bf16")
+    elif case == "table_rows":
+        d["block_table"], d["cache_seqlens"] = t((2, 5), "i32"), t((2,), "i32")
+    elif case == "table_inner":
+        d["block_table"] = t((3, 5), "i32", strides=(10, 2))
+    elif case == "page_size":
+        d = cache_tensors(ps=24)
+    elif case == "head_dim":
+        d = cache_tensors(d=96)
+    elif case == "heads":
+        d = cache_tensors(hkv=3)
+    elif case == "v_cache":
+        d["v_cache"] = t((20, 16, 2, 64))
+    elif case == "cache_dtype":
+        d["k_cache"], d["v_cache"] = t((20, 16, 2, 128), "f16"), t((20, 16, 2, 128), "f16")
+    elif case == "cache_rank":
+        d["k_cache"] = t((20, 16, 256))
+    elif case == "window":
+        kw["window"] = (-2, 0)
+    elif case == "softcap":
+        kw["softcap"] = -1.0
+    elif case == "k_only":
+        d["k"] = t((3, 2, 2, 128))
+    elif case == "k_batch":
+        d["k"], d["v"] = t((2, 2, 2, 128)), t((2, 2, 2, 128))
+    elif case == "k_dtype":
+        d["k"], d["v"] = t((3, 2, 2, 128), "f16"), t((3, 2, 2, 128), "f16")
+    elif case == "k_heads":
+        d["k"], d["v"] = t((3, 2, 4, 128)), t((3, 2, 4, 128))
+    elif case == "q4_with_cu":
+        d["cu_seqlens_q"] = t((4,), "i32")
+    elif case == "cu_len":
+        d["q"], d["cu_seqlens_q"], kw["max_q_per_seq"] = t((7, 8, 128)), t((3,), "i32"), 4
+    elif case == "cu_total":
+        d["q"], d["cu_seqlens_q"], kw["max_q_per_seq"] = t((13, 8, 128)), t((4,), "i32"), 4
+    elif case == "q_stride":
+        d, kw["max_q_per_seq"] = cache_tensors(sq=2), 2
+        d["q"] = t((3, 2, 8, 128), strides=(2056, 1028, 128, 1))
+    elif case == "max_q":
+        kw["max_q_per_seq"] = 17
+    elif case == "misaligned":
+        d["k_cache"] = t((20, 16, 2, 128), ptr=BASE + 4)
+    elif case == "empty":
+        d = cache_tensors(sq=0)
+    with pytest.raises(exc) as e:
+        check_cache(d, **kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
 # --------------------------------------------------------------------------- no GPU
 
 
@@ -220,6 +435,10 @@ def test_no_gpu_raises_runtime_error():
         _core.AttentionPlan(0, "bf16", 128, 8, 2, True)
     with pytest.raises(RuntimeError, match="no GPU available"):
         _core.MoePlan(0, "bf16", 256, 128, 8, 2, "softmax", True, False, 64)
+    with pytest.raises(RuntimeError, match="no GPU available"):
+        _core.VarlenPlan(0, "bf16", 128, 8, 2, True)
+    with pytest.raises(RuntimeError, match="no GPU available"):
+        _core.DecodePlan(0, "bf16", 128, 8, 2, 1, (-1, 0), 0.0)
 
 
 def test_plan_arguments_checked_before_the_gpu():
@@ -229,9 +448,16 @@ def test_plan_arguments_checked_before_the_gpu():
         _core.MoePlan(0, "bf16", 256, 128, 8, 2, "tanh", True, False, 64)
     with pytest.raises(ValueError, match="top_k"):
         _core.MoePlan(0, "bf16", 256, 128, 8, 9, "softmax", True, False, 64)
+    with pytest.raises(TypeError, match="a varlen plan takes bf16 or f16"):
+        _core.VarlenPlan(0, "f32", 128, 8, 2, True)
+    with pytest.raises(ValueError, match="max_q_per_seq 0"):
+        _core.DecodePlan(0, "bf16", 128, 8, 2, 0, (-1, 0), 0.0)
+    with pytest.raises(ValueError, match="softcap"):
+        _core.DecodePlan(0, "bf16", 128, 8, 2, 1, (-1, 0), float("nan"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")
 def test_torch_ops_say_they_need_torch():
-    with pytest.raises(ImportError, match="need PyTorch"):
-        flashmoe.attention(None, None, None)
+    for fn in (flashmoe.attention, flashmoe.attention_varlen, flashmoe.attention_with_kvcache, flashmoe.moe):
+        with pytest.raises(ImportError, match="need PyTorch"):
+            fn(None, None, None)

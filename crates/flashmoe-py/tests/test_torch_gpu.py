@@ -320,3 +320,299 @@ def test_cuda_graph_capture_and_replay_bit_identical():
         ref = graph_step(*static, w)
         for name, got, want in zip(("o", "out", "ids", "weights", "counts", "aux", "z"), outs, ref):
             assert torch.equal(got, want), f"replay {step}: {name} differs from eager"
+
+
+# --------------------------------------------------------------------------- varlen
+
+
+def masked_attention_ref(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """float64 attention of one sequence: q (sq, hq, d), k, v (sk, hkv, d); query i sits at key
+    position sk - sq + i (bottom-right); window (left, right) around it, -1 unbounded; causal sets
+    right = 0. Returns o (sq, hq, d) and lse (hq, sq); a row that sees no key gives 0 and -inf."""
+    hq, hkv = q.shape[1], k.shape[1]
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(hq // hkv, dim=1)
+    v64 = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q64, k64) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[0], k.shape[0]
+    left, right = window[0], 0 if causal else window[1]
+    pos = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    masked = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        masked |= j > pos + right
+    if left >= 0:
+        masked |= j < pos - left
+    s = s.masked_fill(masked, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v64), lse
+
+
+def offsets(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu, torch.tensor(cu, dtype=torch.int32, device=DEV)
+
+
+def check_lse(lse, rlse, what):
+    seen = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), seen), f"{what}: lse -inf exactly where a row sees no key"
+    if seen.any():
+        assert (lse[seen].double() - rlse[seen]).abs().max().item() < 1e-3, what
+
+
+VARLEN_CASES = [
+    # dtype, d, hq, hkv, causal, q lengths, k lengths (None: the q lengths)
+    (torch.bfloat16, 128, 8, 2, True, [1, 7, 130, 61, 257, 3], None),
+    (torch.bfloat16, 128, 8, 2, True, [1, 13, 0, 97], [5, 13, 11, 300]),  # chunked prefill, an empty q
+    (torch.bfloat16, 64, 6, 1, False, [2, 31, 1, 200], [0, 31, 17, 389]),  # MQA, an empty k
+    (torch.float16, 128, 4, 4, True, [127, 1, 129], None),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES)
+def test_attention_varlen_matches_f64(case):
+    dtype, d, hq, hkv, causal, lq, lk = case
+    lk = lk or lq
+    cu_q, cu_q_t = offsets(lq)
+    cu_k, cu_k_t = offsets(lk)
+    q = torch.randn(cu_q[-1], hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(cu_k[-1], hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(cu_k[-1], hkv, d, dtype=dtype, device=DEV)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lq), max(lk), causal=causal,
+                                       return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (hq, cu_q[-1])
+    for b in range(len(lq)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq[b] == 0:
+            continue
+        ro, rlse = masked_attention_ref(q[qs], k[ks], v[ks], scale, causal)
+        check_lse(lse[:, qs], rlse, f"sequence {b} lse")
+        assert torch.isfinite(o[qs]).all(), f"sequence {b}: non-finite o"
+        if lk[b] == 0:
+            assert (o[qs] == 0).all(), "a sequence without keys gives 0"
+            continue
+        gate(o[qs], ro, dtype, f"sequence {b} (sq {lq[b]}, sk {lk[b]})")
+
+
+def test_attention_varlen_views_and_scale():
+    lens = [37, 1, 211]
+    cu, cu_t = offsets(lens)
+    hq, hkv, d = 8, 2, 128
+    qkv = torch.randn(cu[-1], hq + 2 * hkv, d, dtype=torch.bfloat16, device=DEV)
+    q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+    assert not q.is_contiguous()
+    o_view = flashmoe.attention_varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=True)
+    o_copy = flashmoe.attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_t, cu_t,
+                                       max(lens), max(lens), causal=True)
+    assert torch.equal(o_view, o_copy)
+    o = flashmoe.attention_varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=True, softmax_scale=0.05)
+    for b in range(len(lens)):
+        s = slice(cu[b], cu[b + 1])
+        gate(o[s], masked_attention_ref(q[s], k[s], v[s], 0.05, True)[0], torch.bfloat16, f"scaled {b}")
+
+
+def test_attention_varlen_errors():
+    q = torch.randn(10, 4, 64, dtype=torch.bfloat16, device=DEV)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEV)
+    with pytest.raises(TypeError, match="cu_seqlens_q has dtype torch.int64 but torch.int32 is required"):
+        flashmoe.attention_varlen(q, q, q, cu.long(), cu, 6, 6)
+    with pytest.raises(ValueError, match="cu_seqlens_k is on cpu"):
+        flashmoe.attention_varlen(q, q, q, cu, cu.cpu(), 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_q = 11"):
+        flashmoe.attention_varlen(q, q, q, cu, cu, 11, 6)
+    with pytest.raises(ValueError, match="3-D"):
+        flashmoe.attention_varlen(q[None], q[None], q[None], cu, cu, 6, 6)
+
+
+# --------------------------------------------------------------------------- paged KV cache
+
+
+def paged_cache(lengths, hkv, d, page_size, dtype, spare_blocks=3):
+    """A paged cache holding `lengths[b]` random keys per sequence through a random block table
+    (every sequence owns max_blocks distinct blocks); every other position is NaN, so a read past
+    a sequence's length shows."""
+    b = len(lengths)
+    max_blocks = max(1, max(math.ceil(n / page_size) for n in lengths))
+    num_blocks = b * max_blocks + spare_blocks
+    table = torch.randperm(num_blocks, device=DEV)[: b * max_blocks].view(b, max_blocks).to(torch.int32)
+    k_cache = torch.full((num_blocks, page_size, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    keys, values = [], []
+    for i, n in enumerate(lengths):
+        kk = torch.randn(n, hkv, d, dtype=dtype, device=DEV)
+        vv = torch.randn(n, hkv, d, dtype=dtype, device=DEV)
+        write_rows(k_cache, table[i], 0, kk)
+        write_rows(v_cache, table[i], 0, vv)
+        keys.append(kk)
+        values.append(vv)
+    return k_cache, v_cache, table, keys, values
+
+
+def write_rows(cache, row, start, x):
+    pos = torch.arange(start, start + x.shape[0], device=DEV)
+    page = cache.shape[1]
+    cache[row[pos // page].long(), pos % page] = x
+
+
+def read_rows(cache, row, n):
+    pos = torch.arange(n, device=DEV)
+    page = cache.shape[1]
+    return cache[row[pos // page].long(), pos % page]
+
+
+KVCACHE_CASES = [
+    # dtype, d, hq, hkv, page, cache lengths, q rows (int: uniform; list: cu_seqlens_q), s_new appended,
+    # causal, window, softcap
+    (torch.bfloat16, 128, 8, 2, 16, [1, 17, 130, 61, 2], 1, 0, True, (-1, -1), 0.0),
+    (torch.bfloat16, 128, 8, 2, 64, [3, 1000, 97, 1], 4, 4, True, (100, -1), 0.0),
+    (torch.float16, 64, 4, 4, 32, [29, 2, 131], 1, 1, False, (-1, -1), 30.0),
+    (torch.bfloat16, 256, 16, 2, 16, [7, 4099], 2, 0, True, (-1, -1), 50.0),  # long: KV splits
+    (torch.bfloat16, 128, 8, 2, 16, [2003, 5], 3, 0, False, (31, 5), 0.0),  # sliding window, splits
+    (torch.bfloat16, 128, 8, 2, 16, [11, 5, 40, 1, 23], [1, 3, 0, 1, 7], 0, True, (-1, -1), 0.0),  # mixed
+]
+
+
+@pytest.mark.parametrize("case", KVCACHE_CASES)
+def test_attention_with_kvcache_matches_f64(case):
+    dtype, d, hq, hkv, page, lengths, rows, s_new, causal, window, softcap = case
+    b = len(lengths)
+    final = [n + s_new for n in lengths]
+    k_cache, v_cache, table, keys, values = paged_cache(final, hkv, d, page, dtype)
+    if s_new:  # the last s_new rows of each sequence come with the call
+        k_new = torch.stack([kk[-s_new:] for kk in keys])
+        v_new = torch.stack([vv[-s_new:] for vv in values])
+        for i, n in enumerate(lengths):  # and are not in the cache yet
+            write_rows(k_cache, table[i], n, torch.full_like(k_new[i], float("nan")))
+            write_rows(v_cache, table[i], n, torch.full_like(v_new[i], float("nan")))
+    else:
+        k_new = v_new = None
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    if isinstance(rows, list):
+        cu, cu_t = offsets(rows)
+        q = torch.randn(cu[-1], hq, d, dtype=dtype, device=DEV)
+        q_of = [q[cu[i]:cu[i + 1]] for i in range(b)]
+        extra = dict(cu_seqlens_q=cu_t, max_seqlen_q=max(rows))
+    else:
+        q = torch.randn(b, rows, hq, d, dtype=dtype, device=DEV)
+        q_of = list(q)
+        extra = {}
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention_with_kvcache(
+        q, k_cache, v_cache, block_table=table, cache_seqlens=seqlens, k=k_new, v=v_new, causal=causal,
+        window_size=window, softcap=softcap, return_lse=True, **extra)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and o.dtype == dtype
+    assert torch.equal(seqlens.cpu(), torch.tensor(lengths, dtype=torch.int32)), "cache_seqlens unchanged"
+    for i in range(b):
+        assert torch.equal(read_rows(k_cache, table[i], final[i]), keys[i]), f"k_cache of sequence {i}"
+        assert torch.equal(read_rows(v_cache, table[i], final[i]), values[i]), f"v_cache of sequence {i}"
+        if q_of[i].shape[0] == 0:
+            continue
+        ro, rlse = masked_attention_ref(q_of[i], keys[i], values[i], scale, causal, window, softcap)
+        if extra:
+            o_i, lse_i = o[cu[i]:cu[i + 1]], lse[:, cu[i]:cu[i + 1]]
+        else:
+            o_i, lse_i = o[i], lse[i]
+        check_lse(lse_i, rlse, f"sequence {i} lse")
+        gate(o_i, ro, dtype, f"sequence {i} ({final[i]} keys)")
+
+
+def test_attention_with_kvcache_errors():
+    k_cache, v_cache, table, _, _ = paged_cache([5, 9], 2, 64, 16, torch.bfloat16)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16, device=DEV)
+    kw = dict(block_table=table, cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match="q has 17 rows per sequence"):
+        flashmoe.attention_with_kvcache(q.expand(2, 17, 4, 64), k_cache, v_cache, **kw)
+    with pytest.raises(TypeError, match="block_table has dtype torch.int64 but torch.int32 is required"):
+        flashmoe.attention_with_kvcache(q, k_cache, v_cache, block_table=table.long(), cache_seqlens=seqlens)
+    with pytest.raises(ValueError, match="k and v are appended together"):
+        flashmoe.attention_with_kvcache(q, k_cache, v_cache, k=q[:, :, :2], **kw)
+    with pytest.raises(ValueError, match="cache_seqlens is on cpu"):
+        flashmoe.attention_with_kvcache(q, k_cache, v_cache, block_table=table, cache_seqlens=seqlens.cpu())
+    with pytest.raises(TypeError, match="k_cache has dtype torch.float16 but q has torch.bfloat16"):
+        flashmoe.attention_with_kvcache(q, k_cache.half(), v_cache.half(), **kw)
+    with pytest.raises(ValueError, match="softcap"):
+        flashmoe.attention_with_kvcache(q, k_cache, v_cache, softcap=-1.0, **kw)
+
+
+# --------------------------------------------------------------------------- inference step: compile, graphs
+
+
+def inference_step(q_dec, k_new, v_new, k_cache, v_cache, table, seqlens, q_pre, kv_pre, cu, max_len):
+    """One decode step with an append into the paged cache, then a varlen prefill."""
+    o_dec = flashmoe.attention_with_kvcache(q_dec, k_cache, v_cache, block_table=table, cache_seqlens=seqlens,
+                                            k=k_new, v=v_new, window_size=(200, -1), softcap=20.0)
+    k_pre, v_pre = kv_pre.unbind(1)
+    o_pre, lse = flashmoe.attention_varlen(q_pre, k_pre, v_pre, cu, cu, max_len, max_len, causal=True,
+                                           return_lse=True)
+    return o_dec * 2, o_pre, lse
+
+
+def inference_inputs():
+    b, hq, hkv, d = 3, 8, 2, 128
+    lengths = [37, 301, 5]
+    # room for the appended row of each of the graph test's steps (positions past it are NaN)
+    k_cache, v_cache, table, _, _ = paged_cache([n + 4 for n in lengths], hkv, d, 16, torch.bfloat16)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    lens = [19, 1, 64]
+    _, cu = offsets(lens)
+    return dict(
+        q_dec=torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device=DEV),
+        k_new=torch.randn(b, 1, hkv, d, dtype=torch.bfloat16, device=DEV),
+        v_new=torch.randn(b, 1, hkv, d, dtype=torch.bfloat16, device=DEV),
+        k_cache=k_cache, v_cache=v_cache, table=table, seqlens=seqlens,
+        q_pre=torch.randn(sum(lens), hq, d, dtype=torch.bfloat16, device=DEV),
+        kv_pre=torch.randn(sum(lens), 2, hkv, d, dtype=torch.bfloat16, device=DEV),
+        cu=cu, max_len=sum(lens),  # a bound for any lengths of the same total (graph replays)
+    )
+
+
+@torch.no_grad()
+def test_torch_compile_traces_the_inference_ops():
+    compiled = torch.compile(inference_step, fullgraph=True)
+    for _ in range(2):
+        x = inference_inputs()
+        y = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+        eager = inference_step(**x)
+        comp = compiled(**y)
+        for name, e, c in zip(("decode", "prefill", "lse"), eager, comp):
+            assert torch.equal(e, c), f"compiled {name} differs from eager"
+        # the compiled append wrote the caches in place, as the eager one did
+        assert torch.equal(x["k_cache"].nan_to_num(7.0), y["k_cache"].nan_to_num(7.0))
+        assert torch.equal(x["v_cache"].nan_to_num(7.0), y["v_cache"].nan_to_num(7.0))
+
+
+@torch.no_grad()
+def test_cuda_graph_of_the_inference_ops():
+    x = inference_inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: plans built, workspaces zeroed before capture
+        inference_step(**x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = inference_step(**x)
+    lens_per_replay = [[19, 1, 64], [1, 82, 1], [40, 40, 4]]  # same totals: new offsets, same graph
+    for step, lens in enumerate(lens_per_replay):
+        for n in ("q_dec", "k_new", "v_new", "q_pre", "kv_pre"):
+            x[n].copy_(torch.randn_like(x[n]))
+        x["cu"].copy_(offsets(lens)[1])
+        x["seqlens"].add_(step)  # the decode position moves on
+        g.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in outs]
+        ref = inference_step(**x)
+        for name, a, e in zip(("decode", "prefill", "lse"), got, ref):
+            assert torch.isfinite(a).all(), f"replay {step}: {name} not finite"
+            assert torch.equal(a, e), f"replay {step}: {name} differs from eager"

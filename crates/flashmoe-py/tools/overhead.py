@@ -4,7 +4,8 @@
 
 The shapes of the library's api_overhead example (crates/flashmoe/examples/api_overhead.rs):
 attention B=1 Hq=32 Hkv=8 S=128 D=128 causal bf16, and the MoE layer H=1024 I=3584 E=8 k=2 at
-16 and 128 tokens. For each, the host time per call (enqueue only; 20 batches of 200 calls,
+16 and 128 tokens; then a paged decode step and a varlen prefill (binding, public and kernel
+only). For each, the host time per call (enqueue only; 20 batches of 200 calls,
 the stream drained between batches; medians) of:
 
 - ``binding``: the core binding's ``plan.forward`` with prebuilt descriptors and outputs, i.e.
@@ -99,7 +100,7 @@ def attention_figures():
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, s, dtype=torch.float32, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
-    ws, wsb = _torch._attention_workspace(plan.workspace_bytes, 0, stream)
+    ws, wsb = _torch._workspace("prefill", plan.workspace_bytes, 0, stream)
     descs = [_torch._desc(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
     o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
 
@@ -126,6 +127,73 @@ def attention_figures():
         ),
         "kernel_us": kernel_us(public),
         "back_to_back_us": back_to_back_us(public),
+    }
+    fig["python_overhead_us"] = fig["public_host_us"] - fig["binding_host_us"]
+    return fig
+
+
+def decode_figures():
+    """A decode step: B=8 Hq=32 Hkv=8 D=128 bf16, one query row, 1000 keys, 16-key pages."""
+    dev = torch.device("cuda", 0)
+    b, hq, hkv, d, page, n = 8, 32, 8, 128, 16, 1000
+    max_blocks = (n + page - 1) // page
+    k_cache = torch.randn(b * max_blocks, page, hkv, d, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(b * max_blocks, device=dev).view(b, max_blocks).to(torch.int32)
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
+    q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device=dev)
+    public = lambda: flashmoe.attention_with_kvcache(q, k_cache, v_cache, block_table=table,  # noqa: E731
+                                                      cache_seqlens=seqlens)
+    public()
+    plan = _torch._decode_plan(0, torch.bfloat16, d, hq, hkv, 1, -1, 0, 0.0, None)
+    o = torch.empty_like(q)
+    lse = torch.empty(b, hq, 1, dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    ws, wsb = _torch._workspace("decode", plan.workspace_bytes(b, max_blocks * page), 0, stream)
+    descs = [_torch._desc(q, "q"), _torch._desc(k_cache, "k"), _torch._desc(v_cache, "v"),
+             _torch._idesc(table, "t"), _torch._idesc(seqlens, "s"), None]
+    o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+
+    def binding():
+        plan.forward(stream, *descs, o_ptr, lse_ptr, ws, wsb)
+
+    fig = {
+        "shape": dict(batch=b, heads_q=hq, heads_kv=hkv, head_dim=d, page_size=page, seqlen_k=n, dtype="bf16"),
+        "binding_host_us": host_us(binding),
+        "public_host_us": host_us(public),
+        "kernel_us": kernel_us(public),
+    }
+    fig["python_overhead_us"] = fig["public_host_us"] - fig["binding_host_us"]
+    return fig
+
+
+def varlen_figures():
+    """A small packed prefill (host-bound: 4 sequences, 102 tokens), Hq=32 Hkv=8 D=128 causal bf16."""
+    dev = torch.device("cuda", 0)
+    lens, hq, hkv, d = [10, 40, 25, 27], 32, 8, 128
+    cu = torch.tensor([0, 10, 50, 75, 102], dtype=torch.int32, device=dev)
+    q = torch.randn(sum(lens), hq, d, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(sum(lens), hkv, d, dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    public = lambda: flashmoe.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)  # noqa: E731
+    public()
+    plan = _torch._varlen_plans[(0, torch.bfloat16, d, hq, hkv, True, None)]
+    o = torch.empty_like(q)
+    lse = torch.empty(hq, sum(lens), dtype=torch.float32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    ws, wsb = _torch._workspace("varlen", plan.workspace_bytes, 0, stream)
+    descs = [_torch._desc(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
+    descs += [_torch._idesc(cu, "cu_q"), _torch._idesc(cu, "cu_k"), max(lens), max(lens)]
+    o_ptr, lse_ptr = o.data_ptr(), lse.data_ptr()
+
+    def binding():
+        plan.forward(stream, *descs, o_ptr, lse_ptr, ws, wsb)
+
+    fig = {
+        "shape": dict(lengths=lens, heads_q=hq, heads_kv=hkv, head_dim=d, causal=True, dtype="bf16"),
+        "binding_host_us": host_us(binding),
+        "public_host_us": host_us(public),
+        "kernel_us": kernel_us(public, calls=20),
     }
     fig["python_overhead_us"] = fig["public_host_us"] - fig["binding_host_us"]
     return fig
@@ -181,6 +249,8 @@ def main():
         "python": sys.version.split()[0],
         "attention": attention_figures(),
         "moe": [moe_figures(t) for t in (16, 128)],
+        "decode": decode_figures(),
+        "varlen": varlen_figures(),
     }
     text = json.dumps(res, indent=2)
     print(text)

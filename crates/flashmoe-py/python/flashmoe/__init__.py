@@ -1,19 +1,24 @@
 """flashmoe: FlashAttention and Mixture-of-Experts kernels as PyTorch ops.
 
-``flashmoe.attention`` and ``flashmoe.moe`` run flashmoe's plans on PyTorch tensors, on
-the current CUDA stream, without copies (docs/python.md). They are registered as
-``torch.ops.flashmoe.attention`` / ``torch.ops.flashmoe.moe`` custom ops with fake
+``flashmoe.attention``, ``attention_varlen``, ``attention_with_kvcache`` and ``moe`` run
+flashmoe's plans on PyTorch tensors, on the current CUDA stream, without copies
+(docs/python.md). They are registered as ``torch.ops.flashmoe.*`` custom ops with fake
 implementations, so ``torch.compile`` traces them and CUDA graphs capture them.
 
 The extension module ``flashmoe._core`` imports without torch: it describes tensors as
 ``(data_ptr, dtype, shape, strides)`` tuples and holds the shape checks
-(``check_attention``, ``check_moe``) and the plans (``AttentionPlan``, ``MoePlan``).
+(``check_attention``, ``check_attention_varlen``, ``check_attention_kvcache``, ``check_moe``)
+and the plans (``AttentionPlan``, ``VarlenPlan``, ``DecodePlan``, ``MoePlan``).
 """
 
 from ._core import (  # noqa: F401
     AttentionPlan,
+    DecodePlan,
     MoePlan,
+    VarlenPlan,
     check_attention,
+    check_attention_kvcache,
+    check_attention_varlen,
     check_moe,
     device_count,
     device_name,
@@ -25,24 +30,31 @@ except ImportError:  # the core binding stays usable; the torch ops say what the
     _torch = None
 
 if _torch is not None:
-    from ._torch import MoeOutput, attention, moe  # noqa: F401
+    from ._torch import MoeOutput, attention, attention_varlen, attention_with_kvcache, moe  # noqa: F401
 else:
 
     def _needs_torch(*_args, **_kwargs):
         raise ImportError(
-            "flashmoe.attention and flashmoe.moe need PyTorch (pip install torch); "
+            "flashmoe.attention, attention_varlen, attention_with_kvcache and moe need "
+            "PyTorch (pip install torch); "
             "flashmoe._core works without it"
         )
 
-    attention = moe = _needs_torch
+    attention = attention_varlen = attention_with_kvcache = moe = _needs_torch
 
 __all__ = [
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "moe",
     "MoeOutput",
     "AttentionPlan",
+    "VarlenPlan",
+    "DecodePlan",
     "MoePlan",
     "check_attention",
+    "check_attention_varlen",
+    "check_attention_kvcache",
     "check_moe",
     "device_count",
     "device_name",

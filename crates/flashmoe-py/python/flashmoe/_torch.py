@@ -80,10 +80,30 @@ except AttributeError:  # pragma: no cover - older or future torch
 # attention
 
 _attention_plans = {}
-# (device index, stream) -> [uint8 tensor, zeroed outside any graph capture, address, bytes]
-_attention_workspaces = {}
+# (kernel family, device index, stream) -> [uint8 tensor, zeroed outside any graph capture,
+# address, bytes]. Each family ("prefill", "varlen", "decode") leaves its workspace zeroed after
+# every launch in its own way (the decode kernel only its tickets), so families never share one.
+_workspaces = {}
 # Workspaces that a larger plan replaced: never freed, since a captured graph may hold their address.
 _retired_workspaces = []
+
+
+# (device index, stream) -> (uint8 tensor, address, bytes): where eager launches whose caller did
+# not ask for lse write it. Nobody reads it, and launches on one stream run in order, so one
+# buffer per stream replaces an output allocation per call (a few µs of host time). Kept, never
+# freed, when outgrown (a captured graph may hold its address).
+_lse_sinks = {}
+
+
+def _lse_sink(nbytes: int, index: int, stream: int) -> int:
+    entry = _lse_sinks.get((index, stream))
+    if entry is None or entry[2] < nbytes:
+        if entry is not None:
+            _retired_workspaces.append(entry[0])
+        t = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, device=torch.device("cuda", index))
+        entry = (t, t.data_ptr(), t.numel())
+        _lse_sinks[(index, stream)] = entry
+    return entry[1]
 
 
 def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale):
@@ -96,20 +116,20 @@ def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, caus
     return plan
 
 
-def _attention_workspace(needed: int, index: int, stream: int):
-    """The zeroed workspace of `stream`: the kernel leaves it zeroed after every launch, so one
-    allocation serves every later launch on that stream (launches on other streams may run at the
-    same time and get their own)."""
+def _workspace(family: str, needed: int, index: int, stream: int):
+    """The zeroed workspace of `stream` for a kernel family: its kernels leave it zeroed after
+    every launch, so one allocation serves every later launch on that stream (launches on other
+    streams may run at the same time and get their own)."""
     if needed == 0:
         return 0, 0
-    key = (index, stream)
-    entry = _attention_workspaces.get(key)
+    key = (family, index, stream)
+    entry = _workspaces.get(key)
     if entry is None or entry[3] < needed:
         if entry is not None:
             _retired_workspaces.append(entry[0])
         ws = torch.empty(needed, dtype=torch.uint8, device=torch.device("cuda", index))
         entry = [ws, False, ws.data_ptr(), needed]
-        _attention_workspaces[key] = entry
+        _workspaces[key] = entry
     if not entry[1]:
         # Zeroing inside a capture happens only when the graph replays, so it is repeated in each
         # capture until one zeroing has run eagerly.
@@ -121,6 +141,19 @@ def _attention_workspace(needed: int, index: int, stream: int):
 _lib = torch.library.Library("flashmoe", "DEF")
 _lib.define(
     "attention(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+    "int max_seqlen_q, int max_seqlen_k, bool causal, float? softmax_scale) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seqused_k, "
+    "Tensor? cu_seqlens_q, int max_q_per_seq, int window_left, int window_right, float softcap, "
+    "float? softmax_scale) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "append_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
+    "Tensor cache_seqlens) -> ()"
 )
 _lib.define(
     "moe(Tensor x, Tensor router_w, Tensor w13, Tensor w2, Tensor? shared_w13, Tensor? shared_w2, "
@@ -136,21 +169,26 @@ def _register(name, impl, fake):
     torch.library.register_fake(f"flashmoe::{name}", fake, lib=_lib)
 
 
-def _attention_impl(q, k, v, causal, softmax_scale):
+def _attention_impl(q, k, v, causal, softmax_scale, want_lse=True):
     index = _device_index((("q", q), ("k", k), ("v", v)))
     _same_dtype((("q", q), ("k", k), ("v", v)))
     dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         _core.check_attention(dq, dk, dv, causal, softmax_scale)  # raises, naming the tensor
-    b, sq, hq, d = q.shape
+    b, sq, hq, d = dq[2]
     plan = _attention_plans.get((index, q.dtype, d, hq, k.shape[2], causal, softmax_scale))
     if plan is None:
         plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale)
-    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    dev = q.device
+    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     stream = _raw_stream(index)
-    ws, ws_bytes = _attention_workspace(plan.workspace_bytes, index, stream)
-    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse.data_ptr(), ws, ws_bytes)
+    if want_lse:
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * b * hq * sq, index, stream)
+    ws, ws_bytes = _workspace("prefill", plan.workspace_bytes, index, stream)
+    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse_ptr, ws, ws_bytes)
     return o, lse
 
 
@@ -189,9 +227,253 @@ def attention(
     ``torch.ops.flashmoe.attention``. Forward only (no autograd formula).
     """
     if _plain(q, k, v):
-        o, lse = _attention_impl(q, k, v, causal, softmax_scale)
+        o, lse = _attention_impl(q, k, v, causal, softmax_scale, return_lse)
     else:
         o, lse = _attention_op(q, k, v, causal, softmax_scale)
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen prefill and paged-KV-cache attention
+
+
+def _idesc(t: torch.Tensor, name: str):
+    """The descriptor of an int32 index tensor (offsets, lengths, block table)."""
+    if t.dtype is not torch.int32:
+        raise TypeError(f"{name} has dtype {t.dtype} but torch.int32 is required")
+    return (t.data_ptr(), "i32", t.shape, t.stride())
+
+
+_varlen_plans = {}
+
+
+def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           want_lse=True):
+    named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
+    index = _device_index(named)
+    _same_dtype(named[:3])
+    dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
+    cq, ck = _idesc(cu_seqlens_q, "cu_seqlens_q"), _idesc(cu_seqlens_k, "cu_seqlens_k")
+    if q.dim() != 3 or k.dim() != 3:
+        _core.check_attention_varlen(dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k)  # raises, naming it
+    tq, hq, d = q.shape
+    key = (index, q.dtype, d, hq, k.shape[1], causal, softmax_scale)
+    plan = _varlen_plans.get(key)
+    if plan is None:
+        plan = _core.VarlenPlan(index, dq[1], d, hq, k.shape[1], causal, softmax_scale)
+        _varlen_plans[key] = plan
+    o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
+    stream = _raw_stream(index)
+    if want_lse:
+        lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * hq * tq, index, stream)
+    ws, ws_bytes = _workspace("varlen", plan.workspace_bytes, index, stream)
+    plan.forward(stream, dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k, o.data_ptr(), lse_ptr, ws, ws_bytes)
+    return o, lse
+
+
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D (total_q, heads_q, head_dim) but has shape {list(q.shape)}")
+    tq, hq, d = q.shape
+    return q.new_empty((tq, hq, d)), q.new_empty((hq, tq), dtype=torch.float32)
+
+
+_register("attention_varlen", _attention_varlen_impl, _attention_varlen_fake)
+_attention_varlen_op = torch.ops.flashmoe.attention_varlen.default
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention over a packed batch of sequences of unequal lengths (``flash_attn_varlen_func``).
+
+    q (total_q, heads_q, head_dim); k, v (total_k, heads_kv, head_dim), heads_q a multiple of
+    heads_kv; int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` [batch + 1] on the same device (sequence b
+    is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k, v).
+    ``max_seqlen_q`` sizes the grid and must be at least the longest query sequence; both maxima
+    are host ints (nothing is read back from the device). Returns o (total_q, heads_q, head_dim)
+    and with ``return_lse`` also lse (heads_q, total_q) f32. Causal is bottom-right per sequence.
+    sm_90a (H100/H200) only, head dims 64 and 128; q, k, v may be strided views as in
+    ``attention``. Rows of o outside every sequence are not written.
+    """
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        o, lse = _attention_varlen_impl(*args, return_lse)
+    else:
+        o, lse = _attention_varlen_op(*args)
+    return (o, lse) if return_lse else o
+
+
+_decode_plans = {}
+_MAX_Q = _core.MAX_Q_PER_SEQ  # most query rows per sequence of a decode call (16)
+# Rows per sequence a decode plan is built for: Sq rounded up to a power of two (≤ 16), so a few
+# plans serve every call.
+_Q_BUCKETS = [1, 1, 2, 4, 4] + [8] * 4 + [16] * 8
+
+
+def _decode_plan(index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale):
+    key = (index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale)
+    plan = _decode_plans.get(key)
+    if plan is None:
+        plan = _core.DecodePlan(
+            index, _DTYPES[dtype], d, hq, hkv, max_q, (window_left, window_right), softcap, softmax_scale
+        )
+        _decode_plans[key] = plan
+    return plan
+
+
+def _cache_named(q, k_cache, v_cache, block_table, seqlens, seqlens_name, cu_seqlens_q):
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table),
+             (seqlens_name, seqlens)]
+    if cu_seqlens_q is not None:
+        named.append(("cu_seqlens_q", cu_seqlens_q))
+    return named
+
+
+def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, max_q_per_seq,
+                            window_left, window_right, softcap, softmax_scale, want_lse=True):
+    named = _cache_named(q, k_cache, v_cache, block_table, seqused_k, "cache_seqlens", cu_seqlens_q)
+    index = _device_index(named)
+    _same_dtype(named[:3])
+    dq, dkc, dvc = _desc(q, "q"), _desc(k_cache, "k_cache"), _desc(v_cache, "v_cache")
+    dbt, dsu = _idesc(block_table, "block_table"), _idesc(seqused_k, "cache_seqlens")
+    dcu = _idesc(cu_seqlens_q, "cu_seqlens_q") if cu_seqlens_q is not None else None
+    if k_cache.dim() != 4 or block_table.dim() != 2 or q.dim() != (3 if dcu else 4):
+        _core.check_attention_kvcache(dq, dkc, dvc, dbt, dsu, None, None, dcu, max_q_per_seq=max_q_per_seq,
+                                      window=(window_left, window_right), softcap=softcap,
+                                      softmax_scale=softmax_scale)  # raises, naming the tensor
+    hq, d = q.shape[-2], q.shape[-1]
+    plan = _decode_plan(index, q.dtype, d, hq, k_cache.shape[2], max_q_per_seq, window_left, window_right,
+                        softcap, softmax_scale)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    stream = _raw_stream(index)
+    if want_lse:
+        lse_shape = (hq, q.shape[0]) if dcu else (q.shape[0], hq, q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * (q.numel() // d), index, stream)  # one f32 per (row, head)
+    # The split count (and so the workspace) follows the table's capacity, a host-side shape.
+    need = plan.workspace_bytes(block_table.shape[0], block_table.shape[1] * k_cache.shape[1])
+    ws, ws_bytes = _workspace("decode", need, index, stream)
+    plan.forward(stream, dq, dkc, dvc, dbt, dsu, dcu, o.data_ptr(), lse_ptr, ws, ws_bytes)
+    return o, lse
+
+
+def _attention_kvcache_fake(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, max_q_per_seq,
+                            window_left, window_right, softcap, softmax_scale):
+    hq = q.shape[-2]
+    if cu_seqlens_q is not None:
+        lse_shape = (hq, q.shape[0])
+    elif q.dim() == 4:
+        lse_shape = (q.shape[0], hq, q.shape[1])
+    else:
+        raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {list(q.shape)}")
+    return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _append_kv_impl(k, v, k_cache, v_cache, block_table, cache_seqlens):
+    named = _cache_named(k, k_cache, v_cache, block_table, cache_seqlens, "cache_seqlens", None)
+    named[0] = ("k", k)
+    named.append(("v", v))
+    index = _device_index(named)
+    _same_dtype([named[0], named[-1], named[1], named[2]])
+    dk, dv = _desc(k, "k"), _desc(v, "v")
+    dkc, dvc = _desc(k_cache, "k_cache"), _desc(v_cache, "v_cache")
+    dbt, dcs = _idesc(block_table, "block_table"), _idesc(cache_seqlens, "cache_seqlens")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D (batch, s_new, heads_kv, head_dim) but has shape {list(k.shape)}")
+    # The append kernel depends only on the KV heads and head dim: a one-row causal class.
+    hkv, d = k.shape[2], k.shape[3]
+    plan = _decode_plan(index, k.dtype, d, hkv, hkv, 1, -1, 0, 0.0, None)
+    plan.append_kv(_raw_stream(index), dk, dv, dkc, dvc, dbt, dcs)
+
+
+def _append_kv_fake(k, v, k_cache, v_cache, block_table, cache_seqlens):
+    return None
+
+
+_register("attention_kvcache", _attention_kvcache_impl, _attention_kvcache_fake)
+_register("append_kv", _append_kv_impl, _append_kv_fake)
+_attention_kvcache_op = torch.ops.flashmoe.attention_kvcache.default
+_append_kv_op = torch.ops.flashmoe.append_kv.default
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    causal: bool = True,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Attention of new query rows over a paged KV cache (``flash_attn_with_kvcache``).
+
+    q (batch, seqlen_q, heads_q, head_dim), seqlen_q ≤ 16; or with int32 ``cu_seqlens_q``
+    [batch + 1] a packed (total_q, heads_q, head_dim) of sequences of 0..``max_seqlen_q`` rows
+    each (default 16; decode, speculative and chunked-prefill rows in one call). k_cache, v_cache
+    (num_blocks, page_size, heads_kv, head_dim); int32 ``block_table`` (batch, max_blocks) of
+    block ids; int32 ``cache_seqlens`` [batch]: the keys in the cache per sequence. With ``k``,
+    ``v`` (batch, s_new, heads_kv, head_dim) the new rows are first written into the caches at
+    positions cache_seqlens[b].. (the pages must exist in the table) and attention runs over
+    cache_seqlens + s_new keys; ``cache_seqlens`` itself is not changed (advance it yourself).
+    ``causal`` is bottom-right aligned and sets window_size[1] to 0; ``window_size`` (left, right)
+    with -1 unbounded; ``softcap`` > 0 applies softcap·tanh(s/softcap). Returns o like q and with
+    ``return_lse`` also lse (batch, heads_q, seqlen_q), or (heads_q, total_q) with cu_seqlens_q.
+    bf16/f16, head dims 64, 128, 256, sm_80 or newer.
+    """
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: give both or neither")
+    if cu_seqlens_q is None:
+        if q.dim() != 4:
+            raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {list(q.shape)}")
+        rows, what = q.shape[1], f"q has {q.shape[1]} rows per sequence"
+    else:
+        rows = _MAX_Q if max_seqlen_q is None else max_seqlen_q
+        what = f"max_seqlen_q is {rows}"
+    if rows > _MAX_Q:
+        raise ValueError(
+            f"{what} but attention_with_kvcache takes at most {_MAX_Q} "
+            "(longer prefills: attention_varlen)"
+        )
+    max_q = _Q_BUCKETS[max(rows, 1)]  # rows = 0: the call itself is rejected as empty
+    left, right = window_size
+    if causal:
+        right = 0
+    plain = _plain(q, k_cache, v_cache, block_table, cache_seqlens) and (k is None or _plain(k, v)) and (
+        cu_seqlens_q is None or type(cu_seqlens_q) is torch.Tensor
+    )
+    seqused = cache_seqlens
+    if k is not None:
+        (_append_kv_impl if plain else _append_kv_op)(k, v, k_cache, v_cache, block_table, cache_seqlens)
+        seqused = cache_seqlens + k.shape[1]
+    args = (q, k_cache, v_cache, block_table, seqused, cu_seqlens_q, max_q, left, right, float(softcap), softmax_scale)
+    if plain:
+        o, lse = _attention_kvcache_impl(*args, return_lse)
+    else:
+        o, lse = _attention_kvcache_op(*args)
     return (o, lse) if return_lse else o
 
 

@@ -184,6 +184,45 @@ impl DecodeClass {
         Ok(())
     }
 
+    /// The checks of [`DecodePlan::check`] that need no device: every shape, dtype, stride
+    /// and alignment rule, with the call taken as unsplit (the split-count limits depend on
+    /// the device's SM count and are checked by the plan).
+    pub fn check_args(&self, a: &DecodeArgs) -> Result<DecodeShape> {
+        check_call(self, &DecodeKernel::for_class(self), a, |_, _| 1)
+    }
+
+    /// Check an append call without a device (the checks of
+    /// [`DecodePlan::append_kv_raw`]); returns (batch, Snew).
+    pub fn check_append(&self, a: &AppendArgs) -> Result<(usize, usize)> {
+        let c = self;
+        if a.k_new.rank != 4 {
+            return Err(Error::invalid(format!(
+                "k_new must be 4-D (batch, s_new, heads_kv, head_dim) but has shape {:?}",
+                a.k_new.shape()
+            )));
+        }
+        let [b, sn, _, _] = a.k_new.shape;
+        let shape = [b, sn, c.heads_kv, c.head_dim];
+        a.k_new.expect("k_new", c.dtype, &shape, 16)?;
+        a.v_new.expect("v_new", c.dtype, &shape, 16)?;
+        check_strides_16b("k_new", &a.k_new)?;
+        check_strides_16b("v_new", &a.v_new)?;
+        if b == 0 || sn == 0 {
+            return Err(Error::invalid(format!(
+                "empty append: batch {b}, s_new {sn} (each must be >= 1)"
+            )));
+        }
+        if b > 65_535 || sn > i32::MAX as usize {
+            return Err(Error::unsupported(
+                APPEND_ENTRY,
+                format!("batch {b} (<= 65535) or s_new {sn} out of the grid's range"),
+            ));
+        }
+        check_cache(c, &a.k_cache, &a.v_cache, &a.block_table, b)?;
+        a.seqused_k.expect("seqused_k", b, Some(1))?;
+        Ok((b, sn))
+    }
+
     /// Query heads per KV head.
     pub fn group(&self) -> usize {
         self.heads_q / self.heads_kv
@@ -613,6 +652,168 @@ fn check_strides_16b(name: &str, t: &RawTensor) -> Result<()> {
     Ok(())
 }
 
+/// Check the cache tensors and the table against the class; returns (num_blocks,
+/// page_size, max_blocks).
+fn check_cache(
+    c: &DecodeClass,
+    k: &RawTensor,
+    v: &RawTensor,
+    bt: &RawIndex,
+    batch: usize,
+) -> Result<(usize, usize, usize)> {
+    if k.rank != 4 {
+        return Err(Error::invalid(format!(
+            "k_cache must be 4-D (num_blocks, page_size, heads_kv, head_dim) but has shape {:?}",
+            k.shape()
+        )));
+    }
+    let [nb, ps, _, _] = k.shape;
+    let shape = [nb, ps, c.heads_kv, c.head_dim];
+    k.expect("k_cache", c.dtype, &shape, 16)?;
+    v.expect("v_cache", c.dtype, &shape, 16)?;
+    check_strides_16b("k_cache", k)?;
+    check_strides_16b("v_cache", v)?;
+    bt.expect("block_table", batch, None)?;
+    let mb = bt.cols;
+    if c.page_size != 0 && ps != c.page_size {
+        return Err(Error::invalid(format!(
+            "k_cache pages hold {ps} keys but the plan's class has page_size {}",
+            c.page_size
+        )));
+    }
+    if ps == 0 || nb == 0 {
+        return Err(Error::invalid(format!(
+            "k_cache has shape {:?}: num_blocks and page_size must be >= 1",
+            k.shape()
+        )));
+    }
+    if ps % 16 != 0 && mb != 1 {
+        return Err(Error::invalid(format!(
+            "page_size {ps} is not a multiple of 16: only a one-block table (a dense cache) \
+             may use it, but block_table has {mb} columns"
+        )));
+    }
+    i32_of("max_blocks · page_size", mb.saturating_mul(ps))?;
+    i32_of("num_blocks", nb)?;
+    Ok((nb, ps, mb))
+}
+
+/// The O(1) checks of a decode call for class `c` built as `kernel`, with `splits(batch,
+/// max_seqlen_k)` the launch's KV split count.
+fn check_call(
+    c: &DecodeClass,
+    kernel: &DecodeKernel,
+    a: &DecodeArgs,
+    splits: impl Fn(usize, usize) -> usize,
+) -> Result<DecodeShape> {
+    let (hq, d) = (c.heads_q, c.head_dim);
+    let (b, sq, total_q) = match &a.cu_seqlens_q {
+        None => {
+            for (name, t) in [("q", &a.q), ("o", &a.o)] {
+                if t.rank != 4 {
+                    return Err(Error::invalid(format!(
+                        "{name} must be 4-D (batch, seqlen_q, heads_q, head_dim) but has \
+                         shape {:?}",
+                        t.shape()
+                    )));
+                }
+            }
+            let [b, sq, _, _] = a.q.shape;
+            a.q.expect("q", c.dtype, &[b, sq, hq, d], 16)?;
+            a.o.expect_contiguous("o", c.dtype, &[b, sq, hq, d], 16)?;
+            a.lse
+                .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
+            if b == 0 || sq == 0 {
+                return Err(Error::invalid(format!(
+                    "empty decode call: batch {b}, seqlen_q {sq} (each must be >= 1)"
+                )));
+            }
+            if sq > c.max_q_per_seq {
+                return Err(Error::invalid(format!(
+                    "q has {sq} rows per sequence but the plan's class allows \
+                     max_q_per_seq = {}",
+                    c.max_q_per_seq
+                )));
+            }
+            (b, sq, b * sq)
+        }
+        Some(cu) => {
+            for (name, t) in [("q", &a.q), ("o", &a.o)] {
+                if t.rank != 3 {
+                    return Err(Error::invalid(format!(
+                        "with cu_seqlens_q, {name} must be 3-D (total_q, heads_q, \
+                         head_dim) but has shape {:?}",
+                        t.shape()
+                    )));
+                }
+            }
+            let t = a.q.shape[0];
+            a.q.expect("q", c.dtype, &[t, hq, d], 16)?;
+            a.o.expect_contiguous("o", c.dtype, &[t, hq, d], 16)?;
+            a.lse.expect_contiguous("lse", DType::F32, &[hq, t], 4)?;
+            let b = a.block_table.rows;
+            cu.expect("cu_seqlens_q", b + 1, Some(1))?;
+            if b == 0 || t == 0 {
+                return Err(Error::invalid(format!(
+                    "empty decode call: batch {b}, total_q {t} (each must be >= 1)"
+                )));
+            }
+            // The workspace and the grid are sized for max_q_per_seq rows a sequence.
+            if t > b * c.max_q_per_seq {
+                return Err(Error::invalid(format!(
+                    "q holds {t} rows but {b} sequences of at most max_q_per_seq = {} \
+                     rows hold at most {}",
+                    c.max_q_per_seq,
+                    b * c.max_q_per_seq
+                )));
+            }
+            (b, t.min(c.max_q_per_seq), t)
+        }
+    };
+    check_strides_16b("q", &a.q)?;
+    if b > 65_535 {
+        return Err(Error::unsupported(
+            DECODE_ENTRY,
+            format!("batch {b} exceeds the grid's z limit 65535"),
+        ));
+    }
+    let (nb, ps, mb) = check_cache(c, &a.k_cache, &a.v_cache, &a.block_table, b)?;
+    a.seqused_k.expect("seqused_k", b, Some(1))?;
+    let capacity = mb * ps;
+    let max_seqlen_k = a.max_seqlen_k.unwrap_or(capacity);
+    if max_seqlen_k > capacity {
+        return Err(Error::invalid(format!(
+            "max_seqlen_k {max_seqlen_k} exceeds the table's capacity {mb} blocks × {ps} keys"
+        )));
+    }
+    let splits = splits(b, max_seqlen_k);
+    let m_blocks = (c.group() * sq).div_ceil(kernel.block_m());
+    i32_of("grid x (splits · row blocks)", splits * m_blocks)?;
+    i32_of("total_q · heads_q · splits", total_q * hq * splits)?;
+    if splits > 1 && b * c.heads_kv * m_blocks > MAX_SPLIT_GROUPS {
+        return Err(Error::unsupported(
+            DECODE_ENTRY,
+            format!(
+                "{splits} KV splits over {} (sequence, KV head, row block) groups: a split \
+                 call serves at most {MAX_SPLIT_GROUPS} (use fewer splits or a smaller batch)",
+                b * c.heads_kv * m_blocks
+            ),
+        ));
+    }
+    Ok(DecodeShape {
+        batch: b,
+        seqlen_q: sq,
+        total_q,
+        varlen: a.cu_seqlens_q.is_some(),
+        num_blocks: nb,
+        page_size: ps,
+        max_blocks: mb,
+        max_seqlen_k,
+        splits,
+        m_blocks,
+    })
+}
+
 impl DecodePlan {
     /// Validate `class`, compile (or load from the disk cache) its kernels for `dev`, set
     /// the shared-memory limit and read the occupancy the split heuristic uses.
@@ -722,163 +923,10 @@ impl DecodePlan {
         Workspace::zeroed(stream, self.workspace_bytes(batch, max_seqlen_k))
     }
 
-    /// Check the cache tensors and the table against the class; returns (num_blocks,
-    /// page_size, max_blocks).
-    fn check_cache(
-        &self,
-        k: &RawTensor,
-        v: &RawTensor,
-        bt: &RawIndex,
-        batch: usize,
-    ) -> Result<(usize, usize, usize)> {
-        let c = &self.class;
-        if k.rank != 4 {
-            return Err(Error::invalid(format!(
-                "k_cache must be 4-D (num_blocks, page_size, heads_kv, head_dim) but has shape {:?}",
-                k.shape()
-            )));
-        }
-        let [nb, ps, _, _] = k.shape;
-        let shape = [nb, ps, c.heads_kv, c.head_dim];
-        k.expect("k_cache", c.dtype, &shape, 16)?;
-        v.expect("v_cache", c.dtype, &shape, 16)?;
-        check_strides_16b("k_cache", k)?;
-        check_strides_16b("v_cache", v)?;
-        bt.expect("block_table", batch, None)?;
-        let mb = bt.cols;
-        if c.page_size != 0 && ps != c.page_size {
-            return Err(Error::invalid(format!(
-                "k_cache pages hold {ps} keys but the plan's class has page_size {}",
-                c.page_size
-            )));
-        }
-        if ps == 0 || nb == 0 {
-            return Err(Error::invalid(format!(
-                "k_cache has shape {:?}: num_blocks and page_size must be >= 1",
-                k.shape()
-            )));
-        }
-        if ps % 16 != 0 && mb != 1 {
-            return Err(Error::invalid(format!(
-                "page_size {ps} is not a multiple of 16: only a one-block table (a dense cache) \
-                 may use it, but block_table has {mb} columns"
-            )));
-        }
-        i32_of("max_blocks · page_size", mb.saturating_mul(ps))?;
-        i32_of("num_blocks", nb)?;
-        Ok((nb, ps, mb))
-    }
-
     /// Check a call against the class and the kernel's rules, O(1); errors name the tensor
     /// and the rule.
     pub fn check(&self, a: &DecodeArgs) -> Result<DecodeShape> {
-        let c = &self.class;
-        let (hq, d) = (c.heads_q, c.head_dim);
-        let (b, sq, total_q) = match &a.cu_seqlens_q {
-            None => {
-                for (name, t) in [("q", &a.q), ("o", &a.o)] {
-                    if t.rank != 4 {
-                        return Err(Error::invalid(format!(
-                            "{name} must be 4-D (batch, seqlen_q, heads_q, head_dim) but has \
-                             shape {:?}",
-                            t.shape()
-                        )));
-                    }
-                }
-                let [b, sq, _, _] = a.q.shape;
-                a.q.expect("q", c.dtype, &[b, sq, hq, d], 16)?;
-                a.o.expect_contiguous("o", c.dtype, &[b, sq, hq, d], 16)?;
-                a.lse
-                    .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
-                if b == 0 || sq == 0 {
-                    return Err(Error::invalid(format!(
-                        "empty decode call: batch {b}, seqlen_q {sq} (each must be >= 1)"
-                    )));
-                }
-                if sq > c.max_q_per_seq {
-                    return Err(Error::invalid(format!(
-                        "q has {sq} rows per sequence but the plan's class allows \
-                         max_q_per_seq = {}",
-                        c.max_q_per_seq
-                    )));
-                }
-                (b, sq, b * sq)
-            }
-            Some(cu) => {
-                for (name, t) in [("q", &a.q), ("o", &a.o)] {
-                    if t.rank != 3 {
-                        return Err(Error::invalid(format!(
-                            "with cu_seqlens_q, {name} must be 3-D (total_q, heads_q, \
-                             head_dim) but has shape {:?}",
-                            t.shape()
-                        )));
-                    }
-                }
-                let t = a.q.shape[0];
-                a.q.expect("q", c.dtype, &[t, hq, d], 16)?;
-                a.o.expect_contiguous("o", c.dtype, &[t, hq, d], 16)?;
-                a.lse.expect_contiguous("lse", DType::F32, &[hq, t], 4)?;
-                let b = a.block_table.rows;
-                cu.expect("cu_seqlens_q", b + 1, Some(1))?;
-                if b == 0 || t == 0 {
-                    return Err(Error::invalid(format!(
-                        "empty decode call: batch {b}, total_q {t} (each must be >= 1)"
-                    )));
-                }
-                // The workspace and the grid are sized for max_q_per_seq rows a sequence.
-                if t > b * c.max_q_per_seq {
-                    return Err(Error::invalid(format!(
-                        "q holds {t} rows but {b} sequences of at most max_q_per_seq = {} \
-                         rows hold at most {}",
-                        c.max_q_per_seq,
-                        b * c.max_q_per_seq
-                    )));
-                }
-                (b, t.min(c.max_q_per_seq), t)
-            }
-        };
-        check_strides_16b("q", &a.q)?;
-        if b > 65_535 {
-            return Err(Error::unsupported(
-                DECODE_ENTRY,
-                format!("batch {b} exceeds the grid's z limit 65535"),
-            ));
-        }
-        let (nb, ps, mb) = self.check_cache(&a.k_cache, &a.v_cache, &a.block_table, b)?;
-        a.seqused_k.expect("seqused_k", b, Some(1))?;
-        let capacity = mb * ps;
-        let max_seqlen_k = a.max_seqlen_k.unwrap_or(capacity);
-        if max_seqlen_k > capacity {
-            return Err(Error::invalid(format!(
-                "max_seqlen_k {max_seqlen_k} exceeds the table's capacity {mb} blocks × {ps} keys"
-            )));
-        }
-        let splits = self.splits(b, max_seqlen_k);
-        let m_blocks = (c.group() * sq).div_ceil(self.kernel.block_m());
-        i32_of("grid x (splits · row blocks)", splits * m_blocks)?;
-        i32_of("total_q · heads_q · splits", total_q * hq * splits)?;
-        if splits > 1 && b * c.heads_kv * m_blocks > MAX_SPLIT_GROUPS {
-            return Err(Error::unsupported(
-                DECODE_ENTRY,
-                format!(
-                    "{splits} KV splits over {} (sequence, KV head, row block) groups: a split \
-                     call serves at most {MAX_SPLIT_GROUPS} (use fewer splits or a smaller batch)",
-                    b * c.heads_kv * m_blocks
-                ),
-            ));
-        }
-        Ok(DecodeShape {
-            batch: b,
-            seqlen_q: sq,
-            total_q,
-            varlen: a.cu_seqlens_q.is_some(),
-            num_blocks: nb,
-            page_size: ps,
-            max_blocks: mb,
-            max_seqlen_k,
-            splits,
-            m_blocks,
-        })
+        check_call(&self.class, &self.kernel, a, |b, n| self.splits(b, n))
     }
 
     /// Enqueue decode attention on `stream` (one launch): o and lse of every query row
@@ -978,33 +1026,7 @@ impl DecodePlan {
 
     /// Check an append call; returns (batch, Snew).
     pub fn check_append(&self, a: &AppendArgs) -> Result<(usize, usize)> {
-        let c = &self.class;
-        if a.k_new.rank != 4 {
-            return Err(Error::invalid(format!(
-                "k_new must be 4-D (batch, s_new, heads_kv, head_dim) but has shape {:?}",
-                a.k_new.shape()
-            )));
-        }
-        let [b, sn, _, _] = a.k_new.shape;
-        let shape = [b, sn, c.heads_kv, c.head_dim];
-        a.k_new.expect("k_new", c.dtype, &shape, 16)?;
-        a.v_new.expect("v_new", c.dtype, &shape, 16)?;
-        check_strides_16b("k_new", &a.k_new)?;
-        check_strides_16b("v_new", &a.v_new)?;
-        if b == 0 || sn == 0 {
-            return Err(Error::invalid(format!(
-                "empty append: batch {b}, s_new {sn} (each must be >= 1)"
-            )));
-        }
-        if b > 65_535 || sn > i32::MAX as usize {
-            return Err(Error::unsupported(
-                APPEND_ENTRY,
-                format!("batch {b} (<= 65535) or s_new {sn} out of the grid's range"),
-            ));
-        }
-        self.check_cache(&a.k_cache, &a.v_cache, &a.block_table, b)?;
-        a.seqused_k.expect("seqused_k", b, Some(1))?;
-        Ok((b, sn))
+        self.class.check_append(a)
     }
 
     /// Enqueue the append of `k_new`/`v_new` into the caches at positions

@@ -99,6 +99,120 @@ pub fn varlen_variant(class: &AttentionClass) -> Result<KernelVariant> {
     config::sm90_variant_for(&tile.for_varlen(), class.dtype, class.causal)
 }
 
+/// Work tiles a launch may have at most: no sequence has more query blocks than the
+/// longest, and the blocks of all sequences are at most total_q / block_m plus one ragged
+/// block each.
+fn max_work_tiles(
+    c: &AttentionClass,
+    variant: &KernelVariant,
+    s: &VarlenShape,
+    max_seqlen_q: usize,
+) -> u64 {
+    let bm = variant.block_m as u64;
+    let per_seq = (max_seqlen_q as u64).div_ceil(bm);
+    let blocks = (s.batch as u64 * per_seq).min(s.total_q as u64 / bm + s.batch as u64);
+    blocks * c.heads_q as u64
+}
+
+/// The checks of [`VarlenPlan::check`] without a device (the class's kernel variant is
+/// resolved from the class alone): a varlen call's shapes, dtypes, strides, alignment and
+/// sizes, O(1).
+pub fn check_args(class: &AttentionClass, a: &VarlenArgs) -> Result<VarlenShape> {
+    check_call(class, &varlen_variant(class)?, a)
+}
+
+fn check_call(c: &AttentionClass, variant: &KernelVariant, a: &VarlenArgs) -> Result<VarlenShape> {
+    check_maps(c, variant, a).map(|(shape, _)| shape)
+}
+
+/// The checks and the TMA parameters of q, k and v (whose stride rules they enforce).
+fn check_maps(
+    c: &AttentionClass,
+    variant: &KernelVariant,
+    a: &VarlenArgs,
+) -> Result<(VarlenShape, [tma::TensorMapParams; 3])> {
+    let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+    for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
+        if t.rank != 3 {
+            return Err(Error::invalid(format!(
+                "{name} must be 3-D (total_tokens, heads, head_dim) for a varlen call but \
+                 has shape {:?}",
+                t.shape()
+            )));
+        }
+    }
+    let (tq, tk) = (a.q.shape[0], a.k.shape[0]);
+    let io = c.dtype;
+    a.q.expect("q", io, &[tq, hq, d], 16)?;
+    a.k.expect("k", io, &[tk, hkv, d], 16)?;
+    a.v.expect("v", io, &[tk, hkv, d], 16)?;
+    a.o.expect_contiguous("o", io, &[tq, hq, d], 16)?;
+    a.lse.expect_contiguous("lse", DType::F32, &[hq, tq], 4)?;
+    if tq == 0 || tk == 0 {
+        return Err(Error::invalid(format!(
+            "empty varlen call: total_q {tq}, total_k {tk} (each must be >= 1)"
+        )));
+    }
+    let rows = a.cu_seqlens_q.rows;
+    if rows < 2 {
+        return Err(Error::invalid(format!(
+            "cu_seqlens_q has {rows} elements but batch + 1 >= 2 are required"
+        )));
+    }
+    let batch = rows - 1;
+    a.cu_seqlens_q.expect_vector("cu_seqlens_q", rows)?;
+    a.cu_seqlens_k.expect_vector("cu_seqlens_k", rows)?;
+    for (what, value, total) in [
+        ("max_seqlen_q", a.max_seqlen_q, tq),
+        ("max_seqlen_k", a.max_seqlen_k, tk),
+    ] {
+        if value == 0 || value > total {
+            return Err(Error::invalid(format!(
+                "{what} = {value} must be in 1..={total} (the packed row count)"
+            )));
+        }
+    }
+    for (what, value) in [("total_q", tq), ("total_k", tk), ("batch + 1", rows)] {
+        if value > config::MAX_SEQLEN {
+            return Err(Error::unsupported(
+                "flash-sm90-varlen",
+                format!("{what} = {value} exceeds {}", config::MAX_SEQLEN),
+            ));
+        }
+    }
+    let shape = VarlenShape {
+        batch,
+        total_q: tq,
+        total_k: tk,
+    };
+    let tiles = max_work_tiles(c, variant, &shape, a.max_seqlen_q);
+    if 2 * tiles > i32::MAX as u64 {
+        return Err(Error::unsupported(
+            "flash-sm90-varlen",
+            format!("up to {tiles} work tiles exceed the kernel's int work-tile counter"),
+        ));
+    }
+    let KernelAbi::TensorMaps { block_n, .. } = variant.abi else {
+        return Err(Error::unsupported(
+            "flash-sm90-varlen",
+            "the varlen kernel takes tensor maps",
+        ));
+    };
+    // Packed (total, heads, head_dim) as a 4-D (1, total, heads, head_dim) map: the kernel's
+    // batch coordinate is 0 and its row coordinate is the packed row.
+    let as4 = |name: &str, t: &RawTensor, rows: u32| {
+        let [n, h, d] = [t.shape[0], t.shape[1], t.shape[2]];
+        let [s0, s1, s2] = [t.strides[0], t.strides[1], t.strides[2]];
+        tma::bshd_strided_params(name, [1, n, h, d], [n * s0, s0, s1, s2], rows)
+    };
+    let maps = [
+        as4("q", &a.q, variant.block_m)?,
+        as4("k", &a.k, block_n)?,
+        as4("v", &a.v, block_n)?,
+    ];
+    Ok((shape, maps))
+}
+
 impl VarlenPlan {
     /// Compile or load the varlen kernel for `class`. Errors on devices other than compute
     /// capability 9.0 (the portable kernel has no varlen path) and on head dims other than
@@ -149,82 +263,10 @@ impl VarlenPlan {
         Workspace::zeroed(stream, self.workspace_bytes())
     }
 
-    /// Work tiles the launch may have at most: no sequence has more query blocks than the
-    /// longest, and the blocks of all sequences are at most total_q / block_m plus one
-    /// ragged block each.
-    fn max_work_tiles(&self, s: &VarlenShape, max_seqlen_q: usize) -> u64 {
-        let bm = self.variant.block_m as u64;
-        let per_seq = (max_seqlen_q as u64).div_ceil(bm);
-        let blocks = (s.batch as u64 * per_seq).min(s.total_q as u64 / bm + s.batch as u64);
-        blocks * self.class.heads_q as u64
-    }
-
     /// Check a call's tensors against the class and the kernel's rules, O(1) (the offsets
     /// live on the device and are not read); returns the batch size and row counts.
     pub fn check(&self, a: &VarlenArgs) -> Result<VarlenShape> {
-        let c = &self.class;
-        let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
-        for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
-            if t.rank != 3 {
-                return Err(Error::invalid(format!(
-                    "{name} must be 3-D (total_tokens, heads, head_dim) for a varlen call but \
-                     has shape {:?}",
-                    t.shape()
-                )));
-            }
-        }
-        let (tq, tk) = (a.q.shape[0], a.k.shape[0]);
-        let io = c.dtype;
-        a.q.expect("q", io, &[tq, hq, d], 16)?;
-        a.k.expect("k", io, &[tk, hkv, d], 16)?;
-        a.v.expect("v", io, &[tk, hkv, d], 16)?;
-        a.o.expect_contiguous("o", io, &[tq, hq, d], 16)?;
-        a.lse.expect_contiguous("lse", DType::F32, &[hq, tq], 4)?;
-        if tq == 0 || tk == 0 {
-            return Err(Error::invalid(format!(
-                "empty varlen call: total_q {tq}, total_k {tk} (each must be >= 1)"
-            )));
-        }
-        let rows = a.cu_seqlens_q.rows;
-        if rows < 2 {
-            return Err(Error::invalid(format!(
-                "cu_seqlens_q has {rows} elements but batch + 1 >= 2 are required"
-            )));
-        }
-        let batch = rows - 1;
-        a.cu_seqlens_q.expect_vector("cu_seqlens_q", rows)?;
-        a.cu_seqlens_k.expect_vector("cu_seqlens_k", rows)?;
-        for (what, value, total) in [
-            ("max_seqlen_q", a.max_seqlen_q, tq),
-            ("max_seqlen_k", a.max_seqlen_k, tk),
-        ] {
-            if value == 0 || value > total {
-                return Err(Error::invalid(format!(
-                    "{what} = {value} must be in 1..={total} (the packed row count)"
-                )));
-            }
-        }
-        for (what, value) in [("total_q", tq), ("total_k", tk), ("batch + 1", rows)] {
-            if value > config::MAX_SEQLEN {
-                return Err(Error::unsupported(
-                    "flash-sm90-varlen",
-                    format!("{what} = {value} exceeds {}", config::MAX_SEQLEN),
-                ));
-            }
-        }
-        let shape = VarlenShape {
-            batch,
-            total_q: tq,
-            total_k: tk,
-        };
-        let tiles = self.max_work_tiles(&shape, a.max_seqlen_q);
-        if 2 * tiles > i32::MAX as u64 {
-            return Err(Error::unsupported(
-                "flash-sm90-varlen",
-                format!("up to {tiles} work tiles exceed the kernel's int work-tile counter"),
-            ));
-        }
-        Ok(shape)
+        check_call(&self.class, &self.variant, a)
     }
 
     /// Enqueue the varlen forward on `stream`. Asynchronous; O(1) checks
@@ -241,28 +283,12 @@ impl VarlenPlan {
         a: &VarlenArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
-        let shape = self.check(a)?;
+        let (shape, [pq, pk, pv]) = check_maps(&self.class, &self.variant, a)?;
         workspace.check(self.workspace_bytes(), 16, "VarlenPlan")?;
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let KernelAbi::TensorMaps { block_n, .. } = self.variant.abi else {
-            return Err(Error::unsupported(
-                "flash-sm90-varlen",
-                "the varlen kernel takes tensor maps",
-            ));
-        };
         let dt = self.class.dtype;
-        // Packed (total, heads, head_dim) as a 4-D (1, total, heads, head_dim) map: the
-        // kernel's batch coordinate is 0 and its row coordinate is the packed row.
-        let as4 = |name: &str, t: &RawTensor, rows: u32| {
-            let [n, h, d] = [t.shape[0], t.shape[1], t.shape[2]];
-            let [s0, s1, s2] = [t.strides[0], t.strides[1], t.strides[2]];
-            tma::bshd_strided_params(name, [1, n, h, d], [n * s0, s0, s1, s2], rows)
-        };
-        let pq = as4("q", &a.q, self.variant.block_m)?;
-        let pk = as4("k", &a.k, block_n)?;
-        let pv = as4("v", &a.v, block_n)?;
         let mq = tma::encode("q", &pq, dt, a.q.ptr)?;
         let maps = [
             mq,
@@ -270,7 +296,7 @@ impl VarlenPlan {
             tma::encode("v", &pv, dt, a.v.ptr)?,
             mq, // tm_o: not read by the varlen kernel (O goes out with plain stores)
         ];
-        let tiles = self.max_work_tiles(&shape, a.max_seqlen_q);
+        let tiles = max_work_tiles(&self.class, &self.variant, &shape, a.max_seqlen_q);
         let cfg = LaunchConfig {
             grid_dim: (tiles.clamp(1, self.sm_count.max(1) as u64) as u32, 1, 1),
             block_dim: (self.variant.block_threads, 1, 1),
