@@ -150,6 +150,23 @@ pub struct ConfigResult {
     /// MoE only: the reference routing's load statistics and losses.
     #[serde(default)]
     pub routing: Option<RoutingSummary>,
+    /// The fixed calibration workload, measured interleaved with the implementations
+    /// (absent in files written before it existed).
+    #[serde(default)]
+    pub calibration: Option<CalibrationResult>,
+}
+
+/// A fixed reference workload timed in every round of a config's measurement, with the
+/// same timer as the implementations. Its samples let `compare` of two separate runs
+/// tell a change of the machine from a change of the code (ENV-DRIFT).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationResult {
+    /// What was measured (two runs compare calibrations only when this is equal).
+    pub workload: String,
+    /// Raw per-round times in ms, in the order measured.
+    pub samples_ms: Vec<f64>,
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// Load statistics of a MoE config's routing (the reference's, which every implementation

@@ -121,6 +121,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         candidate: candidate.clone(),
         settings: settings.clone(),
         ceilings: ceilings.clone(),
+        calibration: Some(lab.calibration.as_ref()),
     };
     let mut results = RunResults {
         schema_version: SCHEMA_VERSION,

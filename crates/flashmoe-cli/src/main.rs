@@ -27,7 +27,7 @@ enum Command {
     Bench(BenchArgs),
     /// Check every implementation against the high-precision reference.
     Check(CheckArgs),
-    /// Compare two result files; exit 1 on a significant regression.
+    /// Compare two result files; exit 1 on a significant regression, 3 on ENV-DRIFT.
     Compare(CompareArgs),
     /// Print the environment manifest.
     Env {
@@ -121,6 +121,9 @@ struct CompareArgs {
     /// Practical threshold (e.g. 2% or 0.02): smaller changes never count as regressions.
     #[arg(long, value_parser = parse_fraction, default_value = "2%")]
     threshold: f64,
+    /// Also write the comparison (every change, its CIs and verdicts) as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 /// "2%" → 0.02, "0.02" → 0.02.
@@ -152,20 +155,34 @@ fn compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
     };
     let report = compare_runs(&old, &new, &opts);
     println!("{}", report.render());
-    if report.has_regression() {
-        println!(
-            "REGRESSION: {} significant slowdown(s) beyond {:.1}%",
-            report.regressions,
-            args.threshold * 100.0
-        );
-        Ok(ExitCode::from(1))
-    } else {
-        println!(
-            "no significant regression beyond {:.1}%",
-            args.threshold * 100.0
-        );
-        Ok(ExitCode::SUCCESS)
+    if let Some(path) = &args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["exit_code"] = report.exit_code().into();
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
+    Ok(ExitCode::from(print_gate(&report, args.threshold)))
+}
+
+/// The one-line outcome of a regression gate, and its exit code (documented in
+/// docs/library.md and the README: 0 pass, 1 regression, 3 env-drift, 2 error).
+pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, threshold: f64) -> u8 {
+    let code = report.exit_code();
+    match code {
+        flashmoe_bench::compare::EXIT_REGRESSION => println!(
+            "REGRESSION: {} significant slowdown(s) beyond {:.1}% (exit {code})",
+            report.regressions,
+            threshold * 100.0
+        ),
+        flashmoe_bench::compare::EXIT_ENV_DRIFT => println!(
+            "ENV-DRIFT: {} change(s) the calibration attributes to the machine, no confirmed \
+             regression beyond {:.1}% (exit {code})",
+            report.env_drifts,
+            threshold * 100.0
+        ),
+        _ => println!("no significant regression beyond {:.1}%", threshold * 100.0),
+    }
+    code
 }
 
 fn env(json: bool) -> anyhow::Result<ExitCode> {

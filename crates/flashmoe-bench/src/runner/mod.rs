@@ -2,6 +2,7 @@
 //! Python baselines). A runner produces outputs (for the correctness gate) and timed
 //! samples; it knows nothing of statistics or reports.
 
+pub mod calibration;
 pub mod check;
 pub mod cpu;
 pub mod gpu;

@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""A/A calibration of the lab's regression gates on this machine (issue 24, item 5).
+
+Measures, over N pairs, how often a gate cries REGRESSION when nothing changed (false
+positives) and how often it catches an injected 10% slowdown of `cpu-tiled` (detection):
+
+* mode `files`: separate runs of `flashmoe bench attention --preset quick --cpu` compared
+  with `flashmoe compare --threshold 5%` (the calibration/ENV-DRIFT verdict). Each pair
+  is three runs in shuffled order: A, A' (same binary) and S (A with the test-only knob
+  FLASHMOE_TEST_SLOWDOWN=cpu-tiled:10%); A/A = compare A A', slowdown = compare A S.
+* mode `against`: `flashmoe bench ... --against BINARY` with the same binary as its own
+  old build (A/A), and again with the knob set for the driving (new) process only.
+
+Writes OUT.json (every pair: exit codes, per-row verdicts) and OUT.md (the rates). Uses only
+the standard library. Example:
+
+    scripts/aa-calibration.py --pairs 20 --mode files --out results/aa-calibration
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+KNOB = "FLASHMOE_TEST_SLOWDOWN"
+SLOWED = "cpu-tiled"
+
+
+def run(cmd, env=None):
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p.returncode, time.time() - t0, p.stdout, p.stderr
+
+
+def bench(binary, out, slow, extra=()):
+    env = dict(os.environ)
+    env.pop(KNOB, None)
+    if slow:
+        env[KNOB] = f"{SLOWED}:{slow}"
+    cmd = [binary, "bench", "attention", "--preset", "quick", "--cpu", "--out", out, *extra]
+    rc, secs, so, se = run(cmd, env)
+    if rc not in (0, 1, 3):
+        sys.exit(f"bench failed ({rc}): {' '.join(cmd)}\n{se[-2000:]}")
+    return rc, secs
+
+
+def loadavg():
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def rows_of(report):
+    return [
+        {
+            "config": c["config_id"],
+            "impl": c["implementation"],
+            "change": 1.0 / c["comparison"]["speedup"]["estimate"] - 1.0,
+            "raw": c["comparison"]["verdict"],
+            "corrected": (c.get("calibrated") or {}).get("corrected_verdict"),
+            "verdict": c["verdict"],
+        }
+        for c in report["changes"]
+    ]
+
+
+def compare(binary, old, new, threshold, tmp):
+    path = os.path.join(tmp, "compare.json")
+    rc, _, so, se = run([binary, "compare", old, new, "--threshold", threshold, "--json", path])
+    if rc not in (0, 1, 3):
+        sys.exit(f"compare failed ({rc}):\n{se[-2000:]}")
+    with open(path) as f:
+        rep = json.load(f)
+    rows = rows_of(rep)
+    # What the gate would have said without the calibration: any raw SLOWER fails.
+    raw_rc = 1 if any(r["raw"] == "SLOWER" for r in rows) else 0
+    return {"exit": rc, "exit_without_calibration": raw_rc, "rows": rows}
+
+
+def against_result(out):
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    return res.get("against")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--binary", default="target/release/flashmoe")
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--mode", choices=["files", "against"], default="files")
+    ap.add_argument("--threshold", default="5%")
+    ap.add_argument("--slowdown", default="10%")
+    ap.add_argument("--seed", type=int, default=24)
+    ap.add_argument("--out", default="results/aa-calibration")
+    a = ap.parse_args()
+    binary = os.path.abspath(a.binary)
+    rng = random.Random(a.seed)
+    pairs = []
+    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="flashmoe-aa-") as tmp:
+        for i in range(a.pairs):
+            rec = {"pair": i, "load_before": loadavg()}
+            if a.mode == "files":
+                runs = {"A": None, "B": None, "S": a.slowdown}
+                order = list(runs)
+                rng.shuffle(order)
+                rec["order"] = "".join(order)
+                secs = {}
+                for name in order:
+                    out = os.path.join(tmp, name)
+                    _, secs[name] = bench(binary, out, runs[name])
+                rec["bench_seconds"] = secs
+                A, B, S = (os.path.join(tmp, n, "results.json") for n in "ABS")
+                rec["aa"] = compare(binary, A, B, a.threshold, tmp)
+                rec["slow"] = compare(binary, A, S, a.threshold, tmp)
+            else:
+                order = ["aa", "slow"]
+                rng.shuffle(order)
+                rec["order"] = ",".join(order)
+                for name in order:
+                    out = os.path.join(tmp, name)
+                    extra = ["--against", binary, "--threshold", a.threshold]
+                    rc, secs = bench(binary, out, a.slowdown if name == "slow" else None, extra)
+                    ag = against_result(out) or {}
+                    rec[name] = {
+                        "exit": rc,
+                        "seconds": secs,
+                        "rows": rows_of(ag) if ag else [],
+                    }
+            rec["load_after"] = loadavg()
+            pairs.append(rec)
+            print(
+                f"pair {i + 1}/{a.pairs}: A/A exit {rec['aa']['exit']}, "
+                f"slowdown exit {rec['slow']['exit']} (load {rec['load_before']:.1f})",
+                flush=True,
+            )
+    summary = summarise(pairs, a)
+    meta = {
+        "mode": a.mode,
+        "pairs": a.pairs,
+        "threshold": a.threshold,
+        "slowdown": f"{SLOWED} {a.slowdown} ({KNOB})",
+        "binary": binary,
+        "command": " ".join(sys.argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "wall_seconds": round(time.time() - t_start),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "summary": summary, "pairs": pairs}, f, indent=1)
+    with open(a.out + ".md", "w") as f:
+        f.write(markdown(meta, summary))
+    print(markdown(meta, summary))
+
+
+def rate(k, n):
+    return {"count": k, "of": n, "pct": round(100.0 * k / n, 1) if n else None}
+
+
+def summarise(pairs, a):
+    n = len(pairs)
+    aa = [p["aa"] for p in pairs]
+    sl = [p["slow"] for p in pairs]
+    s = {
+        "aa_regression": rate(sum(x["exit"] == 1 for x in aa), n),
+        "aa_env_drift": rate(sum(x["exit"] == 3 for x in aa), n),
+        "aa_pass": rate(sum(x["exit"] == 0 for x in aa), n),
+        "slow_detected": rate(sum(x["exit"] == 1 for x in sl), n),
+        "slow_env_drift": rate(sum(x["exit"] == 3 for x in sl), n),
+        "slow_missed": rate(sum(x["exit"] == 0 for x in sl), n),
+    }
+    aa_rows = [r for x in aa for r in x["rows"]]
+    s["aa_rows_slower"] = rate(sum(r["verdict"] == "SLOWER" for r in aa_rows), len(aa_rows))
+    s["aa_rows_not_same"] = rate(sum(r["verdict"] != "SAME" for r in aa_rows), len(aa_rows))
+    slowed = [r for x in sl for r in x["rows"] if r["impl"] == SLOWED]
+    s["slow_rows_slower"] = rate(sum(r["verdict"] == "SLOWER" for r in slowed), len(slowed))
+    if a.mode == "files":
+        s["aa_regression_without_calibration"] = rate(
+            sum(x["exit_without_calibration"] == 1 for x in aa), n
+        )
+        s["slow_detected_without_calibration"] = rate(
+            sum(x["exit_without_calibration"] == 1 for x in sl), n
+        )
+    return s
+
+
+def markdown(meta, s):
+    def r(key):
+        v = s.get(key)
+        return "—" if v is None else f"{v['count']}/{v['of']} ({v['pct']}%)"
+
+    lines = [
+        f"# A/A calibration of the regression gate: mode `{meta['mode']}`",
+        "",
+        f"{meta['pairs']} pairs on {meta['machine']}, threshold {meta['threshold']}, "
+        f"injected slowdown {meta['slowdown']}; finished {meta['finished_utc']} UTC after "
+        f"{meta['wall_seconds']} s. Produced by `{meta['command']}`; every pair's exit codes "
+        "and per-row verdicts are in the JSON next to this file.",
+        "",
+        "| | pairs | goal |",
+        "|---|---|---|",
+        f"| A/A exit 1 (REGRESSION) = false positive | {r('aa_regression')} | ≤ 5% |",
+        f"| A/A exit 3 (ENV-DRIFT) | {r('aa_env_drift')} | |",
+        f"| A/A exit 0 (pass) | {r('aa_pass')} | |",
+        f"| slowdown exit 1 (REGRESSION) = detected | {r('slow_detected')} | ≥ 90% |",
+        f"| slowdown exit 3 (ENV-DRIFT) | {r('slow_env_drift')} | |",
+        f"| slowdown exit 0 (missed) | {r('slow_missed')} | |",
+        "",
+        "| rows | |",
+        "|---|---|",
+        f"| A/A rows SLOWER | {r('aa_rows_slower')} |",
+        f"| A/A rows not SAME | {r('aa_rows_not_same')} |",
+        f"| slowed `{SLOWED}` rows SLOWER | {r('slow_rows_slower')} |",
+    ]
+    if "aa_regression_without_calibration" in s:
+        lines += [
+            f"| without the calibration (raw verdicts): A/A exit 1 | "
+            f"{r('aa_regression_without_calibration')} |",
+            f"| without the calibration: slowdown exit 1 | "
+            f"{r('slow_detected_without_calibration')} |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
