@@ -269,6 +269,77 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
     rep
 }
 
+/// `bench --against`: within one run, every implementation X against the old build's
+/// `old:X` (prefix [`crate::runner::python::OLD_PREFIX`]), measured interleaved in the same
+/// rounds. old = the old build, new = this build; no calibration is needed since both
+/// builds saw the same machine at the same time.
+pub fn compare_against_old(run: &RunResults, opts: &CompareOptions) -> CompareReport {
+    use crate::runner::python::OLD_PREFIX;
+    let vopts = opts.verdict_options();
+    let mut rep = CompareReport {
+        threshold: opts.threshold,
+        alpha: opts.alpha,
+        ..Default::default()
+    };
+    for c in &run.configs {
+        for new in c
+            .implementations
+            .iter()
+            .filter(|i| !i.name.starts_with(OLD_PREFIX))
+        {
+            let key = format!("{} / {}", c.id, new.name);
+            let old_name = format!("{OLD_PREFIX}{}", new.name);
+            let Some(old) = c.implementations.iter().find(|i| i.name == old_name) else {
+                rep.skipped.push(format!("{key}: not in the old build"));
+                continue;
+            };
+            if !old.is_usable() || !new.is_usable() {
+                let why = |i: &ImplResult| {
+                    i.error
+                        .as_deref()
+                        .map(|e| truncate(e, 80))
+                        .unwrap_or_else(|| format!("{} samples", i.samples_ms.len()))
+                };
+                rep.skipped.push(format!(
+                    "{key}: not compared (old: {}; new: {})",
+                    why(old),
+                    why(new)
+                ));
+                continue;
+            }
+            let comparison = stats::compare_samples(&old.samples_ms, &new.samples_ms, &vopts);
+            let verdict: CrossRunVerdict = comparison.verdict.into();
+            match verdict {
+                CrossRunVerdict::Slower => rep.regressions += 1,
+                CrossRunVerdict::Faster => rep.improvements += 1,
+                _ => {}
+            }
+            rep.changes.push(ConfigChange {
+                config_id: c.id.clone(),
+                label: c.label.clone(),
+                implementation: new.name.clone(),
+                old_median_ms: median_of(old),
+                new_median_ms: median_of(new),
+                comparison,
+                calibrated: None,
+                verdict,
+            });
+        }
+        for old in c
+            .implementations
+            .iter()
+            .filter(|i| i.name.starts_with(OLD_PREFIX))
+        {
+            let name = &old.name[OLD_PREFIX.len()..];
+            if !c.implementations.iter().any(|i| i.name == name) {
+                rep.skipped
+                    .push(format!("{} / {}: only in the old build", c.id, old.name));
+            }
+        }
+    }
+    rep
+}
+
 /// The two runs' calibration samples of one config, when both measured the same workload
 /// with enough samples; otherwise `None` and a note of why (deduplicated by the caller).
 fn calibration_pair(

@@ -7,6 +7,7 @@ use flashmoe_bench::config::{self, Suite};
 use flashmoe_bench::report;
 use flashmoe_bench::results::{RunResults, SCHEMA_VERSION};
 use flashmoe_bench::runner::pipeline::{flag_implausible_drops, Pipeline};
+use flashmoe_bench::runner::python;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::Path;
 use std::process::ExitCode;
@@ -75,6 +76,31 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name())
         })
         .map(|b| b.as_ref())
+        .collect();
+    // --against: the old build's implementations (old:NAME) for those selected here.
+    let old_build = match &args.against {
+        Some(binary) => {
+            let all = python::old_build(binary, suite, !lab.on_gpu(), args.seed)
+                .map_err(anyhow::Error::msg)?;
+            let kept: Vec<_> = all
+                .into_iter()
+                .filter(|o| {
+                    let name = &o.name()[python::OLD_PREFIX.len()..];
+                    implementations.iter().any(|i| i.name() == name)
+                })
+                .collect();
+            eprintln!(
+                "against {}: {} implementation(s) of the old build, timed in its own process",
+                binary.display(),
+                kept.len()
+            );
+            kept
+        }
+        None => Vec::new(),
+    };
+    let implementations: Vec<_> = implementations
+        .into_iter()
+        .chain(old_build.iter().map(|b| b.as_ref()))
         .collect();
     let candidate = args
         .candidate
@@ -169,6 +195,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     for path in written {
         println!("wrote {}", path.display());
     }
+    let mut code = ExitCode::SUCCESS;
+    if args.against.is_some() {
+        use flashmoe_bench::compare::{compare_against_old, CompareOptions};
+        let report = compare_against_old(
+            &results,
+            &CompareOptions {
+                threshold: args.threshold,
+                ..CompareOptions::default()
+            },
+        );
+        println!("\nThis build against the old build (same run, interleaved):");
+        println!("{}", report.render());
+        let gate = crate::print_gate(&report, args.threshold);
+        let mut v = serde_json::to_value(&report)?;
+        v["exit_code"] = gate.into();
+        let path = args.out.join("against.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+        code = ExitCode::from(gate);
+    }
     if results.interrupted {
         println!(
             "interrupted: {} of {} configs finished and kept",
@@ -177,5 +224,5 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(130));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }

@@ -35,6 +35,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve this build's implementations over the worker protocol on stdin/stdout (what
+    /// `bench --against THIS_BINARY` drives).
+    #[command(hide = true)]
+    Serve {
+        #[arg(long, value_enum)]
+        suite: SuiteArg,
+        /// Serve the CPU implementations even when a GPU is present.
+        #[arg(long)]
+        cpu: bool,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -96,6 +106,11 @@ pub struct BenchArgs {
     /// Skip the PyTorch baselines.
     #[arg(long)]
     no_baselines: bool,
+    /// An old flashmoe binary: its implementations run interleaved with this build's in
+    /// the same run (named old:NAME), and the run exits 1 when any implementation is
+    /// significantly slower than its old self (the recommended CI gate).
+    #[arg(long, value_name = "OLD_BINARY")]
+    against: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -185,6 +200,23 @@ pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, thresh
     code
 }
 
+fn serve(suite: Suite, cpu: bool) -> anyhow::Result<ExitCode> {
+    use flashmoe_bench::runner::serve::{serve, ServeInfo};
+    let lab = backend::select(suite, cpu, 0, false, None);
+    let info = ServeInfo {
+        device: if lab.on_gpu() { "cuda" } else { "cpu" }.into(),
+        timer: lab.settings.timer.clone(),
+        gpu_name: lab.manifest.gpu.as_ref().map(|g| g.name.clone()),
+    };
+    serve(
+        &lab.implementations,
+        &info,
+        std::io::stdin().lock(),
+        std::io::stdout().lock(),
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn env(json: bool) -> anyhow::Result<ExitCode> {
     let manifest = backend::manifest_with_gpu();
     if json {
@@ -209,6 +241,7 @@ fn main() -> ExitCode {
         Command::Check(args) => check::run(args),
         Command::Compare(args) => compare(args),
         Command::Env { json } => env(*json),
+        Command::Serve { suite, cpu } => serve((*suite).into(), *cpu),
     };
     match result {
         Ok(code) => code,

@@ -10,6 +10,7 @@ pub mod gpu_decode;
 pub mod gpu_moe;
 pub mod pipeline;
 pub mod python;
+pub mod serve;
 
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;

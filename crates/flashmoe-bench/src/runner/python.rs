@@ -89,6 +89,11 @@ pub struct WorkerOptions {
     pub flush_bytes: Option<u64>,
     /// Restarts allowed after crashes, hangs or kills, for the whole run.
     pub max_restarts: usize,
+    /// Arguments to start `python` with instead of the worker script: another program
+    /// speaking the protocol (an old build's `flashmoe serve`, see [`old_build`]).
+    pub args: Option<Vec<String>>,
+    /// Environment variables removed for the worker process.
+    pub env_remove: Vec<String>,
 }
 
 impl WorkerOptions {
@@ -103,6 +108,8 @@ impl WorkerOptions {
             prepare_timeout: Duration::from_secs(600),
             flush_bytes: None,
             max_restarts: 8,
+            args: None,
+            env_remove: Vec::new(),
         }
     }
 }
@@ -269,14 +276,26 @@ impl PythonWorker {
     /// Start the worker and read its hello. `Err` is one line saying why baselines cannot
     /// run (no interpreter, no torch, no CUDA in torch, protocol mismatch, ...).
     pub fn start(options: &WorkerOptions) -> Result<PythonWorker, String> {
-        let script = match &options.script {
-            Some(s) => s.clone(),
-            None => locate_worker_script()?,
-        };
         let mut cmd = Command::new(&options.python);
-        cmd.arg(&script);
-        if let Some(dev) = &options.device {
-            cmd.arg("--device").arg(dev);
+        let script = match &options.args {
+            Some(args) => {
+                cmd.args(args);
+                PathBuf::from(args.join(" "))
+            }
+            None => {
+                let script = match &options.script {
+                    Some(s) => s.clone(),
+                    None => locate_worker_script()?,
+                };
+                cmd.arg(&script);
+                if let Some(dev) = &options.device {
+                    cmd.arg("--device").arg(dev);
+                }
+                script
+            }
+        };
+        for k in &options.env_remove {
+            cmd.env_remove(k);
         }
         cmd.envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("PYTHONUNBUFFERED", "1")
@@ -703,9 +722,25 @@ impl Shared {
     }
 }
 
-/// One Python baseline (e.g. `sdpa-flash`), sharing the run's worker.
+/// What the worker process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// `python/flashmoe_worker.py`'s baselines (and `py:` plug-ins).
+    Python,
+    /// An old build's implementations (`flashmoe serve`), named [`OLD_PREFIX`] + its name.
+    OldBuild,
+}
+
+/// Prefix of an old build's implementations in `bench --against` runs.
+pub const OLD_PREFIX: &str = "old:";
+
+/// One implementation served by a worker process (a Python baseline such as `sdpa-flash`,
+/// or an old build's kernel), sharing the run's worker.
 pub struct PythonImplementation {
     name: String,
+    /// Its name in the worker.
+    remote: String,
+    served: Served,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -730,10 +765,16 @@ impl Implementation for PythonImplementation {
     }
 
     fn backend(&self) -> &str {
-        "python"
+        match self.served {
+            Served::Python => "python",
+            Served::OldBuild => "old-build",
+        }
     }
 
     fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        if self.served == Served::OldBuild {
+            return Ok(()); // the old build answers "n/a: why" itself
+        }
         let (list, kind) = match problem {
             ProblemSpec::Attention(_) => (ATTENTION_BASELINES, "attention"),
             ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
@@ -758,7 +799,11 @@ impl Implementation for PythonImplementation {
         let (prepare_timeout, request_timeout) =
             (sh.options.prepare_timeout, sh.options.request_timeout);
         let (worker, incarnation) = sh.live_worker()?;
-        let req = json!({ "impl": self.name, "problem": worker_problem(problem), "seed": seed });
+        let sent = match self.served {
+            Served::Python => worker_problem(problem),
+            Served::OldBuild => problem.clone(),
+        };
+        let req = json!({ "impl": self.remote, "problem": sent, "seed": seed });
         let v = worker.request("prepare", req, prepare_timeout)?;
         let handle = v
             .get("handle")
@@ -951,11 +996,15 @@ impl Prepared for PythonPrepared {
                         "top-k ids",
                         u32::from_le_bytes,
                     )?;
-                    // The baselines do not compute the auxiliary losses.
+                    // The Python baselines do not compute the auxiliary losses; an old build
+                    // does and returns them.
+                    let losses = v.get("losses").and_then(Value::as_array).and_then(|l| {
+                        Some((l.first()?.as_f64()?, l.get(1)?.as_f64()?))
+                    });
                     Outputs::Moe {
                         out,
                         topk_ids: Some(ids),
-                        losses: None,
+                        losses,
                     }
                 }
             }
@@ -1027,11 +1076,60 @@ pub fn baselines_with(
         .map(|n| {
             Box::new(PythonImplementation {
                 name: (*n).to_string(),
+                remote: (*n).to_string(),
+                served: Served::Python,
                 shared: Arc::clone(&shared),
             }) as Box<dyn Implementation>
         })
         .collect();
     Ok((impls, manifest))
+}
+
+/// Start `binary serve --suite SUITE` (an old build of flashmoe, `bench --against`) and
+/// return its implementations, each named [`OLD_PREFIX`] + its name, timed in the old
+/// process by its own timer. `cpu` serves the CPU implementations. The test-only slowdown
+/// knob is not passed on: it applies to the driving (new) build only. `Err` is one line.
+pub fn old_build(
+    binary: &Path,
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    let mut options = WorkerOptions::new(binary);
+    let mut args = vec!["serve".to_string(), "--suite".into(), suite.name().into()];
+    if cpu {
+        args.push("--cpu".into());
+    }
+    options.args = Some(args);
+    options.env_remove = vec![crate::measure::TEST_SLOWDOWN_ENV.to_string()];
+    options.start_timeout = Duration::from_secs(120);
+    let worker = PythonWorker::start(&options).map_err(|e| {
+        format!(
+            "the old build {} could not serve ({e}); --against needs a flashmoe binary that has \
+             the hidden `serve` command (built from the commit that added it or later)",
+            binary.display()
+        )
+    })?;
+    let names = worker.hello().implementations.clone();
+    let shared = Arc::new(Mutex::new(Shared {
+        options,
+        seed,
+        worker: Some(worker),
+        incarnation: 0,
+        restarts: 0,
+        checksum_cache: None,
+    }));
+    Ok(names
+        .into_iter()
+        .map(|n| {
+            Box::new(PythonImplementation {
+                name: format!("{OLD_PREFIX}{n}"),
+                remote: n,
+                served: Served::OldBuild,
+                shared: Arc::clone(&shared),
+            }) as Box<dyn Implementation>
+        })
+        .collect())
 }
 
 #[cfg(test)]
