@@ -84,9 +84,11 @@ def compare(binary, old, new, threshold, tmp):
 
 
 def against_result(out):
-    with open(os.path.join(out, "results.json")) as f:
-        res = json.load(f)
-    return res.get("against")
+    path = os.path.join(out, "against.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def main():
