@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--out", default="results/aa-calibration")
     a = ap.parse_args()
     binary = os.path.abspath(a.binary)
+    a.binary = binary
     rng = random.Random(a.seed)
     pairs = []
     t_start = time.time()
@@ -137,18 +138,26 @@ def main():
                     }
             rec["load_after"] = loadavg()
             pairs.append(rec)
+            write(pairs, a, t_start, partial=i + 1 < a.pairs)
             print(
                 f"pair {i + 1}/{a.pairs}: A/A exit {rec['aa']['exit']}, "
                 f"slowdown exit {rec['slow']['exit']} (load {rec['load_before']:.1f})",
                 flush=True,
             )
+    print(markdown(*write(pairs, a, t_start, partial=False)))
+
+
+def write(pairs, a, t_start, partial):
+    """Write OUT.json and OUT.md for the pairs so far (after every pair)."""
     summary = summarise(pairs, a)
     meta = {
         "mode": a.mode,
-        "pairs": a.pairs,
+        "pairs": len(pairs),
+        "pairs_planned": a.pairs,
+        "partial": partial,
         "threshold": a.threshold,
         "slowdown": f"{SLOWED} {a.slowdown} ({KNOB})",
-        "binary": binary,
+        "binary": os.path.basename(a.binary),
         "command": " ".join(sys.argv),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
         "wall_seconds": round(time.time() - t_start),
@@ -159,7 +168,7 @@ def main():
         json.dump({"meta": meta, "summary": summary, "pairs": pairs}, f, indent=1)
     with open(a.out + ".md", "w") as f:
         f.write(markdown(meta, summary))
-    print(markdown(meta, summary))
+    return meta, summary
 
 
 def rate(k, n):
@@ -178,6 +187,8 @@ def summarise(pairs, a):
         "slow_env_drift": rate(sum(x["exit"] == 3 for x in sl), n),
         "slow_missed": rate(sum(x["exit"] == 0 for x in sl), n),
     }
+    loads = [p["load_before"] for p in pairs if p["load_before"] is not None]
+    s["mean_load_1min"] = round(sum(loads) / len(loads), 1) if loads else None
     aa_rows = [r for x in aa for r in x["rows"]]
     s["aa_rows_slower"] = rate(sum(r["verdict"] == "SLOWER" for r in aa_rows), len(aa_rows))
     s["aa_rows_not_same"] = rate(sum(r["verdict"] != "SAME" for r in aa_rows), len(aa_rows))
@@ -201,8 +212,10 @@ def markdown(meta, s):
     lines = [
         f"# A/A calibration of the regression gate: mode `{meta['mode']}`",
         "",
-        f"{meta['pairs']} pairs on {meta['machine']}, threshold {meta['threshold']}, "
-        f"injected slowdown {meta['slowdown']}; finished {meta['finished_utc']} UTC after "
+        f"{meta['pairs']} pairs{' (PARTIAL: run stopped early)' if meta['partial'] else ''} "
+        f"on {meta['machine']}, threshold {meta['threshold']}, "
+        f"injected slowdown {meta['slowdown']}; mean 1-minute load average before each pair "
+        f"{s['mean_load_1min']} (other engineers building on the same 2 cores); finished {meta['finished_utc']} UTC after "
         f"{meta['wall_seconds']} s. Produced by `{meta['command']}`; every pair's exit codes "
         "and per-row verdicts are in the JSON next to this file.",
         "",
