@@ -59,8 +59,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     };
     ensure_writable(&args.out)?;
 
+    // Python plug-ins (--impl py:MODULE:FUNCTION), hosted next to the built-in ones.
+    let plugin_specs: Vec<String> = args
+        .implementations
+        .iter()
+        .filter(|w| w.starts_with(python::PLUGIN_PREFIX))
+        .cloned()
+        .collect();
+    let plugins = if plugin_specs.is_empty() {
+        Vec::new()
+    } else {
+        let flush = lab.session.as_ref().map(|s| s.flush_bytes() as u64);
+        python::plugins(&plugin_specs, &args.python, lab.on_gpu(), flush, args.seed)
+            .map_err(anyhow::Error::msg)?
+    };
     // Implementations: all available, or those named by --impl (unknown names are errors).
-    let available: Vec<&str> = lab.implementations.iter().map(|i| i.name()).collect();
+    let available: Vec<&str> = lab
+        .implementations
+        .iter()
+        .chain(plugins.iter())
+        .map(|i| i.name())
+        .collect();
     for want in &args.implementations {
         if !available.contains(&want.as_str()) {
             bail!(
@@ -72,6 +91,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let implementations: Vec<_> = lab
         .implementations
         .iter()
+        .chain(plugins.iter())
         .filter(|i| {
             args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name())
         })

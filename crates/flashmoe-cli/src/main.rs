@@ -76,7 +76,8 @@ pub struct BenchArgs {
     /// TOML file listing the configs (see README).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Comma-separated implementation names to run (default: all available).
+    /// Comma-separated implementation names to run (default: all available); a name
+    /// py:MODULE:FUNCTION adds a Python plug-in (docs/plugins.md).
     #[arg(long = "impl", value_delimiter = ',')]
     implementations: Vec<String>,
     /// Implementation whose speedup against the others is reported.

@@ -161,5 +161,16 @@ pub fn terminal_table(results: &RunResults) -> String {
     if results.interrupted {
         out.push_str("Run interrupted: only the configs above were completed.\n");
     }
+    if let Some(g) = crate::grades::grade_table(results) {
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED)
+            .set_content_arrangement(ContentArrangement::Dynamic)
+            .set_width(width)
+            .set_header(g.header.clone());
+        for r in &g.rows {
+            t.add_row(r.clone());
+        }
+        out.push_str(&format!("\n{}:\n{t}\n{}\n", g.title, g.note));
+    }
     out
 }

@@ -729,7 +729,13 @@ enum Served {
     Python,
     /// An old build's implementations (`flashmoe serve`), named [`OLD_PREFIX`] + its name.
     OldBuild,
+    /// A user's Python callable (`py:MODULE:FUNCTION`), hosted by
+    /// `python/flashmoe_plugins.py`; attention problems only.
+    Plugin,
 }
+
+/// Prefix of a Python plug-in's implementation name: `py:MODULE:FUNCTION`.
+pub const PLUGIN_PREFIX: &str = "py:";
 
 /// Prefix of an old build's implementations in `bench --against` runs.
 pub const OLD_PREFIX: &str = "old:";
@@ -768,12 +774,16 @@ impl Implementation for PythonImplementation {
         match self.served {
             Served::Python => "python",
             Served::OldBuild => "old-build",
+            Served::Plugin => "python-plugin",
         }
     }
 
     fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
-        if self.served == Served::OldBuild {
-            return Ok(()); // the old build answers "n/a: why" itself
+        match (self.served, problem) {
+            (Served::OldBuild, _) => return Ok(()), // the old build answers "n/a: why"
+            (Served::Plugin, ProblemSpec::Attention(_)) => return Ok(()),
+            (Served::Plugin, _) => return Err("plug-ins run attention problems only".into()),
+            (Served::Python, _) => {}
         }
         let (list, kind) = match problem {
             ProblemSpec::Attention(_) => (ATTENTION_BASELINES, "attention"),
@@ -800,7 +810,7 @@ impl Implementation for PythonImplementation {
             (sh.options.prepare_timeout, sh.options.request_timeout);
         let (worker, incarnation) = sh.live_worker()?;
         let sent = match self.served {
-            Served::Python => worker_problem(problem),
+            Served::Python | Served::Plugin => worker_problem(problem),
             Served::OldBuild => problem.clone(),
         };
         let req = json!({ "impl": self.remote, "problem": sent, "seed": seed });
@@ -1083,6 +1093,64 @@ pub fn baselines_with(
         })
         .collect();
     Ok((impls, manifest))
+}
+
+/// Start the plug-in host (`python/flashmoe_plugins.py`, next to the worker script) with
+/// `python` and return one implementation per `py:MODULE:FUNCTION` spec. `cuda` hosts them
+/// on the GPU (torch tensors, CUDA events after an L2 flush of `flush_bytes`), otherwise on
+/// the CPU (numpy arrays, host clock; numpy is all it needs). `Err` is one line.
+pub fn plugins(
+    specs: &[String],
+    python: &Path,
+    cuda: bool,
+    flush_bytes: Option<u64>,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    for s in specs {
+        let parts: Vec<&str> = s.splitn(3, ':').collect();
+        if parts.len() != 3 || parts[0] != "py" || parts[1].is_empty() || parts[2].is_empty() {
+            return Err(format!("'{s}' is not a plug-in: expected py:MODULE:FUNCTION"));
+        }
+    }
+    let script = match std::env::var_os("FLASHMOE_PLUGIN_HOST") {
+        Some(p) => PathBuf::from(p),
+        None => locate_worker_script()?
+            .with_file_name("flashmoe_plugins.py"),
+    };
+    if !script.is_file() {
+        return Err(format!(
+            "the plug-in host {} is missing (set FLASHMOE_PLUGIN_HOST)",
+            script.display()
+        ));
+    }
+    let mut options = WorkerOptions::new(python);
+    options.args = Some(vec![
+        script.to_string_lossy().into_owned(),
+        "--device".into(),
+        if cuda { "cuda" } else { "cpu" }.into(),
+    ]);
+    options.flush_bytes = flush_bytes;
+    let worker = PythonWorker::start(&options)
+        .map_err(|e| format!("the Python plug-in host could not start: {e}"))?;
+    let shared = Arc::new(Mutex::new(Shared {
+        options,
+        seed,
+        worker: Some(worker),
+        incarnation: 0,
+        restarts: 0,
+        checksum_cache: None,
+    }));
+    Ok(specs
+        .iter()
+        .map(|n| {
+            Box::new(PythonImplementation {
+                name: n.clone(),
+                remote: n.clone(),
+                served: Served::Plugin,
+                shared: Arc::clone(&shared),
+            }) as Box<dyn Implementation>
+        })
+        .collect())
 }
 
 /// Start `binary serve --suite SUITE` (an old build of flashmoe, `bench --against`) and
