@@ -112,7 +112,9 @@ impl Prepared for RowPrepared<'_> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let out = std::env::args().nth(1).unwrap_or_else(|| "out-plugin".into());
+    let out = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "out-plugin".into());
     let mine = RowAttention;
     let tiled = CpuImplementation::tiled();
     let calibration = CpuCalibration::default();

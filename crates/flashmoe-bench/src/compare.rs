@@ -12,9 +12,7 @@
 
 use crate::report::format::{fmt_ms, fmt_p, fmt_sig, level_pct, truncate};
 use crate::results::{ImplResult, RunResults};
-use crate::stats::{
-    self, CalibratedComparison, Comparison, CrossRunVerdict, VerdictOptions,
-};
+use crate::stats::{self, CalibratedComparison, Comparison, CrossRunVerdict, VerdictOptions};
 use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{Cell, CellAlignment, ColumnConstraint, ContentArrangement, Table, Width};
 
@@ -357,18 +355,16 @@ fn calibration_pair(
         (xs.len() >= MIN_SAMPLES).then_some(xs)
     };
     match (&old.calibration, &new.calibration) {
-        (None, None) => {
-            notes.push(
-                "no calibration in either run (files from before it existed): raw verdicts, \
-                 machine drift is not separated from code changes"
-                    .into(),
-            );
-            None
-        }
+        // Files from before the calibration existed compare on the raw change, as then.
+        (None, None) => None,
         (Some(_), None) | (None, Some(_)) => {
             notes.push(format!(
                 "only the {} run measured the calibration: raw verdicts",
-                if old.calibration.is_some() { "old" } else { "new" }
+                if old.calibration.is_some() {
+                    "old"
+                } else {
+                    "new"
+                }
             ));
             None
         }

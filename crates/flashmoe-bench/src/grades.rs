@@ -190,7 +190,11 @@ pub fn measured_memory_table(results: &RunResults) -> Option<TextTable> {
             ProblemSpec::Attention(p) => MEMORY_SEQLENS.contains(&p.seqlen_k),
             _ => false,
         })
-        .filter(|c| c.implementations.iter().any(|i| i.peak_extra_bytes.is_some()))
+        .filter(|c| {
+            c.implementations
+                .iter()
+                .any(|i| i.peak_extra_bytes.is_some())
+        })
         .collect();
     if configs.is_empty() {
         return None;
@@ -209,7 +213,8 @@ pub fn measured_memory_table(results: &RunResults) -> Option<TextTable> {
             let ProblemSpec::Attention(p) = &c.problem else {
                 unreachable!("filtered to attention configs")
             };
-            let scores = (p.batch * p.heads_q * p.seqlen_q * p.seqlen_k * p.dtype.size_bytes()) as f64;
+            let scores =
+                (p.batch * p.heads_q * p.seqlen_q * p.seqlen_k * p.dtype.size_bytes()) as f64;
             let mut row = vec![c.label.clone(), gb(scores)];
             for n in &names {
                 row.push(
@@ -224,7 +229,10 @@ pub fn measured_memory_table(results: &RunResults) -> Option<TextTable> {
             row
         })
         .collect();
-    let mut header = vec!["config".to_string(), "S×S matrix (materialised)".to_string()];
+    let mut header = vec![
+        "config".to_string(),
+        "S×S matrix (materialised)".to_string(),
+    ];
     header.extend(names.iter().map(|n| format!("{n} peak extra")));
     Some(TextTable {
         title: "Memory, measured: peak extra device bytes at S = 2048 / 4096 / 8192".into(),
@@ -288,7 +296,10 @@ mod tests {
             None,
         );
         let g = grade_of(&c, "mine").unwrap();
-        assert_eq!(g.reference, "sdpa-flash", "old builds are never the reference");
+        assert_eq!(
+            g.reference, "sdpa-flash",
+            "old builds are never the reference"
+        );
         assert!((g.pct_of_reference - 75.0).abs() < 0.5, "{g:?}");
         assert_eq!(g.grade, "B");
         let run = run_with("attention", "mine", vec![c], None);

@@ -43,9 +43,7 @@ fn parse_slowdown(v: &str, name: &str) -> anyhow::Result<Option<f64>> {
         None => (frac, 1.0),
     };
     match num.trim().parse::<f64>() {
-        Ok(x) if (0.0..=10.0).contains(&(x * scale)) => {
-            Ok((who == name).then_some(x * scale))
-        }
+        Ok(x) if (0.0..=10.0).contains(&(x * scale)) => Ok((who == name).then_some(x * scale)),
         _ => anyhow::bail!("{TEST_SLOWDOWN_ENV}={v}: '{frac}' is not a fraction between 0 and 10"),
     }
 }
@@ -311,9 +309,18 @@ mod tests {
 
     #[test]
     fn test_slowdown_knob_parses_and_rejects() {
-        assert_eq!(parse_slowdown("cpu-tiled:10%", "cpu-tiled").unwrap(), Some(0.1));
-        assert_eq!(parse_slowdown("cpu-tiled:10%", "cpu-reference").unwrap(), None);
-        assert_eq!(parse_slowdown("cpu-tiled:0.25", "cpu-tiled").unwrap(), Some(0.25));
+        assert_eq!(
+            parse_slowdown("cpu-tiled:10%", "cpu-tiled").unwrap(),
+            Some(0.1)
+        );
+        assert_eq!(
+            parse_slowdown("cpu-tiled:10%", "cpu-reference").unwrap(),
+            None
+        );
+        assert_eq!(
+            parse_slowdown("cpu-tiled:0.25", "cpu-tiled").unwrap(),
+            Some(0.25)
+        );
         assert!(parse_slowdown("cpu-tiled", "cpu-tiled").is_err());
         assert!(parse_slowdown("cpu-tiled:lots", "x").is_err());
         assert!(parse_slowdown("cpu-tiled:-5%", "cpu-tiled").is_err());

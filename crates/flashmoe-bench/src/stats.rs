@@ -865,13 +865,8 @@ pub fn compare_calibrated(
     opts: &VerdictOptions,
 ) -> CalibratedComparison {
     let level = 1.0 - opts.alpha;
-    let calibration = bootstrap_speedup_ci(
-        old_cal,
-        new_cal,
-        level,
-        opts.resamples,
-        opts.seed ^ 0xca1,
-    );
+    let calibration =
+        bootstrap_speedup_ci(old_cal, new_cal, level, opts.resamples, opts.seed ^ 0xca1);
     let corrected = bootstrap_calibrated_speedup_ci(
         old,
         new,
@@ -1047,7 +1042,9 @@ mod tests {
     fn calibrated_speedup_divides_out_a_common_drift() {
         let noisy = |m: f64, seed: u64| -> Vec<f64> {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            (0..80).map(|_| m * (1.0 + 0.01 * (open_unit(&mut rng) - 0.5))).collect()
+            (0..80)
+                .map(|_| m * (1.0 + 0.01 * (open_unit(&mut rng) - 0.5)))
+                .collect()
         };
         // Candidate and calibration both 20% slower in the new run: corrected ≈ 1.
         let ci = bootstrap_calibrated_speedup_ci(

@@ -4,8 +4,8 @@
 use flashmoe::{AttentionProblem, DType};
 use flashmoe_bench::measure::Sampled;
 use flashmoe_bench::results::{MeasureSettings, ProblemSpec};
-use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::calibration::CpuCalibration;
+use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::pipeline::Pipeline;
 use flashmoe_bench::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use std::sync::atomic::AtomicBool;

@@ -337,7 +337,10 @@ pub fn to_markdown(results: &RunResults) -> String {
 /// A seed-003 table (grades, memory) as a Markdown section.
 fn text_table(o: &mut String, t: &crate::grades::TextTable) {
     let _ = writeln!(o, "\n## {}\n", md_escape(&t.title));
-    table_row(o, &t.header.iter().map(|h| md_escape(h)).collect::<Vec<_>>());
+    table_row(
+        o,
+        &t.header.iter().map(|h| md_escape(h)).collect::<Vec<_>>(),
+    );
     table_row(o, &vec![":---".to_string(); t.header.len()]);
     for r in &t.rows {
         table_row(o, &r.iter().map(|c| md_escape(c)).collect::<Vec<_>>());

@@ -78,7 +78,11 @@ mod tests {
     #[test]
     fn cpu_calibration_times_a_fixed_workload() {
         let c = CpuCalibration::default();
-        assert!(c.workload().contains("cpu-tiled attention"), "{}", c.workload());
+        assert!(
+            c.workload().contains("cpu-tiled attention"),
+            "{}",
+            c.workload()
+        );
         let mut run = c.prepare().unwrap();
         let a = run.sample().unwrap();
         let b = run.sample().unwrap();

@@ -5,8 +5,8 @@ use super::calibration::Calibration;
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::measure::{measure_interleaved, Sampled, StopReason};
 use crate::results::{
-    AccuracyResult, CalibrationResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
-    RoutingSummary, CEILING_ONLY_FLAG,
+    AccuracyResult, CalibrationResult, Ceilings, ConfigResult, ImplResult, MeasureSettings,
+    PairResult, ProblemSpec, RoutingSummary, CEILING_ONLY_FLAG,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -392,7 +392,10 @@ impl Pipeline<'_> {
         if let Some((workload, prepared)) = calibration {
             result.calibration = Some(match prepared {
                 Ok(_) => {
-                    let set = measurement.sets.pop().expect("the calibration's sample set");
+                    let set = measurement
+                        .sets
+                        .pop()
+                        .expect("the calibration's sample set");
                     CalibrationResult {
                         workload,
                         samples_ms: set.samples_ms,

@@ -1008,9 +1008,10 @@ impl Prepared for PythonPrepared {
                     )?;
                     // The Python baselines do not compute the auxiliary losses; an old build
                     // does and returns them.
-                    let losses = v.get("losses").and_then(Value::as_array).and_then(|l| {
-                        Some((l.first()?.as_f64()?, l.get(1)?.as_f64()?))
-                    });
+                    let losses = v
+                        .get("losses")
+                        .and_then(Value::as_array)
+                        .and_then(|l| Some((l.first()?.as_f64()?, l.get(1)?.as_f64()?)));
                     Outputs::Moe {
                         out,
                         topk_ids: Some(ids),
@@ -1109,13 +1110,14 @@ pub fn plugins(
     for s in specs {
         let parts: Vec<&str> = s.splitn(3, ':').collect();
         if parts.len() != 3 || parts[0] != "py" || parts[1].is_empty() || parts[2].is_empty() {
-            return Err(format!("'{s}' is not a plug-in: expected py:MODULE:FUNCTION"));
+            return Err(format!(
+                "'{s}' is not a plug-in: expected py:MODULE:FUNCTION"
+            ));
         }
     }
     let script = match std::env::var_os("FLASHMOE_PLUGIN_HOST") {
         Some(p) => PathBuf::from(p),
-        None => locate_worker_script()?
-            .with_file_name("flashmoe_plugins.py"),
+        None => locate_worker_script()?.with_file_name("flashmoe_plugins.py"),
     };
     if !script.is_file() {
         return Err(format!(

@@ -113,9 +113,10 @@ pub fn serve(
             "quit" => return Ok(()),
             "prepare" => {
                 let parsed = (|| -> anyhow::Result<(ProblemSpec, u64)> {
-                    let problem: ProblemSpec =
-                        serde_json::from_value(req.body.get("problem").cloned().unwrap_or_default())
-                            .context("the request's 'problem'")?;
+                    let problem: ProblemSpec = serde_json::from_value(
+                        req.body.get("problem").cloned().unwrap_or_default(),
+                    )
+                    .context("the request's 'problem'")?;
                     let seed = req
                         .body
                         .get("seed")
@@ -173,8 +174,7 @@ fn serve_problem<L: Iterator<Item = std::io::Result<String>>>(
         match req.op.as_str() {
             "quit" => return Ok(None),
             "prepare" => {
-                let same = req.body.get("problem").cloned()
-                    == Some(serde_json::to_value(problem)?)
+                let same = req.body.get("problem").cloned() == Some(serde_json::to_value(problem)?)
                     && req.body.get("seed").and_then(Value::as_u64) == Some(seed);
                 if !same {
                     return Ok(Some(req));
@@ -345,7 +345,10 @@ mod tests {
             json!({"id": 8, "op": "release", "handle": 2}),
             json!({"id": 9, "op": "quit"}),
         ]);
-        assert_eq!(replies[0]["protocol"], json!(super::super::python::PROTOCOL_VERSION));
+        assert_eq!(
+            replies[0]["protocol"],
+            json!(super::super::python::PROTOCOL_VERSION)
+        );
         assert_eq!(replies[0]["implementations"], json!(["cpu-tiled"]));
         let by_id = |i: u64| replies.iter().find(|r| r["id"] == json!(i)).unwrap();
         let prep = by_id(1);
@@ -390,7 +393,10 @@ mod tests {
         )
         .unwrap();
         let s = String::from_utf8(out).unwrap();
-        let r: Vec<Value> = s.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let r: Vec<Value> = s
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(r.len(), 4);
         assert_eq!(r[1]["kind"], json!("protocol"));
         assert_eq!(r[2]["ok"], json!(false));
