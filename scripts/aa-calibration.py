@@ -100,7 +100,23 @@ def main():
     ap.add_argument("--slowdown", default="10%")
     ap.add_argument("--seed", type=int, default=24)
     ap.add_argument("--out", default="results/aa-calibration")
+    ap.add_argument("--from-json", help="re-summarise the pairs of an earlier OUT.json (no runs)")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            old = json.load(f)
+        meta = old["meta"]
+        a.mode = meta["mode"]
+        summary = summarise(old["pairs"], a)
+        meta["resummarised_by"] = " ".join(sys.argv)
+        meta.setdefault("pairs", len(old["pairs"]))
+        meta.setdefault("partial", False)
+        with open(a.out + ".json", "w") as f:
+            json.dump({"meta": meta, "summary": summary, "pairs": old["pairs"]}, f, indent=1)
+        with open(a.out + ".md", "w") as f:
+            f.write(markdown(meta, summary))
+        print(markdown(meta, summary))
+        return
     binary = os.path.abspath(a.binary)
     a.binary = binary
     rng = random.Random(a.seed)
@@ -187,13 +203,24 @@ def summarise(pairs, a):
         "slow_env_drift": rate(sum(x["exit"] == 3 for x in sl), n),
         "slow_missed": rate(sum(x["exit"] == 0 for x in sl), n),
     }
-    loads = [p["load_before"] for p in pairs if p["load_before"] is not None]
+    loads = [p["load_before"] for p in pairs if p.get("load_before") is not None]
     s["mean_load_1min"] = round(sum(loads) / len(loads), 1) if loads else None
     aa_rows = [r for x in aa for r in x["rows"]]
-    s["aa_rows_slower"] = rate(sum(r["verdict"] == "SLOWER" for r in aa_rows), len(aa_rows))
-    s["aa_rows_not_same"] = rate(sum(r["verdict"] != "SAME" for r in aa_rows), len(aa_rows))
+    def v(r):  # "slower" / "env-drift" (compare's JSON) → "SLOWER" / "ENV-DRIFT"
+        return r["verdict"].upper()
+
+    s["aa_rows_slower"] = rate(sum(v(r) == "SLOWER" for r in aa_rows), len(aa_rows))
+    s["aa_rows_env_drift"] = rate(sum(v(r) == "ENV-DRIFT" for r in aa_rows), len(aa_rows))
+    s["aa_rows_not_same"] = rate(sum(v(r) != "SAME" for r in aa_rows), len(aa_rows))
     slowed = [r for x in sl for r in x["rows"] if r["impl"] == SLOWED]
-    s["slow_rows_slower"] = rate(sum(r["verdict"] == "SLOWER" for r in slowed), len(slowed))
+    s["slow_rows_slower"] = rate(sum(v(r) == "SLOWER" for r in slowed), len(slowed))
+    s["slow_rows_env_drift"] = rate(sum(v(r) == "ENV-DRIFT" for r in slowed), len(slowed))
+    s["slow_detected_on_slowed_impl"] = rate(
+        sum(any(v(r) == "SLOWER" and r["impl"] == SLOWED for r in x["rows"]) for x in sl), n
+    )
+    changes = sorted(r["change"] for r in slowed)
+    if changes:
+        s["slow_rows_median_change_pct"] = round(100 * changes[len(changes) // 2], 1)
     if a.mode == "files":
         s["aa_regression_without_calibration"] = rate(
             sum(x["exit_without_calibration"] == 1 for x in aa), n
@@ -212,7 +239,7 @@ def markdown(meta, s):
     lines = [
         f"# A/A calibration of the regression gate: mode `{meta['mode']}`",
         "",
-        f"{meta['pairs']} pairs{' (PARTIAL: run stopped early)' if meta['partial'] else ''} "
+        f"{meta['pairs']} pairs{' (PARTIAL: run stopped early)' if meta.get('partial') else ''} "
         f"on {meta['machine']}, threshold {meta['threshold']}, "
         f"injected slowdown {meta['slowdown']}; mean 1-minute load average before each pair "
         f"{s['mean_load_1min']} (other engineers building on the same 2 cores); finished {meta['finished_utc']} UTC after "
@@ -224,15 +251,19 @@ def markdown(meta, s):
         f"| A/A exit 1 (REGRESSION) = false positive | {r('aa_regression')} | ≤ 5% |",
         f"| A/A exit 3 (ENV-DRIFT) | {r('aa_env_drift')} | |",
         f"| A/A exit 0 (pass) | {r('aa_pass')} | |",
-        f"| slowdown exit 1 (REGRESSION) = detected | {r('slow_detected')} | ≥ 90% |",
+        f"| slowdown exit 1 (REGRESSION) | {r('slow_detected')} | |",
+        f"| slowdown: a `{SLOWED}` row SLOWER = detected | {r('slow_detected_on_slowed_impl')} | ≥ 90% |",
         f"| slowdown exit 3 (ENV-DRIFT) | {r('slow_env_drift')} | |",
         f"| slowdown exit 0 (missed) | {r('slow_missed')} | |",
         "",
         "| rows | |",
         "|---|---|",
         f"| A/A rows SLOWER | {r('aa_rows_slower')} |",
+        f"| A/A rows ENV-DRIFT | {r('aa_rows_env_drift')} |",
         f"| A/A rows not SAME | {r('aa_rows_not_same')} |",
         f"| slowed `{SLOWED}` rows SLOWER | {r('slow_rows_slower')} |",
+        f"| slowed `{SLOWED}` rows ENV-DRIFT | {r('slow_rows_env_drift')} |",
+        f"| slowed `{SLOWED}` rows: median raw change | {s.get('slow_rows_median_change_pct')}% |",
     ]
     if "aa_regression_without_calibration" in s:
         lines += [

@@ -184,7 +184,8 @@ pub fn measure_interleaved(
         if rounds >= settings.max_samples {
             break StopReason::SampleCap;
         }
-        if elapsed_ms(&sampling_start) >= settings.max_time_ms {
+        // At least two rounds: one sample has no spread, and compare needs two a side.
+        if rounds >= 2 && elapsed_ms(&sampling_start) >= settings.max_time_ms {
             break StopReason::TimeCap;
         }
         // Check convergence at geometrically spaced rounds: the bootstrap is not free.
