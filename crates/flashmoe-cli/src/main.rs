@@ -29,6 +29,11 @@ enum Command {
     Check(CheckArgs),
     /// Compare two result files; exit 1 on a significant regression, 3 on ENV-DRIFT.
     Compare(CompareArgs),
+    /// Re-render a results file's Markdown and HTML reports next to it (NAME.md, NAME.html).
+    Report {
+        /// A results.json written by `bench`.
+        results: PathBuf,
+    },
     /// Print the environment manifest.
     Env {
         /// Print JSON instead of text.
@@ -201,6 +206,21 @@ pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, thresh
     code
 }
 
+fn report(path: &std::path::Path) -> anyhow::Result<ExitCode> {
+    use flashmoe_bench::report;
+    let results =
+        report::read_json(path).with_context(|| format!("reading {}", path.display()))?;
+    for (ext, text) in [
+        ("md", report::to_markdown(&results)),
+        ("html", report::to_html(&results)),
+    ] {
+        let out = path.with_extension(ext);
+        report::write_atomic(&out, text.as_bytes())?;
+        println!("wrote {}", out.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 fn serve(suite: Suite, cpu: bool) -> anyhow::Result<ExitCode> {
     use flashmoe_bench::runner::serve::{serve, ServeInfo};
     let lab = backend::select(suite, cpu, 0, false, None);
@@ -242,6 +262,7 @@ fn main() -> ExitCode {
         Command::Check(args) => check::run(args),
         Command::Compare(args) => compare(args),
         Command::Env { json } => env(*json),
+        Command::Report { results } => report(results),
         Command::Serve { suite, cpu } => serve((*suite).into(), *cpu),
     };
     match result {
