@@ -742,7 +742,6 @@ fn real_worker_on_cpu_through_the_pipeline() {
             settings: settings.clone(),
             ceilings: None,
             calibration: None,
-            calibration: None,
         };
         let res = pipeline
             .run_config(&problem, &AtomicBool::new(false), |_| {})

@@ -208,8 +208,7 @@ pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, thresh
 
 fn report(path: &std::path::Path) -> anyhow::Result<ExitCode> {
     use flashmoe_bench::report;
-    let results =
-        report::read_json(path).with_context(|| format!("reading {}", path.display()))?;
+    let results = report::read_json(path).with_context(|| format!("reading {}", path.display()))?;
     for (ext, text) in [
         ("md", report::to_markdown(&results)),
         ("html", report::to_html(&results)),

@@ -129,8 +129,7 @@ pub fn serve(
                         let inputs = SuiteInputs::generate(&problem, seed);
                         pending = serve_problem(
                             implementations,
-                            &problem,
-                            seed,
+                            (&problem, seed),
                             &inputs,
                             req,
                             &mut next_handle,
@@ -159,8 +158,7 @@ pub fn serve(
 /// problem), or `None` at quit / end of input.
 fn serve_problem<L: Iterator<Item = std::io::Result<String>>>(
     implementations: &[Box<dyn Implementation>],
-    problem: &ProblemSpec,
-    seed: u64,
+    (problem, seed): (&ProblemSpec, u64),
     inputs: &SuiteInputs,
     first: Request,
     next_handle: &mut u64,
