@@ -37,12 +37,15 @@ def run(cmd, env=None):
     return p.returncode, time.time() - t0, p.stdout, p.stderr
 
 
+BENCH_ARGS = []
+
+
 def bench(binary, out, slow, extra=()):
     env = dict(os.environ)
     env.pop(KNOB, None)
     if slow:
         env[KNOB] = f"{SLOWED}:{slow}"
-    cmd = [binary, "bench", "attention", "--preset", "quick", "--cpu", "--out", out, *extra]
+    cmd = [binary, "bench", "attention", "--preset", "quick", "--cpu", "--out", out, *BENCH_ARGS, *extra]
     rc, secs, so, se = run(cmd, env)
     if rc not in (0, 1, 3):
         sys.exit(f"bench failed ({rc}): {' '.join(cmd)}\n{se[-2000:]}")
@@ -100,6 +103,8 @@ def main():
     ap.add_argument("--slowdown", default="10%")
     ap.add_argument("--seed", type=int, default=24)
     ap.add_argument("--out", default="results/aa-calibration")
+    ap.add_argument("--bench-args", default="",
+                    help="extra arguments for every bench run, e.g. '--max-time 12'")
     ap.add_argument("--from-json", help="re-summarise the pairs of an earlier OUT.json (no runs)")
     a = ap.parse_args()
     if a.from_json:
@@ -119,6 +124,7 @@ def main():
         return
     binary = os.path.abspath(a.binary)
     a.binary = binary
+    BENCH_ARGS.extend(a.bench_args.split())
     rng = random.Random(a.seed)
     pairs = []
     t_start = time.time()
@@ -172,6 +178,7 @@ def write(pairs, a, t_start, partial):
         "pairs_planned": a.pairs,
         "partial": partial,
         "threshold": a.threshold,
+        "bench_args": a.bench_args,
         "slowdown": f"{SLOWED} {a.slowdown} ({KNOB})",
         "binary": os.path.basename(a.binary),
         "command": " ".join(sys.argv),
@@ -239,7 +246,8 @@ def markdown(meta, s):
     lines = [
         f"# A/A calibration of the regression gate: mode `{meta['mode']}`",
         "",
-        f"{meta['pairs']} pairs{' (PARTIAL: run stopped early)' if meta.get('partial') else ''} "
+        f"`bench attention --preset quick --cpu {meta.get('bench_args', '')}`".replace(" `", "`")
+        + f": {meta['pairs']} pairs{' (PARTIAL: run stopped early)' if meta.get('partial') else ''} "
         f"on {meta['machine']}, threshold {meta['threshold']}, "
         f"injected slowdown {meta['slowdown']}; mean 1-minute load average before each pair "
         f"{s['mean_load_1min']} (other engineers building on the same 2 cores); finished {meta['finished_utc']} UTC after "

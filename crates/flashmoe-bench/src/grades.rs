@@ -3,16 +3,16 @@
 //! S = 2048 / 4096 / 8192). Pure functions of a [`RunResults`]; every report (terminal,
 //! Markdown, HTML) renders the same [`TextTable`]s.
 //!
-//! * The reference of a config is its strongest baseline: the fastest implementation other
-//!   than the candidate that passed the correctness gate, is not a ceiling-only
-//!   measurement and is not an old build's (`bench --against`), named in the table.
+//! * The reference of a config is its strongest baseline
+//!   ([`ConfigResult::best_baseline`]): the fastest implementation other than the candidate
+//!   that passed the correctness gate, is not a ceiling-only measurement and is not an old
+//!   build's (`bench --against`), named in the table.
 //! * % of reference = reference median / candidate median × 100 (throughput ratio: above
 //!   100 the candidate is faster).
 //! * Grades at seed 003's boundaries: A > 80 %, B > 70 %, C > 60 %, D > 40 %; at or below
 //!   40 % the grade is F ("below D").
 
 use crate::results::{ConfigResult, ProblemSpec, RunResults};
-use crate::runner::python::OLD_PREFIX;
 
 /// A table of text cells, rendered by each report format.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,25 +46,6 @@ pub struct Grade {
     pub grade: &'static str,
 }
 
-/// The strongest baseline of a config (see the module doc), if any.
-pub fn reference_of<'a>(
-    config: &'a ConfigResult,
-    candidate: &str,
-) -> Option<&'a crate::results::ImplResult> {
-    config
-        .implementations
-        .iter()
-        .filter(|i| {
-            i.name != candidate
-                && !i.name.starts_with(OLD_PREFIX)
-                && i.is_usable()
-                && !i.is_ceiling_only()
-        })
-        .filter_map(|i| i.median_ms().map(|m| (i, m)))
-        .min_by(|a, b| a.1.total_cmp(&b.1))
-        .map(|(i, _)| i)
-}
-
 /// The candidate's grade on `config`, when it and a reference both have a median.
 pub fn grade_of(config: &ConfigResult, candidate: &str) -> Option<Grade> {
     let cand = config
@@ -72,7 +53,7 @@ pub fn grade_of(config: &ConfigResult, candidate: &str) -> Option<Grade> {
         .iter()
         .find(|i| i.name == candidate && i.is_usable())?;
     let candidate_ms = cand.median_ms()?;
-    let r = reference_of(config, candidate)?;
+    let r = config.best_baseline(candidate)?;
     let reference_ms = r.median_ms()?;
     let pct = 100.0 * reference_ms / candidate_ms;
     Some(Grade {

@@ -737,8 +737,7 @@ enum Served {
 /// Prefix of a Python plug-in's implementation name: `py:MODULE:FUNCTION`.
 pub const PLUGIN_PREFIX: &str = "py:";
 
-/// Prefix of an old build's implementations in `bench --against` runs.
-pub const OLD_PREFIX: &str = "old:";
+pub use crate::results::OLD_PREFIX;
 
 /// One implementation served by a worker process (a Python baseline such as `sdpa-flash`,
 /// or an old build's kernel), sharing the run's worker.
