@@ -97,6 +97,22 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         })
         .map(|b| b.as_ref())
         .collect();
+    // --against: this build's own implementations move to a child `serve` process too, so
+    // both builds are timed the same way; baselines and plug-ins stay as they are.
+    let this_build = match &args.against {
+        Some(_) => python::this_build_served(suite, !lab.on_gpu(), args.seed)
+            .map_err(anyhow::Error::msg)?,
+        None => Vec::new(),
+    };
+    let implementations: Vec<_> = implementations
+        .into_iter()
+        .map(|i| {
+            this_build
+                .iter()
+                .find(|s| s.name() == i.name())
+                .map_or(i, |s| s.as_ref())
+        })
+        .collect();
     // --against: the old build's implementations (old:NAME) for those selected here.
     let old_build = match &args.against {
         Some(binary) => {

@@ -729,6 +729,9 @@ enum Served {
     Python,
     /// An old build's implementations (`flashmoe serve`), named [`OLD_PREFIX`] + its name.
     OldBuild,
+    /// This build's own implementations served by a child `flashmoe serve` in a
+    /// `bench --against` run, so both builds are timed in a process of the same kind.
+    ThisBuild,
     /// A user's Python callable (`py:MODULE:FUNCTION`), hosted by
     /// `python/flashmoe_plugins.py`; attention problems only.
     Plugin,
@@ -773,13 +776,15 @@ impl Implementation for PythonImplementation {
         match self.served {
             Served::Python => "python",
             Served::OldBuild => "old-build",
+            Served::ThisBuild => "this-build (served)",
             Served::Plugin => "python-plugin",
         }
     }
 
     fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
         match (self.served, problem) {
-            (Served::OldBuild, _) => return Ok(()), // the old build answers "n/a: why"
+            // The build answers "n/a: why" itself.
+            (Served::OldBuild | Served::ThisBuild, _) => return Ok(()),
             (Served::Plugin, ProblemSpec::Attention(_)) => return Ok(()),
             (Served::Plugin, _) => return Err("plug-ins run attention problems only".into()),
             (Served::Python, _) => {}
@@ -810,7 +815,7 @@ impl Implementation for PythonImplementation {
         let (worker, incarnation) = sh.live_worker()?;
         let sent = match self.served {
             Served::Python | Served::Plugin => worker_problem(problem),
-            Served::OldBuild => problem.clone(),
+            Served::OldBuild | Served::ThisBuild => problem.clone(),
         };
         let req = json!({ "impl": self.remote, "problem": sent, "seed": seed });
         let v = worker.request("prepare", req, prepare_timeout)?;
@@ -1157,12 +1162,36 @@ pub fn plugins(
 /// Start `binary serve --suite SUITE` (an old build of flashmoe, `bench --against`) and
 /// return its implementations, each named [`OLD_PREFIX`] + its name, timed in the old
 /// process by its own timer. `cpu` serves the CPU implementations. The test-only slowdown
-/// knob is not passed on: it applies to the driving (new) build only. `Err` is one line.
+/// knob is not passed on: it applies to the new build only. `Err` is one line.
 pub fn old_build(
     binary: &Path,
     suite: Suite,
     cpu: bool,
     seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    served_build(binary, suite, cpu, seed, Served::OldBuild)
+}
+
+/// This build's implementations served by a child `serve` process of the running binary,
+/// under their own names: in a `bench --against` run both builds are then timed the same
+/// way, each in a child process (timing one build in the driving process and the other in
+/// a child measured the child up to 16% slower in A/A runs on a loaded 2-core machine).
+pub fn this_build_served(
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find the running flashmoe binary: {e}"))?;
+    served_build(&exe, suite, cpu, seed, Served::ThisBuild)
+}
+
+fn served_build(
+    binary: &Path,
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+    served: Served,
 ) -> Result<Vec<Box<dyn Implementation>>, String> {
     let mut options = WorkerOptions::new(binary);
     let mut args = vec!["serve".to_string(), "--suite".into(), suite.name().into()];
@@ -1170,7 +1199,9 @@ pub fn old_build(
         args.push("--cpu".into());
     }
     options.args = Some(args);
-    options.env_remove = vec![crate::measure::TEST_SLOWDOWN_ENV.to_string()];
+    if served == Served::OldBuild {
+        options.env_remove = vec![crate::measure::TEST_SLOWDOWN_ENV.to_string()];
+    }
     options.start_timeout = Duration::from_secs(120);
     let worker = PythonWorker::start(&options).map_err(|e| {
         format!(
@@ -1192,9 +1223,12 @@ pub fn old_build(
         .into_iter()
         .map(|n| {
             Box::new(PythonImplementation {
-                name: format!("{OLD_PREFIX}{n}"),
+                name: match served {
+                    Served::OldBuild => format!("{OLD_PREFIX}{n}"),
+                    _ => n.clone(),
+                },
                 remote: n,
-                served: Served::OldBuild,
+                served,
                 shared: Arc::clone(&shared),
             }) as Box<dyn Implementation>
         })
