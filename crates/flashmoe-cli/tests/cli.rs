@@ -357,3 +357,26 @@ fn bench_against_an_old_binary_times_both_builds_in_one_run() {
     ]);
     assert_clean_error(&o, "could not serve");
 }
+
+/// `report` re-renders a results file's Markdown and HTML next to it, with seed 003's
+/// grades and memory tables.
+#[test]
+fn report_rerenders_markdown_and_html_next_to_the_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("sweep.json");
+    std::fs::write(
+        &json,
+        report::to_json(&fixtures::gpu_attention_run()).unwrap(),
+    )
+    .unwrap();
+    let o = flashmoe(&["report", json.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let md = std::fs::read_to_string(dir.path().join("sweep.md")).unwrap();
+    let html = std::fs::read_to_string(dir.path().join("sweep.html")).unwrap();
+    for text in [&md, &html] {
+        assert!(text.contains("Seed 003 grades"), "grades missing");
+        assert!(text.contains("Memory, analytic"), "memory table missing");
+    }
+    let o = flashmoe(&["report", dir.path().join("none.json").to_str().unwrap()]);
+    assert_clean_error(&o, "none.json");
+}
