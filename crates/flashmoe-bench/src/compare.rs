@@ -2,12 +2,28 @@
 //! the median time from the old run to the new one with a bootstrap CI, a Mann-Whitney
 //! p-value and a verdict. A SLOWER verdict (new significantly slower by more than the
 //! practical threshold) is a regression.
+//!
+//! Two separate runs also differ by the machine (another job, clocks, thermals). When both
+//! files hold the calibration workload of a config (`ConfigResult::calibration`), the
+//! change is also computed relative to the calibration's change, and the verdict needs
+//! both to agree ([`stats::cross_run_verdict`]); a disagreement is ENV-DRIFT, which exits
+//! with [`EXIT_ENV_DRIFT`] instead of passing or failing. Files without calibration compare
+//! on the raw change alone.
 
 use crate::report::format::{fmt_ms, fmt_p, fmt_sig, level_pct, truncate};
 use crate::results::{ImplResult, RunResults};
-use crate::stats::{self, Comparison, Verdict, VerdictOptions};
+use crate::stats::{self, CalibratedComparison, Comparison, CrossRunVerdict, VerdictOptions};
 use comfy_table::presets::UTF8_FULL_CONDENSED;
 use comfy_table::{Cell, CellAlignment, ColumnConstraint, ContentArrangement, Table, Width};
+
+/// Exit code of `flashmoe compare` (and `bench --against`) when nothing regressed.
+pub const EXIT_OK: u8 = 0;
+/// Exit code when at least one implementation is SLOWER (a regression).
+pub const EXIT_REGRESSION: u8 = 1;
+/// Exit code when nothing is SLOWER but at least one change is ENV-DRIFT: the machine moved
+/// between the runs as much as the code seemed to, so the comparison cannot decide (rerun,
+/// or use `bench --against` which measures both builds in one run).
+pub const EXIT_ENV_DRIFT: u8 = 3;
 
 /// Options of [`compare_runs`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,7 +60,7 @@ impl CompareOptions {
 }
 
 /// One implementation on one config present in both runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ConfigChange {
     pub config_id: String,
     pub label: String,
@@ -53,6 +69,11 @@ pub struct ConfigChange {
     pub new_median_ms: f64,
     /// baseline = old, candidate = new: speedup > 1 and FASTER mean the new run is faster.
     pub comparison: Comparison,
+    /// The change relative to the calibration workload, when both runs measured it.
+    pub calibrated: Option<CalibratedComparison>,
+    /// The final verdict: [`stats::cross_run_verdict`] of the raw and the corrected
+    /// verdicts with a calibration, the raw verdict without.
+    pub verdict: CrossRunVerdict,
 }
 
 impl ConfigChange {
@@ -68,12 +89,12 @@ impl ConfigChange {
     }
 
     pub fn is_regression(&self) -> bool {
-        self.comparison.verdict == Verdict::Slower
+        self.verdict == CrossRunVerdict::Slower
     }
 }
 
-/// Result of [`compare_runs`].
-#[derive(Debug, Clone, PartialEq, Default)]
+/// Result of [`compare_runs`] (serialised by `compare --json`).
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize)]
 pub struct CompareReport {
     pub changes: Vec<ConfigChange>,
     /// Config ids present only in the old run.
@@ -84,6 +105,10 @@ pub struct CompareReport {
     pub regressions: usize,
     /// Number of FASTER verdicts.
     pub improvements: usize,
+    /// Number of ENV-DRIFT verdicts.
+    pub env_drifts: usize,
+    /// Configs compared with a calibration correction (both runs measured it).
+    pub calibrated_configs: usize,
     /// Implementations of shared configs that were not compared, with the reason
     /// ("config_id / impl: reason"): missing from one run, or too few samples.
     pub skipped: Vec<String>,
@@ -153,11 +178,16 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
         }
     }
 
+    let mut calibration_notes: Vec<String> = Vec::new();
     for oc in &old.configs {
         let Some(nc) = new.configs.iter().find(|c| c.id == oc.id) else {
             rep.only_in_old.push(oc.id.clone());
             continue;
         };
+        let calibration = calibration_pair(oc, nc, &mut calibration_notes);
+        if calibration.is_some() {
+            rep.calibrated_configs += 1;
+        }
         for oi in &oc.implementations {
             let key = format!("{} / {}", oc.id, oi.name);
             let Some(ni) = nc.implementations.iter().find(|i| i.name == oi.name) else {
@@ -193,11 +223,19 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
                     .filter(|x| x.is_finite())
                     .collect::<Vec<_>>()
             };
-            let comparison =
-                stats::compare_samples(&clean(&oi.samples_ms), &clean(&ni.samples_ms), &vopts);
-            match comparison.verdict {
-                Verdict::Slower => rep.regressions += 1,
-                Verdict::Faster => rep.improvements += 1,
+            let (o, n) = (clean(&oi.samples_ms), clean(&ni.samples_ms));
+            let comparison = stats::compare_samples(&o, &n, &vopts);
+            let calibrated = calibration
+                .as_ref()
+                .map(|(oc, nc)| stats::compare_calibrated(&o, &n, oc, nc, &vopts));
+            let verdict = match &calibrated {
+                Some(c) => stats::cross_run_verdict(comparison.verdict, c.corrected_verdict),
+                None => comparison.verdict.into(),
+            };
+            match verdict {
+                CrossRunVerdict::Slower => rep.regressions += 1,
+                CrossRunVerdict::Faster => rep.improvements += 1,
+                CrossRunVerdict::EnvDrift => rep.env_drifts += 1,
                 _ => {}
             }
             rep.changes.push(ConfigChange {
@@ -207,6 +245,8 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
                 old_median_ms: median_of(oi),
                 new_median_ms: median_of(ni),
                 comparison,
+                calibrated,
+                verdict,
             });
         }
         for ni in &nc.implementations {
@@ -221,7 +261,131 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
             rep.only_in_new.push(nc.id.clone());
         }
     }
+    calibration_notes.sort();
+    calibration_notes.dedup();
+    rep.warnings.extend(calibration_notes);
     rep
+}
+
+/// `bench --against`: within one run, every implementation X against the old build's
+/// `old:X` (prefix [`crate::runner::python::OLD_PREFIX`]), measured interleaved in the same
+/// rounds. old = the old build, new = this build; no calibration is needed since both
+/// builds saw the same machine at the same time.
+pub fn compare_against_old(run: &RunResults, opts: &CompareOptions) -> CompareReport {
+    use crate::runner::python::OLD_PREFIX;
+    let vopts = opts.verdict_options();
+    let mut rep = CompareReport {
+        threshold: opts.threshold,
+        alpha: opts.alpha,
+        ..Default::default()
+    };
+    for c in &run.configs {
+        for new in c
+            .implementations
+            .iter()
+            .filter(|i| !i.name.starts_with(OLD_PREFIX))
+        {
+            let key = format!("{} / {}", c.id, new.name);
+            let old_name = format!("{OLD_PREFIX}{}", new.name);
+            let Some(old) = c.implementations.iter().find(|i| i.name == old_name) else {
+                rep.skipped.push(format!("{key}: not in the old build"));
+                continue;
+            };
+            if !old.is_usable() || !new.is_usable() {
+                let why = |i: &ImplResult| {
+                    i.error
+                        .as_deref()
+                        .map(|e| truncate(e, 80))
+                        .unwrap_or_else(|| format!("{} samples", i.samples_ms.len()))
+                };
+                rep.skipped.push(format!(
+                    "{key}: not compared (old: {}; new: {})",
+                    why(old),
+                    why(new)
+                ));
+                continue;
+            }
+            let comparison = stats::compare_samples(&old.samples_ms, &new.samples_ms, &vopts);
+            let verdict: CrossRunVerdict = comparison.verdict.into();
+            match verdict {
+                CrossRunVerdict::Slower => rep.regressions += 1,
+                CrossRunVerdict::Faster => rep.improvements += 1,
+                _ => {}
+            }
+            rep.changes.push(ConfigChange {
+                config_id: c.id.clone(),
+                label: c.label.clone(),
+                implementation: new.name.clone(),
+                old_median_ms: median_of(old),
+                new_median_ms: median_of(new),
+                comparison,
+                calibrated: None,
+                verdict,
+            });
+        }
+        for old in c
+            .implementations
+            .iter()
+            .filter(|i| i.name.starts_with(OLD_PREFIX))
+        {
+            let name = &old.name[OLD_PREFIX.len()..];
+            if !c.implementations.iter().any(|i| i.name == name) {
+                rep.skipped
+                    .push(format!("{} / {}: only in the old build", c.id, old.name));
+            }
+        }
+    }
+    rep
+}
+
+/// The two runs' calibration samples of one config, when both measured the same workload
+/// with enough samples; otherwise `None` and a note of why (deduplicated by the caller).
+fn calibration_pair(
+    old: &crate::results::ConfigResult,
+    new: &crate::results::ConfigResult,
+    notes: &mut Vec<String>,
+) -> Option<(Vec<f64>, Vec<f64>)> {
+    let usable = |c: &crate::results::CalibrationResult| {
+        let xs: Vec<f64> = c
+            .samples_ms
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .collect();
+        (xs.len() >= MIN_SAMPLES).then_some(xs)
+    };
+    match (&old.calibration, &new.calibration) {
+        // Files from before the calibration existed compare on the raw change, as then.
+        (None, None) => None,
+        (Some(_), None) | (None, Some(_)) => {
+            notes.push(format!(
+                "only the {} run measured the calibration: raw verdicts",
+                if old.calibration.is_some() {
+                    "old"
+                } else {
+                    "new"
+                }
+            ));
+            None
+        }
+        (Some(a), Some(b)) if a.workload != b.workload => {
+            notes.push(format!(
+                "different calibration workloads ('{}' vs '{}'): raw verdicts",
+                a.workload, b.workload
+            ));
+            None
+        }
+        (Some(a), Some(b)) => match (usable(a), usable(b)) {
+            (Some(x), Some(y)) => Some((x, y)),
+            _ => {
+                notes.push(format!(
+                    "config {}: too few calibration samples: raw verdicts",
+                    old.id
+                ));
+                None
+            }
+        },
+    }
 }
 
 fn pct(x: f64) -> String {
@@ -241,6 +405,25 @@ impl CompareReport {
         self.changes.iter().any(|c| c.is_regression())
     }
 
+    /// True when any change is ENV-DRIFT.
+    pub fn has_env_drift(&self) -> bool {
+        self.changes
+            .iter()
+            .any(|c| c.verdict == CrossRunVerdict::EnvDrift)
+    }
+
+    /// [`EXIT_REGRESSION`] if anything regressed, else [`EXIT_ENV_DRIFT`] if the machine
+    /// drifted, else [`EXIT_OK`].
+    pub fn exit_code(&self) -> u8 {
+        if self.has_regression() {
+            EXIT_REGRESSION
+        } else if self.has_env_drift() {
+            EXIT_ENV_DRIFT
+        } else {
+            EXIT_OK
+        }
+    }
+
     /// The report as a terminal table followed by a summary.
     pub fn render(&self) -> String {
         let level = self
@@ -248,19 +431,27 @@ impl CompareReport {
             .first()
             .map(|c| c.comparison.speedup.level)
             .unwrap_or(1.0 - self.alpha);
+        let calibrated = self.changes.iter().any(|c| c.calibrated.is_some());
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED)
             .set_content_arrangement(ContentArrangement::Dynamic)
             .set_width(160)
-            .set_header(vec![
-                "config".to_string(),
-                "implementation".to_string(),
-                "old ms".to_string(),
-                "new ms".to_string(),
-                format!("change [{} CI]", level_pct(level)),
-                "p".to_string(),
-                "verdict".to_string(),
-            ]);
+            .set_header({
+                let mut h = vec![
+                    "config".to_string(),
+                    "implementation".to_string(),
+                    "old ms".to_string(),
+                    "new ms".to_string(),
+                    format!("change [{} CI]", level_pct(level)),
+                    "p".to_string(),
+                ];
+                if calibrated {
+                    h.push("machine (calibration)".to_string());
+                    h.push(format!("change vs machine [{} CI]", level_pct(level)));
+                }
+                h.push("verdict".to_string());
+                h
+            });
         let mut last_cfg: Option<&str> = None;
         for c in &self.changes {
             let label = if last_cfg == Some(c.config_id.as_str()) {
@@ -270,21 +461,41 @@ impl CompareReport {
             };
             last_cfg = Some(&c.config_id);
             let (lo, hi) = c.change_ci();
-            let verdict = match c.comparison.verdict {
-                Verdict::Slower => "SLOWER (regression)".to_string(),
-                Verdict::Faster => "FASTER (improvement)".to_string(),
+            let verdict = match c.verdict {
+                CrossRunVerdict::Slower => "SLOWER (regression)".to_string(),
+                CrossRunVerdict::Faster => "FASTER (improvement)".to_string(),
+                CrossRunVerdict::EnvDrift => "ENV-DRIFT (machine moved)".to_string(),
                 v => v.to_string(),
             };
             let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
-            t.add_row(vec![
+            let mut row = vec![
                 Cell::new(label),
                 Cell::new(&c.implementation),
                 right(fmt_ms(c.old_median_ms)),
                 right(fmt_ms(c.new_median_ms)),
                 right(format!("{} [{}, {}]", pct(c.change()), pct(lo), pct(hi))),
                 right(fmt_p(c.comparison.mann_whitney.p_value)),
-                Cell::new(verdict),
-            ]);
+            ];
+            if calibrated {
+                match &c.calibrated {
+                    Some(k) => {
+                        let ch = |s: f64| 1.0 / s - 1.0;
+                        row.push(right(pct(ch(k.calibration.estimate))));
+                        row.push(right(format!(
+                            "{} [{}, {}]",
+                            pct(ch(k.corrected.estimate)),
+                            pct(ch(k.corrected.high)),
+                            pct(ch(k.corrected.low))
+                        )));
+                    }
+                    None => {
+                        row.push(right("—".into()));
+                        row.push(right("—".into()));
+                    }
+                }
+            }
+            row.push(Cell::new(verdict));
+            t.add_row(row);
         }
         if let Some(col) = t.column_mut(0) {
             col.set_constraint(ColumnConstraint::UpperBoundary(Width::Fixed(50)));
@@ -302,23 +513,22 @@ impl CompareReport {
             fmt_sig(self.threshold * 100.0, 3),
             self.alpha
         ));
-        let same = self
-            .changes
-            .iter()
-            .filter(|c| c.comparison.verdict == Verdict::Same)
-            .count();
-        let unclear = self
-            .changes
-            .iter()
-            .filter(|c| c.comparison.verdict == Verdict::Unclear)
-            .count();
+        if calibrated {
+            out.push_str(
+                "machine = the calibration workload's change between the runs; change vs \
+                 machine = the change divided by it. A verdict needs both changes to agree; \
+                 ENV-DRIFT = they disagree (the machine moved as much as the code seemed to).\n",
+            );
+        }
+        let count = |v: CrossRunVerdict| self.changes.iter().filter(|c| c.verdict == v).count();
         out.push_str(&format!(
-            "{} compared: {} regression(s), {} improvement(s), {} same, {} unclear.\n",
+            "{} compared: {} regression(s), {} improvement(s), {} same, {} unclear, {} env-drift.\n",
             self.changes.len(),
             self.regressions,
             self.improvements,
-            same,
-            unclear
+            count(CrossRunVerdict::Same),
+            count(CrossRunVerdict::Unclear),
+            self.env_drifts
         ));
         let list = |out: &mut String, title: &str, items: &[String]| {
             if !items.is_empty() {
@@ -334,6 +544,11 @@ impl CompareReport {
         list(&mut out, "Warnings", &self.warnings);
         if self.has_regression() {
             out.push_str("REGRESSION: the new run is significantly slower.\n");
+        } else if self.has_env_drift() {
+            out.push_str(
+                "ENV-DRIFT: no regression the calibration confirms, but the machine moved \
+                 between the runs; rerun, or compare builds in one run with `bench --against`.\n",
+            );
         }
         out
     }

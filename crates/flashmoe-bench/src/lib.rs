@@ -9,6 +9,7 @@ pub mod compare;
 pub mod config;
 pub mod decode;
 pub mod gpu;
+pub mod grades;
 pub mod manifest;
 pub mod measure;
 pub mod profile;
@@ -16,3 +17,8 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod stats;
+
+// What an out-of-tree implementation needs (docs/plugins.md,
+// examples/plugin_implementation.rs).
+pub use measure::Sampled;
+pub use runner::{Implementation, Outputs, Prepared, SuiteInputs};

@@ -17,6 +17,45 @@ pub trait Sampled {
     fn sample(&mut self) -> anyhow::Result<f64>;
 }
 
+/// Environment variable of the test-only slowdown knob: `NAME:FRACTION` (e.g.
+/// `cpu-tiled:10%`) makes the CPU implementation NAME spin for FRACTION of each sample's
+/// own time inside its timed region. It exists only so `scripts/aa-calibration.sh` can
+/// check that `compare` catches a real slowdown; a run with it set records it as a flag on
+/// the slowed implementation.
+pub const TEST_SLOWDOWN_ENV: &str = "FLASHMOE_TEST_SLOWDOWN";
+
+/// The fraction [`TEST_SLOWDOWN_ENV`] asks for `name`, if any. A malformed value is an
+/// error naming the problem.
+pub fn test_slowdown(name: &str) -> anyhow::Result<Option<f64>> {
+    match std::env::var(TEST_SLOWDOWN_ENV) {
+        Ok(v) => parse_slowdown(&v, name),
+        Err(_) => Ok(None),
+    }
+}
+
+/// [`test_slowdown`] of the value `v`.
+fn parse_slowdown(v: &str, name: &str) -> anyhow::Result<Option<f64>> {
+    let Some((who, frac)) = v.rsplit_once(':') else {
+        anyhow::bail!("{TEST_SLOWDOWN_ENV}={v}: expected NAME:FRACTION, e.g. cpu-tiled:10%");
+    };
+    let (num, scale) = match frac.strip_suffix('%') {
+        Some(n) => (n, 0.01),
+        None => (frac, 1.0),
+    };
+    match num.trim().parse::<f64>() {
+        Ok(x) if (0.0..=10.0).contains(&(x * scale)) => Ok((who == name).then_some(x * scale)),
+        _ => anyhow::bail!("{TEST_SLOWDOWN_ENV}={v}: '{frac}' is not a fraction between 0 and 10"),
+    }
+}
+
+/// Busy-wait (test-only slowdown): keeps the core as busy as the work it stretches.
+pub fn spin_for(seconds: f64) {
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < seconds {
+        std::hint::spin_loop();
+    }
+}
+
 /// Why sampling stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -145,7 +184,8 @@ pub fn measure_interleaved(
         if rounds >= settings.max_samples {
             break StopReason::SampleCap;
         }
-        if elapsed_ms(&sampling_start) >= settings.max_time_ms {
+        // At least two rounds: one sample has no spread, and compare needs two a side.
+        if rounds >= 2 && elapsed_ms(&sampling_start) >= settings.max_time_ms {
             break StopReason::TimeCap;
         }
         // Check convergence at geometrically spaced rounds: the bootstrap is not free.
@@ -266,6 +306,28 @@ mod tests {
         assert!(m.sets[1].error.as_deref().unwrap().contains("device lost"));
         assert!(m.sets[0].samples_ms.len() >= 10);
         assert!(m.sets[1].samples_ms.len() <= 5);
+    }
+
+    #[test]
+    fn test_slowdown_knob_parses_and_rejects() {
+        assert_eq!(
+            parse_slowdown("cpu-tiled:10%", "cpu-tiled").unwrap(),
+            Some(0.1)
+        );
+        assert_eq!(
+            parse_slowdown("cpu-tiled:10%", "cpu-reference").unwrap(),
+            None
+        );
+        assert_eq!(
+            parse_slowdown("cpu-tiled:0.25", "cpu-tiled").unwrap(),
+            Some(0.25)
+        );
+        assert!(parse_slowdown("cpu-tiled", "cpu-tiled").is_err());
+        assert!(parse_slowdown("cpu-tiled:lots", "x").is_err());
+        assert!(parse_slowdown("cpu-tiled:-5%", "cpu-tiled").is_err());
+        let t0 = Instant::now();
+        spin_for(0.002);
+        assert!(t0.elapsed().as_secs_f64() >= 0.002);
     }
 
     #[test]

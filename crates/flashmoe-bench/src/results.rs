@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// Prefix of an old build's implementations in a `bench --against` run (`old:NAME`).
+pub const OLD_PREFIX: &str = "old:";
+
 /// Start of the flag the pipeline puts on ceiling-only implementations.
 pub const CEILING_ONLY_FLAG: &str = "ceiling only";
 
@@ -150,6 +153,23 @@ pub struct ConfigResult {
     /// MoE only: the reference routing's load statistics and losses.
     #[serde(default)]
     pub routing: Option<RoutingSummary>,
+    /// The fixed calibration workload, measured interleaved with the implementations
+    /// (absent in files written before it existed).
+    #[serde(default)]
+    pub calibration: Option<CalibrationResult>,
+}
+
+/// A fixed reference workload timed in every round of a config's measurement, with the
+/// same timer as the implementations. Its samples let `compare` of two separate runs
+/// tell a change of the machine from a change of the code (ENV-DRIFT).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationResult {
+    /// What was measured (two runs compare calibrations only when this is equal).
+    pub workload: String,
+    /// Raw per-round times in ms, in the order measured.
+    pub samples_ms: Vec<f64>,
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// Load statistics of a MoE config's routing (the reference's, which every implementation
@@ -196,12 +216,18 @@ impl RoutingSummary {
 }
 
 impl ConfigResult {
-    /// The fastest implementation other than `candidate` that passed the gate and is not a
-    /// ceiling-only measurement: what a user would otherwise pick.
+    /// The fastest implementation other than `candidate` that passed the gate, is not a
+    /// ceiling-only measurement and is not an old build's (`bench --against`): what a user
+    /// would otherwise pick, and seed 003's reference.
     pub fn best_baseline(&self, candidate: &str) -> Option<&ImplResult> {
         self.implementations
             .iter()
-            .filter(|i| i.name != candidate && i.is_usable() && !i.is_ceiling_only())
+            .filter(|i| {
+                i.name != candidate
+                    && i.is_usable()
+                    && !i.is_ceiling_only()
+                    && !i.name.starts_with(OLD_PREFIX)
+            })
             .filter_map(|i| i.median_ms().map(|m| (i, m)))
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .map(|(i, _)| i)

@@ -771,6 +771,139 @@ pub fn compare_samples(baseline: &[f64], candidate: &[f64], opts: &VerdictOption
     }
 }
 
+// ---------------------------------------------------------------------------------
+// Cross-run verdicts corrected by a calibration workload
+// ---------------------------------------------------------------------------------
+
+/// Percentile bootstrap CI of the calibrated speedup of `new` over `old`:
+/// `[median(old) / median(new)] / [median(old_cal) / median(new_cal)]`, the candidate's
+/// speedup divided by the speedup the fixed calibration workload showed between the same
+/// two runs. > 1 means the candidate got faster relative to the machine.
+///
+/// The four samples are resampled independently (one seeded stream, O(1) per replicate,
+/// as in [`bootstrap_speedup_ci`]). Any empty input gives an all-NaN interval.
+pub fn bootstrap_calibrated_speedup_ci(
+    old: &[f64],
+    new: &[f64],
+    old_cal: &[f64],
+    new_cal: &[f64],
+    level: f64,
+    resamples: usize,
+    seed: u64,
+) -> Interval {
+    if [old, new, old_cal, new_cal].iter().any(|x| x.is_empty()) {
+        return Interval::nan(level);
+    }
+    let r = [old, new, old_cal, new_cal].map(MedianResampler::new);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut stats: Vec<f64> = (0..resamples)
+        .map(|_| {
+            let m = [0, 1, 2, 3].map(|i| r[i].resample_median(&mut rng));
+            (m[0] / m[1]) / (m[2] / m[3])
+        })
+        .collect();
+    let est = (r[0].median() / r[1].median()) / (r[2].median() / r[3].median());
+    percentile_interval(est, &mut stats, level)
+}
+
+/// Verdict of a comparison between two separate runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CrossRunVerdict {
+    Faster,
+    Slower,
+    Same,
+    Unclear,
+    /// The raw and the calibration-corrected change disagree: the machine moved between the
+    /// runs (the calibration workload changed as much as the candidate did, or changed on
+    /// its own), so the change cannot be attributed to the code.
+    EnvDrift,
+}
+
+impl std::fmt::Display for CrossRunVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CrossRunVerdict::Faster => "FASTER",
+            CrossRunVerdict::Slower => "SLOWER",
+            CrossRunVerdict::Same => "SAME",
+            CrossRunVerdict::Unclear => "UNCLEAR",
+            CrossRunVerdict::EnvDrift => "ENV-DRIFT",
+        })
+    }
+}
+
+impl From<Verdict> for CrossRunVerdict {
+    fn from(v: Verdict) -> Self {
+        match v {
+            Verdict::Faster => CrossRunVerdict::Faster,
+            Verdict::Slower => CrossRunVerdict::Slower,
+            Verdict::Same => CrossRunVerdict::Same,
+            Verdict::Unclear => CrossRunVerdict::Unclear,
+        }
+    }
+}
+
+/// The calibration part of a cross-run comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CalibratedComparison {
+    /// median(old_cal) / median(new_cal) with its bootstrap CI: < 1 means the machine ran
+    /// the fixed workload slower in the new run.
+    pub calibration: Interval,
+    /// [`bootstrap_calibrated_speedup_ci`]: the candidate's speedup relative to the machine.
+    pub corrected: Interval,
+    /// [`verdict`] of `corrected` (significance from its CI alone).
+    pub corrected_verdict: Verdict,
+}
+
+/// The calibrated comparison of a candidate measured in two runs, each with its
+/// calibration samples. The CI is at level 1 − alpha, resamples and seed from `opts`.
+pub fn compare_calibrated(
+    old: &[f64],
+    new: &[f64],
+    old_cal: &[f64],
+    new_cal: &[f64],
+    opts: &VerdictOptions,
+) -> CalibratedComparison {
+    let level = 1.0 - opts.alpha;
+    let calibration =
+        bootstrap_speedup_ci(old_cal, new_cal, level, opts.resamples, opts.seed ^ 0xca1);
+    let corrected = bootstrap_calibrated_speedup_ci(
+        old,
+        new,
+        old_cal,
+        new_cal,
+        level,
+        opts.resamples,
+        opts.seed,
+    );
+    // p = 0: the verdict rule then rests on the CI excluding 1 alone.
+    let corrected_verdict = verdict(&corrected, 0.0, opts.threshold, opts.alpha);
+    CalibratedComparison {
+        calibration,
+        corrected,
+        corrected_verdict,
+    }
+}
+
+/// The cross-run rule. A change is attributed to the code only when the raw comparison
+/// and the calibration-corrected one agree:
+///
+/// * both `Slower` → `Slower`; both `Faster` → `Faster`;
+/// * exactly one of them is `Slower` or `Faster` (or they point opposite ways) →
+///   `EnvDrift`: either the machine slowed down or sped up as much as the candidate did,
+///   or the calibration moved while the candidate did not;
+/// * otherwise the raw verdict (`Same` or `Unclear`).
+pub fn cross_run_verdict(raw: Verdict, corrected: Verdict) -> CrossRunVerdict {
+    let decisive = |v: Verdict| matches!(v, Verdict::Faster | Verdict::Slower);
+    if raw == corrected && decisive(raw) {
+        raw.into()
+    } else if decisive(raw) || decisive(corrected) {
+        CrossRunVerdict::EnvDrift
+    } else {
+        raw.into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -904,5 +1037,56 @@ mod tests {
         for &x in &xs {
             assert_eq!(f64_from_key(f64_key(x)).to_bits(), x.to_bits());
         }
+    }
+    #[test]
+    fn calibrated_speedup_divides_out_a_common_drift() {
+        let noisy = |m: f64, seed: u64| -> Vec<f64> {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            (0..80)
+                .map(|_| m * (1.0 + 0.01 * (open_unit(&mut rng) - 0.5)))
+                .collect()
+        };
+        // Candidate and calibration both 20% slower in the new run: corrected ≈ 1.
+        let ci = bootstrap_calibrated_speedup_ci(
+            &noisy(10.0, 1),
+            &noisy(12.0, 2),
+            &noisy(2.0, 3),
+            &noisy(2.4, 4),
+            0.95,
+            2000,
+            5,
+        );
+        assert!(ci.contains(1.0), "{ci:?}");
+        assert!((ci.estimate - 1.0).abs() < 0.01, "{ci:?}");
+        // Candidate 10% slower on a steady machine: corrected ≈ 1/1.1.
+        let ci = bootstrap_calibrated_speedup_ci(
+            &noisy(10.0, 1),
+            &noisy(11.0, 2),
+            &noisy(2.0, 3),
+            &noisy(2.0, 4),
+            0.95,
+            2000,
+            5,
+        );
+        assert!(ci.high < 0.93 && ci.low > 0.88, "{ci:?}");
+        let empty = bootstrap_calibrated_speedup_ci(&[], &[1.0], &[1.0], &[1.0], 0.95, 10, 0);
+        assert!(empty.estimate.is_nan() && empty.low.is_nan());
+    }
+
+    #[test]
+    fn cross_run_rule_needs_raw_and_corrected_to_agree() {
+        use CrossRunVerdict as X;
+        use Verdict::*;
+        assert_eq!(cross_run_verdict(Slower, Slower), X::Slower);
+        assert_eq!(cross_run_verdict(Faster, Faster), X::Faster);
+        assert_eq!(cross_run_verdict(Slower, Same), X::EnvDrift);
+        assert_eq!(cross_run_verdict(Slower, Unclear), X::EnvDrift);
+        assert_eq!(cross_run_verdict(Same, Slower), X::EnvDrift);
+        assert_eq!(cross_run_verdict(Unclear, Faster), X::EnvDrift);
+        assert_eq!(cross_run_verdict(Slower, Faster), X::EnvDrift);
+        assert_eq!(cross_run_verdict(Same, Same), X::Same);
+        assert_eq!(cross_run_verdict(Same, Unclear), X::Same);
+        assert_eq!(cross_run_verdict(Unclear, Same), X::Unclear);
+        assert_eq!(X::EnvDrift.to_string(), "ENV-DRIFT");
     }
 }

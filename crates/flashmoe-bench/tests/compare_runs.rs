@@ -175,3 +175,141 @@ fn empty_comparison_renders() {
     assert!(!rep.has_regression());
     assert!(rep.render().contains("No implementation was present"));
 }
+
+/// `run` with a calibration workload in every config, its samples at `cal_ms` (1% noise).
+fn run_calibrated(configs: &[(usize, f64)], cal_ms: f64, seed: u64) -> RunResults {
+    let mut r = run(configs, seed);
+    for (k, c) in r.configs.iter_mut().enumerate() {
+        c.calibration = Some(flashmoe_bench::results::CalibrationResult {
+            workload: "fixed".into(),
+            samples_ms: noisy_samples(cal_ms, 0.01, 100, seed * 7919 + k as u64),
+            error: None,
+        });
+    }
+    r
+}
+
+#[test]
+fn a_machine_slowdown_seen_by_the_calibration_is_env_drift_not_a_regression() {
+    use flashmoe_bench::compare::{EXIT_ENV_DRIFT, EXIT_OK, EXIT_REGRESSION};
+    use flashmoe_bench::stats::CrossRunVerdict;
+    // Everything, calibration included, 20% slower in the new run: the machine moved.
+    let old = run_calibrated(&[(512, 1.0), (1024, 4.0)], 2.0, 1);
+    let new = run_calibrated(&[(512, 1.2), (1024, 4.8)], 2.4, 2);
+    let rep = compare_runs(&old, &new, &opts());
+    assert_eq!(rep.calibrated_configs, 2);
+    let ours: Vec<_> = rep
+        .changes
+        .iter()
+        .filter(|c| c.implementation == "flashmoe")
+        .collect();
+    for c in &ours {
+        assert_eq!(c.comparison.verdict, Verdict::Slower, "raw change is 20%");
+        let k = c.calibrated.unwrap();
+        assert_eq!(k.corrected_verdict, Verdict::Same, "{}", rep.render());
+        assert_eq!(c.verdict, CrossRunVerdict::EnvDrift);
+    }
+    assert!(!rep.has_regression());
+    assert_eq!(rep.regressions, 0);
+    assert_eq!(rep.env_drifts, 4);
+    assert_eq!(rep.exit_code(), EXIT_ENV_DRIFT);
+    assert!(rep.render().contains("ENV-DRIFT"), "{}", rep.render());
+
+    // A real 10% slowdown (of both implementations of the first config) on a steady
+    // machine: a regression, raw and corrected agree.
+    let new = run_calibrated(&[(512, 1.1), (1024, 4.0)], 2.0, 3);
+    let rep = compare_runs(&old, &new, &opts());
+    let c = &rep.changes[0];
+    assert_eq!(c.verdict, CrossRunVerdict::Slower, "{}", rep.render());
+    assert_eq!(rep.regressions, 2);
+    assert_eq!(rep.exit_code(), EXIT_REGRESSION);
+
+    // A 10% slowdown on a machine that got 20% slower: still a regression (raw 32%,
+    // corrected 10%).
+    let new = run_calibrated(&[(512, 1.32), (1024, 4.8)], 2.4, 4);
+    let rep = compare_runs(&old, &new, &opts());
+    assert_eq!(
+        rep.changes[0].verdict,
+        CrossRunVerdict::Slower,
+        "{}",
+        rep.render()
+    );
+    assert_eq!(rep.exit_code(), EXIT_REGRESSION);
+
+    // Only the calibration moved: ENV-DRIFT too (the candidate cannot be blamed or cleared).
+    let new = run_calibrated(&[(512, 1.0), (1024, 4.0)], 2.4, 5);
+    let rep = compare_runs(&old, &new, &opts());
+    assert!(rep
+        .changes
+        .iter()
+        .all(|c| c.verdict == CrossRunVerdict::EnvDrift));
+    assert_eq!(rep.exit_code(), EXIT_ENV_DRIFT);
+
+    // A/A with calibration: nothing to report.
+    let new = run_calibrated(&[(512, 1.0), (1024, 4.0)], 2.0, 6);
+    let rep = compare_runs(&old, &new, &opts());
+    assert!(rep
+        .changes
+        .iter()
+        .all(|c| c.verdict == CrossRunVerdict::Same));
+    assert_eq!(rep.exit_code(), EXIT_OK);
+}
+
+#[test]
+fn files_without_calibration_compare_on_the_raw_change_with_a_warning() {
+    use flashmoe_bench::stats::CrossRunVerdict;
+    let old = run(&[(512, 1.0)], 1);
+    let new = run_calibrated(&[(512, 1.2)], 2.4, 2);
+    let rep = compare_runs(&old, &new, &opts());
+    assert_eq!(rep.calibrated_configs, 0);
+    assert!(rep.changes.iter().all(|c| c.calibrated.is_none()));
+    assert_eq!(rep.changes[0].verdict, CrossRunVerdict::Slower);
+    assert_eq!(rep.exit_code(), 1);
+    assert!(
+        rep.warnings.iter().any(|w| w.contains("only the new run")),
+        "{:?}",
+        rep.warnings
+    );
+    // Different workloads are not compared either.
+    let mut other = run_calibrated(&[(512, 1.0)], 2.0, 3);
+    other.configs[0].calibration.as_mut().unwrap().workload = "another".into();
+    let rep = compare_runs(&other, &new, &opts());
+    assert_eq!(rep.calibrated_configs, 0);
+    assert!(rep
+        .warnings
+        .iter()
+        .any(|w| w.contains("different calibration")));
+}
+
+#[test]
+fn against_compares_each_implementation_with_its_old_self_in_the_same_run() {
+    use flashmoe_bench::compare::compare_against_old;
+    use flashmoe_bench::report::fixtures::config_from_samples;
+    let c = config_from_samples(
+        problem(512),
+        "flashmoe",
+        vec![
+            ("flashmoe", "cpu", noisy_samples(1.1, 0.01, 100, 1)),
+            (
+                "old:flashmoe",
+                "old-build",
+                noisy_samples(1.0, 0.01, 100, 2),
+            ),
+            ("sdpa-flash", "cpu", noisy_samples(2.0, 0.01, 100, 3)),
+            (
+                "old:sdpa-flash",
+                "old-build",
+                noisy_samples(2.0, 0.01, 100, 4),
+            ),
+            ("new-only", "cpu", noisy_samples(2.0, 0.01, 100, 5)),
+        ],
+        None,
+    );
+    let r = run_with("attention", "flashmoe", vec![c], None);
+    let rep = compare_against_old(&r, &opts());
+    assert_eq!(rep.changes.len(), 2, "{}", rep.render());
+    assert!(rep.changes[0].is_regression());
+    assert_eq!(rep.changes[1].comparison.verdict, Verdict::Same);
+    assert_eq!(rep.exit_code(), 1);
+    assert!(rep.skipped.iter().any(|s| s.contains("new-only")));
+}

@@ -4,6 +4,7 @@
 use flashmoe::{AttentionProblem, DType};
 use flashmoe_bench::measure::Sampled;
 use flashmoe_bench::results::{MeasureSettings, ProblemSpec};
+use flashmoe_bench::runner::calibration::CpuCalibration;
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::pipeline::Pipeline;
 use flashmoe_bench::runner::{Implementation, Outputs, Prepared, SuiteInputs};
@@ -91,6 +92,7 @@ fn gate_times_only_correct_implementations_and_compares_the_candidate() {
         candidate: "cpu-tiled".into(),
         settings: settings(),
         ceilings: None,
+        calibration: Some(&CpuCalibration::default()),
     };
     let p = ProblemSpec::Attention(AttentionProblem::new(1, 2, 33, 32, true, DType::Bf16));
     let r = pipeline
@@ -123,6 +125,13 @@ fn gate_times_only_correct_implementations_and_compares_the_candidate() {
     assert_eq!(r.comparisons.len(), 1);
     assert_eq!(r.comparisons[0].baseline, "cpu-reference");
     assert!(r.comparisons[0].comparison.speedup.estimate > 0.0);
+
+    // The calibration ran in every round next to the timed implementations.
+    let cal = r.calibration.as_ref().expect("calibration recorded");
+    assert!(cal.error.is_none(), "{cal:?}");
+    assert_eq!(cal.samples_ms.len(), t.samples_ms.len());
+    assert!(cal.samples_ms.iter().all(|&x| x > 0.0 && x.is_finite()));
+    assert!(cal.workload.starts_with("cpu-tiled attention"));
 }
 
 #[test]
@@ -134,6 +143,7 @@ fn an_invalid_config_is_recorded_not_fatal() {
         candidate: "cpu-tiled".into(),
         settings: settings(),
         ceilings: None,
+        calibration: None,
     };
     let mut bad = AttentionProblem::new(1, 6, 16, 32, false, DType::F16);
     bad.heads_kv = 4;
@@ -202,6 +212,7 @@ fn moe_configs_record_the_reference_routing_load() {
         candidate: "cpu-grouped".into(),
         settings: settings(),
         ceilings: None,
+        calibration: None,
     };
     let p = flashmoe::MoeProblem {
         tokens: 3,

@@ -741,6 +741,7 @@ fn real_worker_on_cpu_through_the_pipeline() {
             candidate: impls[0].name().to_string(),
             settings: settings.clone(),
             ceilings: None,
+            calibration: None,
         };
         let res = pipeline
             .run_config(&problem, &AtomicBool::new(false), |_| {})

@@ -5,9 +5,10 @@ use flashmoe::gpu::DeviceInfo;
 use flashmoe_bench::config::Suite;
 use flashmoe_bench::manifest::{GpuManifest, Manifest};
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
+use flashmoe_bench::runner::calibration::{Calibration, CpuCalibration};
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
-    GpuAttention, GpuAttentionKernel, GpuReferenceProvider, GpuSession,
+    GpuAttention, GpuAttentionKernel, GpuCopyCalibration, GpuReferenceProvider, GpuSession,
 };
 use flashmoe_bench::runner::gpu_decode::GpuDecode;
 use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
@@ -28,6 +29,8 @@ pub struct Lab {
     pub default_candidate: String,
     pub settings: MeasureSettings,
     pub manifest: Manifest,
+    /// The fixed workload timed next to the implementations (for `compare`'s ENV-DRIFT).
+    pub calibration: Box<dyn Calibration>,
 }
 
 impl Lab {
@@ -145,6 +148,7 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
         default_candidate: default_candidate.into(),
         settings: cpu_settings(seed),
         manifest: Manifest::collect(),
+        calibration: Box::new(CpuCalibration::default()),
     }
 }
 
@@ -215,6 +219,9 @@ fn gpu_lab(suite: Suite, seed: u64, session: Rc<GpuSession>, for_check: bool) ->
         .into(),
         settings: gpu_settings(seed, session.flush_bytes()),
         manifest,
+        calibration: Box::new(GpuCopyCalibration {
+            session: session.clone(),
+        }),
         session: Some(session),
     }
 }

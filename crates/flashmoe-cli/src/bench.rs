@@ -7,6 +7,7 @@ use flashmoe_bench::config::{self, Suite};
 use flashmoe_bench::report;
 use flashmoe_bench::results::{RunResults, SCHEMA_VERSION};
 use flashmoe_bench::runner::pipeline::{flag_implausible_drops, Pipeline};
+use flashmoe_bench::runner::python;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::Path;
 use std::process::ExitCode;
@@ -61,8 +62,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     };
     ensure_writable(&args.out)?;
 
+    // Python plug-ins (--impl py:MODULE:FUNCTION), hosted next to the built-in ones.
+    let plugin_specs: Vec<String> = args
+        .implementations
+        .iter()
+        .filter(|w| w.starts_with(python::PLUGIN_PREFIX))
+        .cloned()
+        .collect();
+    let plugins = if plugin_specs.is_empty() {
+        Vec::new()
+    } else {
+        let flush = lab.session.as_ref().map(|s| s.flush_bytes() as u64);
+        python::plugins(&plugin_specs, &args.python, lab.on_gpu(), flush, args.seed)
+            .map_err(anyhow::Error::msg)?
+    };
     // Implementations: all available, or those named by --impl (unknown names are errors).
-    let available: Vec<&str> = lab.implementations.iter().map(|i| i.name()).collect();
+    let available: Vec<&str> = lab
+        .implementations
+        .iter()
+        .chain(plugins.iter())
+        .map(|i| i.name())
+        .collect();
     let skipped = lab
         .manifest
         .python
@@ -83,10 +103,52 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let implementations: Vec<_> = lab
         .implementations
         .iter()
+        .chain(plugins.iter())
         .filter(|i| {
             args.implementations.is_empty() || args.implementations.iter().any(|w| w == i.name())
         })
         .map(|b| b.as_ref())
+        .collect();
+    // --against: this build's own implementations move to a child `serve` process too, so
+    // both builds are timed the same way; baselines and plug-ins stay as they are.
+    let this_build = match &args.against {
+        Some(_) => python::this_build_served(suite, !lab.on_gpu(), args.seed)
+            .map_err(anyhow::Error::msg)?,
+        None => Vec::new(),
+    };
+    let implementations: Vec<_> = implementations
+        .into_iter()
+        .map(|i| {
+            this_build
+                .iter()
+                .find(|s| s.name() == i.name())
+                .map_or(i, |s| s.as_ref())
+        })
+        .collect();
+    // --against: the old build's implementations (old:NAME) for those selected here.
+    let old_build = match &args.against {
+        Some(binary) => {
+            let all = python::old_build(binary, suite, !lab.on_gpu(), args.seed)
+                .map_err(anyhow::Error::msg)?;
+            let kept: Vec<_> = all
+                .into_iter()
+                .filter(|o| {
+                    let name = &o.name()[python::OLD_PREFIX.len()..];
+                    implementations.iter().any(|i| i.name() == name)
+                })
+                .collect();
+            eprintln!(
+                "against {}: {} implementation(s) of the old build, timed in its own process",
+                binary.display(),
+                kept.len()
+            );
+            kept
+        }
+        None => Vec::new(),
+    };
+    let implementations: Vec<_> = implementations
+        .into_iter()
+        .chain(old_build.iter().map(|b| b.as_ref()))
         .collect();
     let candidate = args
         .candidate
@@ -133,6 +195,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         candidate: candidate.clone(),
         settings: settings.clone(),
         ceilings: ceilings.clone(),
+        calibration: Some(lab.calibration.as_ref()),
     };
     let mut results = RunResults {
         schema_version: SCHEMA_VERSION,
@@ -180,6 +243,27 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     for path in written {
         println!("wrote {}", path.display());
     }
+    let mut code = ExitCode::SUCCESS;
+    if args.against.is_some() {
+        use flashmoe_bench::compare::{compare_against_old, CompareOptions};
+        let report = compare_against_old(
+            &results,
+            &CompareOptions {
+                threshold: args.threshold,
+                ..CompareOptions::default()
+            },
+        );
+        println!("\nThis build against the old build (same run, interleaved):");
+        println!("{}", report.render());
+        let gate = crate::print_gate(&report, args.threshold);
+        let mut v = serde_json::to_value(&report)?;
+        v["exit_code"] = gate.into();
+        let path = args.out.join("against.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+        code = ExitCode::from(gate);
+    }
     if results.interrupted {
         println!(
             "interrupted: {} of {} configs finished and kept",
@@ -188,5 +272,5 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::from(130));
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
 }

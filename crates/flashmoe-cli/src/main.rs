@@ -29,18 +29,33 @@ enum Command {
     Bench(BenchArgs),
     /// Check every implementation against the high-precision reference.
     Check(CheckArgs),
-    /// Compare two result files; exit 1 on a significant regression.
+    /// Compare two result files; exit 1 on a significant regression, 3 on ENV-DRIFT.
     Compare(CompareArgs),
     /// Profile implementations on chosen configs with Nsight Compute (ncu).
     Profile(ProfileArgs),
     /// One profiled call (run by `profile` under ncu).
     #[command(hide = true)]
     ProfileTarget(ProfileTargetArgs),
+    /// Re-render a results file's Markdown and HTML reports next to it (NAME.md, NAME.html).
+    Report {
+        /// A results.json written by `bench`.
+        results: PathBuf,
+    },
     /// Print the environment manifest.
     Env {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Serve this build's implementations over the worker protocol on stdin/stdout (what
+    /// `bench --against THIS_BINARY` drives).
+    #[command(hide = true)]
+    Serve {
+        #[arg(long, value_enum)]
+        suite: SuiteArg,
+        /// Serve the CPU implementations even when a GPU is present.
+        #[arg(long)]
+        cpu: bool,
     },
 }
 
@@ -79,7 +94,8 @@ pub struct BenchArgs {
     /// TOML file listing the configs (see README).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Comma-separated implementation names to run (default: all available).
+    /// Comma-separated implementation names to run (default: all available); a name
+    /// py:MODULE:FUNCTION adds a Python plug-in (docs/plugins.md).
     #[arg(long = "impl", value_delimiter = ',')]
     implementations: Vec<String>,
     /// Implementation whose speedup against the others is reported.
@@ -109,6 +125,11 @@ pub struct BenchArgs {
     /// Skip the PyTorch baselines.
     #[arg(long)]
     no_baselines: bool,
+    /// An old flashmoe binary: its implementations run interleaved with this build's in
+    /// the same run (named old:NAME), and the run exits 1 when any implementation is
+    /// significantly slower than its old self (the recommended CI gate).
+    #[arg(long, value_name = "OLD_BINARY")]
+    against: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -178,6 +199,9 @@ struct CompareArgs {
     /// Practical threshold (e.g. 2% or 0.02): smaller changes never count as regressions.
     #[arg(long, value_parser = parse_fraction, default_value = "2%")]
     threshold: f64,
+    /// Also write the comparison (every change, its CIs and verdicts) as JSON to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 /// "2%" → 0.02, "0.02" → 0.02.
@@ -209,20 +233,65 @@ fn compare(args: &CompareArgs) -> anyhow::Result<ExitCode> {
     };
     let report = compare_runs(&old, &new, &opts);
     println!("{}", report.render());
-    if report.has_regression() {
-        println!(
-            "REGRESSION: {} significant slowdown(s) beyond {:.1}%",
-            report.regressions,
-            args.threshold * 100.0
-        );
-        Ok(ExitCode::from(1))
-    } else {
-        println!(
-            "no significant regression beyond {:.1}%",
-            args.threshold * 100.0
-        );
-        Ok(ExitCode::SUCCESS)
+    if let Some(path) = &args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["exit_code"] = report.exit_code().into();
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
+    Ok(ExitCode::from(print_gate(&report, args.threshold)))
+}
+
+/// The one-line outcome of a regression gate, and its exit code (documented in
+/// docs/library.md and the README: 0 pass, 1 regression, 3 env-drift, 2 error).
+pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, threshold: f64) -> u8 {
+    let code = report.exit_code();
+    match code {
+        flashmoe_bench::compare::EXIT_REGRESSION => println!(
+            "REGRESSION: {} significant slowdown(s) beyond {:.1}% (exit {code})",
+            report.regressions,
+            threshold * 100.0
+        ),
+        flashmoe_bench::compare::EXIT_ENV_DRIFT => println!(
+            "ENV-DRIFT: {} change(s) the calibration attributes to the machine, no confirmed \
+             regression beyond {:.1}% (exit {code})",
+            report.env_drifts,
+            threshold * 100.0
+        ),
+        _ => println!("no significant regression beyond {:.1}%", threshold * 100.0),
+    }
+    code
+}
+
+fn report(path: &std::path::Path) -> anyhow::Result<ExitCode> {
+    use flashmoe_bench::report;
+    let results = report::read_json(path).with_context(|| format!("reading {}", path.display()))?;
+    for (ext, text) in [
+        ("md", report::to_markdown(&results)),
+        ("html", report::to_html(&results)),
+    ] {
+        let out = path.with_extension(ext);
+        report::write_atomic(&out, text.as_bytes())?;
+        println!("wrote {}", out.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn serve(suite: Suite, cpu: bool) -> anyhow::Result<ExitCode> {
+    use flashmoe_bench::runner::serve::{serve, ServeInfo};
+    let lab = backend::select(suite, cpu, 0, false, None);
+    let info = ServeInfo {
+        device: if lab.on_gpu() { "cuda" } else { "cpu" }.into(),
+        timer: lab.settings.timer.clone(),
+        gpu_name: lab.manifest.gpu.as_ref().map(|g| g.name.clone()),
+    };
+    serve(
+        &lab.implementations,
+        &info,
+        std::io::stdin().lock(),
+        std::io::stdout().lock(),
+    )?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn env(json: bool) -> anyhow::Result<ExitCode> {
@@ -251,6 +320,8 @@ fn main() -> ExitCode {
         Command::Profile(args) => profile::run(args),
         Command::ProfileTarget(args) => profile::target(args),
         Command::Env { json } => env(*json),
+        Command::Report { results } => report(results),
+        Command::Serve { suite, cpu } => suite.lab_suite().and_then(|s| serve(s, *cpu)),
     };
     match result {
         Ok(code) => code,

@@ -297,3 +297,147 @@ fn profile_without_a_usable_ncu_gives_one_clear_error_line() {
         );
     }
 }
+
+/// `compare` exit codes with calibrated files: 3 when the calibration moved with the
+/// candidate (ENV-DRIFT), 1 for a regression it confirms; `--json` writes the report.
+#[test]
+fn compare_exits_3_on_env_drift_and_writes_json() {
+    use flashmoe_bench::results::CalibrationResult;
+    let dir = tempfile::tempdir().unwrap();
+    let base = fixtures::gpu_attention_run();
+    let calibrated =
+        |run: &flashmoe_bench::results::RunResults, factor: f64, cal: f64, seed: u64| {
+            let mut r = run.clone();
+            for (ci, c) in r.configs.iter_mut().enumerate() {
+                for (ii, imp) in c.implementations.iter_mut().enumerate() {
+                    if let Some(s) = &imp.summary {
+                        let n = imp.samples_ms.len().max(50);
+                        let sd = seed * 1000 + (ci * 10 + ii) as u64;
+                        imp.samples_ms = fixtures::noisy_samples(s.median * factor, 0.01, n, sd);
+                    }
+                }
+                c.calibration = Some(CalibrationResult {
+                    workload: "device-to-device copy".into(),
+                    samples_ms: fixtures::noisy_samples(cal, 0.01, 60, seed * 77 + ci as u64),
+                    error: None,
+                });
+            }
+            r
+        };
+    let write = |name: &str, r: &flashmoe_bench::results::RunResults| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, report::to_json(r).unwrap()).unwrap();
+        p.to_string_lossy().to_string()
+    };
+    let old = write("old.json", &calibrated(&base, 1.0, 1.0, 1));
+    // The machine 20% slower, the code unchanged.
+    let drift = write("drift.json", &calibrated(&base, 1.2, 1.2, 2));
+    let json = dir.path().join("cmp.json");
+    let o = flashmoe(&["compare", &old, &drift, "--json", json.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(3), "{out}{}", stderr(&o));
+    assert!(out.contains("ENV-DRIFT"), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["exit_code"], 3);
+    assert!(v["env_drifts"].as_u64().unwrap() > 0);
+    // The code 10% slower on a steady machine.
+    let slow = write("slow.json", &calibrated(&base, 1.1, 1.0, 3));
+    let o = flashmoe(&["compare", &old, &slow]);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+}
+
+/// `bench --against` with this very binary as the old build: both builds' implementations
+/// are gated and timed in one run, and against.json holds the comparison.
+#[test]
+fn bench_against_an_old_binary_times_both_builds_in_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("tiny.toml");
+    std::fs::write(
+        &cfg,
+        "[[attention]]\nbatch = 1\nheads_q = 2\nheads_kv = 2\nseqlen = [48]\n\
+         head_dim = 32\ncausal = [true]\ndtype = \"bf16\"\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let o = flashmoe(&[
+        "bench",
+        "attention",
+        "--cpu",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--max-time",
+        "0.3",
+        "--against",
+        env!("CARGO_BIN_EXE_flashmoe"),
+    ]);
+    // An A/A run may (rarely) see noise as a change: 0 or 1, never an error.
+    assert!(matches!(o.status.code(), Some(0 | 1)), "{}", stderr(&o));
+    let r = report::read_json(&out.join("results.json")).unwrap();
+    let names: Vec<&str> = r.configs[0]
+        .implementations
+        .iter()
+        .map(|i| i.name.as_str())
+        .collect();
+    for n in [
+        "cpu-tiled",
+        "old:cpu-tiled",
+        "cpu-reference",
+        "old:cpu-reference",
+    ] {
+        assert!(names.contains(&n), "{names:?}");
+    }
+    let old = r.configs[0]
+        .implementations
+        .iter()
+        .find(|i| i.name == "old:cpu-tiled")
+        .unwrap();
+    assert!(old.accuracy.as_ref().unwrap().passed && old.samples_ms.len() >= 2);
+    assert_eq!(old.backend, "old-build");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("against.json")).unwrap()).unwrap();
+    assert_eq!(v["changes"].as_array().unwrap().len(), 2);
+
+    let o = flashmoe(&[
+        "bench",
+        "attention",
+        "--cpu",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--against",
+        "/no/such/flashmoe",
+    ]);
+    assert_clean_error(&o, "could not serve");
+}
+
+/// `report` re-renders a results file's Markdown and HTML next to it, with seed 003's
+/// grades and memory tables.
+#[test]
+fn report_rerenders_markdown_and_html_next_to_the_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("sweep.json");
+    std::fs::write(
+        &json,
+        report::to_json(&fixtures::gpu_attention_run()).unwrap(),
+    )
+    .unwrap();
+    let o = flashmoe(&["report", json.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let md = std::fs::read_to_string(dir.path().join("sweep.md")).unwrap();
+    let html = std::fs::read_to_string(dir.path().join("sweep.html")).unwrap();
+    for text in [&md, &html] {
+        assert!(text.contains("Seed 003 grades"), "grades missing");
+        assert!(text.contains("Memory, analytic"), "memory table missing");
+    }
+    let o = flashmoe(&["report", dir.path().join("none.json").to_str().unwrap()]);
+    assert_clean_error(&o, "none.json");
+}

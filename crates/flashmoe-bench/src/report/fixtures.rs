@@ -133,6 +133,7 @@ pub fn config_from_samples(
         comparisons,
         error: None,
         routing: None,
+        calibration: None,
     }
 }
 

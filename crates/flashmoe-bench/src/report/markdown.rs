@@ -1,5 +1,5 @@
-//! Markdown report: manifest summary, settings, ceilings, one table per config, and the
-//! speedup summary.
+//! Markdown report: manifest summary, settings, ceilings, one table per config, the
+//! speedup summary and seed 003's grades and memory tables.
 
 use super::format::{self, fmt_sig, level_pct, row_view, DASH};
 use crate::results::RunResults;
@@ -331,5 +331,25 @@ pub fn to_markdown(results: &RunResults) -> String {
             pairs.len()
         );
     }
+    for t in crate::grades::grade_table(results)
+        .into_iter()
+        .chain(crate::grades::memory_tables(results))
+    {
+        text_table(&mut o, &t);
+    }
     o
+}
+
+/// A seed-003 table (grades, memory) as a Markdown section.
+fn text_table(o: &mut String, t: &crate::grades::TextTable) {
+    let _ = writeln!(o, "\n## {}\n", md_escape(&t.title));
+    table_row(
+        o,
+        &t.header.iter().map(|h| md_escape(h)).collect::<Vec<_>>(),
+    );
+    table_row(o, &vec![":---".to_string(); t.header.len()]);
+    for r in &t.rows {
+        table_row(o, &r.iter().map(|c| md_escape(c)).collect::<Vec<_>>());
+    }
+    let _ = writeln!(o, "\n{}", md_escape(&t.note));
 }

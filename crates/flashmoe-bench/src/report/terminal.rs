@@ -161,5 +161,35 @@ pub fn terminal_table(results: &RunResults) -> String {
     if results.interrupted {
         out.push_str("Run interrupted: only the configs above were completed.\n");
     }
+    if let Some(g) = crate::grades::grade_table(results) {
+        let mut t = Table::new();
+        t.load_preset(UTF8_FULL_CONDENSED)
+            .set_content_arrangement(ContentArrangement::Dynamic)
+            .set_width(width)
+            .set_header(g.header.clone());
+        for r in &g.rows {
+            t.add_row(r.clone());
+        }
+        out.push_str(&format!("\n{}:\n{t}\n{}\n", g.title, wrap(&g.note, width)));
+    }
+    out
+}
+
+/// `text` with its words wrapped at `width` columns.
+fn wrap(text: &str, width: u16) -> String {
+    let mut out = String::new();
+    let mut col = 0;
+    for w in text.split_whitespace() {
+        let n = w.chars().count();
+        if col > 0 && col + 1 + n > width as usize {
+            out.push('\n');
+            col = 0;
+        } else if col > 0 {
+            out.push(' ');
+            col += 1;
+        }
+        out.push_str(w);
+        col += n;
+    }
     out
 }

@@ -142,6 +142,7 @@ impl Implementation for CpuImplementation {
             algorithm: self.algorithm,
             problem: problem.clone(),
             inputs,
+            slowdown: crate::measure::test_slowdown(self.name())?,
         }))
     }
 }
@@ -150,12 +151,17 @@ struct CpuPrepared<'a> {
     algorithm: CpuAlgorithm,
     problem: ProblemSpec,
     inputs: &'a SuiteInputs,
+    /// Test-only injected slowdown ([`crate::measure::TEST_SLOWDOWN_ENV`]).
+    slowdown: Option<f64>,
 }
 
 impl Sampled for CpuPrepared<'_> {
     fn sample(&mut self) -> anyhow::Result<f64> {
         let t0 = Instant::now();
         let out = run(self.algorithm, &self.problem, self.inputs)?;
+        if let Some(f) = self.slowdown {
+            crate::measure::spin_for(t0.elapsed().as_secs_f64() * f);
+        }
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         drop(out); // freed outside the timed region
         Ok(ms)
@@ -163,6 +169,18 @@ impl Sampled for CpuPrepared<'_> {
 }
 
 impl Prepared for CpuPrepared<'_> {
+    fn notes(&self) -> Vec<String> {
+        self.slowdown
+            .map(|f| {
+                format!(
+                    "TEST KNOB: {} made this implementation {:.0}% slower",
+                    crate::measure::TEST_SLOWDOWN_ENV,
+                    f * 100.0
+                )
+            })
+            .into_iter()
+            .collect()
+    }
     fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
         // Each call allocates fresh outputs: nothing stale can be read back.
         run(self.algorithm, &self.problem, self.inputs)

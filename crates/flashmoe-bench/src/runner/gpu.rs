@@ -46,6 +46,82 @@ impl GpuSession {
     }
 }
 
+/// Bytes of the GPU calibration copy.
+const CALIBRATION_COPY_BYTES: usize = 256 << 20;
+
+/// The GPU calibration: a device-to-device copy of 256 MiB, timed like every kernel (L2
+/// flush, then CUDA events). A fixed bandwidth-bound workload: clocks, thermals or a
+/// neighbour on the GPU move it as they move the implementations.
+pub struct GpuCopyCalibration {
+    pub session: Rc<GpuSession>,
+}
+
+impl super::calibration::Calibration for GpuCopyCalibration {
+    fn workload(&self) -> String {
+        format!(
+            "device-to-device copy of {} MiB (L2 flush + CUDA events)",
+            CALIBRATION_COPY_BYTES >> 20
+        )
+    }
+    fn prepare(&self) -> anyhow::Result<Box<dyn Sampled + '_>> {
+        let stream = self.session.device.stream();
+        let alloc = || {
+            // SAFETY: the source is filled right below; the destination is only written.
+            unsafe { stream.alloc::<u8>(CALIBRATION_COPY_BYTES) }
+                .map_err(|e| flashmoe::Error::cuda("allocating the calibration copy buffers", e))
+        };
+        let mut src = alloc()?;
+        let dst = alloc()?;
+        {
+            use cudarc::driver::DevicePtrMut;
+            let (p, _r) = src.device_ptr_mut(stream);
+            // SAFETY: fills exactly the buffer.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(
+                    p,
+                    0x5A,
+                    CALIBRATION_COPY_BYTES,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| flashmoe::Error::cuda("cuMemsetD8Async (calibration source)", e))?;
+        }
+        Ok(Box::new(GpuCopyRun {
+            session: &self.session,
+            src,
+            dst,
+        }))
+    }
+}
+
+struct GpuCopyRun<'a> {
+    session: &'a GpuSession,
+    src: cudarc::driver::CudaSlice<u8>,
+    dst: cudarc::driver::CudaSlice<u8>,
+}
+
+impl Sampled for GpuCopyRun<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let stream = self.session.device.stream();
+        let (src, dst) = (&self.src, &mut self.dst);
+        self.session.timed(|| {
+            let (ps, _rs) = src.device_ptr(stream);
+            let (pd, _rd) = dst.device_ptr_mut(stream);
+            // SAFETY: both buffers hold CALIBRATION_COPY_BYTES bytes.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    pd,
+                    ps,
+                    CALIBRATION_COPY_BYTES,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| flashmoe::Error::cuda("cuMemcpyDtoDAsync (calibration)", e))
+        })
+    }
+}
+
 /// Which GPU attention kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuAttentionKernel {

@@ -2,6 +2,7 @@
 //! Python baselines). A runner produces outputs (for the correctness gate) and timed
 //! samples; it knows nothing of statistics or reports.
 
+pub mod calibration;
 pub mod check;
 pub mod cpu;
 pub mod gpu;
@@ -9,6 +10,7 @@ pub mod gpu_decode;
 pub mod gpu_moe;
 pub mod pipeline;
 pub mod python;
+pub mod serve;
 
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;

@@ -1,11 +1,12 @@
 //! One config from problem to result: inputs → reference → correctness gate for every
 //! implementation → interleaved measurement of those that passed → statistics.
 
+use super::calibration::Calibration;
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::measure::{measure_interleaved, Sampled, StopReason};
 use crate::results::{
-    AccuracyResult, Ceilings, ConfigResult, ImplResult, MeasureSettings, PairResult, ProblemSpec,
-    RoutingSummary, CEILING_ONLY_FLAG,
+    AccuracyResult, CalibrationResult, Ceilings, ConfigResult, ImplResult, MeasureSettings,
+    PairResult, ProblemSpec, RoutingSummary, CEILING_ONLY_FLAG,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -22,6 +23,9 @@ pub struct Pipeline<'a> {
     pub candidate: String,
     pub settings: MeasureSettings,
     pub ceilings: Option<Ceilings>,
+    /// Fixed workload timed in every round next to the implementations (recorded in the
+    /// results for `compare`'s ENV-DRIFT verdict); `None` measures none.
+    pub calibration: Option<&'a dyn Calibration>,
 }
 
 fn dtype_of(problem: &ProblemSpec) -> DType {
@@ -290,6 +294,7 @@ impl Pipeline<'_> {
             comparisons: Vec::new(),
             error: None,
             routing: None,
+            calibration: None,
         };
         let valid = match problem {
             ProblemSpec::Attention(p) => p.validate(),
@@ -366,15 +371,43 @@ impl Pipeline<'_> {
             rows.push(row);
         }
 
-        let measurement = {
+        // The calibration is one more participant of every round, last in the handle list.
+        let mut calibration = match (self.calibration, timed.is_empty()) {
+            (Some(c), false) => Some((c.workload(), c.prepare())),
+            _ => None,
+        };
+        let mut measurement = {
             let mut handles: Vec<&mut dyn Sampled> = timed
                 .iter_mut()
                 .map(|(_, p)| p.as_mut() as &mut dyn Sampled)
                 .collect();
+            if let Some((_, Ok(c))) = calibration.as_mut() {
+                handles.push(c.as_mut());
+            }
             measure_interleaved(&mut handles, &self.settings, cancel, on_round)
         };
         if measurement.stop == StopReason::Cancelled {
             return None;
+        }
+        if let Some((workload, prepared)) = calibration {
+            result.calibration = Some(match prepared {
+                Ok(_) => {
+                    let set = measurement
+                        .sets
+                        .pop()
+                        .expect("the calibration's sample set");
+                    CalibrationResult {
+                        workload,
+                        samples_ms: set.samples_ms,
+                        error: set.error,
+                    }
+                }
+                Err(e) => CalibrationResult {
+                    workload,
+                    samples_ms: Vec::new(),
+                    error: Some(format!("{e:#}")),
+                },
+            });
         }
         for ((row_index, _), set) in timed.iter().zip(measurement.sets) {
             let row = &mut rows[*row_index];

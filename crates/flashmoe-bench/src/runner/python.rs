@@ -103,6 +103,11 @@ pub struct WorkerOptions {
     pub flush_bytes: Option<u64>,
     /// Restarts allowed after crashes, hangs or kills, for the whole run.
     pub max_restarts: usize,
+    /// Arguments to start `python` with instead of the worker script: another program
+    /// speaking the protocol (an old build's `flashmoe serve`, see [`old_build`]).
+    pub args: Option<Vec<String>>,
+    /// Environment variables removed for the worker process.
+    pub env_remove: Vec<String>,
 }
 
 impl WorkerOptions {
@@ -117,6 +122,8 @@ impl WorkerOptions {
             prepare_timeout: Duration::from_secs(600),
             flush_bytes: None,
             max_restarts: 8,
+            args: None,
+            env_remove: Vec::new(),
         }
     }
 }
@@ -296,14 +303,26 @@ impl PythonWorker {
     /// Start the worker and read its hello. `Err` is one line saying why baselines cannot
     /// run (no interpreter, no torch, no CUDA in torch, protocol mismatch, ...).
     pub fn start(options: &WorkerOptions) -> Result<PythonWorker, String> {
-        let script = match &options.script {
-            Some(s) => s.clone(),
-            None => locate_worker_script()?,
-        };
         let mut cmd = Command::new(&options.python);
-        cmd.arg(&script);
-        if let Some(dev) = &options.device {
-            cmd.arg("--device").arg(dev);
+        let script = match &options.args {
+            Some(args) => {
+                cmd.args(args);
+                PathBuf::from(args.join(" "))
+            }
+            None => {
+                let script = match &options.script {
+                    Some(s) => s.clone(),
+                    None => locate_worker_script()?,
+                };
+                cmd.arg(&script);
+                if let Some(dev) = &options.device {
+                    cmd.arg("--device").arg(dev);
+                }
+                script
+            }
+        };
+        for k in &options.env_remove {
+            cmd.env_remove(k);
         }
         cmd.envs(options.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("PYTHONUNBUFFERED", "1")
@@ -732,9 +751,33 @@ impl Shared {
     }
 }
 
-/// One Python baseline (e.g. `sdpa-flash`), sharing the run's worker.
+/// What the worker process serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Served {
+    /// `python/flashmoe_worker.py`'s baselines (and `py:` plug-ins).
+    Python,
+    /// An old build's implementations (`flashmoe serve`), named [`OLD_PREFIX`] + its name.
+    OldBuild,
+    /// This build's own implementations served by a child `flashmoe serve` in a
+    /// `bench --against` run, so both builds are timed in a process of the same kind.
+    ThisBuild,
+    /// A user's Python callable (`py:MODULE:FUNCTION`), hosted by
+    /// `python/flashmoe_plugins.py`; attention problems only.
+    Plugin,
+}
+
+/// Prefix of a Python plug-in's implementation name: `py:MODULE:FUNCTION`.
+pub const PLUGIN_PREFIX: &str = "py:";
+
+pub use crate::results::OLD_PREFIX;
+
+/// One implementation served by a worker process (a Python baseline such as `sdpa-flash`,
+/// or an old build's kernel), sharing the run's worker.
 pub struct PythonImplementation {
     name: String,
+    /// Its name in the worker.
+    remote: String,
+    served: Served,
     shared: Arc<Mutex<Shared>>,
 }
 
@@ -759,10 +802,22 @@ impl Implementation for PythonImplementation {
     }
 
     fn backend(&self) -> &str {
-        "python"
+        match self.served {
+            Served::Python => "python",
+            Served::OldBuild => "old-build",
+            Served::ThisBuild => "this-build (served)",
+            Served::Plugin => "python-plugin",
+        }
     }
 
     fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
+        match (self.served, problem) {
+            // The build answers "n/a: why" itself.
+            (Served::OldBuild | Served::ThisBuild, _) => return Ok(()),
+            (Served::Plugin, ProblemSpec::Attention(_)) => return Ok(()),
+            (Served::Plugin, _) => return Err("plug-ins run attention problems only".into()),
+            (Served::Python, _) => {}
+        }
         let (list, kind) = match problem {
             ProblemSpec::Attention(_) => (ATTENTION_BASELINES, "attention"),
             ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
@@ -796,7 +851,11 @@ impl Implementation for PythonImplementation {
         let (prepare_timeout, request_timeout) =
             (sh.options.prepare_timeout, sh.options.request_timeout);
         let (worker, incarnation) = sh.live_worker()?;
-        let req = json!({ "impl": self.name, "problem": worker_problem(problem), "seed": seed });
+        let sent = match self.served {
+            Served::Python | Served::Plugin => worker_problem(problem),
+            Served::OldBuild | Served::ThisBuild => problem.clone(),
+        };
+        let req = json!({ "impl": self.remote, "problem": sent, "seed": seed });
         let v = worker.request("prepare", req, prepare_timeout)?;
         let handle = v
             .get("handle")
@@ -989,11 +1048,16 @@ impl Prepared for PythonPrepared {
                         "top-k ids",
                         u32::from_le_bytes,
                     )?;
-                    // The baselines do not compute the auxiliary losses.
+                    // The Python baselines do not compute the auxiliary losses; an old build
+                    // does and returns them.
+                    let losses = v
+                        .get("losses")
+                        .and_then(Value::as_array)
+                        .and_then(|l| Some((l.first()?.as_f64()?, l.get(1)?.as_f64()?)));
                     Outputs::Moe {
                         out,
                         topk_ids: Some(ids),
-                        losses: None,
+                        losses,
                     }
                 }
             }
@@ -1074,11 +1138,148 @@ pub fn baselines_with(
         .map(|n| {
             Box::new(PythonImplementation {
                 name: (*n).to_string(),
+                remote: (*n).to_string(),
+                served: Served::Python,
                 shared: Arc::clone(&shared),
             }) as Box<dyn Implementation>
         })
         .collect();
     Ok((impls, manifest))
+}
+
+/// Start the plug-in host (`python/flashmoe_plugins.py`, next to the worker script) with
+/// `python` and return one implementation per `py:MODULE:FUNCTION` spec. `cuda` hosts them
+/// on the GPU (torch tensors, CUDA events after an L2 flush of `flush_bytes`), otherwise on
+/// the CPU (numpy arrays, host clock; numpy is all it needs). `Err` is one line.
+pub fn plugins(
+    specs: &[String],
+    python: &Path,
+    cuda: bool,
+    flush_bytes: Option<u64>,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    for s in specs {
+        let parts: Vec<&str> = s.splitn(3, ':').collect();
+        if parts.len() != 3 || parts[0] != "py" || parts[1].is_empty() || parts[2].is_empty() {
+            return Err(format!(
+                "'{s}' is not a plug-in: expected py:MODULE:FUNCTION"
+            ));
+        }
+    }
+    let script = match std::env::var_os("FLASHMOE_PLUGIN_HOST") {
+        Some(p) => PathBuf::from(p),
+        None => locate_worker_script()?.with_file_name("flashmoe_plugins.py"),
+    };
+    if !script.is_file() {
+        return Err(format!(
+            "the plug-in host {} is missing (set FLASHMOE_PLUGIN_HOST)",
+            script.display()
+        ));
+    }
+    let mut options = WorkerOptions::new(python);
+    options.args = Some(vec![
+        script.to_string_lossy().into_owned(),
+        "--device".into(),
+        if cuda { "cuda" } else { "cpu" }.into(),
+    ]);
+    options.flush_bytes = flush_bytes;
+    let worker = PythonWorker::start(&options)
+        .map_err(|e| format!("the Python plug-in host could not start: {e}"))?;
+    let shared = Arc::new(Mutex::new(Shared {
+        options,
+        seed,
+        worker: Some(worker),
+        incarnation: 0,
+        restarts: 0,
+        checksum_cache: None,
+    }));
+    Ok(specs
+        .iter()
+        .map(|n| {
+            Box::new(PythonImplementation {
+                name: n.clone(),
+                remote: n.clone(),
+                served: Served::Plugin,
+                shared: Arc::clone(&shared),
+            }) as Box<dyn Implementation>
+        })
+        .collect())
+}
+
+/// Start `binary serve --suite SUITE` (an old build of flashmoe, `bench --against`) and
+/// return its implementations, each named [`OLD_PREFIX`] + its name, timed in the old
+/// process by its own timer. `cpu` serves the CPU implementations. The test-only slowdown
+/// knob is not passed on: it applies to the new build only. `Err` is one line.
+pub fn old_build(
+    binary: &Path,
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    served_build(binary, suite, cpu, seed, Served::OldBuild)
+}
+
+/// This build's implementations served by a child `serve` process of the running binary,
+/// under their own names: in a `bench --against` run both builds are then timed the same
+/// way, each in a child process (timing one build in the driving process and the other in
+/// a child measured the child up to 16% slower in A/A runs on a loaded 2-core machine).
+pub fn this_build_served(
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("cannot find the running flashmoe binary: {e}"))?;
+    served_build(&exe, suite, cpu, seed, Served::ThisBuild)
+}
+
+fn served_build(
+    binary: &Path,
+    suite: Suite,
+    cpu: bool,
+    seed: u64,
+    served: Served,
+) -> Result<Vec<Box<dyn Implementation>>, String> {
+    let mut options = WorkerOptions::new(binary);
+    let mut args = vec!["serve".to_string(), "--suite".into(), suite.name().into()];
+    if cpu {
+        args.push("--cpu".into());
+    }
+    options.args = Some(args);
+    if served == Served::OldBuild {
+        options.env_remove = vec![crate::measure::TEST_SLOWDOWN_ENV.to_string()];
+    }
+    options.start_timeout = Duration::from_secs(120);
+    let worker = PythonWorker::start(&options).map_err(|e| {
+        format!(
+            "the old build {} could not serve ({e}); --against needs a flashmoe binary that has \
+             the hidden `serve` command (built from the commit that added it or later)",
+            binary.display()
+        )
+    })?;
+    let names = worker.hello().implementations.clone();
+    let shared = Arc::new(Mutex::new(Shared {
+        options,
+        seed,
+        worker: Some(worker),
+        incarnation: 0,
+        restarts: 0,
+        checksum_cache: None,
+    }));
+    Ok(names
+        .into_iter()
+        .map(|n| {
+            Box::new(PythonImplementation {
+                name: match served {
+                    Served::OldBuild => format!("{OLD_PREFIX}{n}"),
+                    _ => n.clone(),
+                },
+                remote: n,
+                served,
+                shared: Arc::clone(&shared),
+            }) as Box<dyn Implementation>
+        })
+        .collect())
 }
 
 #[cfg(test)]
