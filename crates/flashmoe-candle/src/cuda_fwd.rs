@@ -158,8 +158,8 @@ fn forward_t<T: api::Element>(
         Plan::Decode(p) => {
             let table: Vec<i32> = (0..s.batch as i32).collect();
             let used = vec![s.seq_k as i32; s.batch];
-            let table: CudaSlice<i32> = dev.clone_htod(&table)?;
-            let used: CudaSlice<i32> = dev.clone_htod(&used)?;
+            let table: CudaSlice<i32> = dev.clone_htod(table.as_slice())?;
+            let used: CudaSlice<i32> = dev.clone_htod(used.as_slice())?;
             let idx = DecodeIndexes {
                 block_table: (table.slice(..), s.batch, 1, 1),
                 seqused_k: used.slice(..),
