@@ -117,15 +117,7 @@ pub fn check_layouts(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnShape> {
             k.shape()
         )
     }
-    if head_dim > MAX_HEAD_DIM {
-        bail!("flash-attn: only supports head dimension at most {MAX_HEAD_DIM} (got {head_dim})")
-    }
-    if head_dim % 8 != 0 {
-        bail!("flash-attn: only supports head sizes that are a multiple of 8 (got {head_dim})")
-    }
-    if heads_q % heads_kv != 0 {
-        bail!("flash-attn: number of k/v heads {heads_kv} must divide number of heads in query {heads_q}")
-    }
+    check_heads(head_dim, heads_q, heads_kv)?;
     Ok(AttnShape {
         batch,
         seq_q,
@@ -214,7 +206,7 @@ pub struct Call {
 pub fn check_softcap(softcap: Option<f32>) -> Result<Option<f32>> {
     match softcap {
         None => Ok(None),
-        Some(s) if s == 0.0 => Ok(None),
+        Some(0.0) => Ok(None),
         Some(s) if s.is_finite() && s > 0.0 => Ok(Some(s)),
         Some(s) => bail!("flash-attn: softcap must be finite and >= 0 (got {s})"),
     }
@@ -349,10 +341,10 @@ fn check_heads(head_dim: usize, heads_q: usize, heads_kv: usize) -> Result<()> {
     if head_dim > MAX_HEAD_DIM {
         bail!("flash-attn: only supports head dimension at most {MAX_HEAD_DIM} (got {head_dim})")
     }
-    if head_dim % 8 != 0 {
+    if !head_dim.is_multiple_of(8) {
         bail!("flash-attn: only supports head sizes that are a multiple of 8 (got {head_dim})")
     }
-    if heads_q % heads_kv != 0 {
+    if !heads_q.is_multiple_of(heads_kv) {
         bail!("flash-attn: number of k/v heads {heads_kv} must divide number of heads in query {heads_q}")
     }
     Ok(())

@@ -371,8 +371,15 @@ fn flash_attn_varlen_paged_matches_candle_reference() -> Result<()> {
             let q = random((1, tq, hq, d), seed)?.squeeze(0)?.to_dtype(dtype)?;
             let (kc, vc, table, max_blocks) = paged_cache(&lens_k, page, hkv, d, seed + 1)?;
             let (kc, vc) = (kc.to_dtype(dtype)?, vc.to_dtype(dtype)?);
-            let bt = Tensor::from_vec(table.clone(), (lens_k.len(), max_blocks), &dev)?
-                .to_dtype(bt_dtype)?;
+            let shape = (lens_k.len(), max_blocks);
+            let bt = match bt_dtype {
+                DType::I32 => {
+                    let t: Vec<i32> = table.iter().map(|&x| x as i32).collect();
+                    Tensor::from_vec(t, shape, &dev)?
+                }
+                _ => Tensor::from_vec(table.clone(), shape, &dev)?,
+            };
+            assert_eq!(bt.dtype(), bt_dtype);
             let scale = 1.0 / (d as f32).sqrt();
             let got = flash_attn_varlen_paged_windowed(
                 &q.to_device(&dev)?,
