@@ -47,6 +47,13 @@ for s in "$@"; do
     unit)         stage unit 300 ./target/release/flashmoe-gpu-tests gpu_tests --test-threads=1 --nocapture
                   # the lab's timing and ceiling tests (flashmoe-bench lib), when carried
                   [ -x ./target/release/flashmoe-bench-gpu-tests ] && stage unit-bench 120 ./target/release/flashmoe-bench-gpu-tests gpu:: --test-threads=1 --nocapture ;;
+    # flashmoe-candle's GPU tests (tests/gpu.rs): carry crates/flashmoe-candle/target/candle-gpu-tests.xz
+    # (the stripped test executable, xz'd). Links libcuda, libcublas.so.13, libcurand.so.10,
+    # libcudart.so.13 (cudarc's dynamic-linking): the toolkit's lib64 is put first.
+    candle)       c=crates/flashmoe-candle/target/candle-gpu-tests
+                  [ -x $c ] || xz -dkf $c.xz >>"$LOG" 2>&1
+                  stage candle 300 env LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+                    $c --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
     # the Python package: carry target/py-device (scripts/device-python.sh --pack)
     python)       stage python 420 bash scripts/device-python.sh target/py-device ;;

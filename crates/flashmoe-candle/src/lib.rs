@@ -8,9 +8,22 @@
 //! strides with a contiguous last dim; the output has q's shape, contiguous. bf16 or f16.
 //! Causal masking is bottom-right aligned.
 //!
-//! Supported today: no mask and causal (`flash_attn`, and `flash_attn_windowed` with
-//! windows that amount to those). ALiBi, softcapping, sliding windows, variable-length and
-//! paged batches return an error that names the missing feature.
+//! Supported today:
+//! - `flash_attn`, and `flash_attn_windowed` with windows that amount to no mask or causal:
+//!   flashmoe's prefill plan (`AttentionPlan`).
+//! - `flash_attn_varlen`, and `flash_attn_varlen_windowed` with such windows: packed
+//!   sequences (q (total_q, heads_q, d), k/v (total_k, heads_kv, d), u32 cumulative
+//!   `seqlens_q/k` of `batch + 1` elements), causal bottom-right per sequence:
+//!   `VarlenPlan` (sm_90a, head dim 64 or 128).
+//! - `flash_attn_varlen_paged_windowed`: a paged K/V cache (num_blocks, page_block_size,
+//!   heads_kv, d) with a (batch, max_blocks) u32/i32 block table, windows and softcap, for
+//!   up to 16 query rows per sequence (decode and speculative steps): `DecodePlan`.
+//! - Softcapping and narrower windows of the dense functions (`flash_attn_windowed`,
+//!   `flash_attn_alibi_windowed_softcap` without slopes) when the call is decode-shaped
+//!   (seq_q <= 16, head dim 64/128/256): `DecodePlan` over the dense cache.
+//!
+//! Everything else (ALiBi, softcapping or sliding windows of prefill-sized calls, chunked
+//! prefill on a paged cache, `mm_prefix_ranges`) returns an error that names the feature.
 //!
 //! Modules: `check` (shape/dtype/window checks and the plan-cache key, GPU-free),
 //! `cuda_fwd` (the `CustomOp3::cuda_fwd` body: candle storage → cudarc views),
@@ -28,46 +41,86 @@ mod plans;
 #[cfg(feature = "cuda")]
 pub use plans::clear_caches;
 
+/// One `CustomOp3` boilerplate for the three ops: no CPU path, `cuda_fwd` in `cuda_fwd.rs`.
+macro_rules! cuda_only_op {
+    ($op:ty, $name:literal, $fwd:ident) => {
+        impl candle_core::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+                _: &CpuStorage,
+                _: &Layout,
+            ) -> Result<(CpuStorage, Shape)> {
+                candle_core::bail!("no cpu support for flash-attn")
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                q: &candle_core::CudaStorage,
+                q_l: &Layout,
+                k: &candle_core::CudaStorage,
+                k_l: &Layout,
+                v: &candle_core::CudaStorage,
+                v_l: &Layout,
+            ) -> Result<(candle_core::CudaStorage, Shape)> {
+                cuda_fwd::$fwd(self, q, q_l, k, k_l, v, v_l)
+            }
+        }
+    };
+}
+
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
 /// Dense attention `softmax(Q Kᵀ · softmax_scale) V` as a candle op. The window sizes
-/// follow candle-flash-attn: `(None, Some(0))` is causal, `(None, None)` no mask.
+/// follow candle-flash-attn: `(None, Some(0))` is causal, `(None, None)` no mask. `softcap`
+/// None or 0 is off.
 pub struct FlashAttn {
     pub softmax_scale: f32,
     pub window_size_left: Option<usize>,
     pub window_size_right: Option<usize>,
+    pub softcap: Option<f32>,
 }
 
-impl candle_core::CustomOp3 for FlashAttn {
-    fn name(&self) -> &'static str {
-        "flashmoe-flash-attn"
-    }
+cuda_only_op!(FlashAttn, "flashmoe-flash-attn", forward);
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        candle_core::bail!("no cpu support for flash-attn")
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        q_l: &Layout,
-        k: &candle_core::CudaStorage,
-        k_l: &Layout,
-        v: &candle_core::CudaStorage,
-        v_l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda_fwd::forward(self, q, q_l, k, k_l, v, v_l)
-    }
+/// Packed variable-length attention (`flash_attn_varlen*`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FlashAttnVarlen {
+    softmax_scale: f32,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    seqlens_q: Tensor,
+    seqlens_k: Tensor,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
 }
+
+cuda_only_op!(FlashAttnVarlen, "flashmoe-flash-attn-varlen", varlen);
+
+/// Packed queries against a paged K/V cache (`flash_attn_varlen_paged_windowed`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FlashAttnPaged {
+    softmax_scale: f32,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    seqlens_q: Tensor,
+    seqlens_k: Tensor,
+    block_table: Tensor,
+    page_block_size: usize,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: Option<f32>,
+}
+
+cuda_only_op!(FlashAttnPaged, "flashmoe-flash-attn-paged", paged);
 
 /// Flash attention: `softmax(Q Kᵀ · softmax_scale) V`, causal (bottom-right) or not.
 ///
@@ -82,17 +135,20 @@ pub fn flash_attn(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let op = FlashAttn {
+    flash_attn_windowed(
+        q,
+        k,
+        v,
         softmax_scale,
-        window_size_left: None,
-        window_size_right: if causal { Some(0) } else { None },
-    };
-    q.apply_op3(k, v, op)
+        None,
+        if causal { Some(0) } else { None },
+    )
 }
 
-/// Flash attention with candle-flash-attn's window arguments. Only windows that amount to
-/// no mask or a causal mask are supported: `(None, Some(0))` is causal, `(None, None)` and
-/// windows covering the whole sequence mask nothing; anything narrower is an error.
+/// Flash attention with candle-flash-attn's window arguments: `(None, Some(0))` is causal,
+/// `(None, None)` and windows covering the whole sequence mask nothing (the prefill plan).
+/// Narrower windows run when the call is decode-shaped (seq_len_q <= 16, head dim
+/// 64/128/256: the decode plan over the dense cache); otherwise they are an error.
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -105,6 +161,7 @@ pub fn flash_attn_windowed(
         softmax_scale,
         window_size_left,
         window_size_right,
+        softcap: None,
     };
     q.apply_op3(k, v, op)
 }
@@ -134,81 +191,154 @@ pub fn flash_attn_alibi_windowed(
     Err(check::unsupported("ALiBi (flash_attn_alibi_windowed)"))
 }
 
-/// Not supported yet: returns an error (softcapping; ALiBi).
+/// Softcapped attention (`softcap · tanh(scores / softcap)` before the softmax; 0 is off)
+/// with candle-flash-attn's windows. Runs when the call is decode-shaped (seq_len_q <= 16,
+/// head dim 64/128/256) or needs no softcap and no narrow window; ALiBi slopes are an error.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _alibi_slopes: Option<&Tensor>,
-    _softmax_scale: f32,
-    _window_size_left: Option<usize>,
-    _window_size_right: Option<usize>,
-    _softcap: f32,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
 ) -> Result<Tensor> {
-    Err(check::unsupported(
-        "softcapping (flash_attn_alibi_windowed_softcap)",
-    ))
+    if alibi_slopes.is_some() {
+        return Err(check::unsupported(
+            "ALiBi (flash_attn_alibi_windowed_softcap)",
+        ));
+    }
+    let op = FlashAttn {
+        softmax_scale,
+        window_size_left,
+        window_size_right,
+        softcap: Some(softcap),
+    };
+    q.apply_op3(k, v, op)
 }
 
-/// Not supported yet: returns an error (variable-length batches).
+/// Variable-length (packed) attention, candle-flash-attn's `flash_attn_varlen`.
+///
+/// * `q` - (total_q, num_heads_q, head_size)
+/// * `k`, `v` - (total_kv, num_heads_kv, head_size)
+/// * `seqlens_q`, `seqlens_k` - u32 cumulative lengths, `batch_size + 1` elements
+///   (`0, len_1, len_1 + len_2, ..`), on the GPU; read by the kernel as int32 (values must
+///   stay below 2^31) and not checked on the host (no sync).
+/// * `max_seqlen_q`, `max_seqlen_k` - the longest sequences (size the launch and resolve
+///   windows).
+///
+/// Causal is bottom-right per sequence (query i of lengths (sq, sk) sees keys
+/// j <= i + sk - sq), as in FlashAttention 2. Returns (total_q, num_heads_q, head_size).
+/// Runs on flashmoe's sm_90a varlen kernel: head dims 64 and 128.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _seqlens_q: &Tensor,
-    _seqlens_k: &Tensor,
-    _max_seqlen_q: usize,
-    _max_seqlen_k: usize,
-    _softmax_scale: f32,
-    _causal: bool,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    causal: bool,
 ) -> Result<Tensor> {
-    Err(check::unsupported(
-        "variable-length batches (flash_attn_varlen)",
-    ))
+    flash_attn_varlen_windowed(
+        q,
+        k,
+        v,
+        seqlens_q,
+        seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        None,
+        if causal { Some(0) } else { None },
+    )
 }
 
-/// Not supported yet: returns an error (variable-length batches).
+/// [`flash_attn_varlen`] with candle-flash-attn's window arguments. Only windows that
+/// amount to no mask or causal (read against `max_seqlen_q/k`) are supported; narrower
+/// ones are an error naming the sliding window.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_windowed(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _seqlens_q: &Tensor,
-    _seqlens_k: &Tensor,
-    _max_seqlen_q: usize,
-    _max_seqlen_k: usize,
-    _softmax_scale: f32,
-    _window_size_left: Option<usize>,
-    _window_size_right: Option<usize>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    Err(check::unsupported(
-        "variable-length batches (flash_attn_varlen_windowed)",
-    ))
+    let op = FlashAttnVarlen {
+        softmax_scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqlens_q: seqlens_q.clone(),
+        seqlens_k: seqlens_k.clone(),
+        window_size_left,
+        window_size_right,
+    };
+    q.apply_op3(k, v, op)
 }
 
-/// Not supported yet: returns an error (paged KV; variable-length batches).
+/// Packed queries against a paged K/V cache, candle-flash-attn's
+/// `flash_attn_varlen_paged_windowed`.
+///
+/// * `q` - (total_q, num_heads_q, head_size)
+/// * `k`, `v` - (num_blocks, page_block_size, num_heads_kv, head_size)
+/// * `seqlens_q`, `seqlens_k` - u32 cumulative lengths, `batch_size + 1` elements; sequence b
+///   has `seqlens_k[b+1] - seqlens_k[b]` keys, key j in block `block_table[b][j / page]`.
+/// * `block_table` - (batch_size, max_blocks), u32 or i32, last dim contiguous.
+/// * `mm_prefix_ranges` - not supported (must be None).
+/// * `window_size_left/right` - as candle-flash-attn (None or beyond `max_seqlen_k`:
+///   unbounded; `(None, Some(0))` causal), around each row's bottom-right diagonal.
+/// * `softcap` - None or 0 is off.
+///
+/// Runs on flashmoe's decode kernels: at most 16 query rows per sequence
+/// (`max_seqlen_q <= 16`: decode and speculative steps), head dims 64/128/256, pages of a
+/// multiple of 16 keys. Per-sequence key counts are computed from `seqlens_k` on candle's
+/// stream (a subtraction, clamped to `max_seqlen_k`). Returns (total_q, num_heads_q,
+/// head_size).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_paged_windowed(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _seqlens_q: &Tensor,
-    _seqlens_k: &Tensor,
-    _block_table: &Tensor,
-    _mm_prefix_ranges: Option<&Tensor>,
-    _max_seqlen_q: usize,
-    _max_seqlen_k: usize,
-    _softmax_scale: f32,
-    _window_size_left: Option<usize>,
-    _window_size_right: Option<usize>,
-    _page_block_size: usize,
-    _softcap: Option<f32>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    block_table: &Tensor,
+    mm_prefix_ranges: Option<&Tensor>,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    page_block_size: usize,
+    softcap: Option<f32>,
 ) -> Result<Tensor> {
-    Err(check::unsupported(
-        "paged KV (flash_attn_varlen_paged_windowed)",
-    ))
+    if mm_prefix_ranges.is_some() {
+        return Err(check::unsupported(
+            "mm_prefix_ranges (flash_attn_varlen_paged_windowed)",
+        ));
+    }
+    let op = FlashAttnPaged {
+        softmax_scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqlens_q: seqlens_q.clone(),
+        seqlens_k: seqlens_k.clone(),
+        block_table: block_table.clone(),
+        page_block_size,
+        window_size_left,
+        window_size_right,
+        softcap,
+    };
+    q.apply_op3(k, v, op)
 }
 
 /// Not supported yet: returns an error (ALiBi; variable-length batches).
@@ -250,7 +380,10 @@ pub fn flash_attn_varlen_alibi_windowed(
     ))
 }
 
-/// Not supported yet: returns an error (softcapping; variable-length batches).
+/// Not supported yet: returns an error (softcapping of unpaged variable-length batches;
+/// ALiBi). Decode-shaped softcapped calls run through [`flash_attn_varlen_paged_windowed`]
+/// (the decode kernels read K/V through a block table, which a packed k cannot provide
+/// without a copy).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_alibi_windowed_softcap(
     _q: &Tensor,
@@ -267,7 +400,8 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
     _softcap: f32,
 ) -> Result<Tensor> {
     Err(check::unsupported(
-        "softcapping with variable-length batches (flash_attn_varlen_alibi_windowed_softcap)",
+        "softcapping with unpaged variable-length batches \
+         (flash_attn_varlen_alibi_windowed_softcap; see flash_attn_varlen_paged_windowed)",
     ))
 }
 
@@ -283,21 +417,57 @@ mod tests {
     #[test]
     fn unsupported_entry_points_say_what_is_missing() {
         let (q, k, v) = (t((1, 4, 2, 64)), t((1, 4, 2, 64)), t((1, 4, 2, 64)));
+        let packed = Tensor::zeros((4, 2, 64), DType::BF16, &Device::Cpu).unwrap();
         let s = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
+        let table = Tensor::zeros((2, 1), DType::U32, &Device::Cpu).unwrap();
         let slopes = Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap();
-        let e = flash_attn_varlen(&q, &k, &v, &s, &s, 4, 4, 0.125, true).unwrap_err();
-        assert!(e.to_string().contains("variable-length"), "{e}");
         let e = flash_attn_alibi(&q, &k, &v, &slopes, 0.125, false).unwrap_err();
         assert!(e.to_string().contains("ALiBi"), "{e}");
+        let e = flash_attn_alibi_windowed_softcap(&q, &k, &v, Some(&slopes), 0.1, None, None, 30.0)
+            .unwrap_err();
+        assert!(e.to_string().contains("ALiBi"), "{e}");
         let e =
-            flash_attn_alibi_windowed_softcap(&q, &k, &v, None, 0.1, None, None, 30.0).unwrap_err();
+            flash_attn_varlen_alibi(&packed, &packed, &packed, &slopes, &s, &s, 2, 2, 0.1, true)
+                .unwrap_err();
+        assert!(e.to_string().contains("ALiBi"), "{e}");
+        let e = flash_attn_varlen_alibi_windowed_softcap(
+            &packed, &packed, &packed, None, &s, &s, 2, 2, 0.1, None, None, 30.0,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("softcapping"), "{e}");
+        let e = flash_attn_varlen_paged_windowed(
+            &packed,
+            &q,
+            &q,
+            &s,
+            &s,
+            &table,
+            Some(&table),
+            2,
+            4,
+            0.1,
+            None,
+            Some(0),
+            4,
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("mm_prefix_ranges"), "{e}");
     }
 
     #[test]
     fn cpu_tensors_are_refused() {
         let (q, k, v) = (t((1, 4, 2, 64)), t((1, 4, 2, 64)), t((1, 4, 2, 64)));
         let e = flash_attn(&q, &k, &v, 0.125, false).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        // The newly routed entry points too (their checks run in cuda_fwd; check.rs tests
+        // them directly).
+        let packed = Tensor::zeros((4, 2, 64), DType::BF16, &Device::Cpu).unwrap();
+        let s = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
+        let e = flash_attn_varlen(&packed, &packed, &packed, &s, &s, 2, 2, 0.1, true).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        let e = flash_attn_alibi_windowed_softcap(&q, &k, &v, None, 0.1, None, Some(0), 30.0)
+            .unwrap_err();
         assert!(e.to_string().contains("no cpu support"), "{e}");
     }
 }

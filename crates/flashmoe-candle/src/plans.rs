@@ -1,10 +1,10 @@
-//! Process-wide caches behind `flash_attn`: one flashmoe plan per (GPU, [`ClassKey`]) —
+//! Process-wide caches behind the entry points: one flashmoe plan per (GPU, [`PlanKey`]) —
 //! making one compiles or loads kernels, so it happens once — and one workspace per CUDA
 //! stream, grown to the largest plan that ran on it. Keyed by stream, not device, because
 //! candle devices made with `new_with_stream` share a GPU but not a stream, and a
 //! workspace may only be reused in stream order. Called from `cuda_fwd.rs`.
 
-use crate::check::ClassKey;
+use crate::check::PlanKey;
 use crate::flashmoe_api::{self as api, Plan, Workspace};
 use candle_core::cuda_backend::cudarc::driver::CudaStream;
 use candle_core::Result;
@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 struct Gpu {
     dev: Arc<api::Device>,
-    plans: HashMap<ClassKey, Arc<Plan>>,
+    plans: HashMap<PlanKey, Arc<Plan>>,
 }
 
 /// Plans by GPU ordinal.
@@ -36,7 +36,7 @@ fn lock<T>(m: &'static OnceLock<Mutex<T>>, init: fn() -> T) -> MutexGuard<'stati
 }
 
 /// The plan for `key` on the stream's GPU, made on first use.
-pub(crate) fn plan(stream: &Arc<CudaStream>, key: &ClassKey) -> Result<Arc<Plan>> {
+pub(crate) fn plan(stream: &Arc<CudaStream>, key: &PlanKey) -> Result<Arc<Plan>> {
     let ordinal = stream.context().ordinal();
     let dev = {
         let mut gpus = lock(&PLANS, HashMap::new);
@@ -68,21 +68,21 @@ pub(crate) fn plan(stream: &Arc<CudaStream>, key: &ClassKey) -> Result<Arc<Plan>
     Ok(gpu.plans.entry(*key).or_insert(made).clone())
 }
 
-/// Run `f` with this stream's workspace, grown first if `plan` needs more. The lock is
-/// held while `f` enqueues work, which keeps uses of one workspace in stream order.
+/// Run `f` with this stream's workspace, grown first if the call needs more than `need`
+/// bytes (`api::workspace_bytes`). The lock is held while `f` enqueues work, which keeps
+/// uses of one workspace in stream order.
 pub(crate) fn with_workspace<R>(
     stream: &Arc<CudaStream>,
-    plan: &Plan,
+    need: usize,
     f: impl FnOnce(&mut Workspace) -> Result<R>,
 ) -> Result<R> {
-    let need = api::workspace_bytes(plan);
     let mut all = lock(&WORKSPACES, HashMap::new);
     let key = stream.cu_stream() as usize;
     let grow = all.get(&key).is_none_or(|w| w.bytes < need);
     if grow {
         // Freeing the old one is stream-ordered, so work queued on it finishes first.
         all.remove(&key);
-        let ws = api::alloc_workspace(plan, stream)?;
+        let ws = api::alloc_workspace(stream, need)?;
         all.insert(key, StreamWorkspace { bytes: need, ws });
     }
     f(&mut all.get_mut(&key).expect("inserted above").ws)

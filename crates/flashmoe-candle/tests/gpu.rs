@@ -1,11 +1,17 @@
-//! GPU check of `flash_attn` against plain candle ops: softmax(Q Kᵀ · scale) V in f32 with
-//! a bottom-right causal mask, on deterministic pseudo-random inputs, with GQA, causal and
-//! not, bf16 and f16, and a strided input (q/k/v narrowed out of one packed tensor).
-//! Returns early with a note when there is no CUDA device (the CPU CI machine).
+//! GPU checks of the entry points against plain candle ops on the CPU in f32:
+//! softmax(mask(softcap(Q Kᵀ · scale))) V with bottom-right masks, on deterministic
+//! pseudo-random inputs. `flash_attn` (GQA, causal and not, bf16 and f16, strided inputs);
+//! `flash_attn_varlen` (ragged lengths incl. 1 and primes, strided q/k/v); the paged
+//! `flash_attn_varlen_paged_windowed` (shuffled pages, windows, softcap, u32 and i32 block
+//! tables); decode-shaped softcap / sliding windows of the dense functions.
+//! Each test returns early with a note when there is no CUDA device (the CPU CI machine).
 #![cfg(feature = "cuda")]
 
-use candle_core::{DType, Device, Result, Tensor, D};
-use flashmoe_candle::flash_attn;
+use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
+use flashmoe_candle::{
+    flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen,
+    flash_attn_varlen_paged_windowed, flash_attn_varlen_windowed, flash_attn_windowed,
+};
 
 fn cuda() -> Option<Device> {
     match Device::new_cuda(0) {
@@ -34,6 +40,21 @@ fn random(shape: (usize, usize, usize, usize), seed: u64) -> Result<Tensor> {
 
 /// softmax(Q Kᵀ · scale) V in f32; q (b, sq, hq, d), k/v (b, sk, hkv, d) of any dtype.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Result<Tensor> {
+    let window = if causal { (-1, 0) } else { (-1, -1) };
+    reference_masked(q, k, v, scale, window, None)
+}
+
+/// As [`reference`] with a (left, right) window around each row's bottom-right diagonal
+/// (-1 = unbounded; (-1, 0) is causal) and an optional softcap (softcap · tanh(s / softcap)
+/// of the scaled scores). Every row must see at least one key.
+fn reference_masked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    window: (i64, i64),
+    softcap: Option<f32>,
+) -> Result<Tensor> {
     let (b, sq, hq, d) = q.dims4()?;
     let (_, sk, hkv, _) = k.dims4()?;
     let group = hq / hkv;
@@ -48,22 +69,26 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, causal: bool) -> Re
     };
     let (k, v) = (expand(k)?, expand(v)?);
     let mut scores = (q.matmul(&k.t()?.contiguous()?)? * scale as f64)?; // (b, hq, sq, sk)
-    if causal {
-        let offset = sk as i64 - sq as i64;
-        let mask: Vec<f32> = (0..sq as i64)
-            .flat_map(|i| {
-                (0..sk as i64).map(move |j| {
-                    if j <= i + offset {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (sq, sk), q.device())?;
-        scores = scores.broadcast_add(&mask)?;
+    if let Some(c) = softcap {
+        scores = ((scores / c as f64)?.tanh()? * c as f64)?;
     }
+    let offset = sk as i64 - sq as i64;
+    let (left, right) = window;
+    let mask: Vec<f32> = (0..sq as i64)
+        .flat_map(|i| {
+            (0..sk as i64).map(move |j| {
+                let p = i + offset;
+                let seen = (left < 0 || j >= p - left) && (right < 0 || j <= p + right);
+                if seen {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (sq, sk), q.device())?;
+    scores = scores.broadcast_add(&mask)?;
     let max = scores.max_keepdim(D::Minus1)?;
     let p = scores.broadcast_sub(&max)?.exp()?;
     let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
@@ -144,5 +169,303 @@ fn flash_attn_reads_strided_inputs() -> Result<()> {
         println!("strided causal={causal}: rel L2 {err:.2e}");
         assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
     }
+    Ok(())
+}
+
+/// Cumulative offsets `[0, l0, l0 + l1, ..]` as u32.
+fn cumulative(lens: &[usize]) -> Vec<u32> {
+    let mut out = vec![0u32];
+    for &l in lens {
+        out.push(out.last().unwrap() + l as u32);
+    }
+    out
+}
+
+/// Packed rows `off .. off + len` of a (total, h, d) tensor as a (1, len, h, d) batch.
+fn rows(t: &Tensor, off: u32, len: usize) -> Result<Tensor> {
+    t.narrow(0, off as usize, len)?.unsqueeze(0)
+}
+
+#[test]
+fn flash_attn_varlen_matches_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // Per-sequence (seq_q, seq_k), seq_k >= seq_q so no causal row is fully masked: lengths
+    // 1, primes, a block multiple, and one longer than a 128-row tile.
+    let lens_q = [1usize, 7, 13, 64, 131, 2];
+    let lens_k = [1usize, 11, 13, 97, 131, 263];
+    let (cq, ck) = (cumulative(&lens_q), cumulative(&lens_k));
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    let (max_q, max_k) = (*lens_q.iter().max().unwrap(), *lens_k.iter().max().unwrap());
+    let seqlens_q = Tensor::new(cq.as_slice(), &dev)?;
+    let seqlens_k = Tensor::new(ck.as_slice(), &dev)?;
+    let mut seed = 1000;
+    for (hq, hkv, d) in [(8, 2, 128), (4, 4, 64), (6, 1, 128)] {
+        for dtype in [DType::BF16, DType::F16] {
+            for causal in [false, true] {
+                seed += 1;
+                let r = |n, h, s| -> Result<Tensor> {
+                    let t = random((1, n, h, d), s)?.squeeze(0)?.to_dtype(dtype)?;
+                    t.to_device(&dev)
+                };
+                let (q, k, v) = (
+                    r(tq, hq, seed)?,
+                    r(tk, hkv, seed + 100)?,
+                    r(tk, hkv, seed + 200)?,
+                );
+                let scale = 1.0 / (d as f32).sqrt();
+                let got = flash_attn_varlen(
+                    &q, &k, &v, &seqlens_q, &seqlens_k, max_q, max_k, scale, causal,
+                )?;
+                assert_eq!(got.dims3()?, (tq, hq, d));
+                assert_eq!(got.dtype(), dtype);
+                let (qc, kc, vc) = (
+                    q.to_device(&Device::Cpu)?,
+                    k.to_device(&Device::Cpu)?,
+                    v.to_device(&Device::Cpu)?,
+                );
+                let mut want = Vec::new();
+                for b in 0..lens_q.len() {
+                    let qb = rows(&qc, cq[b], lens_q[b])?;
+                    let kb = rows(&kc, ck[b], lens_k[b])?;
+                    let vb = rows(&vc, ck[b], lens_k[b])?;
+                    want.push(reference(&qb, &kb, &vb, scale, causal)?.squeeze(0)?);
+                }
+                let want = Tensor::cat(&want, 0)?;
+                let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
+                println!(
+                    "varlen hq={hq} hkv={hkv} d={d} {dtype:?} causal={causal}: rel L2 {err:.2e}"
+                );
+                assert!(!nan, "non-finite output");
+                assert!(err < 1e-2, "relative L2 error {err}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn flash_attn_varlen_reads_strided_inputs_and_windows() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    let (hq, hkv, d) = (4, 2, 128);
+    let lens = [5usize, 1, 29, 70];
+    let cu = cumulative(&lens);
+    let total = *cu.last().unwrap() as usize;
+    let seqlens = Tensor::new(cu.as_slice(), &dev)?;
+    // One packed (total, hq + 2 hkv, d) QKV; q, k, v are head slices of it.
+    let qkv = random((1, total, hq + 2 * hkv, d), 77)?
+        .squeeze(0)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let q = qkv.narrow(1, 0, hq)?;
+    let k = qkv.narrow(1, hq, hkv)?;
+    let v = qkv.narrow(1, hq + hkv, hkv)?;
+    assert!(!q.is_contiguous());
+    let scale = 0.1;
+    // (None, Some(0)) is causal; a left window wider than every sequence masks nothing more.
+    for (left, right, causal) in [
+        (None, Some(0), true),
+        (Some(70), Some(0), true),
+        (None, None, false),
+    ] {
+        let got =
+            flash_attn_varlen_windowed(&q, &k, &v, &seqlens, &seqlens, 70, 70, scale, left, right)?;
+        let qkv_c = qkv.to_device(&Device::Cpu)?;
+        let mut want = Vec::new();
+        for b in 0..lens.len() {
+            let t = rows(&qkv_c, cu[b], lens[b])?;
+            let (qb, kb, vb) = (
+                t.narrow(2, 0, hq)?,
+                t.narrow(2, hq, hkv)?,
+                t.narrow(2, hq + hkv, hkv)?,
+            );
+            want.push(reference(&qb, &kb, &vb, scale, causal)?.squeeze(0)?);
+        }
+        let want = Tensor::cat(&want, 0)?;
+        let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
+        println!("varlen strided window ({left:?}, {right:?}): rel L2 {err:.2e}");
+        assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    }
+    Ok(())
+}
+
+/// A shuffled paged cache for sequences of `lens_k` keys: (k_cache, v_cache) of shape
+/// (num_blocks, page, hkv, d) on the CPU and the (batch, max_blocks) table. Every block is
+/// filled (unused ones too) so a wrong block id shows up in the output.
+fn paged_cache(
+    lens_k: &[usize],
+    page: usize,
+    hkv: usize,
+    d: usize,
+    seed: u64,
+) -> Result<(Tensor, Tensor, Vec<u32>, usize)> {
+    let max_blocks = lens_k.iter().map(|l| l.div_ceil(page)).max().unwrap();
+    let used: usize = lens_k.iter().map(|l| l.div_ceil(page)).sum();
+    let num_blocks = used + 3;
+    // A fixed permutation of the block ids (stride coprime with num_blocks).
+    let mut stride = 7;
+    while gcd(stride, num_blocks) != 1 {
+        stride += 1;
+    }
+    let mut next = 0;
+    let mut table = vec![0u32; lens_k.len() * max_blocks];
+    for (b, &l) in lens_k.iter().enumerate() {
+        for j in 0..l.div_ceil(page) {
+            table[b * max_blocks + j] = ((next * stride + 1) % num_blocks) as u32;
+            next += 1;
+        }
+    }
+    let k = random((num_blocks, page, hkv, d), seed)?;
+    let v = random((num_blocks, page, hkv, d), seed + 1)?;
+    Ok((k, v, table, max_blocks))
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// The keys of sequence `b` gathered out of a paged cache: (1, len, hkv, d).
+fn gather(
+    cache: &Tensor,
+    table: &[u32],
+    max_blocks: usize,
+    b: usize,
+    len: usize,
+) -> Result<Tensor> {
+    let (nb, page, hkv, d) = cache.dims4()?;
+    let flat = cache.reshape((nb * page, hkv, d))?;
+    let ids: Vec<u32> = (0..len)
+        .map(|j| table[b * max_blocks + j / page] * page as u32 + (j % page) as u32)
+        .collect();
+    flat.index_select(&Tensor::new(ids.as_slice(), &Device::Cpu)?, 0)?
+        .unsqueeze(0)
+}
+
+#[test]
+fn flash_attn_varlen_paged_matches_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // Mixed decode (1 row), speculative (3, 4) and 16-row sequences; key counts 1, primes,
+    // a page multiple; every sequence has at least as many keys as rows.
+    let lens_q = [1usize, 4, 1, 3, 16, 1];
+    let lens_k = [1usize, 17, 131, 257, 64, 300];
+    let (cq, ck) = (cumulative(&lens_q), cumulative(&lens_k));
+    let tq = *cq.last().unwrap() as usize;
+    let max_k = *lens_k.iter().max().unwrap();
+    let seqlens_q = Tensor::new(cq.as_slice(), &dev)?;
+    let seqlens_k = Tensor::new(ck.as_slice(), &dev)?;
+    let mut seed = 5000;
+    // (hq, hkv, d, page, window, softcap, block table dtype)
+    let cases = [
+        (8, 2, 128, 16, (None, Some(0)), None, DType::U32),
+        (8, 2, 128, 32, (None, None), None, DType::I32),
+        (4, 4, 64, 16, (Some(40), Some(0)), None, DType::U32),
+        (8, 1, 128, 64, (None, Some(0)), Some(30.0), DType::U32),
+        (16, 2, 256, 16, (Some(100), Some(2)), Some(10.0), DType::I32),
+    ];
+    for (hq, hkv, d, page, (left, right), softcap, bt_dtype) in cases {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 10;
+            let q = random((1, tq, hq, d), seed)?.squeeze(0)?.to_dtype(dtype)?;
+            let (kc, vc, table, max_blocks) = paged_cache(&lens_k, page, hkv, d, seed + 1)?;
+            let (kc, vc) = (kc.to_dtype(dtype)?, vc.to_dtype(dtype)?);
+            let shape = (lens_k.len(), max_blocks);
+            let bt = match bt_dtype {
+                DType::I32 => {
+                    let t: Vec<i32> = table.iter().map(|&x| x as i32).collect();
+                    Tensor::from_vec(t, shape, &dev)?
+                }
+                _ => Tensor::from_vec(table.clone(), shape, &dev)?,
+            };
+            assert_eq!(bt.dtype(), bt_dtype);
+            let scale = 1.0 / (d as f32).sqrt();
+            let got = flash_attn_varlen_paged_windowed(
+                &q.to_device(&dev)?,
+                &kc.to_device(&dev)?,
+                &vc.to_device(&dev)?,
+                &seqlens_q,
+                &seqlens_k,
+                &bt,
+                None,
+                16,
+                max_k,
+                scale,
+                left,
+                right,
+                page,
+                softcap,
+            )?;
+            assert_eq!(got.dims3()?, (tq, hq, d));
+            let w = |x: Option<usize>| x.filter(|&x| x <= max_k).map_or(-1, |x| x as i64);
+            let mut want = Vec::new();
+            for b in 0..lens_q.len() {
+                let qb = rows(&q, cq[b], lens_q[b])?;
+                let kb = gather(&kc, &table, max_blocks, b, lens_k[b])?;
+                let vb = gather(&vc, &table, max_blocks, b, lens_k[b])?;
+                let o = reference_masked(&qb, &kb, &vb, scale, (w(left), w(right)), softcap)?;
+                want.push(o.squeeze(0)?);
+            }
+            let want = Tensor::cat(&want, 0)?;
+            let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
+            println!(
+                "paged hq={hq} hkv={hkv} d={d} page={page} window=({left:?}, {right:?}) softcap={softcap:?} {dtype:?} table {bt_dtype:?}: rel L2 {err:.2e}"
+            );
+            assert!(!nan, "non-finite output");
+            assert!(err < 1e-2, "relative L2 error {err}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn decode_shaped_softcap_and_windows_of_dense_calls() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // seq_k 200 is no multiple of 16: the dense cache is one page per sequence.
+    let (b, sk, hq, hkv, d) = (3, 200, 8, 2, 128);
+    let mut seed = 9000;
+    for sq in [1, 5, 16] {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 10;
+            let q = random((b, sq, hq, d), seed)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let k = random((b, sk, hkv, d), seed + 1)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let v = random((b, sk, hkv, d), seed + 2)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let scale = 0.09;
+            let got =
+                flash_attn_alibi_windowed_softcap(&q, &k, &v, None, scale, None, Some(0), 20.0)?;
+            let want = reference_masked(&q, &k, &v, scale, (-1, 0), Some(20.0))?;
+            let (err, nan) = rel_l2(&got, &want)?;
+            println!("dense softcap sq={sq} {dtype:?}: rel L2 {err:.2e}");
+            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+            let got = flash_attn_windowed(&q, &k, &v, scale, Some(50), Some(0))?;
+            let want = reference_masked(&q, &k, &v, scale, (50, 0), None)?;
+            let (err, nan) = rel_l2(&got, &want)?;
+            println!("dense window (50, 0) sq={sq} {dtype:?}: rel L2 {err:.2e}");
+            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+        }
+    }
+    // Prefill-sized softcap stays an error naming the feature.
+    let q = random((1, 64, hq, d), 1)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let e = flash_attn_alibi_windowed_softcap(
+        &q,
+        &q.i((.., .., 0..hkv, ..))?,
+        &q.i((.., .., 0..hkv, ..))?,
+        None,
+        0.1,
+        None,
+        None,
+        30.0,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("softcapping"), "{e}");
     Ok(())
 }
