@@ -504,7 +504,61 @@ def markdown(result):
     return "\n".join(out)
 
 
+def html(result):
+    """The Markdown report as one self-contained HTML page (tables only)."""
+    import html as h
+    body, table = [], None
+    for line in markdown(result).split("\n"):
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if all(set(c) <= set("-: ") for c in cells):
+                continue
+            tag = "th" if table is None else "td"
+            if table is None:
+                table = []
+            table.append("<tr>" + "".join(f"<{tag}>{h.escape(c)}</{tag}>" for c in cells) + "</tr>")
+            continue
+        if table is not None:
+            body.append("<table>" + "".join(table) + "</table>")
+            table = None
+        if line.startswith("## "):
+            body.append(f"<h2>{h.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            body.append(f"<h1>{h.escape(line[2:])}</h1>")
+        elif line:
+            body.append(f"<p>{h.escape(line)}</p>")
+    if table is not None:
+        body.append("<table>" + "".join(table) + "</table>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;"
+             "text-align:right}td:first-child,th:first-child{text-align:left}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>flashmoe e2e "
+            f"({h.escape(result['preset'])})</title><style>{style}</style></head><body>"
+            + "\n".join(body) + "</body></html>\n")
+
+
+def write_reports(result, out):
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(result) + "\n")
+    with open(os.path.join(out, "report.html"), "w") as f:
+        f.write(html(result))
+
+
 def main(argv):
+    if argv[:1] == ["--render"]:
+        # Re-render a results.json's Markdown and HTML next to it: NAME.md, NAME.html.
+        for path in argv[1:]:
+            with open(path) as f:
+                result = json.load(f)
+            stem = path[:-5] if path.endswith(".json") else path
+            with open(stem + ".md", "w") as f:
+                f.write(markdown(result) + "\n")
+            with open(stem + ".html", "w") as f:
+                f.write(html(result))
+            log(f"wrote {stem}.md, {stem}.html")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="seed003", choices=sorted(PRESETS))
     ap.add_argument("--models", help="comma-separated model names: only these of the preset")
@@ -556,10 +610,8 @@ def main(argv):
         for r in c["implementations"]:
             t = f"{fmt_ms(r['median_s'])} ms" if "median_s" in r else r["status"]
             log(f"  {name} b{batch} s{seq} {r['impl']:>20}: {t} {'; '.join(r['notes'])}")
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(markdown(result) + "\n")
+        write_reports(result, args.out)
+    write_reports(result, args.out)
     print(markdown(result))
     failed = [(c["model"], r["impl"]) for c in result["configs"] for r in c["implementations"]
               if r["status"] in ("failed-gate", "error")]
