@@ -29,6 +29,9 @@ use std::ffi::c_void;
 /// default stream.
 pub type RawStream = sys::CUstream;
 
+/// A CUDA event handle (`CUevent`).
+pub type RawEvent = sys::CUevent;
+
 /// `CU_STREAM_LEGACY`: the legacy default stream (synchronises with other blocking streams).
 pub const LEGACY_STREAM: RawStream = 0x1 as RawStream;
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream.

@@ -30,6 +30,7 @@ pub mod gemm_sm90;
 #[cfg(test)]
 mod gpu_tests;
 pub mod plan;
+pub mod ep;
 #[cfg(test)]
 mod plan_gpu_tests;
 pub mod reference;

@@ -123,6 +123,12 @@ impl MoeClass {
     /// the class has one) and 1..=max_tokens tokens. Returns the token count; errors name
     /// the tensor and the rule.
     pub fn check_args(&self, a: &MoeArgs) -> Result<usize> {
+        self.check_args_for(a, self.experts)
+    }
+
+    /// [`MoeClass::check_args`] with `w13` / `w2` holding `weight_experts` experts (an
+    /// expert-parallel rank holds only its own).
+    pub(crate) fn check_args_for(&self, a: &MoeArgs, weight_experts: usize) -> Result<usize> {
         let c = self;
         let (h, i, e, k, dt) = (c.hidden, c.intermediate, c.experts, c.top_k, c.dtype);
         if a.x.rank != 2 {
@@ -140,8 +146,9 @@ impl MoeClass {
         }
         a.x.expect_contiguous("x", dt, &[t, h], 16)?;
         a.router.expect_contiguous("router", dt, &[h, e], 16)?;
-        a.w13.expect_contiguous("w13", dt, &[e, h, 2 * i], 16)?;
-        a.w2.expect_contiguous("w2", dt, &[e, i, h], 16)?;
+        a.w13
+            .expect_contiguous("w13", dt, &[weight_experts, h, 2 * i], 16)?;
+        a.w2.expect_contiguous("w2", dt, &[weight_experts, i, h], 16)?;
         match (c.shared_expert, &a.shared_w13, &a.shared_w2) {
             (true, Some(w13), Some(w2)) => {
                 w13.expect_contiguous("shared_w13", dt, &[h, 2 * i], 16)?;
@@ -413,6 +420,13 @@ pub(crate) fn token_pieces<K: PartialEq>(
         first = last + 1;
         k_first = key(first)?;
     }
+}
+
+/// What [`MoePlan::enqueue_front`] resolved for a call.
+pub(crate) struct Front {
+    pub tokens: usize,
+    pub ws: WorkspaceLayout,
+    pub cfgs: [LaunchConfig; 7],
 }
 
 /// One range of token counts with the same kernels (indices into `MoePlan::loaded`).
@@ -808,7 +822,11 @@ impl MoePlan {
     /// Check a call's tensors against the class ([`MoeClass::check_args`]) and the plan's
     /// token range, O(1); returns the token count. Errors name the tensor and the rule.
     pub fn check(&self, a: &MoeArgs) -> Result<usize> {
-        let t = self.class.check_args(a)?;
+        self.check_for(a, self.class.experts)
+    }
+
+    fn check_for(&self, a: &MoeArgs, weight_experts: usize) -> Result<usize> {
+        let t = self.class.check_args_for(a, weight_experts)?;
         if t < self.min_tokens {
             return Err(Error::invalid(format!(
                 "x has {t} tokens but this MoE plan takes {}..={} (MoeClass::max_tokens)",
@@ -880,6 +898,85 @@ impl MoePlan {
             // The layer finishes the losses in the permutation (no launch of their own).
             Stages::Layer => self.enqueue_experts(stream, a, t, b, &cfgs, workspace.ptr, &ws),
             Stages::Router => self.enqueue_losses(stream, a, t, workspace.ptr, &ws),
+        }
+    }
+
+    /// The front half of the layer for the expert-parallel layer ([`super::ep`]): checks
+    /// (with `w13` / `w2` holding `weight_experts` experts), router, losses, permutation
+    /// and the token gather into `x_perm`. Needs the sm_90 path at this token count (the
+    /// layer builds this plan with it forced). Returns what the rest of the call needs.
+    pub(crate) unsafe fn enqueue_front(
+        &self,
+        stream: RawStream,
+        a: &MoeArgs,
+        weight_experts: usize,
+        workspace: RawWorkspace,
+    ) -> Result<Front> {
+        let t = self.check_for(a, weight_experts)?;
+        let b = self.bucket(t)?;
+        let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
+        workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, "MoePlan")?;
+        let (Some(x_perm), Some(gather)) = (ws.x_perm, self.gather) else {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!("{t} tokens: the expert-parallel layer needs the sm_90 token gather"),
+            ));
+        };
+        let cfgs = self.configs(b, t)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let base = workspace.ptr;
+        self.enqueue_router(stream, a, t, b, &cfgs, base, &ws)?;
+        self.enqueue_permute(stream, a, t, &cfgs, base, &ws)?;
+        let rows = t * self.class.top_k;
+        let row_token = base + ws.row_token as u64;
+        self.enqueue_gather(stream, a.x.ptr, row_token, base + x_perm as u64, rows, gather)?;
+        Ok(Front {
+            tokens: t,
+            ws,
+            cfgs,
+        })
+    }
+
+    /// Grouped SwiGLU GEMMs over rows already gathered contiguously (the expert-parallel
+    /// layer's blocks), on this plan's kernels for `select_rows` rows (its class has
+    /// top_k 1, so tokens are rows). `bufs`: a, offsets (`groups + 1` absolute rows), h, y;
+    /// `weights`: w13, w2 at the first group's expert; `dims`: rows the a / h maps span,
+    /// rows the groups hold at most (the grid), groups.
+    pub(crate) unsafe fn enqueue_row_gemms(
+        &self,
+        stream: RawStream,
+        bufs: (u64, u64, u64, u64),
+        weights: (u64, u64),
+        dims: (usize, usize, usize),
+        select_rows: usize,
+    ) -> Result<()> {
+        let c = &self.class;
+        let b = self.bucket(select_rows.clamp(self.min_tokens, c.max_tokens))?;
+        let (a, offsets, h, y) = bufs;
+        let (map_rows, grid_rows, groups) = dims;
+        if map_rows > c.max_tokens {
+            return Err(Error::invalid(format!(
+                "{map_rows} rows exceed the {} this expert GEMM plan was built for",
+                c.max_tokens
+            )));
+        }
+        match b.sm90 {
+            Some(funcs) => self.enqueue_sm90_gemms(stream, funcs, bufs, weights, dims),
+            None => {
+                let (k13, k2) = (&self.loaded[b.gemm13].0, &self.loaded[b.gemm2].0);
+                let cfg13 = gemm_launch_config(k13, grid_rows, groups, c.intermediate)?;
+                let cfg2 = gemm_launch_config(k2, grid_rows, groups, c.hidden)?;
+                // Rows are already gathered: the token list is the identity.
+                self.enqueue_portable(
+                    stream,
+                    (b.gemm13, b.gemm2),
+                    (cfg13, cfg2),
+                    (a, self.iota_addr, offsets, weights.0, weights.1, h, y),
+                    (c.hidden as i32, c.intermediate as i32, groups as i32),
+                )
+            }
         }
     }
 
@@ -1041,61 +1138,25 @@ impl MoePlan {
         ws: &WorkspaceLayout,
     ) -> Result<()> {
         let c = &self.class;
-        let (t, hid, inter, e, k) = (
-            tokens as i32,
-            c.hidden as i32,
-            c.intermediate as i32,
-            c.experts as i32,
-            c.top_k as i32,
-        );
+        let (hid, inter, e) = (c.hidden as i32, c.intermediate as i32, c.experts as i32);
         let rows = tokens * c.top_k;
         let at = |off: usize| base + off as u64;
-        let (ids, counts, topk_w, losses) = (
-            a.routing.topk_ids.ptr,
-            a.routing.counts.ptr,
-            a.routing.topk_w.ptr,
-            a.routing.losses.ptr,
-        );
-        let (prob_sum, lse_sq) = (at(ws.prob_sum), at(ws.lse_sq_sum));
-        let (offsets, row_token, row_slot, slot_row) = (
-            at(ws.offsets),
-            at(ws.row_token),
-            at(ws.row_slot),
-            at(ws.slot_row),
-        );
+        let (offsets, row_token, slot_row) = (at(ws.offsets), at(ws.row_token), at(ws.slot_row));
         let (h, y) = (at(ws.h), at(ws.y));
 
-        // 4. permutation (block 0 also finishes the losses, 3b)
-        let mut p: [*mut c_void; 12] = [
-            param(&ids),
-            param(&counts),
-            param(&offsets),
-            param(&row_token),
-            param(&row_slot),
-            param(&slot_row),
-            param(&prob_sum),
-            param(&lse_sq),
-            param(&losses),
-            param(&t),
-            param(&e),
-            param(&k),
-        ];
-        raw::launch(
-            config::PERMUTE_ENTRY,
-            self.func(self.permute),
-            cfgs[config::K_PERMUTE],
-            stream,
-            &mut p,
-        )?;
+        self.enqueue_permute(stream, a, tokens, cfgs, base, ws)?;
         // 5-6. routed experts' grouped GEMMs
         match (b.sm90, ws.x_perm, self.gather) {
-            (Some((g13, g2)), Some(x_perm), Some(gather)) => self.enqueue_sm90(
-                stream,
-                (a.x.ptr, a.w13.ptr, a.w2.ptr),
-                (gather, g13, g2),
-                (row_token, offsets, at(x_perm), h, y),
-                rows,
-            )?,
+            (Some((g13, g2)), Some(x_perm), Some(gather)) => {
+                self.enqueue_gather(stream, a.x.ptr, row_token, at(x_perm), rows, gather)?;
+                self.enqueue_sm90_gemms(
+                    stream,
+                    (g13, g2),
+                    (at(x_perm), offsets, h, y),
+                    (a.w13.ptr, a.w2.ptr),
+                    (rows, rows, c.experts),
+                )?
+            }
             (None, _, _) => self.enqueue_portable(
                 stream,
                 (b.gemm13, b.gemm2),
@@ -1138,7 +1199,69 @@ impl MoePlan {
             _ => y,
         };
         // 7. combine
-        let out = a.out.ptr;
+        self.enqueue_combine(stream, a, tokens, cfgs, (y, slot_row, shared_y))
+    }
+
+    /// Step 4: the permutation by expert (block 0 also finishes the losses, 3b).
+    pub(crate) unsafe fn enqueue_permute(
+        &self,
+        stream: RawStream,
+        a: &MoeArgs,
+        tokens: usize,
+        cfgs: &[LaunchConfig; 7],
+        base: u64,
+        ws: &WorkspaceLayout,
+    ) -> Result<()> {
+        let c = &self.class;
+        let (t, e, k) = (tokens as i32, c.experts as i32, c.top_k as i32);
+        let at = |off: usize| base + off as u64;
+        let r = &a.routing;
+        let (ids, counts, losses) = (r.topk_ids.ptr, r.counts.ptr, r.losses.ptr);
+        let (prob_sum, lse_sq) = (at(ws.prob_sum), at(ws.lse_sq_sum));
+        let (offsets, row_token, row_slot, slot_row) = (
+            at(ws.offsets),
+            at(ws.row_token),
+            at(ws.row_slot),
+            at(ws.slot_row),
+        );
+        let mut p: [*mut c_void; 12] = [
+            param(&ids),
+            param(&counts),
+            param(&offsets),
+            param(&row_token),
+            param(&row_slot),
+            param(&slot_row),
+            param(&prob_sum),
+            param(&lse_sq),
+            param(&losses),
+            param(&t),
+            param(&e),
+            param(&k),
+        ];
+        raw::launch(
+            config::PERMUTE_ENTRY,
+            self.func(self.permute),
+            cfgs[config::K_PERMUTE],
+            stream,
+            &mut p,
+        )
+    }
+
+    /// Step 7: out[t] = Σ_s topk_w[t, s] · y[slot_row[t·k + s]] (+ shared_y[t]), token
+    /// order. `bufs`: y (the routed rows' outputs in the permuted order), slot_row,
+    /// shared_y (read only when the class has a shared expert).
+    pub(crate) unsafe fn enqueue_combine(
+        &self,
+        stream: RawStream,
+        a: &MoeArgs,
+        tokens: usize,
+        cfgs: &[LaunchConfig; 7],
+        bufs: (u64, u64, u64),
+    ) -> Result<()> {
+        let c = &self.class;
+        let (t, hid, k) = (tokens as i32, c.hidden as i32, c.top_k as i32);
+        let (y, slot_row, shared_y) = bufs;
+        let (topk_w, out) = (a.routing.topk_w.ptr, a.out.ptr);
         let mut p: [*mut c_void; 8] = [
             param(&y),
             param(&slot_row),
@@ -1205,23 +1328,17 @@ impl MoePlan {
         )
     }
 
-    /// Gather, then the sm_90 gemm13 (into h) and gemm2 (into y), with tensor maps over
-    /// this call's addresses. `weights`: x, w13, w2; `funcs`: gather, gemm13, gemm2;
-    /// `bufs`: row_token, offsets, x_perm, h, y.
-    unsafe fn enqueue_sm90(
+    /// The sm_90 path's token gather: `x_perm[r] = x[row_token[r]]` for `rows` rows.
+    pub(crate) unsafe fn enqueue_gather(
         &self,
         stream: RawStream,
-        weights: (u64, u64, u64),
-        funcs: (usize, usize, usize),
-        bufs: (u64, u64, u64, u64, u64),
+        x: u64,
+        row_token: u64,
+        x_perm: u64,
         rows: usize,
+        gather: usize,
     ) -> Result<()> {
-        let c = &self.class;
-        let (x, w13, w2) = weights;
-        let (gather, g13, g2) = funcs;
-        let (row_token, offsets, x_perm, h, y) = bufs;
-        let (k13, k2) = (&self.loaded[g13].0, &self.loaded[g2].0);
-        let (hid, inter, e) = (c.hidden as i32, c.intermediate as i32, c.experts as i32);
+        let hid = self.class.hidden as i32;
         let mut p: [*mut c_void; 4] = [param(&x), param(&row_token), param(&x_perm), param(&hid)];
         let cfg_gather = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
@@ -1234,17 +1351,39 @@ impl MoePlan {
             cfg_gather,
             stream,
             &mut p,
-        )?;
+        )
+    }
+
+    /// The sm_90 gemm13 (into h) and gemm2 (into y) over contiguous rows, with tensor maps
+    /// over this call's addresses. `funcs`: gemm13, gemm2; `bufs`: a (the gathered rows),
+    /// offsets (`groups + 1` absolute row offsets), h, y, all indexed by the same rows;
+    /// `weights`: w13 and w2 of the first group's expert; `dims`: the rows the A and h
+    /// maps span, the rows the groups hold at most (the grid), the group count.
+    pub(crate) unsafe fn enqueue_sm90_gemms(
+        &self,
+        stream: RawStream,
+        funcs: (usize, usize),
+        bufs: (u64, u64, u64, u64),
+        weights: (u64, u64),
+        dims: (usize, usize, usize),
+    ) -> Result<()> {
+        let c = &self.class;
+        let (a, offsets, h, y) = bufs;
+        let (w13, w2) = weights;
+        let (map_rows, grid_rows, groups) = dims;
+        let (g13, g2) = funcs;
+        let (k13, k2) = (&self.loaded[g13].0, &self.loaded[g2].0);
+        let (hid, inter, e) = (c.hidden as i32, c.intermediate as i32, groups as i32);
         // Shapes checked at plan time (a_layout / b_layout .check); only rows vary.
         let dt = tensor_map::map_data_type("w13", c.dtype)?;
         let (hh, ii, ee, r) = (
             c.hidden as u64,
             c.intermediate as u64,
-            c.experts as u64,
-            rows as u64,
+            groups as u64,
+            map_rows as u64,
         );
         let maps: [TensorMap; 4] = [
-            tensor_map::encode_checked("x_perm", x_perm, dt, &[hh, r], &[hh], &[64, k13.block_m])?,
+            tensor_map::encode_checked("x_perm", a, dt, &[hh, r], &[hh], &[64, k13.block_m])?,
             tensor_map::encode_checked(
                 "w13",
                 w13,
@@ -1257,11 +1396,11 @@ impl MoePlan {
             tensor_map::encode_checked("w2", w2, dt, &[hh, ii, ee], &[hh, ii * hh], &[64, 64, 1])?,
         ];
         let tiles = [
-            gemm_sm90::row_tiles(rows, c.experts, k13.block_m) as i32,
-            gemm_sm90::row_tiles(rows, c.experts, k2.block_m) as i32,
+            gemm_sm90::row_tiles(grid_rows, groups, k13.block_m) as i32,
+            gemm_sm90::row_tiles(grid_rows, groups, k2.block_m) as i32,
         ];
-        let cfg13 = gemm_sm90::sm90_launch_config(k13, rows, c.experts, c.intermediate)?;
-        let cfg2 = gemm_sm90::sm90_launch_config(k2, rows, c.experts, c.hidden)?;
+        let cfg13 = gemm_sm90::sm90_launch_config(k13, grid_rows, groups, c.intermediate)?;
+        let cfg2 = gemm_sm90::sm90_launch_config(k2, grid_rows, groups, c.hidden)?;
         let mut p: [*mut c_void; 8] = [
             param(&maps[0]),
             param(&maps[1]),

@@ -1,0 +1,494 @@
+//! The NCCL communicator of an expert-parallel layer: cudarc's NCCL bindings, with the
+//! library opened at run time (built with the crate's `nccl` feature; without it, or
+//! without libnccl, every constructor returns an error that says so and world size 1
+//! still runs, needing no communicator).
+//!
+//! cudarc opens `libnccl.so` (or `libnccl.so.<CUDA major>`) by bare name. Python's
+//! NCCL wheel ships only `libnccl.so.2`: put a `libnccl.so` link to it on
+//! `LD_LIBRARY_PATH` before the process starts (`flashmoe bench moe --gpus N` does this
+//! for the ranks it starts; see [`find_nccl_library`]).
+//!
+//! Failure handling: nothing here blocks without a deadline. Communicator set-up runs on
+//! a helper thread bounded by a timeout; [`Communicator::wait`] polls a CUDA event and
+//! NCCL's asynchronous error state, and on an error or past its deadline aborts the
+//! communicator (`ncclCommAbort`, which makes NCCL's kernels on every stream return) and
+//! returns an error naming what was waited for. A peer that dies or hangs therefore gives
+//! every surviving rank an error within the timeout instead of a silent hang.
+
+use crate::error::{Error, Result};
+use crate::gpu::{Device, RawStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The 128-byte NCCL unique id that every rank of a communicator must share, with a hex
+/// form for passing it between processes (a file, an environment variable).
+#[derive(Clone, PartialEq, Eq)]
+pub struct NcclId(pub [u8; 128]);
+
+impl std::fmt::Debug for NcclId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NcclId({}…)", &self.to_hex()[..16])
+    }
+}
+
+impl NcclId {
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+    pub fn from_hex(s: &str) -> Result<NcclId> {
+        let s = s.trim();
+        if s.len() != 256 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(Error::invalid(format!(
+                "an NCCL unique id is 256 hex digits, got {} characters",
+                s.len()
+            )));
+        }
+        let mut id = [0u8; 128];
+        for (i, b) in id.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("checked hex");
+        }
+        Ok(NcclId(id))
+    }
+}
+
+/// A `libnccl.so*` file to expose to ranks as `libnccl.so`: `$FLASHMOE_NCCL_LIB` (the
+/// file or its directory), else the NCCL of a Python install's `nvidia-nccl` wheel found
+/// under the usual site-packages roots, else the toolkit's and system library directories.
+pub fn find_nccl_library() -> Option<PathBuf> {
+    let pick = |dir: &std::path::Path| {
+        crate::gpu::libs::find_versioned(dir, "libnccl", "libnccl.so.2")
+            .into_iter()
+            .next()
+    };
+    if let Some(p) = std::env::var_os("FLASHMOE_NCCL_LIB").map(PathBuf::from) {
+        return if p.is_dir() { pick(&p) } else { Some(p).filter(|p| p.is_file()) };
+    }
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for root in ["/opt/torch/.venv/lib", "/usr/local/lib", "/usr/lib"] {
+        if let Ok(entries) = std::fs::read_dir(root) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("python3") {
+                    for sp in ["site-packages", "dist-packages"] {
+                        dirs.push(e.path().join(sp).join("nvidia/nccl/lib"));
+                    }
+                }
+            }
+        }
+    }
+    dirs.extend(crate::gpu::libs::toolkit_lib_dirs());
+    dirs.iter().filter(|d| d.is_dir()).find_map(|d| pick(d))
+}
+
+/// Whether NCCL can be used here: its version (e.g. "2.27.7"), or why not.
+pub fn nccl_version() -> Result<String> {
+    imp::version()
+}
+
+/// One rank's membership of an NCCL communicator on one device.
+pub struct Communicator {
+    inner: imp::Comm,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(rank {} of {})", self.rank, self.world)
+    }
+}
+
+impl Communicator {
+    /// A fresh unique id (rank 0 makes it and hands it to the others).
+    pub fn new_id() -> Result<NcclId> {
+        imp::new_id()
+    }
+
+    /// Join the communicator `id` as `rank` of `world` on `dev`. Blocks until every rank
+    /// joined, at most `timeout` (then an error naming the rank that gave up). The same
+    /// `timeout` bounds every later [`Communicator::wait`].
+    pub fn init(
+        dev: &Device,
+        id: &NcclId,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Communicator> {
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(format!(
+                "rank {rank} is outside a world of {world} ranks"
+            )));
+        }
+        let inner = imp::init(dev, id, rank, world, timeout)?;
+        Ok(Communicator {
+            inner,
+            rank,
+            world,
+            timeout,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world(&self) -> usize {
+        self.world
+    }
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Gather `count` u32 from every rank: `recv[r·count..]` receives rank r's `send`.
+    ///
+    /// # Safety
+    /// `send` holds `count` u32 and `recv` `world · count` u32 of device memory of the
+    /// communicator's device, live until the stream reaches this point.
+    pub unsafe fn all_gather_u32(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        stream: RawStream,
+    ) -> Result<()> {
+        self.inner.all_gather_u32(send, recv, count, stream)
+    }
+
+    /// Enqueue one group of point-to-point transfers on `stream`: each `(peer, addr,
+    /// bytes)` of `sends` goes to `peer`, each of `recvs` is filled from `peer`.
+    /// Zero-byte entries are skipped (the peer must skip its matching one too).
+    ///
+    /// # Safety
+    /// Every address range is device memory of the communicator's device, live until the
+    /// transfers complete; receive ranges are not otherwise used meanwhile.
+    pub unsafe fn send_recv(
+        &self,
+        sends: &[(usize, u64, usize)],
+        recvs: &[(usize, u64, usize)],
+        stream: RawStream,
+    ) -> Result<()> {
+        self.inner.send_recv(sends, recvs, stream)
+    }
+
+    /// Wait until `event` completed, polling NCCL's asynchronous error state; on an NCCL
+    /// error or past the timeout, abort the communicator and return an error naming
+    /// `what` (the communicator is unusable afterwards).
+    pub fn wait(&mut self, event: crate::gpu::raw::RawEvent, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            // SAFETY: `event` is a live event of the communicator's context (caller).
+            match unsafe { cudarc::driver::sys::cuEventQuery(event) } {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    self.inner.abort();
+                    return Err(Error::cuda(format!("cuEventQuery while waiting for {what}"), format!("{e:?}")));
+                }
+            }
+            if let Err(e) = self.inner.async_error() {
+                self.inner.abort();
+                return Err(Error::cuda(
+                    format!("rank {} of {}: NCCL while waiting for {what}", self.rank, self.world),
+                    format!("{e}; communicator aborted"),
+                ));
+            }
+            if start.elapsed() > self.timeout {
+                self.inner.abort();
+                return Err(Error::cuda(
+                    format!("rank {} of {}: waiting for {what}", self.rank, self.world),
+                    format!(
+                        "not complete after {:.1} s (a peer died, hung or called with a \
+                         different sequence of layers); communicator aborted",
+                        self.timeout.as_secs_f64()
+                    ),
+                ));
+            }
+            spins += 1;
+            if spins < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Whether the communicator was aborted (after an error or a timeout).
+    pub fn is_aborted(&self) -> bool {
+        self.inner.aborted
+    }
+}
+
+#[cfg(feature = "nccl")]
+mod imp {
+    use super::NcclId;
+    use crate::error::{Error, Result};
+    use crate::gpu::{Device, RawStream};
+    use cudarc::nccl::{result as nr, sys as ns};
+    use std::time::Duration;
+
+    pub(super) struct Comm {
+        comm: ns::ncclComm_t,
+        pub(super) aborted: bool,
+    }
+    // SAFETY: an NCCL communicator may be used from any thread, one call at a time
+    // (&mut / & borrows of the owning Communicator enforce that).
+    unsafe impl Send for Comm {}
+    unsafe impl Sync for Comm {}
+
+    fn loaded() -> Result<()> {
+        // SAFETY: only tries to dlopen the candidate names.
+        if unsafe { ns::is_culib_present() } {
+            Ok(())
+        } else {
+            Err(Error::unsupported(
+                "nccl",
+                "libnccl.so was not found on the library search path: install NCCL, or put a \
+                 libnccl.so link to Python's nvidia/nccl/lib/libnccl.so.2 on LD_LIBRARY_PATH \
+                 (flashmoe bench moe --gpus N does this for its ranks)",
+            ))
+        }
+    }
+
+    fn err(what: &str, e: nr::NcclError) -> Error {
+        Error::cuda(what, format!("{:?}", e.0))
+    }
+
+    pub(super) fn version() -> Result<String> {
+        loaded()?;
+        let v = nr::get_nccl_version().map_err(|e| err("ncclGetVersion", e))?;
+        Ok(format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100))
+    }
+
+    pub(super) fn new_id() -> Result<NcclId> {
+        loaded()?;
+        let id = nr::get_uniqueid().map_err(|e| err("ncclGetUniqueId", e))?;
+        let mut out = [0u8; 128];
+        for (o, c) in out.iter_mut().zip(id.internal.iter()) {
+            *o = *c as u8;
+        }
+        Ok(NcclId(out))
+    }
+
+    struct SendComm(ns::ncclComm_t);
+    // SAFETY: moved once from the init thread to the caller.
+    unsafe impl Send for SendComm {}
+
+    pub(super) fn init(
+        dev: &Device,
+        id: &NcclId,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Comm> {
+        loaded()?;
+        let mut raw = ns::ncclUniqueId {
+            internal: [0; 128],
+        };
+        for (d, s) in raw.internal.iter_mut().zip(id.0.iter()) {
+            *d = *s as core::ffi::c_char;
+        }
+        let ctx = dev.context().clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // ncclCommInitRank blocks until every rank joined: run it where a missing peer
+        // cannot hang the caller.
+        std::thread::spawn(move || {
+            let r = ctx
+                .bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent (NCCL init)", e))
+                .and_then(|_| {
+                    let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+                    // SAFETY: `comm` is a valid out-pointer; the id is a copy.
+                    unsafe { nr::comm_init_rank(&mut comm, world as i32, raw, rank as i32) }
+                        .map(|_| SendComm(comm))
+                        .map_err(|e| err("ncclCommInitRank", e))
+                });
+            let _ = tx.send(r);
+        });
+        match rx.recv_timeout(timeout) {
+            Ok(r) => r.map(|c| Comm {
+                comm: c.0,
+                aborted: false,
+            }),
+            Err(_) => Err(Error::cuda(
+                format!("rank {rank} of {world}: ncclCommInitRank"),
+                format!(
+                    "not every rank joined within {:.1} s (a peer failed to start or died)",
+                    timeout.as_secs_f64()
+                ),
+            )),
+        }
+    }
+
+    impl Comm {
+        pub(super) unsafe fn all_gather_u32(
+            &self,
+            send: u64,
+            recv: u64,
+            count: usize,
+            stream: RawStream,
+        ) -> Result<()> {
+            nr::all_gather(
+                send as *const _,
+                recv as *mut _,
+                count,
+                ns::ncclDataType_t::ncclUint32,
+                self.comm,
+                stream as _,
+            )
+            .map(|_| ())
+            .map_err(|e| err("ncclAllGather (expert counts)", e))
+        }
+
+        pub(super) unsafe fn send_recv(
+            &self,
+            sends: &[(usize, u64, usize)],
+            recvs: &[(usize, u64, usize)],
+            stream: RawStream,
+        ) -> Result<()> {
+            nr::group_start().map_err(|e| err("ncclGroupStart", e))?;
+            let mut result = Ok(());
+            for &(peer, addr, bytes) in sends.iter().filter(|s| s.2 > 0) {
+                if let Err(e) = nr::send(
+                    addr as *const _,
+                    bytes,
+                    ns::ncclDataType_t::ncclUint8,
+                    peer as i32,
+                    self.comm,
+                    stream as _,
+                ) {
+                    result = Err(err(&format!("ncclSend to rank {peer}"), e));
+                    break;
+                }
+            }
+            if result.is_ok() {
+                for &(peer, addr, bytes) in recvs.iter().filter(|s| s.2 > 0) {
+                    if let Err(e) = nr::recv(
+                        addr as *mut _,
+                        bytes,
+                        ns::ncclDataType_t::ncclUint8,
+                        peer as i32,
+                        self.comm,
+                        stream as _,
+                    ) {
+                        result = Err(err(&format!("ncclRecv from rank {peer}"), e));
+                        break;
+                    }
+                }
+            }
+            // The group is always closed, also after a failed enqueue.
+            let end = nr::group_end().map(|_| ()).map_err(|e| err("ncclGroupEnd", e));
+            result.and(end)
+        }
+
+        pub(super) fn async_error(&self) -> std::result::Result<(), String> {
+            let mut state = ns::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator, valid out-pointer.
+            let r = unsafe { ns::ncclCommGetAsyncError(self.comm, &mut state) };
+            match (r, state) {
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclSuccess) => Ok(()),
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclInProgress) => Ok(()),
+                (ns::ncclResult_t::ncclSuccess, s) => Err(format!("{s:?}")),
+                (r, _) => Err(format!("ncclCommGetAsyncError: {r:?}")),
+            }
+        }
+
+        pub(super) fn abort(&mut self) {
+            if !self.aborted {
+                self.aborted = true;
+                // SAFETY: live communicator; aborted once.
+                let _ = unsafe { nr::comm_abort(self.comm) };
+            }
+        }
+    }
+
+    impl Drop for Comm {
+        fn drop(&mut self) {
+            if !self.aborted {
+                // SAFETY: live communicator, destroyed once; the owner's work finished
+                // (every call waited on its last event) or was aborted.
+                let _ = unsafe { nr::comm_destroy(self.comm) };
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+mod imp {
+    use super::NcclId;
+    use crate::error::{Error, Result};
+    use crate::gpu::{Device, RawStream};
+    use std::time::Duration;
+
+    pub(super) struct Comm {
+        pub(super) aborted: bool,
+    }
+
+    fn missing() -> Error {
+        Error::unsupported(
+            "nccl",
+            "this build of flashmoe has no NCCL support (build the flashmoe crate with the \
+             `nccl` feature)",
+        )
+    }
+    pub(super) fn version() -> Result<String> {
+        Err(missing())
+    }
+    pub(super) fn new_id() -> Result<NcclId> {
+        Err(missing())
+    }
+    pub(super) fn init(_: &Device, _: &NcclId, _: usize, _: usize, _: Duration) -> Result<Comm> {
+        Err(missing())
+    }
+    impl Comm {
+        pub(super) unsafe fn all_gather_u32(&self, _: u64, _: u64, _: usize, _: RawStream) -> Result<()> {
+            Err(missing())
+        }
+        pub(super) unsafe fn send_recv(
+            &self,
+            _: &[(usize, u64, usize)],
+            _: &[(usize, u64, usize)],
+            _: RawStream,
+        ) -> Result<()> {
+            Err(missing())
+        }
+        pub(super) fn async_error(&self) -> std::result::Result<(), String> {
+            Ok(())
+        }
+        pub(super) fn abort(&mut self) {
+            self.aborted = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_id_hex_round_trip_and_errors() {
+        let mut b = [0u8; 128];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37 % 256) as u8;
+        }
+        let id = NcclId(b);
+        assert_eq!(NcclId::from_hex(&id.to_hex()).unwrap(), id);
+        assert!(NcclId::from_hex("abc").unwrap_err().to_string().contains("256 hex digits"));
+        assert!(NcclId::from_hex(&"zz".repeat(128)).is_err());
+    }
+
+    /// Absent NCCL (CI has none) is an error that says what to install, never a panic;
+    /// where NCCL is present its version is reported.
+    #[test]
+    fn nccl_absence_is_a_clean_error() {
+        match nccl_version() {
+            Ok(v) => assert!(v.split('.').count() == 3, "{v}"),
+            Err(e) => {
+                let m = e.to_string();
+                assert!(m.contains("libnccl.so") || m.contains("nccl` feature"), "{m}");
+                let id = Communicator::new_id().unwrap_err().to_string();
+                assert!(id.contains("libnccl.so") || id.contains("nccl` feature"), "{id}");
+            }
+        }
+    }
+}
