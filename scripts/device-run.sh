@@ -55,6 +55,31 @@ for s in "$@"; do
                   stage candle 300 env LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                     $c --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
+    # Expert parallelism (issue 25) on a machine with several GPUs: nvidia-h100-x2 or larger.
+    # The launcher sets NCCL_NVLS_ENABLE=0 etc. in every rank; topology goes in the report.
+    ep-smoke)     stage ep-smoke 240 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 512,2048 \
+                    --rounds 3 --timeout 60 --out /tmp/ep-smoke
+                  cp /tmp/ep-smoke/ep-*.md /tmp/ep-smoke/ep-*.json "$OUT/" 2>/dev/null ;;
+    ep)           for p in deepseek-v3 seed003; do
+                    stage "ep-$p" 300 $BIN bench moe --gpus 2 --preset $p --tokens 4096,8192,16384 \
+                      --rounds 10 --timeout 60 --out /tmp/ep
+                  done
+                  cp /tmp/ep/ep-*.md /tmp/ep/ep-*.json /tmp/ep/ep-*.html "$OUT/" 2>/dev/null ;;
+    ep-chunks)    for c in 1 2 8; do
+                    stage "ep-chunks-$c" 200 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 8192 \
+                      --chunks $c --rounds 10 --timeout 60 --out /tmp/ep-chunks-$c
+                    cp /tmp/ep-chunks-$c/ep-deepseek-v3-2gpu.md "$OUT/ep-chunks-$c.md" 2>/dev/null
+                  done ;;
+    # Failure handling: rank 1 exits / hangs before its first call; rank 0 must report an
+    # error within --timeout and the launcher exit 2 (rc=2 expected here).
+    ep-fault)     for f in exit hang; do
+                    stage "ep-fault-$f" 120 env FLASHMOE_EP_FAULT=1:$f $BIN bench moe --gpus 2 \
+                      --preset deepseek-v3 --tokens 512 --rounds 1 --timeout 20 --out /tmp/ep-fault-$f
+                    cp /tmp/ep-fault-$f/ep-deepseek-v3-2gpu.md "$OUT/ep-fault-$f.md" 2>/dev/null
+                  done ;;
+    ep-1gpu)      stage ep-1gpu 200 $BIN bench moe --gpus 1 --preset deepseek-v3 --tokens 4096 \
+                    --rounds 5 --timeout 60 --out /tmp/ep-1gpu
+                  cp /tmp/ep-1gpu/ep-deepseek-v3-1gpu.md "$OUT/" 2>/dev/null ;;
     # the Python package: carry target/py-device (scripts/device-python.sh --pack)
     python)       stage python 420 bash scripts/device-python.sh target/py-device ;;
     # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device

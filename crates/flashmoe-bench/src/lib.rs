@@ -8,6 +8,7 @@
 pub mod compare;
 pub mod config;
 pub mod decode;
+pub mod ep;
 pub mod gpu;
 pub mod grades;
 pub mod manifest;

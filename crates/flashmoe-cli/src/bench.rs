@@ -43,6 +43,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     if matches!(args.suite, crate::SuiteArg::E2e) {
         return crate::e2e::run(args);
     }
+    if let Some(gpus) = args.gpus {
+        return crate::ep::run(args, gpus);
+    }
     let suite: Suite = args.suite.lab_suite()?;
     let python = (!args.no_baselines).then_some(args.python.as_path());
     let lab = backend::select(suite, args.cpu, args.seed, false, python);

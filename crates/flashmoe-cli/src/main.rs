@@ -4,6 +4,7 @@ mod backend;
 mod bench;
 mod check;
 mod e2e;
+mod ep;
 mod profile;
 
 use anyhow::Context;
@@ -46,6 +47,16 @@ enum Command {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// One rank of `bench moe --gpus N` (started by it).
+    #[command(hide = true)]
+    EpRank {
+        /// The rank's options as JSON.
+        #[arg(long)]
+        options: String,
+        /// Where to write the rank's result (JSON).
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Serve this build's implementations over the worker protocol on stdin/stdout (what
     /// `bench --against THIS_BINARY` drives).
@@ -130,6 +141,23 @@ pub struct BenchArgs {
     /// significantly slower than its old self (the recommended CI gate).
     #[arg(long, value_name = "OLD_BINARY")]
     against: Option<PathBuf>,
+    /// Expert parallelism (moe only): the MoE layer across N GPUs of this host, one rank
+    /// process per GPU over NCCL; writes ep-PRESET-NGPUgpu.{json,md,html} (default preset
+    /// deepseek-v3).
+    #[arg(long, value_name = "N")]
+    gpus: Option<usize>,
+    /// Tokens per GPU for --gpus (comma-separated; one config each).
+    #[arg(long, value_delimiter = ',', default_values_t = [4096usize, 8192, 16384])]
+    tokens: Vec<usize>,
+    /// Expert chunks per rank for --gpus: each chunk's transfers overlap the GEMMs of others.
+    #[arg(long, default_value_t = 4)]
+    chunks: usize,
+    /// Timed rounds per config for --gpus (after 2 warm-up rounds).
+    #[arg(long, default_value_t = 20)]
+    rounds: usize,
+    /// Seconds a rank waits for its peers before it aborts with an error (--gpus).
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
 }
 
 #[derive(Args)]
@@ -322,6 +350,7 @@ fn main() -> ExitCode {
         Command::Env { json } => env(*json),
         Command::Report { results } => report(results),
         Command::Serve { suite, cpu } => suite.lab_suite().and_then(|s| serve(s, *cpu)),
+        Command::EpRank { options, out } => ep::rank(options, out),
     };
     match result {
         Ok(code) => code,

@@ -48,10 +48,17 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The per-(seed, tensor) key of [`uniform`]: element `i`'s bits are
+/// `mix(key + i · 0x9E3779B97F4A7C15)` (SplitMix64's finaliser), the top 24 of them the
+/// value. Exposed so a device-side generator can produce the same values.
+pub fn stream_key(seed: u64, tensor: TensorId) -> u64 {
+    mix(seed ^ mix((tensor as u64).wrapping_add(GOLDEN)))
+}
+
 /// Uniform value in [-1, 1) for (seed, tensor, index), before any dtype rounding.
 #[inline]
 pub fn uniform(seed: u64, tensor: TensorId, index: u64) -> f32 {
-    let key = mix(seed ^ mix((tensor as u64).wrapping_add(GOLDEN)));
+    let key = stream_key(seed, tensor);
     let bits = mix(key.wrapping_add(index.wrapping_mul(GOLDEN)));
     let u = (bits >> 40) as f32 * (1.0 / 16_777_216.0);
     2.0 * u - 1.0

@@ -641,3 +641,60 @@ fn plan_bad_input_is_a_clear_error() {
             .assert_written("after errors", &c);
     });
 }
+
+/// The expert-parallel layer with one rank (no communicator: the same code path with
+/// nothing exchanged) against the single-GPU plan: output, routing and losses
+/// bit-identical, at token counts on both GEMM paths, several calls of one layer.
+#[test]
+fn expert_parallel_world_one_matches_the_plan() {
+    use super::ep::{ExpertParallelMoe, ExpertPlacement};
+    with_gpu("moe_ep_world1_vs_plan", |dev| {
+        if dev.arch() != 90 {
+            eprintln!("  skipped: the expert-parallel layer needs the sm_90 token gather");
+            return;
+        }
+        for (top_k, scoring) in [(2, Scoring::Softmax), (8, Scoring::Sigmoid)] {
+            let c = class(300, top_k, scoring, DType::Bf16);
+            let plan = MoePlan::new(dev, c).unwrap();
+            let mut ws = plan.alloc_workspace(dev.stream()).unwrap();
+            let placement = ExpertPlacement::even(c.experts, 1).unwrap();
+            let mut ep = ExpertParallelMoe::new(dev, c, placement, None, 2).unwrap();
+            let stream = dev.stream();
+            for tokens in [1, 37, 300, 129] {
+                let p = c.problem(tokens);
+                let tag = format!("EP world 1 {p}");
+                let inputs = MoeInputs::generate(&p, fresh_seed(&tag));
+                let w = Weights::upload(stream, c.dtype, &inputs);
+                let mut io = Io::new(stream, &c, &c.dtype.encode_u16(&inputs.x));
+                let a = io.args(stream, &c, &w);
+                unsafe { plan.forward_raw(stream.cu_stream(), &a, ws.raw()) }.unwrap();
+                let want = io.results(stream, c.dtype);
+                want.assert_written(&tag, &c);
+                io.poison(stream);
+                unsafe { ep.forward_raw(stream.cu_stream(), &a) }
+                    .unwrap_or_else(|e| panic!("{tag}: {e}"));
+                ep.wait_stream(stream.cu_stream()).unwrap();
+                let got = io.results(stream, c.dtype);
+                got.assert_written(&tag, &c);
+                got.assert_same(&tag, &want);
+                let x = ep.last_exchange().unwrap();
+                assert_eq!((x.rows, x.rows_sent(), x.rows_received()), (tokens * top_k, 0, 0));
+                eprintln!("  {tag}: bit-identical ({})", plan.gemm_path(tokens).unwrap());
+            }
+        }
+        // Bad set-ups are errors naming the rule.
+        let c = class(64, 2, Scoring::Softmax, DType::Bf16);
+        let shared = MoeClass {
+            shared_expert: true,
+            ..c
+        };
+        let one = ExpertPlacement::even(c.experts, 1).unwrap();
+        let e = ExpertParallelMoe::new(dev, shared, one.clone(), None, 1).unwrap_err();
+        assert!(e.to_string().contains("no shared expert"), "{e}");
+        let two = ExpertPlacement::even(c.experts, 2).unwrap();
+        let e = ExpertParallelMoe::new(dev, c, two, None, 1).unwrap_err();
+        assert!(e.to_string().contains("communicator has 1"), "{e}");
+        let e = ExpertParallelMoe::new(dev, c, one, None, 99).unwrap_err();
+        assert!(e.to_string().contains("chunks"), "{e}");
+    });
+}

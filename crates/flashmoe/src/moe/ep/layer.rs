@@ -154,6 +154,20 @@ pub struct ExpertParallelMoe {
     last: Option<Exchange>,
 }
 
+impl std::fmt::Debug for ExpertParallelMoe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ExpertParallelMoe(rank {} of {}, experts {:?} of {}, {} chunk(s))",
+            self.rank,
+            self.placement.world(),
+            self.placement.range(self.rank),
+            self.class.experts,
+            self.chunks
+        )
+    }
+}
+
 // SAFETY: the raw handles (stream, events, pinned memory) belong to the layer and are used
 // only through &mut self / &self methods, one call at a time.
 unsafe impl Send for ExpertParallelMoe {}
@@ -478,6 +492,29 @@ impl ExpertParallelMoe {
             dispatch_bytes: x.rows_sent() * hid * el,
             return_bytes: x.rows_received() * hid * 4,
         })
+    }
+
+    /// Wait (bounded by the timeout) until every rank reached this point: an all-gather
+    /// of one word per rank on the communication stream (nothing with one rank). The lab
+    /// calls it before a timed call so the time is the layer's, not the ranks' skew.
+    pub fn barrier(&mut self) -> Result<()> {
+        let Some(comm) = self.comm.as_ref() else {
+            return Ok(());
+        };
+        let s = self.comm_stream;
+        // SAFETY: in place in the layer's count buffer (world words of it), which no call
+        // uses meanwhile (calls end with the count exchange done).
+        unsafe {
+            comm.all_gather_u32(
+                self.all_counts.ptr + 4 * self.rank as u64,
+                self.all_counts.ptr,
+                1,
+                s,
+            )?;
+            record(self.ev_counts, s)?;
+        }
+        let ev = self.ev_counts;
+        self.comm.as_mut().expect("checked").wait(ev, "the barrier")
     }
 
     /// Wait (bounded by the communicator's timeout) until the work enqueued on `stream`
