@@ -249,12 +249,18 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
     let timeout = Duration::from_secs_f64(opts.timeout_s);
     let comm = if opts.world > 1 {
         let id = rendezvous(opts, timeout)?;
-        Some(Communicator::init(&dev, &id, opts.rank, opts.world, timeout)?)
+        Some(Communicator::init(
+            &dev, &id, opts.rank, opts.world, timeout,
+        )?)
     } else {
         None
     };
     let (h, i, e, k) = (opts.hidden, opts.intermediate, opts.experts, opts.top_k);
-    let max_t = *opts.tokens.iter().max().ok_or_else(|| anyhow!("no token counts"))?;
+    let max_t = *opts
+        .tokens
+        .iter()
+        .max()
+        .ok_or_else(|| anyhow!("no token counts"))?;
     let class = MoeClass {
         dtype: DType::Bf16,
         hidden: h,
@@ -288,14 +294,21 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        unsafe { flashmoe::gpu::raw::launch("ep_fill_bf16", &fill, cfg, s.cu_stream(), &mut params) }?;
+        unsafe {
+            flashmoe::gpu::raw::launch("ep_fill_bf16", &fill, cfg, s.cu_stream(), &mut params)
+        }?;
         Ok(buf)
     };
     let (sh, si) = (1.0 / (h as f32).sqrt(), 1.0 / (i as f32).sqrt());
     let router = gen(h * e, TensorId::MoeRouter, opts.seed, sh)?;
     let w13 = gen(e * h * 2 * i, TensorId::MoeW13, opts.seed, sh)?;
     let w2 = gen(e * i * h, TensorId::MoeW2, opts.seed, si)?;
-    let x_all = gen(max_t * h, TensorId::MoeX, opts.seed + 1 + opts.rank as u64, 1.0)?;
+    let x_all = gen(
+        max_t * h,
+        TensorId::MoeX,
+        opts.seed + 1 + opts.rank as u64,
+        1.0,
+    )?;
     let mine = placement.range(opts.rank);
     let el = 2u64;
     let w13_mine = addr(&w13, &dev) + (mine.start * h * 2 * i) as u64 * el;
@@ -343,11 +356,17 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
         unsafe { single.forward_raw(stream, &a_single, ws_raw) }?;
         match fault.as_deref() {
             Some("exit") => {
-                eprintln!("rank {}: {FAULT_ENV}: exiting before the first expert-parallel call", opts.rank);
+                eprintln!(
+                    "rank {}: {FAULT_ENV}: exiting before the first expert-parallel call",
+                    opts.rank
+                );
                 std::process::exit(17);
             }
             Some("hang") => {
-                eprintln!("rank {}: {FAULT_ENV}: hanging before the first expert-parallel call", opts.rank);
+                eprintln!(
+                    "rank {}: {FAULT_ENV}: hanging before the first expert-parallel call",
+                    opts.rank
+                );
                 loop {
                     std::thread::sleep(Duration::from_secs(3600));
                 }
@@ -356,7 +375,7 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
         }
         ep.barrier()?;
         unsafe { ep.forward_raw(stream, &a_ep) }?;
-        ep.wait_stream(stream)?;
+        unsafe { ep.wait_stream(stream) }?;
         let correctness = compare(&dev, &o_single, &o_ep, t, h, k)?;
         let x = ep.last_exchange().expect("a call ran").clone();
         // Timing: interleaved rounds after two warm-up rounds.
@@ -370,7 +389,7 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
             timer.start(stream)?;
             unsafe { ep.forward_raw(stream, &a_ep) }?;
             timer.stop(stream)?;
-            ep.wait_stream(stream)?;
+            unsafe { ep.wait_stream(stream) }?;
             let ms_ep = timer.ms()?;
             if round >= 2 {
                 single_ms.push(ms_single);
@@ -521,7 +540,13 @@ impl EpReport {
                 let ep_ms = max_of(&|c| median(&c.ep_ms));
                 let dispatch_ms = max_of(&|c| median(&c.dispatch_ms));
                 let return_ms = max_of(&|c| median(&c.return_ms));
-                let bw = |bytes: usize, ms: f64| if ms > 0.0 { bytes as f64 / ms / 1e6 } else { 0.0 };
+                let bw = |bytes: usize, ms: f64| {
+                    if ms > 0.0 {
+                        bytes as f64 / ms / 1e6
+                    } else {
+                        0.0
+                    }
+                };
                 let dbytes = per.iter().map(|c| c.dispatch_bytes).max().unwrap_or(0);
                 let rbytes = per.iter().map(|c| c.return_bytes).max().unwrap_or(0);
                 summary.push(EpSummary {
@@ -561,7 +586,10 @@ impl EpReport {
     pub fn markdown(&self) -> String {
         let mut m = String::new();
         let o = self.ranks.first().map(|r| &r.options);
-        m.push_str(&format!("# Expert-parallel MoE: {} GPUs, preset {}\n\n", self.world, self.preset));
+        m.push_str(&format!(
+            "# Expert-parallel MoE: {} GPUs, preset {}\n\n",
+            self.world, self.preset
+        ));
         if let Some(o) = o {
             m.push_str(&format!(
                 "bf16, hidden {}, intermediate {}, {} experts, top-{}, {:?} scoring; experts split evenly; {} chunk(s); {} timed rounds per config.\n\n",
@@ -613,13 +641,20 @@ impl EpReport {
         for f in &self.failures {
             m.push_str(&format!("\n\nfailure: {f}"));
         }
-        m.push_str(&format!("\n\n## Topology (`nvidia-smi topo -m`)\n\n```\n{}\n```\n", self.topology.trim_end()));
+        m.push_str(&format!(
+            "\n\n## Topology (`nvidia-smi topo -m`)\n\n```\n{}\n```\n",
+            self.topology.trim_end()
+        ));
         m
     }
 
     /// A self-contained HTML page of the Markdown (pre-formatted: no renderer needed).
     pub fn html(&self) -> String {
-        let esc = self.markdown().replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+        let esc = self
+            .markdown()
+            .replace('&', "&amp;")
+            .replace('<', "&lt;")
+            .replace('>', "&gt;");
         format!(
             "<!doctype html><meta charset=\"utf-8\"><title>flashmoe expert-parallel MoE</title>\n<pre style=\"font: 13px/1.4 monospace\">\n{esc}\n</pre>\n"
         )
@@ -703,7 +738,9 @@ mod tests {
         assert!((s.efficiency - 0.88).abs() < 1e-12);
         assert!((s.dispatch_busbw_gbs - 1000.0).abs() < 1e-9);
         assert!(rep.passed());
-        assert!(rep.markdown().contains("| 4096 | 11.000 | 12.500 | 88.0% |"));
+        assert!(rep
+            .markdown()
+            .contains("| 4096 | 11.000 | 12.500 | 88.0% |"));
         let bad = EpReport::new(
             Default::default(),
             String::new(),
@@ -713,7 +750,14 @@ mod tests {
             vec![],
         );
         assert!(!bad.passed() && bad.markdown().contains("**NO**"));
-        let failed = EpReport::new(Default::default(), String::new(), 2, "x", vec![rank(0, 1.0, 1.0, true)], vec!["rank 1 exited with status 17".into()]);
+        let failed = EpReport::new(
+            Default::default(),
+            String::new(),
+            2,
+            "x",
+            vec![rank(0, 1.0, 1.0, true)],
+            vec!["rank 1 exited with status 17".into()],
+        );
         assert!(!failed.passed());
     }
 }

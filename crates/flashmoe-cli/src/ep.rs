@@ -83,7 +83,10 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
     let exe = std::env::current_exe()?;
     let mut children: Vec<(usize, Child)> = Vec::new();
     for rank in 0..world {
-        let opts = EpRankOptions { rank, ..base.clone() };
+        let opts = EpRankOptions {
+            rank,
+            ..base.clone()
+        };
         let mut cmd = Command::new(&exe);
         cmd.arg("ep-rank")
             .arg("--options")
@@ -95,7 +98,11 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
             cmd.env(k, v);
         }
         let _ = std::fs::remove_file(rank_file(&args.out, rank));
-        children.push((rank, cmd.spawn().with_context(|| format!("starting rank {rank}"))?));
+        children.push((
+            rank,
+            cmd.spawn()
+                .with_context(|| format!("starting rank {rank}"))?,
+        ));
     }
     let failures = supervise(&mut children, Duration::from_secs_f64(args.timeout + 15.0));
     let mut ranks: Vec<EpRankResult> = Vec::new();
@@ -119,9 +126,19 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_else(|e| format!("nvidia-smi topo -m failed: {e}"));
-    let report = EpReport::new(Manifest::collect(), topology, world, &preset, ranks, failures);
+    let report = EpReport::new(
+        Manifest::collect(),
+        topology,
+        world,
+        &preset,
+        ranks,
+        failures,
+    );
     let name = format!("ep-{preset}-{world}gpu");
-    std::fs::write(args.out.join(format!("{name}.json")), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(
+        args.out.join(format!("{name}.json")),
+        serde_json::to_string_pretty(&report)?,
+    )?;
     std::fs::write(args.out.join(format!("{name}.md")), report.markdown())?;
     std::fs::write(args.out.join(format!("{name}.html")), report.html())?;
     let _ = std::fs::remove_dir_all(&scratch);

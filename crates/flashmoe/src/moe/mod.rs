@@ -25,12 +25,12 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod config;
+pub mod ep;
 pub mod gemm_config;
 pub mod gemm_sm90;
 #[cfg(test)]
 mod gpu_tests;
 pub mod plan;
-pub mod ep;
 #[cfg(test)]
 mod plan_gpu_tests;
 pub mod reference;

@@ -931,7 +931,14 @@ impl MoePlan {
         self.enqueue_permute(stream, a, t, &cfgs, base, &ws)?;
         let rows = t * self.class.top_k;
         let row_token = base + ws.row_token as u64;
-        self.enqueue_gather(stream, a.x.ptr, row_token, base + x_perm as u64, rows, gather)?;
+        self.enqueue_gather(
+            stream,
+            a.x.ptr,
+            row_token,
+            base + x_perm as u64,
+            rows,
+            gather,
+        )?;
         Ok(Front {
             tokens: t,
             ws,

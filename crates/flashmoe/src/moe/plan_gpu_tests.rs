@@ -656,7 +656,7 @@ fn expert_parallel_world_one_matches_the_plan() {
         for (top_k, scoring) in [(2, Scoring::Softmax), (8, Scoring::Sigmoid)] {
             let c = class(300, top_k, scoring, DType::Bf16);
             let plan = MoePlan::new(dev, c).unwrap();
-            let mut ws = plan.alloc_workspace(dev.stream()).unwrap();
+            let ws = plan.alloc_workspace(dev.stream()).unwrap();
             let placement = ExpertPlacement::even(c.experts, 1).unwrap();
             let mut ep = ExpertParallelMoe::new(dev, c, placement, None, 2).unwrap();
             let stream = dev.stream();
@@ -673,13 +673,19 @@ fn expert_parallel_world_one_matches_the_plan() {
                 io.poison(stream);
                 unsafe { ep.forward_raw(stream.cu_stream(), &a) }
                     .unwrap_or_else(|e| panic!("{tag}: {e}"));
-                ep.wait_stream(stream.cu_stream()).unwrap();
+                unsafe { ep.wait_stream(stream.cu_stream()) }.unwrap();
                 let got = io.results(stream, c.dtype);
                 got.assert_written(&tag, &c);
                 got.assert_same(&tag, &want);
                 let x = ep.last_exchange().unwrap();
-                assert_eq!((x.rows, x.rows_sent(), x.rows_received()), (tokens * top_k, 0, 0));
-                eprintln!("  {tag}: bit-identical ({})", plan.gemm_path(tokens).unwrap());
+                assert_eq!(
+                    (x.rows, x.rows_sent(), x.rows_received()),
+                    (tokens * top_k, 0, 0)
+                );
+                eprintln!(
+                    "  {tag}: bit-identical ({})",
+                    plan.gemm_path(tokens).unwrap()
+                );
             }
         }
         // Bad set-ups are errors naming the rule.

@@ -64,7 +64,14 @@ fn silu(x: f32) -> f32 {
 }
 
 /// One SwiGLU expert on `m` gathered rows: silu(x·Wg) ⊙ (x·Wu) · W2.
-pub(crate) fn expert_mlp(x: &[f32], w13: &[f32], w2: &[f32], m: usize, h: usize, i: usize) -> Vec<f32> {
+pub(crate) fn expert_mlp(
+    x: &[f32],
+    w13: &[f32],
+    w2: &[f32],
+    m: usize,
+    h: usize,
+    i: usize,
+) -> Vec<f32> {
     let gu = matmul(x, w13, m, h, 2 * i);
     let mut act = vec![0f32; m * i];
     for r in 0..m {

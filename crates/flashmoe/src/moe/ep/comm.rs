@@ -61,7 +61,11 @@ pub fn find_nccl_library() -> Option<PathBuf> {
             .next()
     };
     if let Some(p) = std::env::var_os("FLASHMOE_NCCL_LIB").map(PathBuf::from) {
-        return if p.is_dir() { pick(&p) } else { Some(p).filter(|p| p.is_file()) };
+        return if p.is_dir() {
+            pick(&p)
+        } else {
+            Some(p).filter(|p| p.is_file())
+        };
     }
     let mut dirs: Vec<PathBuf> = Vec::new();
     for root in ["/opt/torch/.venv/lib", "/usr/local/lib", "/usr/lib"] {
@@ -84,6 +88,9 @@ pub fn find_nccl_library() -> Option<PathBuf> {
 pub fn nccl_version() -> Result<String> {
     imp::version()
 }
+
+/// One point-to-point transfer: (peer rank, device address, bytes).
+pub type Transfer = (usize, u64, usize);
 
 /// One rank's membership of an NCCL communicator on one device.
 pub struct Communicator {
@@ -154,8 +161,8 @@ impl Communicator {
         self.inner.all_gather_u32(send, recv, count, stream)
     }
 
-    /// Enqueue one group of point-to-point transfers on `stream`: each `(peer, addr,
-    /// bytes)` of `sends` goes to `peer`, each of `recvs` is filled from `peer`.
+    /// Enqueue one group of point-to-point transfers on `stream`: each [`Transfer`] of
+    /// `sends` goes to its peer, each of `recvs` is filled from its peer.
     /// Zero-byte entries are skipped (the peer must skip its matching one too).
     ///
     /// # Safety
@@ -163,8 +170,8 @@ impl Communicator {
     /// transfers complete; receive ranges are not otherwise used meanwhile.
     pub unsafe fn send_recv(
         &self,
-        sends: &[(usize, u64, usize)],
-        recvs: &[(usize, u64, usize)],
+        sends: &[Transfer],
+        recvs: &[Transfer],
         stream: RawStream,
     ) -> Result<()> {
         self.inner.send_recv(sends, recvs, stream)
@@ -173,7 +180,7 @@ impl Communicator {
     /// Wait until `event` completed, polling NCCL's asynchronous error state; on an NCCL
     /// error or past the timeout, abort the communicator and return an error naming
     /// `what` (the communicator is unusable afterwards).
-    pub fn wait(&mut self, event: crate::gpu::raw::RawEvent, what: &str) -> Result<()> {
+    pub(crate) fn wait(&mut self, event: crate::gpu::raw::RawEvent, what: &str) -> Result<()> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -183,13 +190,19 @@ impl Communicator {
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 e => {
                     self.inner.abort();
-                    return Err(Error::cuda(format!("cuEventQuery while waiting for {what}"), format!("{e:?}")));
+                    return Err(Error::cuda(
+                        format!("cuEventQuery while waiting for {what}"),
+                        format!("{e:?}"),
+                    ));
                 }
             }
             if let Err(e) = self.inner.async_error() {
                 self.inner.abort();
                 return Err(Error::cuda(
-                    format!("rank {} of {}: NCCL while waiting for {what}", self.rank, self.world),
+                    format!(
+                        "rank {} of {}: NCCL while waiting for {what}",
+                        self.rank, self.world
+                    ),
                     format!("{e}; communicator aborted"),
                 ));
             }
@@ -282,9 +295,7 @@ mod imp {
         timeout: Duration,
     ) -> Result<Comm> {
         loaded()?;
-        let mut raw = ns::ncclUniqueId {
-            internal: [0; 128],
-        };
+        let mut raw = ns::ncclUniqueId { internal: [0; 128] };
         for (d, s) in raw.internal.iter_mut().zip(id.0.iter()) {
             *d = *s as core::ffi::c_char;
         }
@@ -342,8 +353,8 @@ mod imp {
 
         pub(super) unsafe fn send_recv(
             &self,
-            sends: &[(usize, u64, usize)],
-            recvs: &[(usize, u64, usize)],
+            sends: &[super::Transfer],
+            recvs: &[super::Transfer],
             stream: RawStream,
         ) -> Result<()> {
             nr::group_start().map_err(|e| err("ncclGroupStart", e))?;
@@ -377,7 +388,9 @@ mod imp {
                 }
             }
             // The group is always closed, also after a failed enqueue.
-            let end = nr::group_end().map(|_| ()).map_err(|e| err("ncclGroupEnd", e));
+            let end = nr::group_end()
+                .map(|_| ())
+                .map_err(|e| err("ncclGroupEnd", e));
             result.and(end)
         }
 
@@ -441,13 +454,19 @@ mod imp {
         Err(missing())
     }
     impl Comm {
-        pub(super) unsafe fn all_gather_u32(&self, _: u64, _: u64, _: usize, _: RawStream) -> Result<()> {
+        pub(super) unsafe fn all_gather_u32(
+            &self,
+            _: u64,
+            _: u64,
+            _: usize,
+            _: RawStream,
+        ) -> Result<()> {
             Err(missing())
         }
         pub(super) unsafe fn send_recv(
             &self,
-            _: &[(usize, u64, usize)],
-            _: &[(usize, u64, usize)],
+            _: &[super::Transfer],
+            _: &[super::Transfer],
             _: RawStream,
         ) -> Result<()> {
             Err(missing())
@@ -473,7 +492,10 @@ mod tests {
         }
         let id = NcclId(b);
         assert_eq!(NcclId::from_hex(&id.to_hex()).unwrap(), id);
-        assert!(NcclId::from_hex("abc").unwrap_err().to_string().contains("256 hex digits"));
+        assert!(NcclId::from_hex("abc")
+            .unwrap_err()
+            .to_string()
+            .contains("256 hex digits"));
         assert!(NcclId::from_hex(&"zz".repeat(128)).is_err());
     }
 
@@ -485,9 +507,15 @@ mod tests {
             Ok(v) => assert!(v.split('.').count() == 3, "{v}"),
             Err(e) => {
                 let m = e.to_string();
-                assert!(m.contains("libnccl.so") || m.contains("nccl` feature"), "{m}");
+                assert!(
+                    m.contains("libnccl.so") || m.contains("nccl` feature"),
+                    "{m}"
+                );
                 let id = Communicator::new_id().unwrap_err().to_string();
-                assert!(id.contains("libnccl.so") || id.contains("nccl` feature"), "{id}");
+                assert!(
+                    id.contains("libnccl.so") || id.contains("nccl` feature"),
+                    "{id}"
+                );
             }
         }
     }

@@ -56,7 +56,9 @@ impl Exchange {
     ) -> Result<Exchange> {
         let (world, experts) = (placement.world(), placement.experts());
         if rank >= world {
-            return Err(Error::invalid(format!("rank {rank} is outside the world of {world}")));
+            return Err(Error::invalid(format!(
+                "rank {rank} is outside the world of {world}"
+            )));
         }
         if all_counts.len() != world * experts {
             return Err(Error::invalid(format!(
@@ -147,7 +149,9 @@ impl Exchange {
 }
 
 fn too_many(rows: usize) -> Error {
-    Error::invalid(format!("{rows} received rows do not fit 32-bit row offsets"))
+    Error::invalid(format!(
+        "{rows} received rows do not fit 32-bit row offsets"
+    ))
 }
 
 #[cfg(test)]
@@ -201,7 +205,11 @@ mod tests {
             for x in &xs {
                 // local + sent rows cover x_perm exactly once.
                 let mut covered = vec![0u8; x.rows];
-                for r in x.local_rows.clone().chain(x.send.iter().flatten().cloned().flatten()) {
+                for r in x
+                    .local_rows
+                    .clone()
+                    .chain(x.send.iter().flatten().cloned().flatten())
+                {
                     covered[r] += 1;
                 }
                 assert!(covered.iter().all(|&n| n == 1));
@@ -213,7 +221,9 @@ mod tests {
     #[test]
     fn bad_counts_are_errors() {
         let p = ExpertPlacement::even(4, 2).unwrap();
-        let e = Exchange::new(&p, 0, &[1, 2, 3], 1, 100).unwrap_err().to_string();
+        let e = Exchange::new(&p, 0, &[1, 2, 3], 1, 100)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("expected world × experts"), "{e}");
         let e = Exchange::new(&p, 0, &[0, 0, 0, 0, 60, 60, 0, 0], 1, 100)
             .unwrap_err()

@@ -1,7 +1,7 @@
 //! The expert-parallel MoE layer: one rank's share of a layer whose experts are split over
 //! the ranks of an NCCL communicator (one process per GPU).
 
-use super::comm::Communicator;
+use super::comm::{Communicator, Transfer};
 use super::exchange::{chunk_experts, Exchange};
 use super::placement::ExpertPlacement;
 use crate::error::{Error, Result};
@@ -197,7 +197,9 @@ impl ExpertParallelMoe {
             )));
         }
         if world > 1 && comm.is_none() {
-            return Err(Error::invalid("a world of several ranks needs a communicator"));
+            return Err(Error::invalid(
+                "a world of several ranks needs a communicator",
+            ));
         }
         if placement.experts() != class.experts {
             return Err(Error::invalid(format!(
@@ -357,9 +359,15 @@ impl ExpertParallelMoe {
                 self.chunks,
                 self.recv_capacity,
             )?;
-            self.host_offsets.as_mut_slice().copy_from_slice(&x.recv_offsets);
-            dr::memcpy_htod_async(self.recv_offsets.ptr, self.host_offsets.as_slice(), self.comm_stream)
-                .map_err(|e| Error::cuda("cuMemcpyHtoDAsync (receive offsets)", e))?;
+            self.host_offsets
+                .as_mut_slice()
+                .copy_from_slice(&x.recv_offsets);
+            dr::memcpy_htod_async(
+                self.recv_offsets.ptr,
+                self.host_offsets.as_slice(),
+                self.comm_stream,
+            )
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync (receive offsets)", e))?;
             let comm = self.comm.as_ref().expect("checked");
             // 4a. dispatch, chunk by chunk.
             for ch in 0..self.chunks {
@@ -380,7 +388,10 @@ impl ExpertParallelMoe {
                     self.experts.enqueue_row_gemms(
                         stream,
                         (self.x_recv.ptr, offs, self.h_recv.ptr, self.y_recv.ptr),
-                        (w13 + e.start as u64 * w13_expert, w2 + e.start as u64 * w2_expert),
+                        (
+                            w13 + e.start as u64 * w13_expert,
+                            w2 + e.start as u64 * w2_expert,
+                        ),
                         (x.recv_rows, n, e.len()),
                         n,
                     )?;
@@ -401,8 +412,13 @@ impl ExpertParallelMoe {
             Exchange::single_rank(rows, local)
         };
         // 5. combine in token order (no shared expert: y is passed as its unread pointer).
-        self.route
-            .enqueue_combine(stream, a, front.tokens, &front.cfgs, (y, at(ws.slot_row), y))?;
+        self.route.enqueue_combine(
+            stream,
+            a,
+            front.tokens,
+            &front.cfgs,
+            (y, at(ws.slot_row), y),
+        )?;
         self.last = Some(x);
         Ok(())
     }
@@ -417,19 +433,27 @@ impl ExpertParallelMoe {
         mine: u64,
         theirs: u64,
         row_bytes: usize,
-    ) -> (Vec<(usize, u64, usize)>, Vec<(usize, u64, usize)>) {
+    ) -> (Vec<Transfer>, Vec<Transfer>) {
         let peers = (0..self.placement.world()).filter(|&p| p != self.rank);
         let mine_t = peers
             .clone()
             .map(|p| {
                 let rg = &x.send[ch][p];
-                (p, mine + (rg.start * row_bytes) as u64, rg.len() * row_bytes)
+                (
+                    p,
+                    mine + (rg.start * row_bytes) as u64,
+                    rg.len() * row_bytes,
+                )
             })
             .collect();
         let theirs_t = peers
             .map(|p| {
                 let rg = &x.recv[ch][p];
-                (p, theirs + (rg.start * row_bytes) as u64, rg.len() * row_bytes)
+                (
+                    p,
+                    theirs + (rg.start * row_bytes) as u64,
+                    rg.len() * row_bytes,
+                )
             })
             .collect();
         (mine_t, theirs_t)
@@ -459,7 +483,8 @@ impl ExpertParallelMoe {
                 .workspace_layout(x.rows / self.class.top_k)?
                 .x_perm
                 .expect("sm_90 layout") as u64;
-        let y = self.workspace.ptr + self.route.workspace_layout(x.rows / self.class.top_k)?.y as u64;
+        let y =
+            self.workspace.ptr + self.route.workspace_layout(x.rows / self.class.top_k)?.y as u64;
         let s = self.comm_stream;
         // SAFETY: the layer's own buffers, sized by the same schedule as the call.
         unsafe {
@@ -520,14 +545,15 @@ impl ExpertParallelMoe {
     /// Wait (bounded by the communicator's timeout) until the work enqueued on `stream`
     /// so far completed: the lab's end-of-call synchronisation, which turns a dead or
     /// hung peer into an error on this rank.
-    pub fn wait_stream(&mut self, stream: RawStream) -> Result<()> {
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the layer's context.
+    pub unsafe fn wait_stream(&mut self, stream: RawStream) -> Result<()> {
         let ev = self.ev_t[2];
-        // SAFETY: the layer's event, recorded on the caller's stream.
-        unsafe { record(ev, stream)? };
+        record(ev, stream)?;
         match self.comm.as_mut() {
             Some(c) => c.wait(ev, "the layer's call"),
-            None => unsafe { dr::event::synchronize(ev) }
-                .map_err(|e| Error::cuda("cuEventSynchronize", e)),
+            None => dr::event::synchronize(ev).map_err(|e| Error::cuda("cuEventSynchronize", e)),
         }
     }
 }

@@ -123,9 +123,15 @@ mod tests {
     #[test]
     fn even_split_and_lookups() {
         let p = ExpertPlacement::even(256, 2).unwrap();
-        assert_eq!((p.world(), p.experts(), p.local(0), p.local(1)), (2, 256, 128, 128));
+        assert_eq!(
+            (p.world(), p.experts(), p.local(0), p.local(1)),
+            (2, 256, 128, 128)
+        );
         assert_eq!(p.range(1), 128..256);
-        assert_eq!((p.rank_of(0), p.rank_of(127), p.rank_of(128), p.rank_of(255)), (0, 0, 1, 1));
+        assert_eq!(
+            (p.rank_of(0), p.rank_of(127), p.rank_of(128), p.rank_of(255)),
+            (0, 0, 1, 1)
+        );
         let one = ExpertPlacement::even(8, 1).unwrap();
         assert_eq!((one.range(0), one.rank_of(7)), (0..8, 0));
     }
@@ -135,13 +141,20 @@ mod tests {
         let p = ExpertPlacement::from_map(&[0, 0, 0, 1, 2, 2], 3).unwrap();
         assert_eq!((p.range(0), p.range(1), p.range(2)), (0..3, 3..4, 4..6));
         assert_eq!(p.max_local(), 3);
-        assert_eq!((0..6).map(|e| p.rank_of(e)).collect::<Vec<_>>(), [0, 0, 0, 1, 2, 2]);
+        assert_eq!(
+            (0..6).map(|e| p.rank_of(e)).collect::<Vec<_>>(),
+            [0, 0, 0, 1, 2, 2]
+        );
     }
 
     #[test]
     fn bad_maps_are_rejected_with_the_rule_named() {
         let err = |m: &[usize], w| ExpertPlacement::from_map(m, w).unwrap_err().to_string();
-        assert!(err(&[0, 1, 0, 1], 2).contains("contiguous"), "{}", err(&[0, 1, 0, 1], 2));
+        assert!(
+            err(&[0, 1, 0, 1], 2).contains("contiguous"),
+            "{}",
+            err(&[0, 1, 0, 1], 2)
+        );
         assert!(err(&[0, 0, 2, 2], 3).contains("rank 1 owns no expert"));
         assert!(err(&[0, 0, 1, 1], 3).contains("rank 2 owns no expert"));
         assert!(err(&[1, 1, 0, 0], 2).contains("rank 0 owns no expert"));

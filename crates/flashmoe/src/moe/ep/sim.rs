@@ -28,7 +28,9 @@ pub fn simulate_cpu(
         )));
     }
     if p.shared_expert {
-        return Err(Error::invalid("the expert-parallel layer has no shared expert"));
+        return Err(Error::invalid(
+            "the expert-parallel layer has no shared expert",
+        ));
     }
     let (h, i, e, k) = (p.hidden, p.intermediate, p.experts, p.top_k);
     let probs: Vec<MoeProblem> = inputs
@@ -161,8 +163,12 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(r, &t)| {
-                let mine = MoeInputs::generate(&MoeProblem { tokens: t, ..*p }, seed + 1 + r as u64);
-                MoeInputs { x: mine.x, ..full.clone() }
+                let mine =
+                    MoeInputs::generate(&MoeProblem { tokens: t, ..*p }, seed + 1 + r as u64);
+                MoeInputs {
+                    x: mine.x,
+                    ..full.clone()
+                }
             })
             .collect()
     }
@@ -172,11 +178,27 @@ mod tests {
     /// (world size 1 included: the same path with nothing exchanged).
     #[test]
     fn expert_parallel_schedule_matches_the_single_gpu_layer() {
-        let cases: &[(usize, usize, Scoring, &[usize], Option<&[usize]>, usize)] = &[
+        // (experts, top_k, scoring, tokens per rank, expert → rank map, chunks)
+        type Case<'a> = (
+            usize,
+            usize,
+            Scoring,
+            &'a [usize],
+            Option<&'a [usize]>,
+            usize,
+        );
+        let cases: &[Case] = &[
             (8, 2, Scoring::Softmax, &[40], None, 1),
             (8, 2, Scoring::Softmax, &[40, 23], None, 1),
             (8, 2, Scoring::Softmax, &[40, 23], None, 3),
-            (16, 4, Scoring::Sigmoid, &[17, 50, 1], Some(&[0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2]), 2),
+            (
+                16,
+                4,
+                Scoring::Sigmoid,
+                &[17, 50, 1],
+                Some(&[0, 0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2]),
+                2,
+            ),
             (12, 3, Scoring::Softmax, &[9, 9, 9, 9], None, 3),
         ];
         for &(experts, k, scoring, tokens, map, chunks) in cases {
@@ -189,12 +211,24 @@ mod tests {
             let inputs = rank_inputs(&p, tokens, 7 + experts as u64);
             let got = simulate_cpu(&p, &inputs, &placement, chunks).unwrap();
             for (r, ((out, rt), x)) in got.iter().zip(&inputs).enumerate() {
-                let pr = MoeProblem { tokens: tokens[r], ..p };
+                let pr = MoeProblem {
+                    tokens: tokens[r],
+                    ..p
+                };
                 let (want, want_rt) = moe_grouped(&pr, x).unwrap();
-                assert!(out.iter().all(|v| v.is_finite()), "rank {r}: non-finite output");
+                assert!(
+                    out.iter().all(|v| v.is_finite()),
+                    "rank {r}: non-finite output"
+                );
                 assert_eq!(rt, &want_rt, "rank {r}: routing differs");
-                let same = out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "rank {r} of {world} (E={experts}, chunks={chunks}): output differs");
+                let same = out
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "rank {r} of {world} (E={experts}, chunks={chunks}): output differs"
+                );
             }
         }
     }
