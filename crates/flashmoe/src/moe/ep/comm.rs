@@ -8,12 +8,13 @@
 //! `LD_LIBRARY_PATH` before the process starts (`flashmoe bench moe --gpus N` does this
 //! for the ranks it starts; see [`find_nccl_library`]).
 //!
-//! Failure handling: nothing here blocks without a deadline. Communicator set-up runs on
-//! a helper thread bounded by a timeout; [`Communicator::wait`] polls a CUDA event and
-//! NCCL's asynchronous error state, and on an error or past its deadline aborts the
-//! communicator (`ncclCommAbort`, which makes NCCL's kernels on every stream return) and
-//! returns an error naming what was waited for. A peer that dies or hangs therefore gives
-//! every surviving rank an error within the timeout instead of a silent hang.
+//! Failure handling: nothing here blocks without a deadline. The communicator is
+//! nonblocking (NCCL's `config.blocking = 0`): set-up and every NCCL call return at once
+//! and are then polled through `ncclCommGetAsyncError`; [`Communicator::wait`] polls a
+//! CUDA event and that error state. On an NCCL error or past the timeout the communicator
+//! is aborted (`ncclCommAbort`, which also makes NCCL's kernels return) and the error names
+//! what was waited for. A peer that dies or hangs therefore gives every surviving rank an
+//! error within the timeout instead of a silent hang.
 
 use crate::error::{Error, Result};
 use crate::gpu::{Device, RawStream};
@@ -228,24 +229,31 @@ impl Communicator {
 
     /// Whether the communicator was aborted (after an error or a timeout).
     pub fn is_aborted(&self) -> bool {
-        self.inner.aborted
+        self.inner.aborted()
     }
 }
 
 #[cfg(feature = "nccl")]
 mod imp {
+    //! A nonblocking NCCL communicator (`config.blocking = 0`): every NCCL call returns at
+    //! once, possibly with `ncclInProgress` (connection set-up with a peer, which blocks
+    //! forever in blocking mode when the peer is gone), and [`Comm::settle`] polls
+    //! `ncclCommGetAsyncError` until the call took effect, aborting at the deadline.
     use super::NcclId;
     use crate::error::{Error, Result};
     use crate::gpu::{Device, RawStream};
     use cudarc::nccl::{result as nr, sys as ns};
-    use std::time::Duration;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
 
     pub(super) struct Comm {
         comm: ns::ncclComm_t,
-        pub(super) aborted: bool,
+        aborted: AtomicBool,
+        timeout: Duration,
+        label: String,
     }
     // SAFETY: an NCCL communicator may be used from any thread, one call at a time
-    // (&mut / & borrows of the owning Communicator enforce that).
+    // (the owning Communicator's borrows enforce that).
     unsafe impl Send for Comm {}
     unsafe impl Sync for Comm {}
 
@@ -267,9 +275,13 @@ mod imp {
         Error::cuda(what, format!("{:?}", e.0))
     }
 
+    fn code() -> std::result::Result<i32, Error> {
+        nr::get_nccl_version().map_err(|e| err("ncclGetVersion", e))
+    }
+
     pub(super) fn version() -> Result<String> {
         loaded()?;
-        let v = nr::get_nccl_version().map_err(|e| err("ncclGetVersion", e))?;
+        let v = code()?;
         Ok(format!("{}.{}.{}", v / 10000, (v / 100) % 100, v % 100))
     }
 
@@ -283,9 +295,33 @@ mod imp {
         Ok(NcclId(out))
     }
 
-    struct SendComm(ns::ncclComm_t);
-    // SAFETY: moved once from the init thread to the caller.
-    unsafe impl Send for SendComm {}
+    /// NCCL_CONFIG_INITIALIZER with `blocking = 0` (every other field "undefined": NCCL's
+    /// defaults). The version is the loaded library's; NCCL reads the fields it knows.
+    fn nonblocking_config(version: i32) -> ns::ncclConfig_t {
+        const UNDEF: i32 = i32::MIN;
+        ns::ncclConfig_t {
+            size: std::mem::size_of::<ns::ncclConfig_t>(),
+            magic: 0xcafe_beef,
+            version: version as u32,
+            blocking: 0,
+            cgaClusterSize: UNDEF,
+            minCTAs: UNDEF,
+            maxCTAs: UNDEF,
+            netName: std::ptr::null(),
+            splitShare: UNDEF,
+            trafficClass: UNDEF,
+            commName: std::ptr::null(),
+            collnetEnable: UNDEF,
+            CTAPolicy: UNDEF,
+            shrinkShare: UNDEF,
+            nvlsCTAs: UNDEF,
+            nChannelsPerNetPeer: UNDEF,
+            nvlinkCentricSched: UNDEF,
+            graphUsageMode: UNDEF,
+            numRmaCtx: UNDEF,
+            maxP2pPeers: UNDEF,
+        }
+    }
 
     pub(super) fn init(
         dev: &Device,
@@ -299,39 +335,106 @@ mod imp {
         for (d, s) in raw.internal.iter_mut().zip(id.0.iter()) {
             *d = *s as core::ffi::c_char;
         }
-        let ctx = dev.context().clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        // ncclCommInitRank blocks until every rank joined: run it where a missing peer
-        // cannot hang the caller.
-        std::thread::spawn(move || {
-            let r = ctx
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent (NCCL init)", e))
-                .and_then(|_| {
-                    let mut comm: ns::ncclComm_t = std::ptr::null_mut();
-                    // SAFETY: `comm` is a valid out-pointer; the id is a copy.
-                    unsafe { nr::comm_init_rank(&mut comm, world as i32, raw, rank as i32) }
-                        .map(|_| SendComm(comm))
-                        .map_err(|e| err("ncclCommInitRank", e))
-                });
-            let _ = tx.send(r);
-        });
-        match rx.recv_timeout(timeout) {
-            Ok(r) => r.map(|c| Comm {
-                comm: c.0,
-                aborted: false,
-            }),
-            Err(_) => Err(Error::cuda(
-                format!("rank {rank} of {world}: ncclCommInitRank"),
-                format!(
-                    "not every rank joined within {:.1} s (a peer failed to start or died)",
-                    timeout.as_secs_f64()
-                ),
-            )),
+        dev.context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent (NCCL init)", e))?;
+        let mut config = nonblocking_config(code()?);
+        let mut comm: ns::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and config; the id is a copy.
+        let r = unsafe {
+            ns::ncclCommInitRankConfig(&mut comm, world as i32, raw, rank as i32, &mut config)
+        };
+        let label = format!("rank {rank} of {world}");
+        if !matches!(
+            r,
+            ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
+        ) {
+            return Err(Error::cuda(
+                format!("{label}: ncclCommInitRankConfig"),
+                format!("{r:?}"),
+            ));
         }
+        let c = Comm {
+            comm,
+            aborted: AtomicBool::new(false),
+            timeout,
+            label,
+        };
+        c.settle("ncclCommInitRankConfig (every rank joining)")?;
+        Ok(c)
     }
 
     impl Comm {
+        pub(super) fn aborted(&self) -> bool {
+            self.aborted.load(Ordering::Acquire)
+        }
+
+        /// Poll until the last call took effect: Ok when NCCL reports success, an error
+        /// (communicator aborted) on an NCCL error or past the timeout.
+        fn settle(&self, what: &str) -> Result<()> {
+            let start = Instant::now();
+            let mut spins = 0u32;
+            loop {
+                match self.state() {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.abort();
+                        return Err(Error::cuda(
+                            format!("{}: {what}", self.label),
+                            format!("{e}; communicator aborted"),
+                        ));
+                    }
+                }
+                if start.elapsed() > self.timeout {
+                    self.abort();
+                    return Err(Error::cuda(
+                        format!("{}: {what}", self.label),
+                        format!(
+                            "still in progress after {:.1} s (a peer died, hung or never \
+                             joined); communicator aborted",
+                            self.timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                spins += 1;
+                if spins < 1000 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+
+        /// Ok(true): idle and healthy; Ok(false): a call is still in progress.
+        fn state(&self) -> std::result::Result<bool, String> {
+            let mut state = ns::ncclResult_t::ncclSuccess;
+            // SAFETY: live communicator, valid out-pointer.
+            let r = unsafe { ns::ncclCommGetAsyncError(self.comm, &mut state) };
+            match (r, state) {
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclSuccess) => Ok(true),
+                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclInProgress) => Ok(false),
+                (ns::ncclResult_t::ncclSuccess, s) => Err(format!("NCCL reported {s:?}")),
+                (r, _) => Err(format!("ncclCommGetAsyncError: {r:?}")),
+            }
+        }
+
+        /// A call's immediate result: success and in-progress go on to `settle`.
+        fn issued(&self, what: &str, r: ns::ncclResult_t) -> Result<()> {
+            match r {
+                ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => {
+                    self.settle(what)
+                }
+                other => {
+                    self.abort();
+                    Err(Error::cuda(
+                        format!("{}: {what}", self.label),
+                        format!("{other:?}; communicator aborted"),
+                    ))
+                }
+            }
+        }
+
         pub(super) unsafe fn all_gather_u32(
             &self,
             send: u64,
@@ -339,16 +442,15 @@ mod imp {
             count: usize,
             stream: RawStream,
         ) -> Result<()> {
-            nr::all_gather(
+            let r = ns::ncclAllGather(
                 send as *const _,
                 recv as *mut _,
                 count,
                 ns::ncclDataType_t::ncclUint32,
                 self.comm,
                 stream as _,
-            )
-            .map(|_| ())
-            .map_err(|e| err("ncclAllGather (expert counts)", e))
+            );
+            self.issued("ncclAllGather (expert counts)", r)
         }
 
         pub(super) unsafe fn send_recv(
@@ -357,70 +459,77 @@ mod imp {
             recvs: &[super::Transfer],
             stream: RawStream,
         ) -> Result<()> {
-            nr::group_start().map_err(|e| err("ncclGroupStart", e))?;
-            let mut result = Ok(());
+            let start = ns::ncclGroupStart();
+            if !matches!(start, ns::ncclResult_t::ncclSuccess) {
+                return Err(Error::cuda("ncclGroupStart", format!("{start:?}")));
+            }
+            let mut failed = None;
             for &(peer, addr, bytes) in sends.iter().filter(|s| s.2 > 0) {
-                if let Err(e) = nr::send(
+                let r = ns::ncclSend(
                     addr as *const _,
                     bytes,
                     ns::ncclDataType_t::ncclUint8,
                     peer as i32,
                     self.comm,
                     stream as _,
+                );
+                if !matches!(
+                    r,
+                    ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
                 ) {
-                    result = Err(err(&format!("ncclSend to rank {peer}"), e));
+                    failed = Some(format!("ncclSend to rank {peer}: {r:?}"));
                     break;
                 }
             }
-            if result.is_ok() {
+            if failed.is_none() {
                 for &(peer, addr, bytes) in recvs.iter().filter(|s| s.2 > 0) {
-                    if let Err(e) = nr::recv(
+                    let r = ns::ncclRecv(
                         addr as *mut _,
                         bytes,
                         ns::ncclDataType_t::ncclUint8,
                         peer as i32,
                         self.comm,
                         stream as _,
+                    );
+                    if !matches!(
+                        r,
+                        ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
                     ) {
-                        result = Err(err(&format!("ncclRecv from rank {peer}"), e));
+                        failed = Some(format!("ncclRecv from rank {peer}: {r:?}"));
                         break;
                     }
                 }
             }
             // The group is always closed, also after a failed enqueue.
-            let end = nr::group_end()
-                .map(|_| ())
-                .map_err(|e| err("ncclGroupEnd", e));
-            result.and(end)
+            let end = ns::ncclGroupEnd();
+            if let Some(f) = failed {
+                self.abort();
+                return Err(Error::cuda(
+                    format!("{}: point-to-point group", self.label),
+                    f,
+                ));
+            }
+            self.issued("ncclGroupEnd (point-to-point transfers)", end)
         }
 
         pub(super) fn async_error(&self) -> std::result::Result<(), String> {
-            let mut state = ns::ncclResult_t::ncclSuccess;
-            // SAFETY: live communicator, valid out-pointer.
-            let r = unsafe { ns::ncclCommGetAsyncError(self.comm, &mut state) };
-            match (r, state) {
-                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclSuccess) => Ok(()),
-                (ns::ncclResult_t::ncclSuccess, ns::ncclResult_t::ncclInProgress) => Ok(()),
-                (ns::ncclResult_t::ncclSuccess, s) => Err(format!("{s:?}")),
-                (r, _) => Err(format!("ncclCommGetAsyncError: {r:?}")),
-            }
+            self.state().map(|_| ())
         }
 
-        pub(super) fn abort(&mut self) {
-            if !self.aborted {
-                self.aborted = true;
+        pub(super) fn abort(&self) {
+            if !self.aborted.swap(true, Ordering::AcqRel) {
                 // SAFETY: live communicator; aborted once.
-                let _ = unsafe { nr::comm_abort(self.comm) };
+                let _ = unsafe { ns::ncclCommAbort(self.comm) };
             }
         }
     }
 
     impl Drop for Comm {
         fn drop(&mut self) {
-            if !self.aborted {
+            if !self.aborted() {
                 // SAFETY: live communicator, destroyed once; the owner's work finished
                 // (every call waited on its last event) or was aborted.
-                let _ = unsafe { nr::comm_destroy(self.comm) };
+                let _ = unsafe { ns::ncclCommDestroy(self.comm) };
             }
         }
     }
@@ -433,9 +542,7 @@ mod imp {
     use crate::gpu::{Device, RawStream};
     use std::time::Duration;
 
-    pub(super) struct Comm {
-        pub(super) aborted: bool,
-    }
+    pub(super) struct Comm {}
 
     fn missing() -> Error {
         Error::unsupported(
@@ -474,8 +581,9 @@ mod imp {
         pub(super) fn async_error(&self) -> std::result::Result<(), String> {
             Ok(())
         }
-        pub(super) fn abort(&mut self) {
-            self.aborted = true;
+        pub(super) fn abort(&self) {}
+        pub(super) fn aborted(&self) -> bool {
+            false
         }
     }
 }
