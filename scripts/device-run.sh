@@ -65,11 +65,13 @@ for s in "$@"; do
                       --rounds 10 --timeout 60 --out /tmp/ep
                   done
                   cp /tmp/ep/ep-*.md /tmp/ep/ep-*.json /tmp/ep/ep-*.html "$OUT/" 2>/dev/null ;;
-    ep-chunks)    for c in 1 2 8; do
-                    stage "ep-chunks-$c" 200 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 8192 \
-                      --chunks $c --rounds 10 --timeout 60 --out /tmp/ep-chunks-$c
-                    cp /tmp/ep-chunks-$c/ep-deepseek-v3-2gpu.md "$OUT/ep-chunks-$c.md" 2>/dev/null
-                  done ;;
+    # Overlap knobs at DeepSeek-V3, 8192 tokens per GPU: expert chunks, NCCL's CTA cap.
+    ep-knobs)     for k in "--chunks 1" "--chunks 2" "--chunks 8" "--comm-ctas 8" "--comm-ctas 16" "--comm-ctas 32"; do
+                    n=ep-knob$(echo $k | tr -d ' -')
+                    stage "$n" 200 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 4096,8192 \
+                      $k --rounds 10 --timeout 60 --name $n --out /tmp/ep-knobs
+                  done
+                  tar -C /tmp/ep-knobs -czf "$OUT/ep-knobs.tgz" . 2>/dev/null ;;
     # Failure handling: rank 1 exits / hangs before its first call; rank 0 must report an
     # error within --timeout and the launcher exit 2 (rc=2 expected here).
     ep-fault)     for f in exit hang; do

@@ -40,6 +40,9 @@ pub struct EpRankOptions {
     /// Timed rounds (each: one single-GPU call, then one expert-parallel call).
     pub rounds: usize,
     pub timeout_s: f64,
+    /// NCCL's maxCTAs (None: NCCL's default).
+    #[serde(default)]
+    pub comm_ctas: Option<u32>,
 }
 
 /// Correctness of one config on one rank: the expert-parallel layer against the
@@ -250,7 +253,12 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
     let comm = if opts.world > 1 {
         let id = rendezvous(opts, timeout)?;
         Some(Communicator::init(
-            &dev, &id, opts.rank, opts.world, timeout,
+            &dev,
+            &id,
+            opts.rank,
+            opts.world,
+            timeout,
+            opts.comm_ctas,
         )?)
     } else {
         None
@@ -592,8 +600,9 @@ impl EpReport {
         ));
         if let Some(o) = o {
             m.push_str(&format!(
-                "bf16, hidden {}, intermediate {}, {} experts, top-{}, {:?} scoring; experts split evenly; {} chunk(s); {} timed rounds per config.\n\n",
-                o.hidden, o.intermediate, o.experts, o.top_k, o.scoring, o.chunks, o.rounds
+                "bf16, hidden {}, intermediate {}, {} experts, top-{}, {:?} scoring; experts split evenly; {} chunk(s); NCCL maxCTAs {}; {} timed rounds per config.\n\n",
+                o.hidden, o.intermediate, o.experts, o.top_k, o.scoring, o.chunks,
+                o.comm_ctas.map_or("default".to_string(), |n| n.to_string()), o.rounds
             ));
         }
         if let Some(r) = self.ranks.first() {
@@ -694,6 +703,7 @@ mod tests {
                 seed: 1,
                 rounds: 3,
                 timeout_s: 60.0,
+                comm_ctas: None,
             },
             configs: vec![EpConfigResult {
                 tokens: 4096,

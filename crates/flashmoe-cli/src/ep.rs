@@ -79,6 +79,7 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
         seed: args.seed,
         rounds: args.rounds,
         timeout_s: args.timeout,
+        comm_ctas: args.comm_ctas,
     };
     let exe = std::env::current_exe()?;
     let mut children: Vec<(usize, Child)> = Vec::new();
@@ -134,7 +135,10 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
         ranks,
         failures,
     );
-    let name = format!("ep-{preset}-{world}gpu");
+    let name = args
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("ep-{preset}-{world}gpu"));
     std::fs::write(
         args.out.join(format!("{name}.json")),
         serde_json::to_string_pretty(&report)?,

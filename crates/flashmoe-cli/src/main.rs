@@ -158,6 +158,12 @@ pub struct BenchArgs {
     /// Seconds a rank waits for its peers before it aborts with an error (--gpus).
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
+    /// Cap on the thread blocks NCCL's kernels use (NCCL maxCTAs) for --gpus.
+    #[arg(long)]
+    comm_ctas: Option<u32>,
+    /// File name (no extension) of the --gpus report (default ep-PRESET-NGPUgpu).
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Args)]

@@ -115,20 +115,23 @@ impl Communicator {
 
     /// Join the communicator `id` as `rank` of `world` on `dev`. Blocks until every rank
     /// joined, at most `timeout` (then an error naming the rank that gave up). The same
-    /// `timeout` bounds every later [`Communicator::wait`].
+    /// `timeout` bounds every later NCCL call and wait. `max_ctas` caps the thread blocks
+    /// (SMs) NCCL's kernels take from the GEMMs they overlap (NCCL's `maxCTAs`; None: its
+    /// default).
     pub fn init(
         dev: &Device,
         id: &NcclId,
         rank: usize,
         world: usize,
         timeout: Duration,
+        max_ctas: Option<u32>,
     ) -> Result<Communicator> {
         if world == 0 || rank >= world {
             return Err(Error::invalid(format!(
                 "rank {rank} is outside a world of {world} ranks"
             )));
         }
-        let inner = imp::init(dev, id, rank, world, timeout)?;
+        let inner = imp::init(dev, id, rank, world, timeout, max_ctas)?;
         Ok(Communicator {
             inner,
             rank,
@@ -329,6 +332,7 @@ mod imp {
         rank: usize,
         world: usize,
         timeout: Duration,
+        max_ctas: Option<u32>,
     ) -> Result<Comm> {
         loaded()?;
         let mut raw = ns::ncclUniqueId { internal: [0; 128] };
@@ -339,6 +343,9 @@ mod imp {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent (NCCL init)", e))?;
         let mut config = nonblocking_config(code()?);
+        if let Some(n) = max_ctas {
+            config.maxCTAs = n as i32;
+        }
         let mut comm: ns::ncclComm_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer and config; the id is a copy.
         let r = unsafe {
@@ -557,7 +564,14 @@ mod imp {
     pub(super) fn new_id() -> Result<NcclId> {
         Err(missing())
     }
-    pub(super) fn init(_: &Device, _: &NcclId, _: usize, _: usize, _: Duration) -> Result<Comm> {
+    pub(super) fn init(
+        _: &Device,
+        _: &NcclId,
+        _: usize,
+        _: usize,
+        _: Duration,
+        _: Option<u32>,
+    ) -> Result<Comm> {
         Err(missing())
     }
     impl Comm {

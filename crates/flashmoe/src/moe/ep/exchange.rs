@@ -28,6 +28,8 @@ pub struct Exchange {
     pub rows: usize,
     /// This rank's rows for its own experts (in `x_perm`).
     pub local_rows: Range<usize>,
+    /// `[local + 1]` row offsets of this rank's own experts in `x_perm` (absolute).
+    pub own_offsets: Vec<usize>,
     /// `send[c][d]`: rows of `x_perm` sent to rank `d` in chunk `c` (empty for d = rank);
     /// the expert outputs of the same rows come back from `d` into `y` at the same rows.
     pub send: Vec<Vec<Range<usize>>>,
@@ -117,6 +119,7 @@ impl Exchange {
             chunks,
             rows: pre[experts],
             local_rows: pre[mine.start]..pre[mine.end],
+            own_offsets: pre[mine.start..=mine.end].to_vec(),
             send,
             recv,
             recv_offsets,
@@ -131,6 +134,7 @@ impl Exchange {
             chunks: 1,
             rows,
             local_rows: 0..rows,
+            own_offsets: vec![0; local + 1],
             send: vec![vec![0..0]],
             recv: vec![vec![0..0]],
             recv_offsets: vec![0; local + 1],
@@ -172,6 +176,7 @@ mod tests {
         assert_eq!(x0.recv_offsets, vec![0, 0, 0, 0, 5, 5]);
         let x1 = Exchange::new(&p, 1, &counts, 2, 100).unwrap();
         assert_eq!(x1.local_rows, 5..12);
+        assert_eq!(x1.own_offsets, vec![5, 6, 12]);
         // chunk 0: rank 0's expert 0 / our expert 2; chunk 1: expert 1 / expert 3.
         assert_eq!(x1.send, vec![vec![0..5, 0..0], vec![5..5, 0..0]]);
         assert_eq!(x1.recv, vec![vec![0..2, 0..0], vec![2..6, 0..0]]);

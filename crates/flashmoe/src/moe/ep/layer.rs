@@ -88,6 +88,13 @@ unsafe fn wait_on(stream: RawStream, ev: RawEvent) -> Result<()> {
         .map_err(|e| Error::cuda("cuStreamWaitEvent", e))
 }
 
+/// The token count a block of `rows` rows over `groups` experts selects its kernels by in
+/// the expert plan (class top_k 1 over `local` experts): the block's rows per expert, so
+/// the tile choice follows the single-GPU layer's at the same load.
+fn select(rows: usize, groups: usize, local: usize) -> usize {
+    (rows * local / groups.max(1)).max(1)
+}
+
 /// Measured all-to-all of one call's schedule, alone (no GEMMs running).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ExchangeTiming {
@@ -339,17 +346,23 @@ impl ExpertParallelMoe {
             .map_err(|e| Error::cuda("cuMemcpyDtoHAsync (expert counts)", e))?;
             record(self.ev_counts, self.comm_stream)?;
         }
-        // The own rows for the own experts, in place: x_perm → h → y at their rows. The
-        // grid covers every routed row (the own rows' count is not known on the host yet).
-        let own_first = 4 * self.placement.first(r) as u64;
-        self.experts.enqueue_row_gemms(
-            stream,
-            (x_perm, offsets + own_first, h, y),
-            (w13, w2),
-            (rows, rows, local),
-            (rows * local).div_ceil(c.experts).max(1),
-        )?;
-
+        // The own rows for the own experts run in place (x_perm → h → y at their rows),
+        // weights at the expert's slice; `part` = local experts [a, b), `grid` = their rows.
+        let own = |part: std::ops::Range<usize>, grid: usize| {
+            (
+                (
+                    x_perm,
+                    offsets + 4 * (self.placement.first(r) + part.start) as u64,
+                    h,
+                    y,
+                ),
+                (
+                    w13 + part.start as u64 * w13_expert,
+                    w2 + part.start as u64 * w2_expert,
+                ),
+                (rows, grid, part.len()),
+            )
+        };
         let x = if let Some(comm) = self.comm.as_mut() {
             comm.wait(self.ev_counts, "the expert counts of every rank")?;
             let x = Exchange::new(
@@ -375,6 +388,23 @@ impl ExpertParallelMoe {
                 comm.send_recv(&sends, &recvs, self.comm_stream)?;
                 record(self.ev_disp[ch], self.comm_stream)?;
             }
+            // 3. The GEMMs in the order that hides the transfers: the own rows of the
+            // first expert chunk (while chunk 0 arrives), every received chunk as it
+            // arrives, then the rest of the own rows (while the last outputs go back).
+            let first = chunk_experts(local, self.chunks, 0);
+            let rest = first.end..local;
+            let rows_of =
+                |p: &std::ops::Range<usize>| x.own_offsets[p.end] - x.own_offsets[p.start];
+            let (bufs, wts, dims) = own(first.clone(), rows_of(&first));
+            if dims.1 > 0 {
+                self.experts.enqueue_row_gemms(
+                    stream,
+                    bufs,
+                    wts,
+                    dims,
+                    select(dims.1, dims.2, local),
+                )?;
+            }
             // 4b. each chunk's GEMMs as it arrives.
             for ch in 0..self.chunks {
                 wait_on(stream, self.ev_disp[ch])?;
@@ -393,10 +423,20 @@ impl ExpertParallelMoe {
                             w2 + e.start as u64 * w2_expert,
                         ),
                         (x.recv_rows, n, e.len()),
-                        n,
+                        select(n, e.len(), local),
                     )?;
                 }
                 record(self.ev_gemm[ch], stream)?;
+            }
+            let (bufs, wts, dims) = own(rest.clone(), rows_of(&rest));
+            if dims.1 > 0 {
+                self.experts.enqueue_row_gemms(
+                    stream,
+                    bufs,
+                    wts,
+                    dims,
+                    select(dims.1, dims.2, local),
+                )?;
             }
             // 4c. the outputs back, chunk by chunk: y_recv rows to their source, this
             // rank's rows from their experts' ranks into y.
@@ -409,6 +449,10 @@ impl ExpertParallelMoe {
             wait_on(stream, self.ev_ret[self.chunks - 1])?;
             x
         } else {
+            // One rank: every row is its own (the grid covers all of them).
+            let (bufs, wts, dims) = own(0..local, rows);
+            self.experts
+                .enqueue_row_gemms(stream, bufs, wts, dims, select(rows, local, local))?;
             Exchange::single_rank(rows, local)
         };
         // 5. combine in token order (no shared expert: y is passed as its unread pointer).
