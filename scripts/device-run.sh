@@ -66,11 +66,11 @@ for s in "$@"; do
                   done
                   cp /tmp/ep/ep-*.md /tmp/ep/ep-*.json /tmp/ep/ep-*.html "$OUT/" 2>/dev/null ;;
     # Overlap knobs at DeepSeek-V3, 8192 tokens per GPU: expert chunks, NCCL's CTA cap.
-    ep-knobs)     for k in "--chunks 1" "--chunks 2" "--chunks 8" "--comm-ctas 8" "--comm-ctas 16" "--comm-ctas 32"; do
-                    n=ep-knob$(echo $k | tr -d ' -')
-                    stage "$n" 200 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 4096,8192 \
+    ep-knobs)     for p in deepseek-v3 seed003; do for k in "--chunks 1" "--chunks 4"; do
+                    n=ep-knob-$p$(echo $k | tr -d ' -')
+                    stage "$n" 200 $BIN bench moe --gpus 2 --preset $p --tokens 4096,8192,16384 \
                       $k --rounds 10 --timeout 60 --name $n --out /tmp/ep-knobs
-                  done
+                  done; done
                   tar -C /tmp/ep-knobs -czf "$OUT/ep-knobs.tgz" . 2>/dev/null ;;
     # Failure handling: rank 1 exits / hangs before its first call; rank 0 must report an
     # error within --timeout and the launcher exit 2 (rc=2 expected here).

@@ -903,14 +903,17 @@ impl MoePlan {
 
     /// The front half of the layer for the expert-parallel layer ([`super::ep`]): checks
     /// (with `w13` / `w2` holding `weight_experts` experts), router, losses, permutation
-    /// and the token gather into `x_perm`. Needs the sm_90 path at this token count (the
-    /// layer builds this plan with it forced). Returns what the rest of the call needs.
+    /// and the token gather into `x_perm`; `routed` is recorded once the router's counts
+    /// are written (before the permutation), so their exchange overlaps the gather. Needs
+    /// the sm_90 path at this token count (the layer builds this plan with it forced).
+    /// Returns what the rest of the call needs.
     pub(crate) unsafe fn enqueue_front(
         &self,
         stream: RawStream,
         a: &MoeArgs,
         weight_experts: usize,
         workspace: RawWorkspace,
+        routed: Option<crate::gpu::raw::RawEvent>,
     ) -> Result<Front> {
         let t = self.check_for(a, weight_experts)?;
         let b = self.bucket(t)?;
@@ -928,6 +931,10 @@ impl MoePlan {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let base = workspace.ptr;
         self.enqueue_router(stream, a, t, b, &cfgs, base, &ws)?;
+        if let Some(ev) = routed {
+            cudarc::driver::result::event::record(ev, stream)
+                .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        }
         self.enqueue_permute(stream, a, t, &cfgs, base, &ws)?;
         let rows = t * self.class.top_k;
         let row_token = base + ws.row_token as u64;

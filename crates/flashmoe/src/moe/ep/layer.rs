@@ -152,7 +152,8 @@ pub struct ExpertParallelMoe {
     host_counts: PinnedU32,
     host_offsets: PinnedU32,
     comm_stream: RawStream,
-    ev_front: RawEvent,
+    ev_routed: RawEvent,
+    ev_gathered: RawEvent,
     ev_counts: RawEvent,
     ev_disp: Vec<RawEvent>,
     ev_gemm: Vec<RawEvent>,
@@ -260,7 +261,8 @@ impl ExpertParallelMoe {
             host_counts: PinnedU32::new(world * class.experts)?,
             host_offsets: PinnedU32::new(world * (local + 1))?,
             comm_stream,
-            ev_front: event(false)?,
+            ev_routed: event(false)?,
+            ev_gathered: event(false)?,
             ev_counts: event(false)?,
             ev_disp: events(chunks)?,
             ev_gemm: events(chunks)?,
@@ -317,7 +319,10 @@ impl ExpertParallelMoe {
             ptr: self.workspace.ptr,
             bytes: self.workspace.bytes,
         };
-        let front = self.route.enqueue_front(stream, a, local, ws_raw)?;
+        // The counts are exchanged as soon as the router wrote them (the permutation and
+        // the token gather run meanwhile).
+        let routed = self.comm.as_ref().map(|_| self.ev_routed);
+        let front = self.route.enqueue_front(stream, a, local, ws_raw, routed)?;
         let base = self.workspace.ptr;
         let at = |off: usize| base + off as u64;
         let ws = &front.ws;
@@ -330,8 +335,7 @@ impl ExpertParallelMoe {
         let w2_expert = (c.intermediate * hid * el) as u64;
 
         if let Some(comm) = &self.comm {
-            record(self.ev_front, stream)?;
-            wait_on(self.comm_stream, self.ev_front)?;
+            wait_on(self.comm_stream, self.ev_routed)?;
             comm.all_gather_u32(
                 a.routing.counts.ptr,
                 self.all_counts.ptr,
@@ -382,7 +386,9 @@ impl ExpertParallelMoe {
             )
             .map_err(|e| Error::cuda("cuMemcpyHtoDAsync (receive offsets)", e))?;
             let comm = self.comm.as_ref().expect("checked");
-            // 4a. dispatch, chunk by chunk.
+            // 4a. dispatch, chunk by chunk, once the gather wrote x_perm.
+            record(self.ev_gathered, stream)?;
+            wait_on(self.comm_stream, self.ev_gathered)?;
             for ch in 0..self.chunks {
                 let (sends, recvs) = self.transfers(&x, ch, x_perm, self.x_recv.ptr, hid * el);
                 comm.send_recv(&sends, &recvs, self.comm_stream)?;
@@ -610,7 +616,7 @@ impl Drop for ExpertParallelMoe {
             if !self.comm.as_ref().is_some_and(|c| c.is_aborted()) {
                 let _ = dr::stream::synchronize(self.comm_stream);
             }
-            for ev in [self.ev_front, self.ev_counts]
+            for ev in [self.ev_routed, self.ev_gathered, self.ev_counts]
                 .into_iter()
                 .chain(self.ev_disp.iter().copied())
                 .chain(self.ev_gemm.iter().copied())
