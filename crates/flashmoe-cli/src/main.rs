@@ -379,4 +379,29 @@ mod tests {
         assert!(parse_fraction("abc").is_err());
         assert!(parse_fraction("150%").is_err());
     }
+
+    fn bench_err(args: &[&str]) -> String {
+        let cli = Cli::try_parse_from(args).unwrap();
+        let Command::Bench(b) = &cli.command else {
+            panic!("not a bench command")
+        };
+        format!("{:#}", bench::run(b).unwrap_err())
+    }
+
+    /// `--gpus` is the expert-parallel MoE launcher: other suites, zero GPUs, more GPUs
+    /// than the machine has and bad token lists are errors before any rank starts.
+    #[test]
+    fn gpus_flag_errors_are_clear() {
+        let e = bench_err(&["flashmoe", "bench", "attention", "--gpus", "2"]);
+        assert!(e.contains("bench moe --gpus"), "{e}");
+        let e = bench_err(&["flashmoe", "bench", "moe", "--gpus", "0"]);
+        assert!(e.contains("at least 1 GPU"), "{e}");
+        let e = bench_err(&["flashmoe", "bench", "moe", "--gpus", "64"]);
+        assert!(e.contains("--gpus 64: this machine has"), "{e}");
+        let cli = Cli::try_parse_from(["flashmoe", "bench", "moe", "--gpus", "2"]).unwrap();
+        let Command::Bench(b) = &cli.command else {
+            panic!()
+        };
+        assert_eq!((b.tokens.clone(), b.chunks), (vec![4096, 8192, 16384], 2));
+    }
 }

@@ -230,6 +230,12 @@ impl Communicator {
         }
     }
 
+    /// Abort the communicator (NCCL's kernels return, every peer's next wait fails): after
+    /// an error that leaves the ranks out of step.
+    pub fn abort(&self) {
+        self.inner.abort()
+    }
+
     /// Whether the communicator was aborted (after an error or a timeout).
     pub fn is_aborted(&self) -> bool {
         self.inner.aborted()
@@ -470,26 +476,19 @@ mod imp {
             if !matches!(start, ns::ncclResult_t::ncclSuccess) {
                 return Err(Error::cuda("ncclGroupStart", format!("{start:?}")));
             }
-            let mut failed = None;
-            for &(peer, addr, bytes) in sends.iter().filter(|s| s.2 > 0) {
-                let r = ns::ncclSend(
-                    addr as *const _,
-                    bytes,
-                    ns::ncclDataType_t::ncclUint8,
-                    peer as i32,
-                    self.comm,
-                    stream as _,
-                );
-                if !matches!(
-                    r,
-                    ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
-                ) {
-                    failed = Some(format!("ncclSend to rank {peer}: {r:?}"));
-                    break;
-                }
-            }
-            if failed.is_none() {
-                for &(peer, addr, bytes) in recvs.iter().filter(|s| s.2 > 0) {
+            // Sends, then receives; the first failure stops the posting.
+            let post = |&(peer, addr, bytes): &super::Transfer, send: bool| {
+                let (r, what) = if send {
+                    let r = ns::ncclSend(
+                        addr as *const _,
+                        bytes,
+                        ns::ncclDataType_t::ncclUint8,
+                        peer as i32,
+                        self.comm,
+                        stream as _,
+                    );
+                    (r, "ncclSend to")
+                } else {
                     let r = ns::ncclRecv(
                         addr as *mut _,
                         bytes,
@@ -498,15 +497,19 @@ mod imp {
                         self.comm,
                         stream as _,
                     );
-                    if !matches!(
-                        r,
-                        ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress
-                    ) {
-                        failed = Some(format!("ncclRecv from rank {peer}: {r:?}"));
-                        break;
-                    }
+                    (r, "ncclRecv from")
+                };
+                match r {
+                    ns::ncclResult_t::ncclSuccess | ns::ncclResult_t::ncclInProgress => None,
+                    r => Some(format!("{what} rank {peer}: {r:?}")),
                 }
-            }
+            };
+            let failed = sends
+                .iter()
+                .map(|t| (t, true))
+                .chain(recvs.iter().map(|t| (t, false)))
+                .filter(|(t, _)| t.2 > 0)
+                .find_map(|(t, send)| post(t, send));
             // The group is always closed, also after a failed enqueue.
             let end = ns::ncclGroupEnd();
             if let Some(f) = failed {

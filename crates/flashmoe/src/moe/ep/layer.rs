@@ -351,12 +351,18 @@ impl ExpertParallelMoe {
             record(self.ev_counts, self.comm_stream)?;
         }
         // The own rows for the own experts run in place (x_perm → h → y at their rows),
-        // weights at the expert's slice; `part` = local experts [a, b), `grid` = their rows.
-        let own = |part: std::ops::Range<usize>, grid: usize| {
-            (
+        // weights at the expert's slice: local experts `part`, `grid` = their rows (none:
+        // nothing to enqueue).
+        let (experts, first_expert) = (&self.experts, self.placement.first(r));
+        let own = |part: std::ops::Range<usize>, grid: usize| -> Result<()> {
+            if grid == 0 {
+                return Ok(());
+            }
+            experts.enqueue_row_gemms(
+                stream,
                 (
                     x_perm,
-                    offsets + 4 * (self.placement.first(r) + part.start) as u64,
+                    offsets + 4 * (first_expert + part.start) as u64,
                     h,
                     y,
                 ),
@@ -365,17 +371,21 @@ impl ExpertParallelMoe {
                     w2 + part.start as u64 * w2_expert,
                 ),
                 (rows, grid, part.len()),
+                select(grid, part.len(), local),
             )
         };
         let x = if let Some(comm) = self.comm.as_mut() {
             comm.wait(self.ev_counts, "the expert counts of every rank")?;
+            // Bad counts leave the peers waiting for transfers that will not come: abort,
+            // so every rank gets an error rather than only this one.
             let x = Exchange::new(
                 &self.placement,
                 r,
                 self.host_counts.as_slice(),
                 self.chunks,
                 self.recv_capacity,
-            )?;
+            )
+            .inspect_err(|_| comm.abort())?;
             self.host_offsets
                 .as_mut_slice()
                 .copy_from_slice(&x.recv_offsets);
@@ -401,16 +411,7 @@ impl ExpertParallelMoe {
             let rest = first.end..local;
             let rows_of =
                 |p: &std::ops::Range<usize>| x.own_offsets[p.end] - x.own_offsets[p.start];
-            let (bufs, wts, dims) = own(first.clone(), rows_of(&first));
-            if dims.1 > 0 {
-                self.experts.enqueue_row_gemms(
-                    stream,
-                    bufs,
-                    wts,
-                    dims,
-                    select(dims.1, dims.2, local),
-                )?;
-            }
+            own(first.clone(), rows_of(&first))?;
             // 4b. each chunk's GEMMs as it arrives.
             for ch in 0..self.chunks {
                 wait_on(stream, self.ev_disp[ch])?;
@@ -434,16 +435,7 @@ impl ExpertParallelMoe {
                 }
                 record(self.ev_gemm[ch], stream)?;
             }
-            let (bufs, wts, dims) = own(rest.clone(), rows_of(&rest));
-            if dims.1 > 0 {
-                self.experts.enqueue_row_gemms(
-                    stream,
-                    bufs,
-                    wts,
-                    dims,
-                    select(dims.1, dims.2, local),
-                )?;
-            }
+            own(rest.clone(), rows_of(&rest))?;
             // 4c. the outputs back, chunk by chunk: y_recv rows to their source, this
             // rank's rows from their experts' ranks into y.
             for ch in 0..self.chunks {
@@ -455,10 +447,8 @@ impl ExpertParallelMoe {
             wait_on(stream, self.ev_ret[self.chunks - 1])?;
             x
         } else {
-            // One rank: every row is its own (the grid covers all of them).
-            let (bufs, wts, dims) = own(0..local, rows);
-            self.experts
-                .enqueue_row_gemms(stream, bufs, wts, dims, select(rows, local, local))?;
+            // One rank: every row is its own.
+            own(0..local, rows)?;
             Exchange::single_rank(rows, local)
         };
         // 5. combine in token order (no shared expert: y is passed as its unread pointer).
