@@ -79,6 +79,13 @@ for s in "$@"; do
                       --preset deepseek-v3 --tokens 512 --rounds 1 --timeout 20 --out /tmp/ep-fault-$f
                     cp /tmp/ep-fault-$f/ep-deepseek-v3-2gpu.md "$OUT/ep-fault-$f.md" 2>/dev/null
                   done ;;
+    # A Python plug-in on the GPU (issue 24 item 2): torch SDPA as `py:` implementations, one
+    # correct (forward) and one with SDPA's top-left causal mask (top_left: the gate must
+    # reject it on the Sq != Sk causal config).
+    plugin-gpu)   stage plugin-gpu 300 $BIN bench attention --config configs/attention-gqa.toml --no-baselines \
+                    --impl flashmoe-sm90,py:python/plugin_examples/torch_sdpa.py:forward,py:python/plugin_examples/torch_sdpa.py:top_left \
+                    --max-time 3 --out /tmp/plugin-gpu
+                  cp /tmp/plugin-gpu/results.md "$OUT/plugin-gpu.md" 2>/dev/null ;;
     ep-1gpu)      stage ep-1gpu 200 $BIN bench moe --gpus 1 --preset deepseek-v3 --tokens 4096 \
                     --rounds 5 --timeout 60 --out /tmp/ep-1gpu
                   cp /tmp/ep-1gpu/ep-deepseek-v3-1gpu.md "$OUT/" 2>/dev/null ;;
