@@ -305,8 +305,7 @@ pub fn compare_against_old(run: &RunResults, opts: &CompareOptions) -> CompareRe
                 ));
                 continue;
             }
-            // Same run, same rounds: sample i of each was taken back to back (paired).
-            let comparison = stats::compare_paired(&old.samples_ms, &new.samples_ms, &vopts);
+            let comparison = stats::compare_samples(&old.samples_ms, &new.samples_ms, &vopts);
             let verdict: CrossRunVerdict = comparison.verdict.into();
             match verdict {
                 CrossRunVerdict::Slower => rep.regressions += 1,

@@ -720,11 +720,6 @@ pub struct Comparison {
     /// Hodges-Lehmann shift baseline − candidate in ms (> 0: candidate faster).
     pub hodges_lehmann_ms: f64,
     pub verdict: Verdict,
-    /// The samples were paired by round ([`compare_paired`]): `speedup` is the median of
-    /// the per-round ratios and `mann_whitney` holds the Wilcoxon signed-rank test of
-    /// their logarithms (`u` = W+).
-    #[serde(default)]
-    pub paired: bool,
 }
 
 /// The verdict rule, given the speedup interval (estimate and CI) and the
@@ -773,88 +768,6 @@ pub fn compare_samples(baseline: &[f64], candidate: &[f64], opts: &VerdictOption
         cliffs_delta: cliffs_delta(baseline, candidate),
         hodges_lehmann_ms: hodges_lehmann(baseline, candidate),
         verdict: verdict(&speedup, mann_whitney.p_value, opts.threshold, opts.alpha),
-        paired: false,
-    }
-}
-
-/// Wilcoxon signed-rank test of `d` against 0, two-sided: zeros dropped (Wilcoxon's
-/// method), average ranks for ties, normal approximation with the tie-corrected variance
-/// and continuity correction 0.5. Returned as (W+, z, p) in a [`MannWhitney`]. Fewer
-/// than one nonzero difference gives p = 1.
-pub fn wilcoxon_signed_rank(d: &[f64]) -> MannWhitney {
-    let mut nz: Vec<f64> = d
-        .iter()
-        .copied()
-        .filter(|x| *x != 0.0 && x.is_finite())
-        .collect();
-    let n = nz.len();
-    if n == 0 {
-        return MannWhitney {
-            u: 0.0,
-            z: 0.0,
-            p_value: 1.0,
-        };
-    }
-    nz.sort_unstable_by(|a, b| a.abs().total_cmp(&b.abs()));
-    let (mut w_plus, mut ties) = (0.0, 0.0);
-    let mut i = 0;
-    while i < n {
-        let mut j = i + 1;
-        while j < n && nz[j].abs() == nz[i].abs() {
-            j += 1;
-        }
-        let rank = (i + j + 1) as f64 / 2.0; // average of ranks i+1 ..= j
-        let t = (j - i) as f64;
-        ties += t * t * t - t;
-        w_plus += rank * nz[i..j].iter().filter(|x| **x > 0.0).count() as f64;
-        i = j;
-    }
-    let nf = n as f64;
-    let mean = nf * (nf + 1.0) / 4.0;
-    let var = nf * (nf + 1.0) * (2.0 * nf + 1.0) / 24.0 - ties / 48.0;
-    if var <= 0.0 {
-        return MannWhitney {
-            u: w_plus,
-            z: 0.0,
-            p_value: 1.0,
-        };
-    }
-    let dev = (w_plus - mean).abs() - 0.5;
-    let z = dev.max(0.0) / var.sqrt() * (w_plus - mean).signum();
-    MannWhitney {
-        u: w_plus,
-        z,
-        p_value: (2.0 * normal_sf(z.abs())).min(1.0),
-    }
-}
-
-/// Like [`compare_samples`] for samples taken in the same rounds (`baseline[i]` and
-/// `candidate[i]` back to back, as the interleaved sampler takes them): the speedup is the
-/// median of the per-round ratios baseline[i] / candidate[i] with a bootstrap CI over
-/// rounds, and the test is the Wilcoxon signed-rank test of their logarithms. Pairing
-/// cancels what the machine does to both halves of a round (load from other processes,
-/// clock changes), which an unpaired comparison counts as noise. Unequal lengths (not
-/// paired) fall back to [`compare_samples`].
-pub fn compare_paired(baseline: &[f64], candidate: &[f64], opts: &VerdictOptions) -> Comparison {
-    if baseline.len() != candidate.len() || baseline.len() < 2 {
-        return compare_samples(baseline, candidate, opts);
-    }
-    let ratios: Vec<f64> = baseline.iter().zip(candidate).map(|(b, c)| b / c).collect();
-    let r = MedianResampler::new(&ratios);
-    let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
-    let mut stats: Vec<f64> = (0..opts.resamples)
-        .map(|_| r.resample_median(&mut rng))
-        .collect();
-    let speedup = percentile_interval(r.median(), &mut stats, 1.0 - opts.alpha);
-    let logs: Vec<f64> = ratios.iter().map(|x| x.ln()).collect();
-    let test = wilcoxon_signed_rank(&logs);
-    Comparison {
-        speedup,
-        mann_whitney: test,
-        cliffs_delta: cliffs_delta(baseline, candidate),
-        hodges_lehmann_ms: hodges_lehmann(baseline, candidate),
-        verdict: verdict(&speedup, test.p_value, opts.threshold, opts.alpha),
-        paired: true,
     }
 }
 
@@ -1175,71 +1088,5 @@ mod tests {
         assert_eq!(cross_run_verdict(Same, Unclear), X::Same);
         assert_eq!(cross_run_verdict(Unclear, Same), X::Unclear);
         assert_eq!(X::EnvDrift.to_string(), "ENV-DRIFT");
-    }
-}
-
-#[cfg(test)]
-mod paired_tests {
-    use super::*;
-
-    fn opts() -> VerdictOptions {
-        VerdictOptions {
-            threshold: 0.05,
-            alpha: 0.05,
-            resamples: 2000,
-            seed: 7,
-        }
-    }
-
-    /// Round-to-round drift shared by both halves of a round (±30%) hides a 10% slowdown
-    /// from the unpaired comparison but not from the paired one; with no slowdown the
-    /// paired comparison does not invent one.
-    #[test]
-    fn pairing_cancels_shared_drift() {
-        let mut state = 0x1234_5678u64;
-        let mut u = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (state >> 11) as f64 / (1u64 << 53) as f64
-        };
-        let n = 60;
-        let drift: Vec<f64> = (0..n).map(|_| 1.0 + 0.6 * (u() - 0.5)).collect();
-        let jitter = |u: &mut dyn FnMut() -> f64| 1.0 + 0.02 * (u() - 0.5);
-        let old: Vec<f64> = drift.iter().map(|d| 10.0 * d * jitter(&mut u)).collect();
-        let slow: Vec<f64> = drift.iter().map(|d| 11.0 * d * jitter(&mut u)).collect();
-        let same: Vec<f64> = drift.iter().map(|d| 10.0 * d * jitter(&mut u)).collect();
-        assert_eq!(
-            compare_paired(&old, &slow, &opts()).verdict,
-            Verdict::Slower
-        );
-        assert_ne!(
-            compare_samples(&old, &slow, &opts()).verdict,
-            Verdict::Slower
-        );
-        let aa = compare_paired(&old, &same, &opts());
-        assert_ne!(aa.verdict, Verdict::Slower);
-        assert_ne!(aa.verdict, Verdict::Faster);
-        assert!(
-            aa.paired && (aa.speedup.estimate - 1.0).abs() < 0.02,
-            "{:?}",
-            aa.speedup
-        );
-        // Unequal lengths are not paired.
-        assert!(!compare_paired(&old, &slow[..10], &opts()).paired);
-    }
-
-    #[test]
-    fn signed_rank_matches_a_hand_computed_case() {
-        // d = [1, -2, 3, 4, -5]: ranks 1..5, W+ = 1 + 3 + 4 = 8, mean 7.5, var 13.75.
-        let t = wilcoxon_signed_rank(&[1.0, -2.0, 3.0, 4.0, -5.0]);
-        assert_eq!(t.u, 8.0);
-        assert!((t.z - 0.0).abs() < 1e-12, "{}", t.z); // |8 - 7.5| - 0.5 = 0
-        assert!((t.p_value - 1.0).abs() < 1e-12);
-        // All positive, n = 10: W+ = 55, z = (55 - 27.5 - 0.5) / sqrt(96.25).
-        let t = wilcoxon_signed_rank(&(1..=10).map(|i| i as f64).collect::<Vec<_>>());
-        assert!((t.z - 27.0 / 96.25f64.sqrt()).abs() < 1e-12);
-        assert!(t.p_value < 0.01);
-        assert_eq!(wilcoxon_signed_rank(&[0.0, 0.0]).p_value, 1.0);
     }
 }
