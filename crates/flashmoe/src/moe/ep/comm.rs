@@ -90,6 +90,40 @@ pub fn nccl_version() -> Result<String> {
     imp::version()
 }
 
+/// How a deadline-bound poll ended without success.
+enum PollEnd {
+    /// The probe reported an error.
+    Failed(String),
+    TimedOut,
+}
+
+/// Call `probe` until it reports done (Ok(true)), an error, or `timeout` passed: spin
+/// briefly, then sleep 50 µs between probes (the waits are milliseconds; the first
+/// microseconds matter for the count exchange).
+fn poll(
+    timeout: Duration,
+    mut probe: impl FnMut() -> std::result::Result<bool, String>,
+) -> std::result::Result<(), PollEnd> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        match probe() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(PollEnd::Failed(e)),
+        }
+        if start.elapsed() > timeout {
+            return Err(PollEnd::TimedOut);
+        }
+        spins += 1;
+        if spins < 2000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
 /// One point-to-point transfer: (peer rank, device address, bytes).
 pub type Transfer = (usize, u64, usize);
 
@@ -185,47 +219,36 @@ impl Communicator {
     /// error or past the timeout, abort the communicator and return an error naming
     /// `what` (the communicator is unusable afterwards).
     pub(crate) fn wait(&mut self, event: crate::gpu::raw::RawEvent, what: &str) -> Result<()> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
+        let inner = &self.inner;
+        let ended = poll(self.timeout, || {
             // SAFETY: `event` is a live event of the communicator's context (caller).
             match unsafe { cudarc::driver::sys::cuEventQuery(event) } {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => {
-                    self.inner.abort();
-                    return Err(Error::cuda(
-                        format!("cuEventQuery while waiting for {what}"),
-                        format!("{e:?}"),
-                    ));
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => Ok(true),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    inner.async_error().map(|_| false)
                 }
+                e => Err(format!("cuEventQuery: {e:?}")),
             }
-            if let Err(e) = self.inner.async_error() {
+        });
+        let label = format!("rank {} of {}", self.rank, self.world);
+        match ended {
+            Ok(()) => Ok(()),
+            Err(end) => {
                 self.inner.abort();
-                return Err(Error::cuda(
-                    format!(
-                        "rank {} of {}: NCCL while waiting for {what}",
-                        self.rank, self.world
+                Err(match end {
+                    PollEnd::Failed(e) => Error::cuda(
+                        format!("{label}: while waiting for {what}"),
+                        format!("{e}; communicator aborted"),
                     ),
-                    format!("{e}; communicator aborted"),
-                ));
-            }
-            if start.elapsed() > self.timeout {
-                self.inner.abort();
-                return Err(Error::cuda(
-                    format!("rank {} of {}: waiting for {what}", self.rank, self.world),
-                    format!(
-                        "not complete after {:.1} s (a peer died, hung or called with a \
-                         different sequence of layers); communicator aborted",
-                        self.timeout.as_secs_f64()
+                    PollEnd::TimedOut => Error::cuda(
+                        format!("{label}: waiting for {what}"),
+                        format!(
+                            "not complete after {:.1} s (a peer died, hung or called with a \
+                             different sequence of layers); communicator aborted",
+                            self.timeout.as_secs_f64()
+                        ),
                     ),
-                ));
-            }
-            spins += 1;
-            if spins < 2000 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
+                })
             }
         }
     }
@@ -253,7 +276,7 @@ mod imp {
     use crate::gpu::{Device, RawStream};
     use cudarc::nccl::{result as nr, sys as ns};
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     pub(super) struct Comm {
         comm: ns::ncclComm_t,
@@ -385,38 +408,22 @@ mod imp {
         /// Poll until the last call took effect: Ok when NCCL reports success, an error
         /// (communicator aborted) on an NCCL error or past the timeout.
         fn settle(&self, what: &str) -> Result<()> {
-            let start = Instant::now();
-            let mut spins = 0u32;
-            loop {
-                match self.state() {
-                    Ok(true) => return Ok(()),
-                    Ok(false) => {}
-                    Err(e) => {
-                        self.abort();
-                        return Err(Error::cuda(
-                            format!("{}: {what}", self.label),
-                            format!("{e}; communicator aborted"),
-                        ));
-                    }
-                }
-                if start.elapsed() > self.timeout {
-                    self.abort();
-                    return Err(Error::cuda(
-                        format!("{}: {what}", self.label),
-                        format!(
-                            "still in progress after {:.1} s (a peer died, hung or never \
-                             joined); communicator aborted",
-                            self.timeout.as_secs_f64()
-                        ),
-                    ));
-                }
-                spins += 1;
-                if spins < 1000 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-            }
+            let end = match super::poll(self.timeout, || self.state()) {
+                Ok(()) => return Ok(()),
+                Err(end) => end,
+            };
+            self.abort();
+            Err(Error::cuda(
+                format!("{}: {what}", self.label),
+                match end {
+                    super::PollEnd::Failed(e) => format!("{e}; communicator aborted"),
+                    super::PollEnd::TimedOut => format!(
+                        "still in progress after {:.1} s (a peer died, hung or never \
+                         joined); communicator aborted",
+                        self.timeout.as_secs_f64()
+                    ),
+                },
+            ))
         }
 
         /// Ok(true): idle and healthy; Ok(false): a call is still in progress.
