@@ -106,11 +106,30 @@ def _note_version(p, name):
 class Attn:
     """The attention problem as the package builders need it."""
 
-    def __init__(self, torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale):
+    def __init__(self, torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale, window=(-1, -1), softcap=0.0):
         self.torch = torch
         self.q, self.k, self.v = q, k, v  # (B, S, H, D) contiguous
         self.b, self.hq, self.hkv, self.sq, self.sk, self.d = b, hq, hkv, sq, sk, d
         self.causal, self.scale = causal, scale
+        # (left, right) around the bottom-right diagonal, causal folded in (right 0); -1
+        # unbounded. softcap 0 = off.
+        self.window, self.softcap = tuple(window), float(softcap)
+
+    def windowed(self):
+        """A window edge besides the causal diagonal."""
+        return self.window[0] >= 0 or self.window[1] > 0
+
+    def fa_window_kwargs(self, none_for_unbounded):
+        """FlashAttention's causal / window_size / softcap arguments (FA4 writes an unbounded
+        side as None, FA2/FA3 as -1)."""
+        kw = {"causal": self.causal}
+        if self.windowed():
+            un = None if none_for_unbounded else -1
+            kw = {"causal": False,
+                  "window_size": tuple(un if w < 0 else w for w in self.window)}
+        if self.softcap > 0:
+            kw["softcap"] = self.softcap
+        return kw
 
     def expanded_kv(self):
         g = self.hq // self.hkv
@@ -126,12 +145,13 @@ def _checked_lse(a, p, lse, lse_check, base2_ok=False):
     mode = "none" if not a.causal else ("square" if a.sq == a.sk else "lower_right")
     qh, kh = a.q.transpose(1, 2), a.k.transpose(1, 2)
     lse = lse.float().reshape(a.b, a.hq, a.sq)
-    ok, why = lse_check(lse, qh, kh, a.scale, mode, a.sq, a.sk)
+    extra = {"window": a.window, "softcap": a.softcap}
+    ok, why = lse_check(lse, qh, kh, a.scale, mode, a.sq, a.sk, **extra)
     if ok:
         return lse
     if base2_ok:
         lse_e = lse * math.log(2.0)
-        ok2, _ = lse_check(lse_e, qh, kh, a.scale, mode, a.sq, a.sk)
+        ok2, _ = lse_check(lse_e, qh, kh, a.scale, mode, a.sq, a.sk, **extra)
         if ok2:
             if not any("base-2" in n for n in p.notes):
                 p.notes.append("the package's LSE is base 2: converted to natural log for the gate")
@@ -149,6 +169,8 @@ def _timed_first_call(call):
 
 def build_attention(name, p, a, sync, lse_check):
     """Set p.fn / p.check / p.outputs for the package baseline `name` on problem `a`."""
+    if (a.windowed() or a.softcap > 0) and name in ("xformers", "flashinfer-prefill"):
+        raise Unavailable(f"{name}: sliding window / softcap not wired into this baseline")
     if name == "fa4":
         _fa4(p, a, sync, lse_check)
     elif name == "fa3":
@@ -169,8 +191,10 @@ def _fa4(p, a, sync, lse_check):
 
     # return_lse in the timed call too: flashmoe's kernel writes the LSE as well, and one
     # compiled variant serves both calls (the LSE is B·H·S floats, noise in the traffic).
+    kw = a.fa_window_kwargs(none_for_unbounded=True)
+
     def fn():
-        return f(q, k, v, softmax_scale=a.scale, causal=a.causal, return_lse=True)
+        return f(q, k, v, softmax_scale=a.scale, return_lse=True, **kw)
 
     try:
         p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
@@ -198,8 +222,10 @@ def _fa3(p, a, lse_check):
     fa3 = _import("fa3")
     q, k, v = a.q, a.k, a.v
 
+    kw = a.fa_window_kwargs(none_for_unbounded=False)
+
     def fn():
-        return fa3.flash_attn_func(q, k, v, softmax_scale=a.scale, causal=a.causal)
+        return fa3.flash_attn_func(q, k, v, softmax_scale=a.scale, **kw)
 
     def check():
         r = fn()

@@ -368,6 +368,19 @@ def lower_right_mask(sq, sk, device):
     return j <= i + (sk - sq)
 
 
+def window_mask(sq, sk, left, right, device):
+    """Boolean (Sq, Sk) mask of a sliding window around the bottom-right diagonal d = i +
+    Sk - Sq: True where d - left <= j <= d + right (-1: that side unbounded)."""
+    d = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    m = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        m &= j <= d + right
+    if left >= 0:
+        m &= j >= d - left
+    return m
+
+
 class Worker:
     def __init__(self, device, hello):
         self.device = device
@@ -680,6 +693,14 @@ class Worker:
         gqa = hq != hkv
         mode = "none" if not causal else ("square" if sq == sk else "lower_right")
         p.outputs = ["o", "lse"]
+        # Sliding window (left, right; causal bounds the right side at 0) and softcap.
+        window = tuple(pr.get("window") or (-1, -1))
+        left, right = int(window[0]), (0 if causal else int(window[1]))
+        softcap = float(pr.get("softcap") or 0.0)
+        windowed = left >= 0 or right > 0
+        if (windowed or softcap > 0) and (p.impl.startswith("sdpa-") or p.impl in DECODE_IMPLS):
+            raise NotApplicable("no sliding-window or softcap option (a dense mask would also "
+                                "time the hidden keys)")
 
         def to_bshd(o):
             return o.transpose(1, 2)
@@ -687,14 +708,14 @@ class Worker:
         if p.impl.startswith("sdpa-"):
             self.build_sdpa(p, b, hq, sq, sk, d, gqa, mode, scale, to_bshd)
         elif p.impl == "flex":
-            self.build_flex(p, sq, sk, gqa, causal, scale, to_bshd)
+            self.build_flex(p, sq, sk, gqa, causal, scale, to_bshd, (left, right), softcap)
         elif p.impl in DECODE_IMPLS:
             self.build_kvcache(p, b, hq, hkv, sq, sk, d, causal, scale)
         elif p.impl in PACKAGE_ATTENTION_IMPLS:
             if not self.cuda:
                 raise NotApplicable(f"{p.impl} needs CUDA")
             q, k, v = self.bshd_inputs(p)
-            a = pk.Attn(torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale)
+            a = pk.Attn(torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale, (left, right), softcap)
             try:
                 pk.build_attention(p.impl, p, a, self.sync, spot_check_lse)
             except pk.Unavailable as e:
@@ -708,11 +729,16 @@ class Worker:
             q, k, v = self.attention_layouts(p.inputs, expand=gqa)
             if gqa:
                 p.notes.append("K/V heads expanded to Hq outside the timed region")
-            mask = lower_right_mask(sq, sk, self.device) if causal else None
+            if windowed:
+                mask = window_mask(sq, sk, left, right, self.device)
+            else:
+                mask = lower_right_mask(sq, sk, self.device) if causal else None
 
             def scores():
                 s = torch.matmul(q, k.transpose(-1, -2)).float()
                 s.mul_(scale)
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
                 if mask is not None:
                     s.masked_fill_(~mask, float("-inf"))
                 return s
@@ -884,7 +910,7 @@ class Worker:
         p.notes.append("FlashInfer batch decode over the dense cache as pages of 16 (identity table); "
                        "LSE not reported (O checked only)")
 
-    def build_flex(self, p, sq, sk, gqa, causal, scale, to_bshd):
+    def build_flex(self, p, sq, sk, gqa, causal, scale, to_bshd, window=(-1, -1), softcap=0.0):
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         except Exception as e:  # noqa: BLE001
@@ -904,15 +930,28 @@ class Worker:
                     pass
         q, k, v = self.attention_layouts(p.inputs, expand=False)
         block_mask = None
-        if causal:
+        left, right = window
+        if causal or left >= 0 or right >= 0:
             offset = sk - sq
+            right = 0 if causal else right
 
             def mask_mod(b_, h_, q_idx, kv_idx):
-                return kv_idx <= q_idx + offset
+                d = q_idx + offset
+                keep = kv_idx >= 0
+                if right >= 0:
+                    keep = keep & (kv_idx <= d + right)
+                if left >= 0:
+                    keep = keep & (kv_idx >= d - left)
+                return keep
 
             block_mask = create_block_mask(mask_mod, None, None, sq, sk, device=self.device)
         compiled = torch.compile(flex_attention, dynamic=False)
         kw = {"block_mask": block_mask, "scale": scale}
+        if softcap > 0:
+            def score_mod(score, b_, h_, q_idx, kv_idx):
+                return softcap * torch.tanh(score / softcap)
+
+            kw["score_mod"] = score_mod
         if gqa:
             kw["enable_gqa"] = True
         base_kw = dict(kw)
@@ -1085,8 +1124,9 @@ class Worker:
             raise NotApplicable(f"unknown MoE implementation '{p.impl}'")
 
 
-def spot_check_lse(lse, q, k, scale, mode, sq, sk, rows=64):
-    """Compare a backend's LSE with an fp32 recomputation on a few rows (cheap)."""
+def spot_check_lse(lse, q, k, scale, mode, sq, sk, rows=64, window=(-1, -1), softcap=0.0):
+    """Compare a backend's LSE with an fp32 recomputation on a few rows (cheap). `window`
+    (left, right) around the bottom-right diagonal, -1 unbounded; `softcap` 0 = off."""
     b, hq = lse.shape[0], lse.shape[1]
     hkv = k.shape[1]
     g = hq // hkv
@@ -1097,8 +1137,14 @@ def spot_check_lse(lse, q, k, scale, mode, sq, sk, rows=64):
         bi, rem = divmod(idx, hq * sq)
         hi, i = divmod(rem, sq)
         s = (k[bi, hi // g].float() @ q[bi, hi, i].float()) * scale
-        if mode != "none":
-            s[i + (sk - sq) + 1:] = float("-inf")
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        d = i + (sk - sq)
+        right = 0 if mode != "none" else window[1]
+        if right >= 0:
+            s[max(0, d + right + 1):] = float("-inf")
+        if window[0] >= 0:
+            s[:max(0, min(sk, d - window[0]))] = float("-inf")
         ref = torch.logsumexp(s, dim=0).item()
         got = lse[bi, hi, i].item()
         if math.isinf(ref) and math.isinf(got):

@@ -89,6 +89,8 @@ fn main() -> Res<()> {
                 heads_kv: h,
                 causal,
                 softmax_scale: None,
+                window: flashmoe::problem::NO_WINDOW,
+                softcap: 0.0,
             };
             let t =
                 |x: &CudaSlice<u16>, sh: &[usize]| RawTensor::contiguous(addr(x), DType::Bf16, sh);

@@ -30,7 +30,7 @@ impl Suite {
     }
 }
 
-pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003"];
+pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003", "window"];
 pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "deepseek-v3"];
 pub const DECODE_PRESETS: &[&str] = &["decode", "paged"];
 
@@ -134,6 +134,53 @@ fn token_sweep(
     v
 }
 
+/// The `window` preset: sliding windows and softcap beside plain attention of the same
+/// visible length (issue 22's cost target). Per head dim, GQA 32/8:
+/// - plain non-causal Sq = S, Sk = W + 1 (every row sees W + 1 keys) and a causal window of
+///   W to the left at Sq = Sk = S (rows see up to W + 1 keys);
+/// - the same window with softcap 50;
+/// - non-causal and causal, plain and with softcap 50, on one shape.
+///
+/// GPU: S = 16384, W = 4095, softcap shapes B = 4, S = 4096. CPU: S = 1024, W = 255,
+/// B = 1, S = 512, 4 / 2 heads.
+fn window_table(gpu: bool) -> Vec<ProblemSpec> {
+    let (s, w, b2, s2, hq, hkv) = if gpu {
+        (16384, 4095, 4, 4096, 32, 8)
+    } else {
+        (1024, 255, 1, 512, 4, 2)
+    };
+    let p = |b, sq, sk, d, causal, window, softcap| {
+        ProblemSpec::Attention(AttentionProblem {
+            batch: b,
+            heads_q: hq,
+            heads_kv: hkv,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            head_dim: d,
+            causal,
+            dtype: DType::Bf16,
+            softmax_scale: None,
+            window,
+            softcap,
+        })
+    };
+    let none = flashmoe::problem::NO_WINDOW;
+    let win = (w as i32, -1);
+    let mut v = Vec::new();
+    for d in [128, 64] {
+        v.extend([
+            p(1, s, w + 1, d, false, none, 0.0),
+            p(1, s, s, d, true, win, 0.0),
+            p(1, s, s, d, true, win, 50.0),
+            p(b2, s2, s2, d, false, none, 0.0),
+            p(b2, s2, s2, d, false, none, 50.0),
+            p(b2, s2, s2, d, true, none, 0.0),
+            p(b2, s2, s2, d, true, none, 50.0),
+        ]);
+    }
+    v
+}
+
 fn moe(
     tokens: &[usize],
     hidden: usize,
@@ -191,6 +238,7 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
         (Suite::Attention, "sweep", false) => {
             token_sweep(2048, 256, &[64, 128], &[128, 256, 512, 1024, 2048], Bf16)
         }
+        (Suite::Attention, "window", gpu) => window_table(gpu),
         (Suite::Attention, "seed002", _) => vec![
             attn(32, 8, 512, 64, false, F16),
             attn(32, 8, 512, 64, true, F16),
@@ -238,6 +286,20 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
     })
 }
 
+/// (causal, window, softcap) of the check's window cases: windows narrower than a key tile
+/// and wider than a work tile, one-sided either way, right > 0, softcap alone and with a
+/// window. Window sides touch both ends of the short lengths.
+pub const WINDOW_CHECK_CASES: [(bool, (i32, i32), f32); 8] = [
+    (true, (256, -1), 0.0),
+    (false, (64, 64), 0.0),
+    (true, (-1, -1), 30.0),
+    (false, (-1, 37), 0.0),
+    (true, (100, 0), 50.0),
+    (true, (0, -1), 0.0),
+    (false, (200, -1), 0.0),
+    (false, (-1, -1), 5.0),
+];
+
 /// Shapes for `flashmoe check`: every feature on small sizes (all run against the CPU f64
 /// reference). `quick` keeps one representative per feature.
 pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Vec<ProblemSpec> {
@@ -266,8 +328,38 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
                                     causal,
                                     dtype,
                                     softmax_scale: None,
+                                    window: flashmoe::problem::NO_WINDOW,
+                                    softcap: 0.0,
                                 }));
                             }
+                        }
+                    }
+                }
+            }
+            // Sliding windows and softcap, at the sm_90a kernel's head dims (the v1 kernel
+            // skips them): GQA 4, both dtypes (quick: bf16, the first five cases).
+            let cases = if quick {
+                &WINDOW_CHECK_CASES[..5]
+            } else {
+                &WINDOW_CHECK_CASES[..]
+            };
+            for &dtype in if quick { &dtypes[..1] } else { &dtypes[..] } {
+                for d in [64, 128] {
+                    for &(causal, window, softcap) in cases {
+                        for &(sq, sk) in seqlens {
+                            v.push(ProblemSpec::Attention(AttentionProblem {
+                                batch: 1,
+                                heads_q: 8,
+                                heads_kv: 2,
+                                seqlen_q: sq,
+                                seqlen_k: sk,
+                                head_dim: d,
+                                causal,
+                                dtype,
+                                softmax_scale: None,
+                                window,
+                                softcap,
+                            }));
                         }
                     }
                 }
@@ -665,6 +757,8 @@ fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<Prob
                         causal,
                         dtype,
                         softmax_scale: e.softmax_scale,
+                        window: flashmoe::problem::NO_WINDOW,
+                        softcap: 0.0,
                     };
                     p.validate()
                         .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;

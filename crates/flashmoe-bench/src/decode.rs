@@ -160,6 +160,8 @@ impl DecodeProblem {
             causal: self.seqlen_q > 1,
             dtype: self.dtype,
             softmax_scale: None,
+            window: flashmoe::problem::NO_WINDOW,
+            softcap: 0.0,
         }
     }
 

@@ -71,6 +71,8 @@ mod api {
             heads_kv: key.heads_kv,
             causal: key.causal,
             softmax_scale: Some(key.softmax_scale()),
+            window: flashmoe::problem::NO_WINDOW,
+            softcap: 0.0,
         }
     }
 

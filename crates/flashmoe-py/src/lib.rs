@@ -220,6 +220,8 @@ fn attention_class(
         heads_kv: hkv,
         causal,
         softmax_scale,
+        window: flashmoe::problem::NO_WINDOW,
+        softcap: 0.0,
     };
     class.problem(1, 1, 1).validate().map_err(py_err)?;
     Ok((class, [rq, rk, rv]))
@@ -317,6 +319,8 @@ fn varlen_args(
         heads_kv: hkv,
         causal,
         softmax_scale,
+        window: flashmoe::problem::NO_WINDOW,
+        softcap: 0.0,
     };
     Ok((class, args))
 }
@@ -776,6 +780,8 @@ impl AttentionPlan {
             heads_kv,
             causal,
             softmax_scale,
+            window: flashmoe::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         class.problem(1, 1, 1).validate().map_err(py_err)?;
         let dev = self::device(device)?;
@@ -874,6 +880,8 @@ impl VarlenPlan {
             heads_kv,
             causal,
             softmax_scale,
+            window: flashmoe::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         class.problem(1, 1, 1).validate().map_err(py_err)?;
         let dev = self::device(device)?;

@@ -110,6 +110,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             heads_kv: s.hkv,
             causal: s.causal,
             softmax_scale: None,
+            window: flashmoe::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         let problem = class.problem(s.batch, s.sq, s.sk);
         let t0 = Instant::now();

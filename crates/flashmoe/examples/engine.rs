@@ -176,6 +176,8 @@ fn run() -> Res<()> {
         heads_kv: HEADS_KV,
         causal: true,
         softmax_scale: None,
+        window: flashmoe::problem::NO_WINDOW,
+        softcap: 0.0,
     };
     let attn = AttentionPlan::new(&dev, class)?;
     let attn_ws = attn.alloc_workspace(&stream)?;

@@ -95,7 +95,7 @@ fn trace_one(
         .find(|t| t.head_dim as usize == problem.head_dim)
         .or_else(|| config::sm90_tile(problem.head_dim))
         .ok_or_else(|| format!("no sm_90a tile for head dim {}", problem.head_dim))?;
-    let mut variant = config::sm90_variant_for(&tile, problem.dtype, problem.causal)?;
+    let mut variant = config::sm90_variant_for(&tile, problem.dtype, config::Masking::of(problem))?;
     variant
         .defines
         .push(("FM_TRACE".to_string(), "1".to_string()));

@@ -7,12 +7,14 @@
 // softmax in fp32 (exact exp2f/log2f, no fast math), O accumulated in fp32.
 //
 // Defines: FM_HEAD_DIM (any 1..256), FM_DTYPE_BF16 (0 = fp16, 1 = bf16 inputs),
-// FM_CAUSAL (0/1), FM_BLOCK_M (warps per block = query rows per block; config.rs uses 1 so
+// FM_CAUSAL (0/1), FM_WINDOW and FM_SOFTCAP (0/1, the parameters and meaning of the sm_90a
+// kernel's: flash_attn_fwd_sm90.cu; here tanhf, not tanh.approx), FM_BLOCK_M (warps per block = query rows per block; config.rs uses 1 so
 // that the row, and so the key loop, is block-uniform: ptxas then emits plain SHFL instead
 // of the divergence-safe shuffle subroutine).
 // ABI (extern "C" attention_reference): same as flash_attn_fwd except o is float*:
 //   (const u16* q, const u16* k, const u16* v, float* o, float* lse,
-//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)
+//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2
+//    [, int window_left, int window_right] [, float softcap_log2])
 // Layouts: q/o (batch, seqlen_q, heads_q, D), k/v (batch, seqlen_k, heads_kv, D),
 // lse (batch, heads_q, seqlen_q), natural log. Grid (ceil(Sq / FM_BLOCK_M), heads_q, batch),
 // block FM_BLOCK_M * 32 threads, no shared memory. Causal is bottom-right aligned: query i
@@ -30,6 +32,12 @@ typedef long long i64;
 #endif
 #ifndef FM_CAUSAL
 #define FM_CAUSAL 0
+#endif
+#ifndef FM_WINDOW
+#define FM_WINDOW 0
+#endif
+#ifndef FM_SOFTCAP
+#define FM_SOFTCAP 0
 #endif
 #ifndef FM_BLOCK_M
 #define FM_BLOCK_M 1
@@ -57,7 +65,16 @@ extern "C" __global__ void __launch_bounds__(FM_BLOCK_M * 32)
     attention_reference(const u16* __restrict__ q, const u16* __restrict__ k,
                         const u16* __restrict__ v, float* __restrict__ o,
                         float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q,
-                        int heads_kv, float softmax_scale_log2) {
+                        int heads_kv, float softmax_scale_log2
+#if FM_WINDOW
+                        ,
+                        int window_left, int window_right
+#endif
+#if FM_SOFTCAP
+                        ,
+                        float softcap_log2
+#endif
+                        ) {
     using namespace fmref;
     const int lane = threadIdx.x & 31;
     const int row = FM_BLOCK_M == 1 ? (int)blockIdx.x : (int)(blockIdx.x * FM_BLOCK_M + (threadIdx.x >> 5));
@@ -78,17 +95,27 @@ extern "C" __global__ void __launch_bounds__(FM_BLOCK_M * 32)
         acc[j] = 0.f;
     }
 
-    // Keys 0 .. n_vis-1 are visible.
+    // Keys lo .. n_vis-1 are visible: up to the (shifted) diagonal when causal, from the
+    // window's lower edge with FM_WINDOW.
+#if !FM_WINDOW
+    const int window_left = 0, window_right = 0;
+#endif
+    const i64 diag = (i64)seqlen_k - seqlen_q + (FM_WINDOW ? window_right : 0);
     int n_vis = seqlen_k;
     if (FM_CAUSAL) {
-        const i64 lim = (i64)row + seqlen_k - seqlen_q + 1;
+        const i64 lim = (i64)row + diag + 1;
         n_vis = (int)(lim < 0 ? 0 : (lim > seqlen_k ? seqlen_k : lim));
+    }
+    int lo = 0;
+    if (FM_WINDOW) {
+        const i64 first = (i64)row + seqlen_k - seqlen_q - window_left;
+        lo = (int)(first < 0 ? 0 : (first > n_vis ? n_vis : first));
     }
 
     const float NEG_INF = __int_as_float(0xff800000);
     float m = NEG_INF;  // running max of s (log2 domain: s = q.k * scale * log2 e)
     float l = 0.f;      // running sum of 2^(s - m)
-    for (int j = 0; j < n_vis; ++j) {
+    for (int j = lo; j < n_vis; ++j) {
         const i64 kv_idx = kv_base + (i64)j * kv_stride;
         float part = 0.f;
 #pragma unroll
@@ -98,7 +125,11 @@ extern "C" __global__ void __launch_bounds__(FM_BLOCK_M * 32)
         }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+#if FM_SOFTCAP
+        const float s = softcap_log2 * tanhf(part * softmax_scale_log2);
+#else
         const float s = part * softmax_scale_log2;
+#endif
         const float m_new = fmaxf(m, s);          // finite: s is finite
         const float corr = exp2f(m - m_new);      // m = -inf on the first key -> 0
         const float p = exp2f(s - m_new);

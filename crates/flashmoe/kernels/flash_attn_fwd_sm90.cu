@@ -56,6 +56,15 @@
 //   causal bottom-right per sequence. A tile's rows past its sequence's end load the next
 //   sequence's rows: keys >= sk are masked in the scores, queries >= sq are not stored.
 //   Work tiles: (sequence, query block, head), see decode_varlen; no split.
+//   FM_WINDOW (sliding window, with FM_CAUSAL): two more int parameters after those,
+//   window_left and window_right (>= 0; a side at least as long as the sequence is
+//   unbounded, the host passes 2^30): row i sees keys j with i + Sk - Sq - left <= j <=
+//   i + Sk - Sq + right (per sequence with FM_VARLEN). The kernel clamps right to Sq and left
+//   to Sk (no change in meaning, no int overflow). Work tiles visit only key tiles some row
+//   of theirs can see (key_tiles in fm90_scheduler.cuh), masked at both ends; no split.
+//   FM_SOFTCAP (logit softcap): one more float parameter, softcap_log2 = softcap * log2 e;
+//   softmax_scale_log2 is then scale / softcap, and the logits are
+//   softcap_log2 * tanh(q.k * softmax_scale_log2) (softcap_tile in fm90_softmax.cuh).
 //   Rows with no visible key: O = 0, LSE = -inf. Same contract as flash_attn_fwd.cu (v1).
 //
 // Roles: warpgroup 0 is the producer (one thread issues every TMA load; the warpgroup gives
@@ -97,6 +106,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                         ,
                         const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
 #endif
+#if FM_WINDOW
+                        ,
+                        int window_left, int window_right
+#endif
+#if FM_SOFTCAP
+                        ,
+                        float softcap_log2
+#endif
                         ) {
     using namespace fm90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -125,8 +142,21 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
     // shared-memory records (tile_record), published by the q_full barrier (its arrive
     // releases the post) and rewritten two tiles later, after q_empty (every consumer thread
     // has read it by then).
+#if !FM_WINDOW
+    constexpr int window_left = 0, window_right = 0;
+#endif
+#if !FM_SOFTCAP
+    constexpr float softcap_log2 = 0.f;
+#endif
+    // The softmax's multiplier of the scores, and with SOFTCAP the tanh's.
+    const float sm_scale = SOFTCAP ? softcap_log2 : softmax_scale_log2;
     const int n_mb = (seqlen_q + BM - 1) / BM;
-    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
+    // Row i sees keys j <= i + diag (causal), and with WINDOW j >= i + lo_shift. (Varlen:
+    // per sequence, from its lengths.)
+    const int right = WINDOW ? min(window_right, seqlen_q) : 0;
+    const int left = WINDOW ? min(window_left, seqlen_k) : 0;
+    const int diag = seqlen_k - seqlen_q + right;
+    const int lo_shift = seqlen_k - seqlen_q - left;
     const int group = heads_q / heads_kv;
     const u32 tile_records = tile_record(base, 0);  // (hoisted: the consumers' address arithmetic)
     SlotPhases ring;
@@ -141,9 +171,10 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             if (O_TMA_STORE) tma_prefetch_desc(&tm_o);
             int* disp = reinterpret_cast<int*>(workspace);
             Producer p{&tm_q, &tm_k, &tm_v, base, group,
-                       make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k)};
+                       make_schedule(n_mb, heads_q, batch_size, seqlen_q, seqlen_k, diag, lo_shift)};
 #if FM_VARLEN
-            p.seqs = VarlenSeqs{cu_seqlens_q, cu_seqlens_k, batch_size, heads_q, seqlen_q, seqlen_k};
+            p.seqs = VarlenSeqs{cu_seqlens_q, cu_seqlens_k, batch_size, heads_q, seqlen_q, seqlen_k, right,
+                                left};
 #endif
             p.rank = draw_rank(disp);
             p.post_next(0);
@@ -186,14 +217,14 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
                 u16* og = o + ((i64)w.q0 * heads_q + w.head) * D;
                 float* lseg = lse + (i64)w.head * seqlen_q + w.q0;
                 consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, w.sq,
-                        w.sk, w.sk - w.sq, softmax_scale_log2, &tm_o, w.head, 0, og, q_stride, lseg, ring, i,
-                        workspace);
+                        w.sk, w.sk - w.sq + right, w.sk - w.sq - left, sm_scale, softmax_scale_log2, &tm_o, w.head, 0, og,
+                        q_stride, lseg, ring, i, workspace);
             } else {
                 u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
                 float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
                 consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split,
-                        seqlen_q, seqlen_k, diag, softmax_scale_log2, &tm_o, w.head, w.batch, og, q_stride, lseg,
-                        ring, i, workspace);
+                        seqlen_q, seqlen_k - w.k0, diag - w.k0, lo_shift - w.k0, sm_scale, softmax_scale_log2, &tm_o, w.head, w.batch,
+                        og, q_stride, lseg, ring, i, workspace);
             }
         }
         // The shared memory the last O stores read must outlive them.

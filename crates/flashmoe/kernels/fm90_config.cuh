@@ -26,6 +26,17 @@
 //                  flash_attn_fwd_sm90.cu): per-sequence lengths, offsets and causal diagonal
 //                  travel in the posted work tile; O is stored without TMA (a box would
 //                  write the next sequence's rows) and the last wave is not split.
+//   FM_WINDOW      1: a sliding window (see the ABI note in flash_attn_fwd_sm90.cu): two int
+//                  parameters window_left, window_right; row i sees keys from
+//                  i + seqlen_k - seqlen_q - left to that + left + right. Needs FM_CAUSAL
+//                  (the upper diagonal, shifted by right; an unbounded right side is a
+//                  right of seqlen_q). Work tiles visit only the key tiles their rows can
+//                  see, and the lowest ones are masked too; the work-tile record carries
+//                  kt_end (varlen: the sequence's key rows start at the first visited tile)
+//                  and the last wave is not split.
+//   FM_SOFTCAP     1: logit softcap, one float parameter softcap_log2 (= softcap * log2 e):
+//                  scores become softcap_log2 * tanh(q.k * softmax_scale_log2), the kernel's
+//                  scale parameter being scale / softcap (tanh.approx.f32, as FlashAttention-3).
 //   FM_TRACE       1: development timeline (fm90_trace.cuh, examples/sm90_trace.rs). Never
 //                  set by the production table.
 // Always on (their switches were retired once every production tile used them; git
@@ -64,6 +75,12 @@
 #ifndef FM_VARLEN
 #define FM_VARLEN 0
 #endif
+#ifndef FM_WINDOW
+#define FM_WINDOW 0
+#endif
+#ifndef FM_SOFTCAP
+#define FM_SOFTCAP 0
+#endif
 #ifndef FM_TRACE
 #define FM_TRACE 0
 #endif
@@ -79,6 +96,8 @@ constexpr int BM = 64 * NCW;
 constexpr int THREADS = 128 * (NCW + 1);
 constexpr bool CAUSAL = FM_CAUSAL != 0;
 constexpr bool VARLEN = FM_VARLEN != 0;
+constexpr bool WINDOW = FM_WINDOW != 0;
+constexpr bool SOFTCAP = FM_SOFTCAP != 0;
 
 constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
@@ -122,6 +141,7 @@ static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192
 static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");
+static_assert(!WINDOW || CAUSAL, "FM_WINDOW runs on the causal path (an unbounded right side is a shift)");
 static_assert(SMEM_BYTES == 1024 + OFF_TILE + 64, "smem formula");
 static_assert(OFF_TILE % 16 == 0, "the posted work tile is two 16-byte shared stores");
 static_assert(!O_TMA_STORE || (OFF_STAGE % 1024 == 0 && STAGE_WARP_BYTES % 1024 == 0),
@@ -171,8 +191,9 @@ struct SlotPhases {
 // cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
 // cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
 // round trip through L2.
-// (Varlen: not split; the work-tile record carries the sequence instead of the split.)
-constexpr bool SPLIT = !CAUSAL && D >= 128 && !VARLEN;
+// (Varlen: not split; the work-tile record carries the sequence instead of the split.
+// Window: not split; work tiles of unequal key ranges.)
+constexpr bool SPLIT = !CAUSAL && D >= 128 && !VARLEN && !WINDOW;
 constexpr int SPLIT_MIN_KV_TILES = 32;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;

@@ -152,9 +152,13 @@ __device__ __forceinline__ void pass_tile(const Bars& bar, int cw, int n_tiles, 
 
 // Consumer warpgroup `cw`: 64 query rows [m0w, m0w + 64) of the work tile just posted
 // (its q_full phase completed: Q landed, or no key is visible and Q was not loaded).
+// diag: the upper diagonal (causal: row r sees keys <= r + diag); lo_shift: WINDOW's lower
+// edge (keys >= r + lo_shift); scale_log2 multiplies the scores in the softmax, and
+// with SOFTCAP cap_pre multiplies them inside the tanh (softcap_tile).
 __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, const Bars& bar, int cw, int m0w,
                                         int n_tiles, int kt_end_posted, int split, int seqlen_q,
-                                        int seqlen_k, int diag, float scale_log2, const FmTensorMap* tm_o, int head,
+                                        int seqlen_k, int diag, int lo_shift, float scale_log2, float cap_pre,
+                                        const FmTensorMap* tm_o, int head,
                                         int batch, u16* __restrict__ og, i64 q_stride, float* __restrict__ lseg,
                                         SlotPhases& ring, int tile_i, unsigned char* ws) {
     const int t = threadIdx.x & 127;
@@ -169,7 +173,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
         return;
     }
     const int row0 = m0w + warp * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
-    // Key tiles visited: kt_end - 1 down to kt_end - n_tiles (all of them unless split).
+    // Key tiles visited: kt_end - 1 down to kt_end - n_tiles (all of them unless split;
+    // WINDOW: seqlen_k and the diagonals are relative to the first visited key).
     const int kt_end = SPLIT ? kt_end_posted : n_tiles;
 
     // Iterations [0, n_masked) are the tiles that need a mask: ragged key tail
@@ -178,6 +183,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     if (CAUSAL) thr = min(thr, m0w + diag - BN + 2);
     const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
     const int n_masked = max(0, kt_end - first_masked);
+    // WINDOW: iterations [left_from, n_tiles) hold keys below the window's lower edge of
+    // this warpgroup's last row (the highest edge), and are masked too.
+    int left_from = n_tiles;
+    const int lo0 = WINDOW ? row0 + lo_shift : 0;  // the lowest key row0 sees (mask_tile)
+    if (WINDOW) {
+        const int lo_last = m0w + 63 + lo_shift;
+        if (lo_last > 0) left_from = kt_end - (lo_last + BN - 1) / BN;
+    }
     // Causal: the first key tiles visited (the highest keys) can lie entirely past the
     // limit of this warpgroup's last row. With 192-row work tiles and 128-key tiles that is
     // one key tile for 1 or 2 of the 3 warpgroups of every work tile. The warpgroup passes
@@ -236,7 +249,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             trace(tile_i, TR_S0);
             release(bar.k_empty(s), lane);
             if (q_last == skip) release_q(bar);  // last S of this work tile
-            if (skip < n_masked) mask_tile(sacc, (kt_end - 1 - skip) * BN, row0, lane, seqlen_k, diag);
+            if (SOFTCAP) softcap_tile(sacc, cap_pre);
+            if (skip < n_masked || (WINDOW && skip >= left_from))
+                mask_tile(sacc, (kt_end - 1 - skip) * BN, row0, lane, seqlen_k, diag, lo0);
             softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
             trace(tile_i, TR_SOFTMAX0);
             mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
@@ -263,7 +278,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                 reg_fence(sacc);
                 release(bar.k_empty(s), lane);
                 if (it == q_last) release_q(bar);  // last S of this work tile
-                if (it < n_masked) mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag);
+                if (SOFTCAP) softcap_tile(sacc, cap_pre);
+                if (it < n_masked || (WINDOW && it >= left_from))
+                    mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag, lo0);
                 const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
                 // V of tile it (needed by the next P V) is waited for here, between the
                 // softmax and the wait for P V of tile it-1, for a second reason: ptxas

@@ -37,6 +37,10 @@ __device__ __forceinline__ void leave_dispenser(int* disp) {
 // VARLEN posts, instead of kt_end and split (never split there), the sequence: its first
 // query and key rows in the packed tensors (q0, k0) and its lengths (sq, sk); m0 and the
 // rows the tile's masks and stores use are relative to the sequence. Dense: q0 = k0 = 0.
+// WINDOW: a tile visits only the key tiles from the one holding the lowest key its first
+// row sees, and its keys start there: k0 is that key row (dense: posted in pad0), so
+// kt_end = n_tiles, and the consumers shift Sk and the diagonals by it (varlen: sk is
+// posted shifted).
 struct WorkTile {
     int m0, head, batch, n_tiles;
     int kt_end, split, pad0, pad1;
@@ -60,6 +64,7 @@ struct WorkTile {
 // The work-tile order of a launch, fixed by the problem and the grid (producer only).
 struct Schedule {
     int total, n_mb, heads_q, seqlen_q, seqlen_k, diag;
+    int lo_shift;  // WINDOW: row i sees keys >= i + lo_shift (diag - the window's lower edge)
     int n_whole;   // ranks [0, n_whole) are whole tiles (rank = tile)
     int n_ranks;   // ranks [n_whole, n_ranks) are the slots of the split tiles (SPLIT)
     int kv_tiles;  // key tiles of every (non-causal) work tile
@@ -70,14 +75,15 @@ struct Schedule {
 // starts and the merge each slot costs: (G - R) idle CTAs x L key tiles >= 2 G iterations,
 // and L >= SPLIT_MIN_KV_TILES (fm90_config.cuh).
 __device__ __forceinline__ Schedule make_schedule(int n_mb, int heads_q, int batch, int seqlen_q,
-                                                  int seqlen_k) {
+                                                  int seqlen_k, int diag, int lo_shift) {
     Schedule sc;
     sc.total = n_mb * heads_q * batch;
     sc.n_mb = n_mb;
     sc.heads_q = heads_q;
     sc.seqlen_q = seqlen_q;
     sc.seqlen_k = seqlen_k;
-    sc.diag = seqlen_k - seqlen_q;
+    sc.diag = diag;
+    sc.lo_shift = lo_shift;
     sc.kv_tiles = (seqlen_k + BN - 1) / BN;
     sc.n_whole = sc.n_ranks = sc.total;
     sc.sk_iters = 0;
@@ -113,8 +119,21 @@ constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured 
 // (H100, S = 512 causal, 6 alternated rounds): idle tail 6.8 -> 3.2 % (D=128) and 5.5 ->
 // 2.3 % (D=64), +2.2 % (D=128 bf16), +1.9 % (fp16), +2.5 % (D=64); key-tile steps unchanged.
 
+// The key tiles a work tile of first row m0 visits: kt_end - n_tiles .. kt_end - 1, up to
+// the key range of its last row (n_end), and with WINDOW from the tile holding the lowest
+// key its first row (>= 0) sees (row i sees keys >= i + lo_shift).
+struct KeyTiles {
+    int kt_end, n_tiles;
+};
+__device__ __forceinline__ KeyTiles key_tiles(int m0, int n_end, int lo_shift) {
+    const int kt_end = (n_end + BN - 1) / BN;
+    if (!WINDOW) return KeyTiles{kt_end, kt_end};
+    const int lo = max(0, max(m0, 0) + lo_shift);
+    return KeyTiles{kt_end, max(0, kt_end - lo / BN)};
+}
+
 __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, int heads_q,
-                                                int seqlen_q, int seqlen_k, int diag) {
+                                                int seqlen_q, int seqlen_k, int diag, int lo_shift) {
     if (rank >= total) return WorkTile{0, -1, 0, 0, 0, -1, 0, 0};
     int mb, bh;  // query block; batch * heads_q + head
     if (CAUSAL && n_mb >= CAUSAL_GROUP_MIN_BLOCKS) {
@@ -155,8 +174,10 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
     // flash_attn_fwd_sm90.cu); the first block may start below row 0.
     const int m0 = CAUSAL ? ((seqlen_q + 15) & ~15) - (mb + 1) * BM : mb * BM;
     const int n_end = CAUSAL ? max(0, min(seqlen_k, m0 + BM + diag)) : seqlen_k;
-    const int n_tiles = (n_end + BN - 1) / BN;
-    return WorkTile{m0, bh % heads_q, bh / heads_q, n_tiles, n_tiles, -1, 0, 0};
+    const KeyTiles kt = key_tiles(m0, n_end, lo_shift);
+    // WINDOW: the keys start at the first visited key tile (pad0 carries it as k0).
+    const int kb = (kt.kt_end - kt.n_tiles) * BN;
+    return WorkTile{m0, bh % heads_q, bh / heads_q, kt.n_tiles, kt.n_tiles, -1, kb, 0};
 }
 
 // ---- varlen: work tiles over the sequences of a packed batch ----
@@ -168,6 +189,7 @@ struct VarlenSeqs {
     const int* cu_q;
     const int* cu_k;
     int batch, heads_q, total_q, total_k;
+    int win_right, win_left;  // WINDOW: the sides, clamped to the packed totals
 };
 
 // The producer's walk over the sequences: ranks are drawn in increasing order by each CTA,
@@ -224,13 +246,16 @@ __device__ __forceinline__ WorkTile decode_varlen(int rank, VarlenCursor& c, con
     const int head = r - mb * v.heads_q;
     // The same block alignment and key range as decode_tile, per sequence.
     const int m0 = CAUSAL ? ((sq + 15) & ~15) - (mb + 1) * BM : mb * BM;
-    const int n_end = CAUSAL ? max(0, min(sk, m0 + BM + sk - sq)) : sk;
-    const int n_tiles = (n_end + BN - 1) / BN;
-    WorkTile w{m0, head, c.b, n_tiles, n_tiles, -1, 0, 0};
+    const int diag = sk - sq + (WINDOW ? v.win_right : 0);
+    const int n_end = CAUSAL ? max(0, min(sk, m0 + BM + diag)) : sk;
+    const KeyTiles kt = key_tiles(m0, n_end, sk - sq - v.win_left);
+    // WINDOW: the sequence's keys start at the first visited key tile for this tile.
+    const int kb = min(sk, (kt.kt_end - kt.n_tiles) * BN);
+    WorkTile w{m0, head, c.b, kt.n_tiles, kt.n_tiles, -1, 0, 0};
     w.q0 = q.x;
-    w.k0 = k.x;
+    w.k0 = k.x + kb;
     w.sq = sq;
-    w.sk = sk;
+    w.sk = sk - kb;
     return w;
 }
 
@@ -247,7 +272,7 @@ __device__ __forceinline__ WorkTile next_segment(const Schedule& sc, SlotCursor&
     const int i0 = cur.pos % L;                    // first iteration of the tile in this segment
     const int i1 = min(L, i0 + (cur.end - cur.pos));  // one past its last
     cur.pos += i1 - i0;
-    WorkTile w = decode_tile(t, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag);
+    WorkTile w = decode_tile(t, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag, sc.lo_shift);
     w.n_tiles = i1 - i0;
     w.kt_end = L - i0;  // iterations visit key tiles last to first
     // Cut at a slot boundary: the part that ends the tile opens this slot (boundary = slot),
@@ -261,7 +286,7 @@ __device__ __forceinline__ WorkTile next_segment(const Schedule& sc, SlotCursor&
 __device__ __forceinline__ WorkTile decode_rank(int rank, const Schedule& sc, SlotCursor& cur) {
     if (!SPLIT || rank < sc.n_whole || rank >= sc.n_ranks) {
         if (rank >= sc.n_ranks) rank = sc.total;  // past the slots: no work left
-        return decode_tile(rank, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag);
+        return decode_tile(rank, sc.total, sc.n_mb, sc.heads_q, sc.seqlen_q, sc.seqlen_k, sc.diag, sc.lo_shift);
     }
     const int g = (int)gridDim.x;
     cur.slot = rank - sc.n_whole;
@@ -304,6 +329,7 @@ __device__ __forceinline__ WorkTile read_tile(u32 slot) {
                      : "=r"(w.kt_end), "=r"(w.split), "=r"(w.pad0), "=r"(w.pad1)
                      : "r"(slot + 16)
                      : "memory");
+        if (WINDOW) w.k0 = w.pad0;
     }
     return w;
 }

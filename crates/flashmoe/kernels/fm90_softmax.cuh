@@ -12,20 +12,32 @@ namespace fm90 {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 
-// Ragged key tail and causal diagonal: scores of keys a row must not see become -inf.
+// Ragged key tail, causal diagonal and (WINDOW) the window's lower edge: scores of keys a
+// row must not see become -inf. Row r = row0 + i sees keys [lo0 + i, min(Sk, r + diag + 1)).
 __device__ __forceinline__ void mask_tile(float (&sacc)[BN / 2], int n0, int row0, int lane,
-                                          int seqlen_k, int diag) {
+                                          int seqlen_k, int diag, int lo0) {
     const int col0 = n0 + 2 * (lane & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         int limit = seqlen_k;
         if (CAUSAL) limit = min(limit, row0 + 8 * h + diag + 1);
+        const int lo = lo0 + 8 * h;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-            for (int c = 0; c < 2; ++c)
-                if (col0 + j * 8 + c >= limit) sacc[4 * j + 2 * h + c] = neg_inf();
+            for (int c = 0; c < 2; ++c) {
+                const int col = col0 + j * 8 + c;
+                if (col >= limit || (WINDOW && col < lo)) sacc[4 * j + 2 * h + c] = neg_inf();
+            }
     }
+}
+
+// Logit softcap (SOFTCAP): S becomes tanh(S * pre), pre = scale / softcap; the softmax then
+// scales by softcap * log2 e. tanh.approx.f32 (relative error about 2^-11, one MUFU op like
+// the exponential): a softcap of 50 moves a saturated logit by at most about 0.025.
+__device__ __forceinline__ void softcap_tile(float (&sacc)[BN / 2], float pre) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) asm("tanh.approx.f32 %0, %1;\n" : "=f"(sacc[i]) : "f"(sacc[i] * pre));
 }
 
 // Lazy rescale: P = exp2(S*scale - m) with m up to RESCALE_SLACK below the true row max,

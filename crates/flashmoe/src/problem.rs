@@ -22,6 +22,23 @@ pub struct AttentionProblem {
     /// Softmax scale; `None` means 1/sqrt(head_dim).
     #[serde(default)]
     pub softmax_scale: Option<f32>,
+    /// Sliding window `(left, right)` around each query row's diagonal `d = i + seqlen_k -
+    /// seqlen_q`: row `i` sees keys `d - left ..= d + right`, and -1 leaves a side unbounded
+    /// (FlashAttention's `window_size`). `causal` bounds the right side at 0 whatever
+    /// `right` says. [`NO_WINDOW`]: every key (within the causal limit).
+    #[serde(default = "no_window")]
+    pub window: (i32, i32),
+    /// Logit softcap (Gemma-2): scores become `softcap · tanh(scores / softcap)` before the
+    /// softmax; 0 = off.
+    #[serde(default)]
+    pub softcap: f32,
+}
+
+/// `(left, right) = (-1, -1)`: no sliding window.
+pub const NO_WINDOW: (i32, i32) = (-1, -1);
+
+fn no_window() -> (i32, i32) {
+    NO_WINDOW
 }
 
 impl AttentionProblem {
@@ -44,6 +61,8 @@ impl AttentionProblem {
             causal,
             dtype,
             softmax_scale: None,
+            window: NO_WINDOW,
+            softcap: 0.0,
         }
     }
 
@@ -74,6 +93,18 @@ impl AttentionProblem {
                 )));
             }
         }
+        if self.window.0 < -1 || self.window.1 < -1 {
+            return Err(Error::invalid(format!(
+                "window {:?}: each side is -1 (unbounded) or >= 0",
+                self.window
+            )));
+        }
+        if !(self.softcap >= 0.0 && self.softcap.is_finite()) {
+            return Err(Error::invalid(format!(
+                "softcap {} must be finite and >= 0 (0 = off)",
+                self.softcap
+            )));
+        }
         let elems = self.q_elems().max(self.kv_elems());
         if elems > (1usize << 40) {
             return Err(Error::invalid(format!(
@@ -103,19 +134,44 @@ impl AttentionProblem {
         self.batch * self.heads_q * self.seqlen_q
     }
 
+    /// The window as the kernels apply it: `(left, right)` with `causal` folded into the
+    /// right side (0), -1 = unbounded.
+    pub fn effective_window(&self) -> (i32, i32) {
+        (self.window.0, if self.causal { 0 } else { self.window.1 })
+    }
+
+    /// Whether some key is hidden by a window bound other than the causal one.
+    pub fn has_window(&self) -> bool {
+        let (l, r) = self.effective_window();
+        l >= 0 || r > 0
+    }
+
+    /// The keys query row `i` may attend to: `lo..hi` (empty when none).
+    pub fn visible_range(&self, i: usize) -> std::ops::Range<usize> {
+        let sk = self.seqlen_k as i64;
+        let d = i as i64 + sk - self.seqlen_q as i64;
+        let (left, right) = self.effective_window();
+        let hi = if right < 0 {
+            sk
+        } else {
+            (d + right as i64 + 1).clamp(0, sk)
+        };
+        let lo = if left < 0 {
+            0
+        } else {
+            (d - left as i64).clamp(0, sk)
+        };
+        lo as usize..hi.max(lo) as usize
+    }
+
     /// Number of keys query row `i` may attend to.
     pub fn visible_keys(&self, i: usize) -> usize {
-        if !self.causal {
-            return self.seqlen_k;
-        }
-        // Bottom-right alignment: last query sees every key.
-        let limit = i as i64 + self.seqlen_k as i64 - self.seqlen_q as i64 + 1;
-        limit.clamp(0, self.seqlen_k as i64) as usize
+        self.visible_range(i).len()
     }
 
     /// Unmasked (query, key) pairs per (batch, head).
     pub fn unmasked_pairs(&self) -> u64 {
-        if !self.causal {
+        if self.effective_window() == NO_WINDOW {
             return self.seqlen_q as u64 * self.seqlen_k as u64;
         }
         (0..self.seqlen_q)
@@ -153,6 +209,12 @@ impl AttentionProblem {
         if let Some(sc) = self.softmax_scale {
             s.push_str(&format!("_scale{sc}"));
         }
+        if self.window != NO_WINDOW {
+            s.push_str(&format!("_w{}_{}", self.window.0, self.window.1));
+        }
+        if self.softcap > 0.0 {
+            s.push_str(&format!("_cap{}", self.softcap));
+        }
         s
     }
 }
@@ -170,7 +232,14 @@ impl fmt::Display for AttentionProblem {
             self.head_dim,
             if self.causal { "causal" } else { "non-causal" },
             self.dtype
-        )
+        )?;
+        if self.window != NO_WINDOW {
+            write!(f, " window=({},{})", self.window.0, self.window.1)?;
+        }
+        if self.softcap > 0.0 {
+            write!(f, " softcap={}", self.softcap)?;
+        }
+        Ok(())
     }
 }
 

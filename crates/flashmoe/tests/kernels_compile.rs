@@ -250,6 +250,20 @@ fn describe(v: &KernelVariant) -> String {
     )
 }
 
+/// The one sm_90a variant allowed to spill: D=64 dense with a window and a softcap (3
+/// consumer warpgroups at 160 registers; the tanh doubles the live scores for a moment).
+/// ptxas keeps 6 words in local memory, 2 stores and 4 loads per key tile (L1 hits), about
+/// 1 % of the tile's instructions (docs/perf-notes.md §11). Anything more fails.
+fn known_spill(v: &KernelVariant, r: &flashmoe::gpu::KernelResources) -> bool {
+    v.define("FM_HEAD_DIM") == Some("64")
+        && v.define("FM_WINDOW") == Some("1")
+        && v.define("FM_SOFTCAP") == Some("1")
+        && v.define("FM_VARLEN").is_none()
+        && r.spill_stores <= 64
+        && r.spill_loads <= 64
+        && r.stack_frame <= 64
+}
+
 #[test]
 fn every_attention_variant_compiles_without_spills() {
     nvrtc();
@@ -310,7 +324,9 @@ fn every_attention_variant_compiles_without_spills() {
                             .collect::<Vec<_>>()
                             .join(", ")
                     );
-                    if row.kind == "v1" || row.kind == "sm90" {
+                    if row.kind == "v1"
+                        || (row.kind.starts_with("sm90") && !known_spill(&row.variant, &r))
+                    {
                         failures.push(msg);
                     } else {
                         eprintln!("  warning (reference kernel, not hot): {msg}");
@@ -319,7 +335,7 @@ fn every_attention_variant_compiles_without_spills() {
                 if row.kind == "sm90" {
                     // Hot Hopper kernel: no stack frame either, and setmaxnreg must take
                     // effect (ptxas warns C7508 when it cannot).
-                    if r.stack_frame != 0 {
+                    if r.stack_frame != 0 && !known_spill(&row.variant, &r) {
                         failures.push(format!("{what}: {} B stack frame", r.stack_frame));
                     }
                     if k.log.contains("C7508") || k.log.contains("setmaxnreg") {

@@ -76,6 +76,98 @@ pub enum KernelAbi {
     },
 }
 
+/// What a kernel variant is compiled to hide and transform in the scores: `FM_CAUSAL` (an
+/// upper diagonal), `FM_WINDOW` (a sliding window's parameters) and `FM_SOFTCAP`. The values
+/// (window sizes, softcap) are launch parameters ([`LogitParams`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Masking {
+    /// Keys right of the (shifted) diagonal are hidden: `causal`, a bounded right side, or
+    /// any window (whose unbounded right side is a shift past the last key).
+    pub causal: bool,
+    /// A window edge other than the causal diagonal: a bounded left side or right > 0.
+    /// Implies `causal`.
+    pub window: bool,
+    pub softcap: bool,
+}
+
+impl Masking {
+    /// Plain causal or full attention.
+    pub const fn causal(causal: bool) -> Masking {
+        Masking {
+            causal,
+            window: false,
+            softcap: false,
+        }
+    }
+    /// The variant a problem needs.
+    pub fn of(p: &AttentionProblem) -> Masking {
+        let window = p.has_window();
+        Masking {
+            causal: p.effective_window().1 >= 0 || window,
+            window,
+            softcap: p.softcap > 0.0,
+        }
+    }
+    /// Every valid combination (for the compile tests).
+    pub fn all() -> [Masking; 6] {
+        let m = |causal, window, softcap| Masking {
+            causal,
+            window,
+            softcap,
+        };
+        [
+            m(false, false, false),
+            m(true, false, false),
+            m(true, true, false),
+            m(false, false, true),
+            m(true, false, true),
+            m(true, true, true),
+        ]
+    }
+}
+
+/// The scalar launch parameters of the scores' transforms, shared by the sm_90a and the
+/// reference kernels (their ABI notes): `scale_log2` is the kernel's softmax-scale
+/// parameter (scale · log2 e, or with a softcap scale / softcap, the tanh's argument
+/// factor), `softcap_log2` = softcap · log2 e, and the window's sides as the kernels take
+/// them: >= 0, [`WINDOW_UNBOUNDED`] for an unbounded side.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitParams {
+    pub scale_log2: f32,
+    pub softcap_log2: f32,
+    pub window_left: i32,
+    pub window_right: i32,
+}
+
+/// A window side of at least the sequence's length is unbounded; the kernels clamp the
+/// sides to the lengths, so this stands for "unbounded" at any length.
+pub const WINDOW_UNBOUNDED: i32 = 1 << 30;
+
+impl LogitParams {
+    pub fn of(p: &AttentionProblem) -> LogitParams {
+        let scale = p.scale();
+        let (scale_log2, softcap_log2) = if p.softcap > 0.0 {
+            (scale / p.softcap, p.softcap * std::f32::consts::LOG2_E)
+        } else {
+            (scale * std::f32::consts::LOG2_E, 0.0)
+        };
+        let side = |w: i32| {
+            if w < 0 {
+                WINDOW_UNBOUNDED
+            } else {
+                w.min(WINDOW_UNBOUNDED)
+            }
+        };
+        let (left, right) = p.effective_window();
+        LogitParams {
+            scale_log2,
+            softcap_log2,
+            window_left: side(left),
+            window_right: side(right),
+        }
+    }
+}
+
 /// File and entry point of the v1 (portable, mma.sync) flash kernel.
 pub const FLASH_SOURCE: &str = "flash_attn_fwd.cu";
 pub const FLASH_ENTRY: &str = "flash_attn_fwd";
@@ -210,7 +302,7 @@ impl TileConfig {
     /// NVRTC defines for this tile, dtype and masking.
     pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
         let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
-        let mut d = problem_defines(self.head_dim, dtype, causal);
+        let mut d = problem_defines(self.head_dim, dtype, Masking::causal(causal));
         d.extend([
             kv("FM_BLOCK_M", self.block_m),
             kv("FM_BLOCK_N", self.block_n),
@@ -339,7 +431,15 @@ pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
         v1_tile(problem.head_dim),
         &V1_HEAD_DIMS,
     )?;
-    v1_variant_for(&tile, problem.dtype, problem.causal)
+    let m = Masking::of(problem);
+    if m.window || m.softcap {
+        return Err(Error::unsupported(
+            "flash-v1",
+            "sliding windows and softcap run on the sm_90a kernel (Hopper, head dims 64 \
+             and 128) or the reference, not the v1 kernel",
+        ));
+    }
+    v1_variant_for(&tile, problem.dtype, m.causal)
 }
 
 /// Every v1 variant that can be selected (for the compile-everything test).
@@ -424,9 +524,9 @@ impl Sm90Tile {
             + 64
     }
     /// Whether the kernel splits the launch's last tiles over key ranges (`SPLIT` in
-    /// fm90_config.cuh): non-causal, head dim >= 128, not varlen.
-    pub const fn splits(&self, causal: bool) -> bool {
-        !causal && self.head_dim >= 128 && !self.varlen
+    /// fm90_config.cuh): non-causal, no window, head dim >= 128, not varlen.
+    pub const fn splits(&self, m: Masking) -> bool {
+        !m.causal && !m.window && self.head_dim >= 128 && !self.varlen
     }
     /// The same tile for packed variable-length batches.
     pub const fn for_varlen(self) -> Sm90Tile {
@@ -439,9 +539,9 @@ impl Sm90Tile {
     /// kernels/fm90_config.cuh): 256 for the rank dispenser; with the split, per boundary
     /// record (132 slots × consumers × 4 warps) a ticket and a flag (8 bytes, the block
     /// rounded up to 256) and the first part's O, m and l (D / 8 + 1 float4s per lane).
-    pub const fn workspace_bytes(&self, causal: bool) -> usize {
+    pub const fn workspace_bytes(&self, m: Masking) -> usize {
         let base = 256;
-        if !self.splits(causal) {
+        if !self.splits(m) {
             return base;
         }
         let records = SM90_SPLIT_MAX_CTAS * self.consumers as usize * 4;
@@ -478,9 +578,9 @@ impl Sm90Tile {
         }
         Ok(())
     }
-    pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
+    pub fn defines(&self, dtype: DType, m: Masking) -> Vec<(String, String)> {
         let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
-        let mut d = problem_defines(self.head_dim, dtype, causal);
+        let mut d = problem_defines(self.head_dim, dtype, m);
         d.extend([
             kv("FM_BLOCK_N", self.block_n),
             kv("FM_STAGES", self.stages),
@@ -575,16 +675,24 @@ fn sm90_tile_in_use(problem: &AttentionProblem) -> Result<Option<Sm90Tile>> {
 }
 
 /// The defines every attention kernel (v1, sm_90a, reference) takes from the problem:
-/// head dim, storage type and masking; each kernel appends its tile's.
-fn problem_defines(head_dim: u32, dtype: DType, causal: bool) -> Vec<(String, String)> {
-    vec![
+/// head dim, storage type and masking (FM_WINDOW and FM_SOFTCAP only where set, so the
+/// plain variants keep their define lists); each kernel appends its tile's.
+fn problem_defines(head_dim: u32, dtype: DType, m: Masking) -> Vec<(String, String)> {
+    let mut d = vec![
         ("FM_HEAD_DIM".to_string(), head_dim.to_string()),
         (
             "FM_DTYPE_BF16".to_string(),
             ((dtype == DType::Bf16) as u32).to_string(),
         ),
-        ("FM_CAUSAL".to_string(), (causal as u32).to_string()),
-    ]
+        ("FM_CAUSAL".to_string(), (m.causal as u32).to_string()),
+    ];
+    if m.window {
+        d.push(("FM_WINDOW".to_string(), "1".to_string()));
+    }
+    if m.softcap {
+        d.push(("FM_SOFTCAP".to_string(), "1".to_string()));
+    }
+    d
 }
 
 /// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
@@ -610,7 +718,7 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
 }
 
 /// The sm_90a variant of a tile for a dtype and masking (no problem-size checks).
-pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<KernelVariant> {
+pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, m: Masking) -> Result<KernelVariant> {
     if dtype == DType::F32 {
         return Err(Error::unsupported(
             "flash-sm90",
@@ -622,7 +730,7 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<K
     Ok(KernelVariant {
         source_file: SM90_SOURCE,
         entry: SM90_ENTRY,
-        defines: tile.defines(dtype, causal),
+        defines: tile.defines(dtype, m),
         block_m: tile.block_m(),
         block_threads: tile.threads(),
         shared_mem_bytes: tile.shared_mem_bytes(),
@@ -630,7 +738,7 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, causal: bool) -> Result<K
         abi: KernelAbi::TensorMaps {
             block_n: tile.block_n,
             persistent: tile.persistent,
-            workspace_bytes: tile.workspace_bytes(causal),
+            workspace_bytes: tile.workspace_bytes(m),
         },
     })
 }
@@ -669,7 +777,7 @@ pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
         problem.head_dim,
         tile.block_n,
     )?;
-    sm90_variant_for(&tile, problem.dtype, problem.causal)
+    sm90_variant_for(&tile, problem.dtype, Masking::of(problem))
 }
 
 /// Work tiles of the sm_90a kernel: (query block, head, batch) triples.
@@ -714,9 +822,9 @@ pub fn all_sm90_variants() -> Vec<KernelVariant> {
     let mut out = Vec::new();
     for &d in SM90_HEAD_DIMS.iter() {
         for dtype in [DType::F16, DType::Bf16] {
-            for causal in [false, true] {
+            for m in Masking::all() {
                 let tile = sm90_tile(d).expect("table covers the dims");
-                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+                out.push(sm90_variant_for(&tile, dtype, m).expect("table tiles are valid"));
             }
         }
     }
@@ -729,9 +837,9 @@ pub fn all_sm90_varlen_variants() -> Vec<KernelVariant> {
     let mut out = Vec::new();
     for &d in SM90_HEAD_DIMS.iter() {
         for dtype in [DType::F16, DType::Bf16] {
-            for causal in [false, true] {
+            for m in Masking::all() {
                 let tile = sm90_tile(d).expect("table covers the dims").for_varlen();
-                out.push(sm90_variant_for(&tile, dtype, causal).expect("table tiles are valid"));
+                out.push(sm90_variant_for(&tile, dtype, m).expect("table tiles are valid"));
             }
         }
     }
@@ -756,7 +864,7 @@ impl KernelVariant {
 }
 
 /// The reference variant for a head dim, dtype and masking (no problem-size checks).
-pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Result<KernelVariant> {
+pub fn reference_variant_for(head_dim: usize, dtype: DType, m: Masking) -> Result<KernelVariant> {
     if dtype == DType::F32 {
         return Err(Error::unsupported(
             "gpu-reference",
@@ -773,7 +881,7 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Res
         source_file: REFERENCE_SOURCE,
         entry: REFERENCE_ENTRY,
         defines: {
-            let mut d = problem_defines(head_dim as u32, dtype, causal);
+            let mut d = problem_defines(head_dim as u32, dtype, m);
             d.push(("FM_BLOCK_M".to_string(), REFERENCE_BLOCK_M.to_string()));
             d
         },
@@ -789,7 +897,7 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, causal: bool) -> Res
 pub fn select_reference(problem: &AttentionProblem) -> Result<KernelVariant> {
     problem.validate()?;
     check_launch_limits("gpu-reference", problem)?;
-    reference_variant_for(problem.head_dim, problem.dtype, problem.causal)
+    reference_variant_for(problem.head_dim, problem.dtype, Masking::of(problem))
 }
 
 /// Head dims of [`all_reference_variants`]: every served v1 head dim plus odd ones
@@ -801,8 +909,13 @@ pub fn all_reference_variants() -> Vec<KernelVariant> {
     let mut out = Vec::new();
     for &d in REFERENCE_TEST_HEAD_DIMS.iter() {
         for dtype in [DType::F16, DType::Bf16] {
-            for causal in [false, true] {
-                out.push(reference_variant_for(d, dtype, causal).expect("valid reference"));
+            // Windows and softcap at the sm_90a kernel's head dims (the parameter code does
+            // not depend on D); plain masking at every one.
+            for m in Masking::all() {
+                if (m.window || m.softcap) && !SM90_HEAD_DIMS.contains(&d) {
+                    continue;
+                }
+                out.push(reference_variant_for(d, dtype, m).expect("valid reference"));
             }
         }
     }
@@ -999,8 +1112,8 @@ mod tests {
     #[test]
     fn sm90_variants_are_consistent() {
         let all = all_sm90_variants();
-        // 2 dtypes x 2 maskings per head dim.
-        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 4);
+        // 2 dtypes x 6 maskings per head dim.
+        assert_eq!(all.len(), SM90_HEAD_DIMS.len() * 12);
         for v in &all {
             assert_eq!(v.source_file, SM90_SOURCE);
             assert_eq!(v.entry, SM90_ENTRY);
@@ -1020,7 +1133,11 @@ mod tests {
                 KernelAbi::TensorMaps {
                     block_n: t.block_n,
                     persistent: t.persistent,
-                    workspace_bytes: t.workspace_bytes(def_u32(v, "FM_CAUSAL") == 1),
+                    workspace_bytes: t.workspace_bytes(Masking {
+                        causal: def_u32(v, "FM_CAUSAL") == 1,
+                        window: v.define("FM_WINDOW") == Some("1"),
+                        softcap: v.define("FM_SOFTCAP") == Some("1"),
+                    }),
                 }
             );
             assert!(v.runs_on(90).is_ok());

@@ -130,6 +130,28 @@ pub fn softmax_scale_log2(problem: &AttentionProblem) -> f32 {
     problem.scale() * std::f32::consts::LOG2_E
 }
 
+/// Writes the launch parameters of a variant's window and softcap (`FM_WINDOW`: window_left,
+/// window_right; `FM_SOFTCAP`: softcap_log2; see the kernels' ABI notes) into `params` from
+/// index `n`; returns the parameter count. `params` must have room for 3 more.
+pub(crate) fn push_logit_params(
+    params: &mut [*mut std::ffi::c_void],
+    mut n: usize,
+    m: config::Masking,
+    lp: &config::LogitParams,
+) -> usize {
+    use crate::gpu::raw::param;
+    if m.window {
+        params[n] = param(&lp.window_left);
+        params[n + 1] = param(&lp.window_right);
+        n += 2;
+    }
+    if m.softcap {
+        params[n] = param(&lp.softcap_log2);
+        n += 1;
+    }
+    n
+}
+
 /// The raw tensors of `problem` over lab buffers (contiguous layouts).
 fn lab_args(
     dev: &Device,
@@ -416,6 +438,8 @@ mod tests {
             causal: true,
             dtype: DType::Bf16,
             softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
         }
     }
 

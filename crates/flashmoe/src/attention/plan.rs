@@ -21,8 +21,8 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::{self, KernelAbi, KernelVariant};
-use super::{softmax_scale_log2, tma};
+use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
+use super::{push_logit_params, tma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
@@ -48,6 +48,12 @@ pub struct AttentionClass {
     pub causal: bool,
     /// Multiplies q·k; None is 1/sqrt(head_dim).
     pub softmax_scale: Option<f32>,
+    /// Sliding window `(left, right)` around each row's bottom-right diagonal, -1 =
+    /// unbounded ([`AttentionProblem::window`]; [`crate::problem::NO_WINDOW`]: none).
+    /// `causal` bounds the right side at 0.
+    pub window: (i32, i32),
+    /// Logit softcap: scores become `softcap · tanh(scores / softcap)`; 0 = off.
+    pub softcap: f32,
 }
 
 impl AttentionClass {
@@ -63,6 +69,8 @@ impl AttentionClass {
             causal: self.causal,
             dtype: self.dtype,
             softmax_scale: self.softmax_scale,
+            window: self.window,
+            softcap: self.softcap,
         }
     }
 
@@ -108,6 +116,8 @@ impl From<&AttentionProblem> for AttentionClass {
             heads_kv: p.heads_kv,
             causal: p.causal,
             softmax_scale: p.softmax_scale,
+            window: p.window,
+            softcap: p.softcap,
         }
     }
 }
@@ -186,7 +196,8 @@ pub struct AttentionPlan {
     func: CudaFunction,
     ctx: Arc<CudaContext>,
     sm_count: u32,
-    scale_log2: f32,
+    masking: Masking,
+    logits: LogitParams,
 }
 
 impl std::fmt::Debug for AttentionPlan {
@@ -232,9 +243,23 @@ impl AttentionPlan {
         }
         let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
         dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
+        let masking = Masking::of(&problem);
+        if variant.define("FM_WINDOW").is_some() != masking.window
+            || variant.define("FM_SOFTCAP").is_some() != masking.softcap
+        {
+            return Err(Error::unsupported(
+                variant.entry,
+                format!(
+                    "the variant's defines {:?} do not match the class's window {:?} and \
+                     softcap {}",
+                    variant.defines, class.window, class.softcap
+                ),
+            ));
+        }
         Ok(AttentionPlan {
             class,
-            scale_log2: softmax_scale_log2(&problem),
+            masking,
+            logits: LogitParams::of(&problem),
             variant,
             func,
             ctx: dev.context().clone(),
@@ -366,7 +391,7 @@ impl AttentionPlan {
         match self.variant.abi {
             KernelAbi::Pointers => {
                 let cfg = super::launch_config(&problem, &self.variant)?;
-                let mut params: [*mut c_void; 10] = [
+                let mut params: [*mut c_void; 13] = [
                     param(&q),
                     param(&k),
                     param(&v),
@@ -376,9 +401,19 @@ impl AttentionPlan {
                     param(&sk),
                     param(&hq),
                     param(&hkv),
-                    param(&self.scale_log2),
+                    param(&self.logits.scale_log2),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
                 ];
-                raw::launch(self.variant.entry, &self.func, cfg, stream, &mut params)
+                let n = push_logit_params(&mut params, 10, self.masking, &self.logits);
+                raw::launch(
+                    self.variant.entry,
+                    &self.func,
+                    cfg,
+                    stream,
+                    &mut params[..n],
+                )
             }
             KernelAbi::TensorMaps {
                 block_n,
@@ -408,7 +443,7 @@ impl AttentionPlan {
                     shared_mem_bytes: self.variant.shared_mem_bytes,
                 };
                 let ws = workspace.ptr;
-                let mut params: [*mut c_void; 13] = [
+                let mut params: [*mut c_void; 16] = [
                     param(&maps[0]),
                     param(&maps[1]),
                     param(&maps[2]),
@@ -419,11 +454,21 @@ impl AttentionPlan {
                     param(&sk),
                     param(&hq),
                     param(&hkv),
-                    param(&self.scale_log2),
+                    param(&self.logits.scale_log2),
                     param(&b),
                     param(&ws),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
                 ];
-                raw::launch(self.variant.entry, &self.func, cfg, stream, &mut params)
+                let n = push_logit_params(&mut params, 13, self.masking, &self.logits);
+                raw::launch(
+                    self.variant.entry,
+                    &self.func,
+                    cfg,
+                    stream,
+                    &mut params[..n],
+                )
             }
         }
     }

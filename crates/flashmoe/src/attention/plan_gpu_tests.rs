@@ -114,6 +114,8 @@ fn class(d: usize, hq: usize, hkv: usize, causal: bool) -> AttentionClass {
         heads_kv: hkv,
         causal,
         softmax_scale: None,
+        window: crate::problem::NO_WINDOW,
+        softcap: 0.0,
     }
 }
 
@@ -505,5 +507,65 @@ fn plan_forward_on_cudarc_slices_of_a_borrowed_context() {
             "q holds f16",
         );
         eprintln!("plan cudarc path: bit-identical to the raw path, bad input rejected");
+    });
+}
+
+/// Sliding windows and softcap on the dense sm_90a kernel against the f64 reference: the
+/// varlen tests' (causal, window, softcap) cases over square, chunked-prefill (Sk > Sq),
+/// Sk < Sq and single-row shapes at both head dims, GQA, bf16 and f16. Outputs poisoned.
+#[test]
+fn plan_windows_and_softcap_match_the_reference() {
+    use super::varlen_gpu_tests::{from_bits, to_bits};
+    use crate::accuracy::{check, check_lse};
+    use crate::reference::attention::{attention_f64, AttentionInputs};
+    with_gpu("plan-window-softcap", |dev| {
+        let s = dev.stream();
+        let seed = fresh_seed("plan-window-softcap");
+        let mut failures = Vec::new();
+        let mut n = 0;
+        for (d, hq, hkv, dtype) in [(128, 4, 2, DType::Bf16), (64, 6, 2, DType::F16)] {
+            for (causal, window, softcap) in super::varlen_gpu_tests::WINDOW_CASES {
+                let c = AttentionClass {
+                    dtype,
+                    head_dim: d,
+                    heads_q: hq,
+                    heads_kv: hkv,
+                    causal,
+                    softmax_scale: None,
+                    window,
+                    softcap,
+                };
+                let plan = AttentionPlan::new(dev, c).unwrap();
+                let ws = plan.alloc_workspace(s).unwrap();
+                for (b, sq, sk) in [(2, 333, 333), (1, 200, 700), (1, 700, 200), (3, 1, 513)] {
+                    let p = c.problem(b, sq, sk);
+                    let x = AttentionInputs::generate(&p, seed ^ n);
+                    let up = |v: &[f32]| s.clone_htod(&to_bits(v, dtype)).unwrap();
+                    let call = Call {
+                        q: up(&x.q),
+                        k: up(&x.k),
+                        v: up(&x.v),
+                        o: poisoned(s, b * sq * hq * d),
+                        lse: poisoned(s, b * hq * sq),
+                        shape: (b, sq, sk),
+                    };
+                    let mut args = call.args(s, &c);
+                    for t in [&mut args.q, &mut args.k, &mut args.v, &mut args.o] {
+                        t.dtype = dtype;
+                    }
+                    unsafe { plan.forward_raw(s.cu_stream(), &args, ws.raw()) }.unwrap();
+                    let (o, lse) = call.outputs(s);
+                    let r = attention_f64(&p, &x).unwrap();
+                    let o = from_bits(&o, dtype);
+                    let (co, cl) = (check(&o, &r.o, dtype), check_lse(&lse, &r.lse));
+                    if !co.passed || !cl.passed {
+                        failures.push(format!("{p}: o {:?} lse {:?}", co.reason, cl.reason));
+                    }
+                    n += 1;
+                }
+            }
+        }
+        eprintln!("{n} window/softcap problems checked");
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
 }

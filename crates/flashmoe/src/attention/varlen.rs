@@ -20,10 +20,10 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::{self, KernelAbi, KernelVariant};
+use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
 use super::decode::RawIndex;
 use super::plan::{AttentionClass, Element};
-use super::{softmax_scale_log2, tma};
+use super::{push_logit_params, tma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
@@ -70,7 +70,8 @@ pub struct VarlenPlan {
     func: CudaFunction,
     ctx: Arc<CudaContext>,
     sm_count: u32,
-    scale_log2: f32,
+    masking: Masking,
+    logits: LogitParams,
 }
 
 impl std::fmt::Debug for VarlenPlan {
@@ -96,7 +97,11 @@ pub fn varlen_variant(class: &AttentionClass) -> Result<KernelVariant> {
             ),
         )
     })?;
-    config::sm90_variant_for(&tile.for_varlen(), class.dtype, class.causal)
+    config::sm90_variant_for(
+        &tile.for_varlen(),
+        class.dtype,
+        config::Masking::of(&problem),
+    )
 }
 
 /// Work tiles a launch may have at most: no sequence has more query blocks than the
@@ -232,7 +237,8 @@ impl VarlenPlan {
         let func = dev.load_kernel(variant.source_file, variant.entry, &variant.defines)?;
         dev.set_dynamic_shared_memory(variant.entry, &func, variant.shared_mem_bytes)?;
         Ok(VarlenPlan {
-            scale_log2: softmax_scale_log2(&class.problem(1, 1, 1)),
+            masking: Masking::of(&class.problem(1, 1, 1)),
+            logits: LogitParams::of(&class.problem(1, 1, 1)),
             class,
             variant,
             func,
@@ -311,7 +317,7 @@ impl VarlenPlan {
         );
         let (o, lse, ws) = (a.o.ptr, a.lse.ptr, workspace.ptr);
         let (cu_q, cu_k) = (a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr);
-        let mut params: [*mut c_void; 15] = [
+        let mut params: [*mut c_void; 18] = [
             param(&maps[0]),
             param(&maps[1]),
             param(&maps[2]),
@@ -322,13 +328,23 @@ impl VarlenPlan {
             param(&tk),
             param(&hq),
             param(&hkv),
-            param(&self.scale_log2),
+            param(&self.logits.scale_log2),
             param(&b),
             param(&ws),
             param(&cu_q),
             param(&cu_k),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
         ];
-        raw::launch(self.variant.entry, &self.func, cfg, stream, &mut params)
+        let n = push_logit_params(&mut params, 15, self.masking, &self.logits);
+        raw::launch(
+            self.variant.entry,
+            &self.func,
+            cfg,
+            stream,
+            &mut params[..n],
+        )
     }
 
     /// [`VarlenPlan::forward_raw`] over contiguous cudarc buffers: q and o hold
@@ -438,6 +454,8 @@ mod tests {
             heads_kv: 2,
             causal,
             softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
         }
     }
 

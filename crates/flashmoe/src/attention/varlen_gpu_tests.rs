@@ -17,7 +17,7 @@ use crate::reference::attention::{attention_f64, AttentionInputs};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
-fn to_bits(v: &[f32], dtype: DType) -> Vec<u16> {
+pub(super) fn to_bits(v: &[f32], dtype: DType) -> Vec<u16> {
     v.iter()
         .map(|&x| match dtype {
             DType::Bf16 => half::bf16::from_f32(x).to_bits(),
@@ -26,7 +26,7 @@ fn to_bits(v: &[f32], dtype: DType) -> Vec<u16> {
         .collect()
 }
 
-fn from_bits(v: &[u16], dtype: DType) -> Vec<f32> {
+pub(super) fn from_bits(v: &[u16], dtype: DType) -> Vec<f32> {
     v.iter()
         .map(|&b| match dtype {
             DType::Bf16 => half::bf16::from_bits(b).to_f32(),
@@ -243,6 +243,8 @@ fn varlen_matches_the_reference_per_sequence() {
                         heads_kv: hkv,
                         causal,
                         softmax_scale: None,
+                        window: crate::problem::NO_WINDOW,
+                        softcap: 0.0,
                     };
                     let tag = format!("D={d} {dtype:?} Hq={hq} Hkv={hkv} causal={causal}");
                     failures.extend(case(dev, class, &ragged_lens(), &tag));
@@ -254,6 +256,55 @@ fn varlen_matches_the_reference_per_sequence() {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     });
 }
+
+/// Sliding windows and softcap on the varlen kernel, sequence by sequence against the f64
+/// reference: windows narrower than a key tile, wider than the work tile, one-sided either
+/// way, right > 0 with and without causal, softcap alone and with a window.
+#[test]
+fn varlen_windows_and_softcap_match_the_reference() {
+    with_gpu("varlen_windows_and_softcap_match_the_reference", |dev| {
+        let mut failures = Vec::new();
+        let mut lens = ragged_lens();
+        lens.extend([(700, 700), (300, 1100), (1000, 257)]);
+        let mut cases = 0;
+        for (d, hq, hkv) in [(128, 8, 2), (64, 6, 3)] {
+            for dtype in [DType::Bf16, DType::F16] {
+                for (causal, window, softcap) in WINDOW_CASES {
+                    let class = AttentionClass {
+                        dtype,
+                        head_dim: d,
+                        heads_q: hq,
+                        heads_kv: hkv,
+                        causal,
+                        softmax_scale: None,
+                        window,
+                        softcap,
+                    };
+                    let tag = format!(
+                        "D={d} {dtype:?} causal={causal} window={window:?} softcap={softcap}"
+                    );
+                    failures.extend(case(dev, class, &lens, &tag));
+                    cases += 1;
+                }
+            }
+        }
+        eprintln!("{cases} classes x {} sequences", lens.len());
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
+}
+
+/// (causal, window, softcap) cases of the window tests.
+pub(super) const WINDOW_CASES: [(bool, (i32, i32), f32); 9] = [
+    (true, (100, -1), 0.0),
+    (true, (0, -1), 0.0),
+    (true, (300, 0), 30.0),
+    (false, (64, 64), 0.0),
+    (false, (-1, 37), 0.0),
+    (false, (200, -1), 0.0),
+    (false, (5, 129), 0.0),
+    (false, crate::problem::NO_WINDOW, 5.0),
+    (true, crate::problem::NO_WINDOW, 50.0),
+];
 
 /// 24 sequences of 100..1500 tokens (several waves of work tiles over the SMs, tiles of
 /// unequal cost drawn by every CTA), MQA and MHA, both masks.
@@ -280,6 +331,8 @@ fn varlen_many_sequences_over_several_waves() {
                 heads_kv: hkv,
                 causal,
                 softmax_scale: Some(0.07),
+                window: crate::problem::NO_WINDOW,
+                softcap: 0.0,
             };
             failures.extend(case(
                 dev,
@@ -305,6 +358,8 @@ fn varlen_is_deterministic_and_reuses_its_workspace() {
             heads_kv: 4,
             causal: true,
             softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         let plan = VarlenPlan::new(dev, class).unwrap();
         let lens: Vec<(usize, usize)> = (0..40)
@@ -354,6 +409,8 @@ fn varlen_cudarc_path_and_bad_input() {
             heads_kv: 2,
             causal: true,
             softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         let plan = VarlenPlan::new(dev, class).unwrap();
         let lens = [(77, 77), (3, 130), (150, 150)];
@@ -438,6 +495,8 @@ fn varlen_replays_in_a_cuda_graph_with_new_lengths() {
             heads_kv: 2,
             causal: true,
             softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
         };
         let plan = VarlenPlan::new(dev, class).unwrap();
         let seed = fresh_seed("varlen graph");

@@ -394,8 +394,12 @@ fn attention_sm90_rescale_paths_match_reference() {
                 if tile.check().is_err() {
                     continue;
                 }
-                let variant =
-                    attention::config::sm90_variant_for(&tile, p.dtype, p.causal).unwrap();
+                let variant = attention::config::sm90_variant_for(
+                    &tile,
+                    p.dtype,
+                    attention::config::Masking::of(&p),
+                )
+                .unwrap();
                 let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
                 r.poison_outputs(dev).unwrap();
                 r.run(dev).unwrap();

@@ -4,11 +4,14 @@
 //! Layouts (all contiguous, row-major): Q and O are (batch, seqlen_q, heads_q, head_dim);
 //! K and V are (batch, seqlen_k, heads_kv, head_dim); LSE is (batch, heads_q, seqlen_q)
 //! in natural log. With GQA/MQA, query head `h` reads KV head `h / (heads_q / heads_kv)`.
-//! Causal masking is bottom-right aligned ([`AttentionProblem::visible_keys`]); a query
-//! row that sees no key at all gets O = 0 and LSE = −inf.
+//! Masking (causal and sliding window, both bottom-right aligned) is
+//! [`AttentionProblem::visible_range`]: query row `i` attends to keys `lo..hi` only; a
+//! query row that sees no key at all gets O = 0 and LSE = −inf.
 //!
 //! The softmax scale is [`AttentionProblem::scale`] — the f32 value every kernel uses —
-//! widened to f64, so the reference and the kernels apply the very same scale.
+//! widened to f64, so the reference and the kernels apply the very same scale. With a
+//! softcap `c > 0` (also widened from f32) each scaled score `s` becomes `c · tanh(s / c)`
+//! before the softmax, and the LSE is that of the capped scores.
 
 use super::{check_len, checked_product};
 use crate::error::Result;
@@ -133,13 +136,15 @@ pub(crate) fn bhsd_to_bshd<T: Copy + Default + Send + Sync>(
     out
 }
 
-/// One query row: scores against the visible keys (`scores.len()` of them), softmax,
-/// weighted sum of V into `o`; returns the LSE (−inf and O = 0 when no key is visible).
+/// One query row: scores against the visible keys (`scores.len()` of them, the rows of
+/// `k` and `v`), softcap (when `softcap > 0`), softmax, weighted sum of V into `o`;
+/// returns the LSE (−inf and O = 0 when no key is visible).
 fn attend_row(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     scale: f64,
+    softcap: f64,
     scores: &mut [f64],
     o: &mut [f64],
 ) -> f64 {
@@ -147,6 +152,9 @@ fn attend_row(
     for (s, kr) in scores.iter_mut().zip(k.chunks_exact(d)) {
         let dot: f64 = q.iter().zip(kr).map(|(a, b)| a * b).sum();
         *s = scale * dot;
+        if softcap > 0.0 {
+            *s = softcap * (*s / softcap).tanh();
+        }
     }
     let lse = softmax_in_place(scores);
     o.fill(0.0);
@@ -170,6 +178,7 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
     let (sq, sk, d) = (p.seqlen_q, p.seqlen_k, p.head_dim);
     let group = p.group_size();
     let scale = p.scale() as f64;
+    let softcap = p.softcap as f64;
 
     let mut o_bh = vec![0f64; b * hq * sq * d];
     let mut lse = vec![0f64; b * hq * sq];
@@ -195,8 +204,13 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
                             for (qd, &xq) in q.iter_mut().zip(&x.q[off..off + d]) {
                                 *qd = xq as f64;
                             }
-                            let row = &mut scores[..p.visible_keys(i)];
-                            *li = attend_row(q, &k, &v, scale, row, orow);
+                            let keys = p.visible_range(i);
+                            let (kr, vr) = (
+                                &k[keys.start * d..keys.end * d],
+                                &v[keys.start * d..keys.end * d],
+                            );
+                            let row = &mut scores[..keys.len()];
+                            *li = attend_row(q, kr, vr, scale, softcap, row, orow);
                         }
                     },
                 );

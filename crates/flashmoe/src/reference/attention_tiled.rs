@@ -9,8 +9,12 @@
 //!   P = exp2(S·scale·log2(e) − m·scale·log2(e)) (the scale folded into the exp2
 //!   argument), rescale of the accumulator and of `l` by exp2(m_old − m_new), and
 //!   acc += P·V;
-//! - causal: K tiles that every row of the Q tile masks are never visited; the tiles
-//!   crossing the (bottom-right aligned) diagonal are masked element-wise;
+//! - softcap `c > 0`: S is first replaced by c·tanh(S·scale/c) (f32 `tanh`), and the
+//!   online softmax then runs on those capped scores with a scale of 1;
+//! - masking (causal and sliding window, bottom-right aligned, see
+//!   [`AttentionProblem::visible_range`]): only the K tiles overlapping the union of the
+//!   Q tile rows' visible ranges are visited; the tiles crossing a range boundary are
+//!   masked element-wise;
 //! - at the end O = acc / l and LSE = m·scale + ln(l) (natural log); a row that sees no
 //!   key gets O = 0 and LSE = −inf.
 //!
@@ -115,15 +119,24 @@ struct Geometry {
     /// K/V tiles per (batch, KV head).
     n_tiles: usize,
     group: usize,
+    /// `scale / softcap` when the softcap is on (S → softcap·tanh(S·cap_in)); unused
+    /// otherwise.
+    cap_in: f32,
+    /// The softcap (0 = off).
+    softcap: f32,
+    /// Scale of the scores the online softmax sees: the softmax scale, or 1 with a softcap
+    /// (the capped scores are already scaled).
+    scale: f32,
     /// scale·log2(e).
     scale_log2: f32,
-    scale: f32,
 }
 
 impl Geometry {
     fn new(p: &AttentionProblem, block_m: usize, block_n: usize) -> Self {
         let bm = block_m.min(p.seqlen_q);
         let bn = block_n.min(p.seqlen_k);
+        let softcap = p.softcap;
+        let scale = if softcap > 0.0 { 1.0 } else { p.scale() };
         Geometry {
             bm,
             bn,
@@ -132,8 +145,14 @@ impl Geometry {
             d_p: round_up(p.head_dim, NR),
             n_tiles: p.seqlen_k.div_ceil(bn),
             group: p.group_size(),
-            scale_log2: p.scale() * std::f32::consts::LOG2_E,
-            scale: p.scale(),
+            cap_in: if softcap > 0.0 {
+                p.scale() / softcap
+            } else {
+                0.0
+            },
+            softcap,
+            scale,
+            scale_log2: scale * std::f32::consts::LOG2_E,
         }
     }
 }
@@ -146,7 +165,7 @@ struct Scratch {
     s: Vec<f32>,
     /// Unnormalised output accumulator, (bm_p, d_p).
     acc: Vec<f32>,
-    /// Running max of the raw scores, per row.
+    /// Running max of the (capped) scores before scaling, per row.
     m: Vec<f32>,
     /// Running sum of P, per row.
     l: Vec<f32>,
@@ -450,10 +469,18 @@ fn run_unit<const FMA: bool>(
     scr.m[..rows].fill(f32::NEG_INFINITY);
     scr.l[..rows].fill(0.0);
 
-    // Keys visible to the last row of the tile (the most of any row): tiles past it are
-    // fully masked for every row and never visited.
-    let kv_end = p.visible_keys(u.r0 + rows - 1);
-    let mut j0 = 0;
+    // Union of the rows' visible key ranges: the K tiles outside it are fully masked for
+    // every row and never visited. The walk starts at the tile holding `kv_start` so it
+    // stays on the packed tile grid.
+    let (mut kv_start, mut kv_end) = (sk, 0);
+    for r in 0..rows {
+        let range = p.visible_range(u.r0 + r);
+        if !range.is_empty() {
+            kv_start = kv_start.min(range.start);
+            kv_end = kv_end.max(range.end);
+        }
+    }
+    let mut j0 = kv_start / g.bn * g.bn;
     while j0 < kv_end {
         let nk = g.bn.min(kv_end - j0);
         let nk_p = round_up(nk, NR);
@@ -469,16 +496,25 @@ fn run_unit<const FMA: bool>(
 
         qk_kernel::<FMA>(&scr.q, d, kt, ldk, nk_p, &mut scr.s, rows_p);
 
-        // Mask, online softmax, rescale.
+        // Softcap, mask, online softmax, rescale.
         for r in 0..rows {
             let srow = &mut scr.s[r * nk_p..(r + 1) * nk_p];
-            let limit = p.visible_keys(u.r0 + r).saturating_sub(j0).min(nk);
-            if limit == 0 {
+            // This row's visible columns of the tile: lo..hi.
+            let range = p.visible_range(u.r0 + r);
+            let lo = range.start.saturating_sub(j0).min(nk);
+            let hi = range.end.saturating_sub(j0).min(nk);
+            if lo >= hi {
                 // Nothing visible in this tile: P = 0, state unchanged.
                 srow.fill(0.0);
                 continue;
             }
-            srow[limit..].fill(f32::NEG_INFINITY);
+            if g.softcap > 0.0 {
+                for s in &mut srow[lo..hi] {
+                    *s = g.softcap * (*s * g.cap_in).tanh();
+                }
+            }
+            srow[..lo].fill(f32::NEG_INFINITY);
+            srow[hi..].fill(f32::NEG_INFINITY);
             let m_old = scr.m[r];
             let m_new = m_old.max(row_max(srow));
             let m_scaled = m_new * g.scale_log2;

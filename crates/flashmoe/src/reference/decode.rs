@@ -311,6 +311,8 @@ mod tests {
                     causal,
                     dtype: DType::Bf16,
                     softmax_scale: None,
+                    window: crate::problem::NO_WINDOW,
+                    softcap: 0.0,
                 };
                 let x = AttentionInputs::generate(&p, 11);
                 let dense = attention_f64(&p, &x).unwrap();

@@ -1,5 +1,5 @@
-//! Tests of the attention references: hand-computed values, masking, GQA, and the tiled
-//! f32 FlashAttention-2 against the f64 ground truth.
+//! Tests of the attention references: hand-computed values, masking (causal and sliding
+//! window), softcap, GQA, and the tiled f32 FlashAttention-2 against the f64 ground truth.
 
 use super::attention::{attention_f64, softmax_in_place, AttentionInputs};
 use super::attention_tiled::{attention_tiled, exp2_fast, tiled_with, Simd};
@@ -27,6 +27,8 @@ fn problem(
         causal,
         dtype: DType::F32,
         softmax_scale: None,
+        window: crate::problem::NO_WINDOW,
+        softcap: 0.0,
     }
 }
 
@@ -467,4 +469,361 @@ fn generated_inputs_have_the_problem_shapes_and_dtype() {
         .iter()
         .all(|&v| DType::Bf16.round(v) == v && (-1.0..=1.0).contains(&v)));
     assert_ne!(x.k, x.v);
+}
+
+/// Direct O(Sq·Sk) evaluation of the window / softcap definition, independent of
+/// `visible_range`: key `j` is visible to row `i` iff `j >= diag - left` (left >= 0) and
+/// `j <= diag + right` (right >= 0, 0 when causal), `diag = i + Sk - Sq`; scores are
+/// `cap · tanh(scale · q·k / cap)` when the softcap `cap` is on. Returns O (B, Sq, Hq, D)
+/// and LSE (B, Hq, Sq), with O = 0 and LSE = −inf for a row that sees nothing.
+fn naive_attention(p: &AttentionProblem, x: &AttentionInputs) -> (Vec<f64>, Vec<f64>) {
+    let (sq, sk, d) = (p.seqlen_q, p.seqlen_k, p.head_dim);
+    let (hq, hkv, group) = (p.heads_q, p.heads_kv, p.group_size());
+    let (scale, cap) = (p.scale() as f64, p.softcap as f64);
+    let left = p.window.0 as i64;
+    let right = if p.causal { 0 } else { p.window.1 as i64 };
+    let mut o = vec![0f64; p.q_elems()];
+    let mut lse = vec![f64::NEG_INFINITY; p.lse_elems()];
+    for b in 0..p.batch {
+        for h in 0..hq {
+            for i in 0..sq {
+                let diag = i as i64 + sk as i64 - sq as i64;
+                let qo = ((b * sq + i) * hq + h) * d;
+                let mut scores = Vec::new();
+                for j in 0..sk {
+                    let jj = j as i64;
+                    if (left >= 0 && jj < diag - left) || (right >= 0 && jj > diag + right) {
+                        continue;
+                    }
+                    let ko = ((b * sk + j) * hkv + h / group) * d;
+                    let dot: f64 = (0..d)
+                        .map(|t| x.q[qo + t] as f64 * x.k[ko + t] as f64)
+                        .sum();
+                    let mut s = scale * dot;
+                    if cap > 0.0 {
+                        s = cap * (s / cap).tanh();
+                    }
+                    scores.push((ko, s));
+                }
+                if scores.is_empty() {
+                    continue;
+                }
+                let m = scores.iter().fold(f64::NEG_INFINITY, |a, &(_, s)| a.max(s));
+                let sum: f64 = scores.iter().map(|&(_, s)| (s - m).exp()).sum();
+                lse[(b * hq + h) * sq + i] = m + sum.ln();
+                for &(vo, s) in &scores {
+                    let w = (s - m).exp() / sum;
+                    for t in 0..d {
+                        o[qo + t] += w * x.v[vo + t] as f64;
+                    }
+                }
+            }
+        }
+    }
+    (o, lse)
+}
+
+#[test]
+fn window_and_softcap_match_a_direct_evaluation() {
+    let cases = [
+        ((2, 1), false),
+        ((3, -1), true),
+        ((0, 0), false),
+        ((0, 0), true),
+        ((-1, 2), false),
+        ((2, 5), true), // causal folds the right side to 0
+        ((1, 0), false),
+        ((-1, -1), false),
+        ((-1, -1), true),
+    ];
+    let mut empty_rows_seen = 0;
+    for (sq, sk) in [(5, 9), (9, 5)] {
+        for &(window, causal) in &cases {
+            for softcap in [0.0, 0.5, 5.0] {
+                let p = AttentionProblem {
+                    window,
+                    softcap,
+                    ..problem(1, 2, 1, sq, sk, 8, causal)
+                };
+                let mut x = AttentionInputs::generate(&p, 17);
+                // Scores up to ~±11, so a cap of 5 bites too.
+                x.q.iter_mut().for_each(|v| *v *= 4.0);
+                let (want_o, want_lse) = naive_attention(&p, &x);
+                let r = attention_f64(&p, &x).unwrap();
+                let what = format!("{p}");
+                for (g, w) in r.o.iter().zip(&want_o) {
+                    assert!(close(*g, *w, 1e-12), "{what} o {g} vs {w}");
+                }
+                for (g, w) in r.lse.iter().zip(&want_lse) {
+                    if *w == f64::NEG_INFINITY {
+                        assert_eq!(*g, f64::NEG_INFINITY, "{what}");
+                    } else {
+                        assert!(close(*g, *w, 1e-12), "{what} lse {g} vs {w}");
+                    }
+                }
+                // Rows that see nothing: exactly zero output (f64 and tiled).
+                let t = attention_tiled(&p, &x, 2, 3).unwrap();
+                for i in 0..sq {
+                    if p.visible_range(i).is_empty() {
+                        empty_rows_seen += 1;
+                        for h in 0..2 {
+                            let o = (i * 2 + h) * 8..(i * 2 + h + 1) * 8;
+                            assert!(r.o[o.clone()].iter().all(|&v| v == 0.0), "{what}");
+                            assert!(t.o[o].iter().all(|&v| v == 0.0), "{what}");
+                            assert_eq!(t.lse[h * sq + i], f32::NEG_INFINITY, "{what}");
+                        }
+                    }
+                }
+                // The cap bounds every score, hence LSE <= ln(#visible) + cap.
+                if softcap > 0.0 {
+                    for (l, &lse) in r.lse.iter().enumerate() {
+                        let n = p.visible_keys(l % sq) as f64;
+                        assert!(lse <= n.ln() + softcap as f64 + 1e-12, "{what}");
+                    }
+                }
+            }
+        }
+    }
+    // Only Sq=9 > Sk=5 has empty rows (diag = i - 4): rows i with diag + right < 0, i.e.
+    // 3 for (2,1), 2 for (-1,2), 0 for no window, 4 for the six cases with right 0 (or
+    // causal); for each of the three caps.
+    assert_eq!(empty_rows_seen, 3 * (3 + 2 + 6 * 4));
+
+    // Non-vacuous: the window and the softcap both change the result.
+    let p = AttentionProblem {
+        window: (2, 1),
+        ..problem(1, 2, 1, 5, 9, 8, false)
+    };
+    let x = AttentionInputs::generate(&p, 17);
+    let full = attention_f64(
+        &AttentionProblem {
+            window: crate::problem::NO_WINDOW,
+            ..p.clone()
+        },
+        &x,
+    )
+    .unwrap();
+    let windowed = attention_f64(&p, &x).unwrap();
+    let capped = attention_f64(
+        &AttentionProblem {
+            softcap: 0.5,
+            ..p.clone()
+        },
+        &x,
+    )
+    .unwrap();
+    assert_ne!(full.o, windowed.o);
+    assert_ne!(windowed.o, capped.o);
+    assert_ne!(windowed.lse, capped.lse);
+}
+
+#[test]
+fn window_masked_keys_do_not_change_the_output() {
+    // Change key/value j of every head: rows whose window excludes j are bit-identical in
+    // both paths (the tiled one visits j's tile for other rows of the Q tile).
+    for (sq, sk, window, causal, j) in [
+        (7, 7, (2, 1), false, 3),
+        (4, 9, (1, -1), true, 2),
+        (9, 4, (0, 0), false, 1),
+        (6, 6, (-1, 1), false, 4),
+    ] {
+        let p = AttentionProblem {
+            window,
+            softcap: 2.0,
+            ..problem(1, 2, 2, sq, sk, 8, causal)
+        };
+        let x = AttentionInputs::generate(&p, 21);
+        let mut y = x.clone();
+        for h in 0..2 {
+            let off = (j * 2 + h) * 8;
+            for t in [&mut y.k, &mut y.v] {
+                t[off..off + 8].iter_mut().for_each(|v| *v = 7.0 - *v);
+            }
+        }
+        let (a, b) = (
+            attention_f64(&p, &x).unwrap(),
+            attention_f64(&p, &y).unwrap(),
+        );
+        let (ta, tb) = (
+            attention_tiled(&p, &x, 3, 2).unwrap(),
+            attention_tiled(&p, &y, 3, 2).unwrap(),
+        );
+        let mut hidden = 0;
+        for i in 0..sq {
+            let sees = p.visible_range(i).contains(&j);
+            for h in 0..2 {
+                let o = (i * 2 + h) * 8..(i * 2 + h + 1) * 8;
+                let l = h * sq + i;
+                if sees {
+                    assert_ne!(a.o[o.clone()], b.o[o.clone()], "{p} row {i}");
+                } else {
+                    hidden += 1;
+                    assert_eq!(a.o[o.clone()], b.o[o.clone()], "{p} row {i}");
+                    assert_eq!(a.lse[l].to_bits(), b.lse[l].to_bits());
+                    assert_eq!(ta.o[o.clone()], tb.o[o], "tiled {p} row {i}");
+                    assert_eq!(ta.lse[l].to_bits(), tb.lse[l].to_bits());
+                }
+            }
+        }
+        assert!(hidden > 0, "{p}: key {j} is visible to every row");
+    }
+}
+
+#[test]
+fn tiled_matches_f64_with_window_and_softcap() {
+    let windows = [
+        ((8, 0), true),
+        ((20, 3), false),
+        ((0, 0), false),
+        ((-1, 5), false),
+        ((17, -1), true),
+        ((3, 40), false),
+        ((-1, -1), false),
+        ((-1, -1), true),
+    ];
+    let shapes = [(40, 70), (70, 40), (33, 33)];
+    let blocks = [(64, 64), (16, 8), (7, 13)];
+    for (i, &(sq, sk)) in shapes.iter().enumerate() {
+        for (k, &(window, causal)) in windows.iter().enumerate() {
+            let (hq, hkv) = [(4, 2), (3, 1), (2, 2)][(i + k) % 3];
+            let d = [32, 64, 40][(i + k) % 3];
+            let dtype = [DType::Bf16, DType::F16][k % 2];
+            for (softcap, scale) in [(0.0, None), (2.0, Some(1.0)), (30.0, None)] {
+                if window == crate::problem::NO_WINDOW && softcap == 0.0 {
+                    continue; // covered by the tests above
+                }
+                let p = AttentionProblem {
+                    window,
+                    softcap,
+                    softmax_scale: scale,
+                    dtype,
+                    ..problem(1 + k % 2, hq, hkv, sq, sk, d, causal)
+                };
+                assert_tiled_matches(&p, (i * 10 + k) as u64, &blocks, Simd::detect());
+            }
+        }
+    }
+    // The portable instruction path too.
+    for (window, causal) in [((5, 2), false), ((9, -1), true)] {
+        let p = AttentionProblem {
+            window,
+            softcap: 3.0,
+            softmax_scale: Some(1.0),
+            dtype: DType::F16,
+            ..problem(1, 4, 1, 45, 60, 24, causal)
+        };
+        assert_tiled_matches(&p, 6, &[(64, 64), (5, 9)], Simd::Portable);
+    }
+}
+
+#[test]
+fn visible_range_pairs_and_flops_match_brute_force() {
+    // Hand-checked ranges.
+    let p = AttentionProblem {
+        window: (2, 1),
+        ..problem(1, 1, 1, 5, 9, 8, false)
+    };
+    assert_eq!(p.visible_range(0), 2..6); // diag 4: keys 2..=5
+    assert_eq!(p.visible_range(4), 6..9); // diag 8: keys 6..=8 (9 clipped)
+    let c = AttentionProblem {
+        window: (3, -1),
+        causal: true,
+        ..p.clone()
+    };
+    assert_eq!(c.visible_range(0), 1..5);
+    let e = AttentionProblem {
+        window: (1, 0),
+        ..problem(1, 1, 1, 9, 5, 8, false)
+    };
+    let ranges: Vec<_> = (0..9).map(|i| e.visible_range(i)).collect();
+    assert!(ranges[..4].iter().all(|r| r.is_empty()), "{ranges:?}");
+    assert_eq!(ranges[4], 0..1);
+    assert_eq!(ranges[8], 3..5);
+    assert_eq!(e.unmasked_pairs(), 1 + 4 * 2);
+
+    let sides = [-1, 0, 1, 3, 20];
+    for (sq, sk) in [(1, 1), (5, 9), (9, 5), (7, 7), (1, 13), (13, 1)] {
+        for causal in [false, true] {
+            for left in sides {
+                for right in sides {
+                    let p = AttentionProblem {
+                        window: (left, right),
+                        ..problem(2, 6, 3, sq, sk, 16, causal)
+                    };
+                    let right_eff = if causal { 0 } else { right as i64 };
+                    let mut pairs = 0u64;
+                    for i in 0..sq {
+                        let diag = i as i64 + sk as i64 - sq as i64;
+                        let seen: Vec<usize> = (0..sk)
+                            .filter(|&j| {
+                                let j = j as i64;
+                                (left < 0 || j >= diag - left as i64)
+                                    && (right_eff < 0 || j <= diag + right_eff)
+                            })
+                            .collect();
+                        let range = p.visible_range(i);
+                        assert_eq!(range.clone().collect::<Vec<_>>(), seen, "{p} row {i}");
+                        assert_eq!(p.visible_keys(i), seen.len(), "{p} row {i}");
+                        pairs += seen.len() as u64;
+                    }
+                    assert_eq!(p.unmasked_pairs(), pairs, "{p}");
+                    assert_eq!(p.flops(), 4.0 * 2.0 * 6.0 * pairs as f64 * 16.0, "{p}");
+                    assert_eq!(p.effective_window(), (left, right_eff as i32), "{p}");
+                    if !p.has_window() {
+                        // Then the mask is the plain full or causal one.
+                        let plain = AttentionProblem {
+                            window: crate::problem::NO_WINDOW,
+                            causal: right_eff == 0,
+                            ..p.clone()
+                        };
+                        for i in 0..sq {
+                            assert_eq!(p.visible_range(i), plain.visible_range(i), "{p}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn validate_rejects_bad_window_and_softcap() {
+    let base = problem(1, 2, 1, 4, 6, 8, false);
+    let x = AttentionInputs::generate(&base, 1);
+    for window in [(-2, 0), (0, -2), (-5, -5)] {
+        let p = AttentionProblem {
+            window,
+            ..base.clone()
+        };
+        for e in [
+            p.validate().unwrap_err(),
+            attention_f64(&p, &x).unwrap_err(),
+            attention_tiled(&p, &x, 4, 4).unwrap_err(),
+        ] {
+            assert!(matches!(e, Error::InvalidProblem(_)), "{e}");
+            assert!(e.to_string().contains("window"), "{e}");
+        }
+    }
+    for softcap in [-1.0, f32::NAN, f32::INFINITY] {
+        let p = AttentionProblem {
+            softcap,
+            ..base.clone()
+        };
+        for e in [
+            p.validate().unwrap_err(),
+            attention_f64(&p, &x).unwrap_err(),
+            attention_tiled(&p, &x, 4, 4).unwrap_err(),
+        ] {
+            assert!(matches!(e, Error::InvalidProblem(_)), "{e}");
+            assert!(e.to_string().contains("softcap"), "{e}");
+        }
+    }
+    for (window, softcap) in [((-1, -1), 0.0), ((0, 0), 30.0), ((5, -1), 0.5)] {
+        let p = AttentionProblem {
+            window,
+            softcap,
+            ..base.clone()
+        };
+        assert!(p.validate().is_ok(), "{p}");
+    }
 }
