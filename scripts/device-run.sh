@@ -105,6 +105,23 @@ for s in "$@"; do
                   esac
                   for f in results.json results.md; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
+    # The attention plans' GPU tests (dense, varlen, decode; windows and softcap included).
+    unit-attn)    stage unit-attn 300 ./target/release/flashmoe-gpu-tests attention:: --test-threads=1 --nocapture ;;
+    # Sliding windows and softcap beside plain attention of the same visible length (issue 22).
+    bench-window) stage bench-window 400 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window
+                  for f in results.json results.md report.html; do cp /tmp/bench-window/$f "$OUT/window-$f" 2>/dev/null; done ;;
+    # This build's sm_90a kernel against target/release/flashmoe-base's, interleaved in one run
+    # (bench --against), on the window / softcap shapes of configs/attention-window-ab.toml.
+    window-ab)    stage window-ab 400 $BIN bench attention --config configs/attention-window-ab.toml --impl flashmoe-sm90 \
+                    --no-baselines --against ./target/release/flashmoe-base --max-time 0.5 --out /tmp/window-ab
+                  for f in results.json results.md; do cp /tmp/window-ab/$f "$OUT/window-ab-$f" 2>/dev/null; done ;;
+    # compute-sanitizer memcheck + racecheck of the windowed and softcapped sm_90a variants
+    # through their GPU unit tests (small shapes, dense and varlen).
+    sanitize-window)
+                  for tool in memcheck racecheck; do
+                    stage "sanitize-window-$tool" 200 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      ./target/release/flashmoe-gpu-tests windows_and_softcap --test-threads=1
+                  done ;;
     check)        stage check 580 $BIN check --suite attention ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;

@@ -634,6 +634,10 @@ pub struct AttentionEntry {
     #[serde(default = "bf16")]
     pub dtype: String,
     pub softmax_scale: Option<f32>,
+    /// Sliding window `[left, right]` (-1: unbounded; AttentionProblem::window).
+    pub window: Option<(i32, i32)>,
+    /// Logit softcap (0 or absent: off).
+    pub softcap: Option<f32>,
 }
 
 fn no() -> OneOrMany<bool> {
@@ -757,8 +761,8 @@ fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<Prob
                         causal,
                         dtype,
                         softmax_scale: e.softmax_scale,
-                        window: flashmoe::problem::NO_WINDOW,
-                        softcap: 0.0,
+                        window: e.window.unwrap_or(flashmoe::problem::NO_WINDOW),
+                        softcap: e.softcap.unwrap_or(0.0),
                     };
                     p.validate()
                         .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
