@@ -211,7 +211,9 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     float oacc[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) oacc[i] = 0.f;
-    float m_i[2] = {neg_inf(), neg_inf()};
+    // SOFTCAP up to SOFTCAP_FIXED_MAX, bf16: logits are bounded, m stays 0 (softmax_tile).
+    const bool fixed_m = SOFTCAP && FM_DTYPE_BF16 && scale_log2 <= SOFTCAP_FIXED_MAX;
+    float m_i[2] = {fixed_m ? 0.f : neg_inf(), fixed_m ? 0.f : neg_inf()};
     float l_i[2] = {0.f, 0.f};
     float alpha[2];
     float sacc[BN / 2];
@@ -252,7 +254,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
             if (SOFTCAP) softcap_tile(sacc, cap_pre);
             if (skip < n_masked || (WINDOW && skip >= left_from))
                 mask_tile(sacc, (kt_end - 1 - skip) * BN, row0, lane, seqlen_k, diag, lo0);
-            softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+            softmax_tile(sacc, m_i, l_i, alpha, scale_log2, fixed_m);
             trace(tile_i, TR_SOFTMAX0);
             mbar_wait(bar.v_full(s), ring.parity(s, round));  // V of that tile (see the loop)
             trace(tile_i, TR_V0);
@@ -281,7 +283,7 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                 if (SOFTCAP) softcap_tile(sacc, cap_pre);
                 if (it < n_masked || (WINDOW && it >= left_from))
                     mask_tile(sacc, (kt_end - 1 - it) * BN, row0, lane, seqlen_k, diag, lo0);
-                const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2);
+                const bool need_rescale = softmax_tile(sacc, m_i, l_i, alpha, scale_log2, fixed_m);
                 // V of tile it (needed by the next P V) is waited for here, between the
                 // softmax and the wait for P V of tile it-1, for a second reason: ptxas
                 // schedules a wgmma wait at the top of its basic block, so without the

@@ -523,15 +523,35 @@ fn plan_windows_and_softcap_match_the_reference() {
         let seed = fresh_seed("plan-window-softcap");
         let mut failures = Vec::new();
         let mut n = 0;
-        for (d, hq, hkv, dtype) in [(128, 4, 2, DType::Bf16), (64, 6, 2, DType::F16)] {
-            for (causal, window, softcap) in super::varlen_gpu_tests::WINDOW_CASES {
+        // Besides the shared cases: logits pushed against the cap (scale 20 makes |scores| up
+        // to ~75), below the kernel's fixed-max limit (softcap 30 in bf16) and above it (100).
+        let saturating = [
+            (true, (200, -1), 30.0, 20.0),
+            (false, crate::problem::NO_WINDOW, 100.0, 20.0),
+        ];
+        let cases = super::varlen_gpu_tests::WINDOW_CASES
+            .iter()
+            .map(|&(c, w, cap)| (c, w, cap, None))
+            .chain(
+                saturating
+                    .iter()
+                    .map(|&(c, w, cap, sc)| (c, w, cap, Some(sc))),
+            );
+        let cases: Vec<_> = cases.collect();
+        for (d, hq, hkv, dtype) in [
+            (128, 4, 2, DType::Bf16),
+            (64, 6, 2, DType::F16),
+            (64, 4, 1, DType::Bf16),
+            (128, 2, 2, DType::F16),
+        ] {
+            for &(causal, window, softcap, softmax_scale) in &cases {
                 let c = AttentionClass {
                     dtype,
                     head_dim: d,
                     heads_q: hq,
                     heads_kv: hkv,
                     causal,
-                    softmax_scale: None,
+                    softmax_scale,
                     window,
                     softcap,
                 };
