@@ -16,7 +16,7 @@ use flashmoe::attention::decode::{
     AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
 };
 use flashmoe::attention::varlen::{self, VarlenArgs, VarlenPlan as VPlan};
-use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan as Plan};
+use flashmoe::attention::{config, AttentionArgs, AttentionClass, AttentionPlan as Plan};
 use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
 use flashmoe::moe::{MoeArgs, MoeClass, MoePlan as MPlan, RawU32, RoutingArgs};
 use flashmoe::{DType, Error, Scoring};
@@ -181,13 +181,69 @@ fn same_dtype(name: &str, got: DType, want: DType, of: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// The scalars of an attention class that no tensor carries: causal, the softmax scale
+/// (None: 1/sqrt(head_dim)), the sliding window `(left, right)` (-1 = unbounded) and the
+/// logit softcap (0 = off).
+#[derive(Clone, Copy)]
+struct Logits {
+    causal: bool,
+    softmax_scale: Option<f32>,
+    window: (i32, i32),
+    softcap: f32,
+}
+
+impl Logits {
+    /// The class of these scalars and the tensors' dtype, head dim and head counts,
+    /// validated (a bad scale, window side or softcap is a `ValueError`).
+    fn class(
+        self,
+        dtype: DType,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+    ) -> PyResult<AttentionClass> {
+        let class = AttentionClass {
+            dtype,
+            head_dim,
+            heads_q,
+            heads_kv,
+            causal: self.causal,
+            softmax_scale: self.softmax_scale,
+            window: self.window,
+            softcap: self.softcap,
+        };
+        class.problem(1, 1, 1).validate().map_err(py_err)?;
+        Ok(class)
+    }
+}
+
+/// `NotImplementedError` for a dense class with a sliding window or a softcap at a head dim
+/// the sm_90a kernel does not serve: no kernel on any device runs it (the portable kernel
+/// has neither), so the device-free check can say so.
+fn check_window_head_dim(class: &AttentionClass) -> PyResult<()> {
+    let m = config::Masking::of(&class.problem(1, 1, 1));
+    if (m.window || m.softcap) && !config::SM90_HEAD_DIMS.contains(&class.head_dim) {
+        return Err(py_err(Error::unsupported(
+            "flash-sm90",
+            format!(
+                "head dim {} with window {:?} and softcap {}: sliding windows and softcap run \
+                 on the sm_90a kernel only (Hopper, head dims {:?})",
+                class.head_dim,
+                class.window,
+                class.softcap,
+                config::SM90_HEAD_DIMS
+            ),
+        )));
+    }
+    Ok(())
+}
+
 /// The attention class of a call: dtype from q, head dim and head counts from q and k.
 fn attention_class(
     q: &Desc,
     k: &Desc,
     v: &Desc,
-    causal: bool,
-    softmax_scale: Option<f32>,
+    logits: Logits,
 ) -> PyResult<(AttentionClass, [RawTensor; 3])> {
     let dtype = q.float("q")?;
     if dtype == DType::F32 {
@@ -213,35 +269,36 @@ fn attention_class(
              heads (GQA)"
         )));
     }
-    let class = AttentionClass {
-        dtype,
-        head_dim: d,
-        heads_q: hq,
-        heads_kv: hkv,
-        causal,
-        softmax_scale,
-        window: flashmoe::problem::NO_WINDOW,
-        softcap: 0.0,
-    };
-    class.problem(1, 1, 1).validate().map_err(py_err)?;
+    let class = logits.class(dtype, d, hq, hkv)?;
     Ok((class, [rq, rk, rv]))
 }
 
 /// Shapes of o `(batch, seqlen_q, heads_q, head_dim)` and lse `(batch, heads_q, seqlen_q)`.
 type OutputShapes = ((usize, usize, usize, usize), (usize, usize, usize));
 
-/// Check an attention call's q, k and v without a GPU. Returns the shapes of o
-/// `(batch, seqlen_q, heads_q, head_dim)` and lse `(batch, heads_q, seqlen_q)`.
+/// Check an attention call's q, k and v without a GPU. The class: `causal`,
+/// `softmax_scale`, `window` (left, right) around each row's bottom-right diagonal with -1
+/// unbounded, `softcap` (0 = off). Returns the shapes of o `(batch, seqlen_q, heads_q,
+/// head_dim)` and lse `(batch, heads_q, seqlen_q)`.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, causal=false, softmax_scale=None))]
+#[pyo3(signature = (q, k, v, causal=false, softmax_scale=None, *, window=(-1, -1), softcap=0.0))]
 fn check_attention(
     q: Desc,
     k: Desc,
     v: Desc,
     causal: bool,
     softmax_scale: Option<f32>,
+    window: (i32, i32),
+    softcap: f32,
 ) -> PyResult<OutputShapes> {
-    let (class, [rq, rk, rv]) = attention_class(&q, &k, &v, causal, softmax_scale)?;
+    let logits = Logits {
+        causal,
+        softmax_scale,
+        window,
+        softcap,
+    };
+    let (class, [rq, rk, rv]) = attention_class(&q, &k, &v, logits)?;
+    check_window_head_dim(&class)?;
     let s = class.check_inputs(&rq, &rk, &rv).map_err(py_err)?;
     let (b, sq, hq, d) = (s.batch, s.seqlen_q, class.heads_q, class.head_dim);
     Ok(((b, sq, hq, d), (b, hq, sq)))
@@ -287,8 +344,7 @@ fn varlen_args(
     cu_seqlens_k: &Desc,
     max_seqlen_q: usize,
     max_seqlen_k: usize,
-    causal: bool,
-    softmax_scale: Option<f32>,
+    logits: Logits,
     (o, lse): (u64, u64),
 ) -> PyResult<(AttentionClass, VarlenArgs)> {
     let dtype = attention_dtype(q, &[("k", k), ("v", v)])?;
@@ -312,16 +368,7 @@ fn varlen_args(
         max_seqlen_q,
         max_seqlen_k,
     };
-    let class = AttentionClass {
-        dtype,
-        head_dim: d,
-        heads_q: hq,
-        heads_kv: hkv,
-        causal,
-        softmax_scale,
-        window: flashmoe::problem::NO_WINDOW,
-        softcap: 0.0,
-    };
+    let class = logits.class(dtype, d, hq, hkv)?;
     Ok((class, args))
 }
 
@@ -329,10 +376,11 @@ fn varlen_args(
 type VarlenShapes = ((usize, usize, usize), (usize, usize));
 
 /// Check a varlen call without a GPU: q (total_q, heads_q, head_dim), k and v (total_k,
-/// heads_kv, head_dim), int32 cu_seqlens_q and cu_seqlens_k [batch + 1]. Returns the shapes
-/// of o (total_q, heads_q, head_dim) and lse (heads_q, total_q).
+/// heads_kv, head_dim), int32 cu_seqlens_q and cu_seqlens_k [batch + 1]; the class's
+/// `causal`, `softmax_scale`, `window` and `softcap` as in `check_attention`. Returns the
+/// shapes of o (total_q, heads_q, head_dim) and lse (heads_q, total_q).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=false, softmax_scale=None))]
+#[pyo3(signature = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=false, softmax_scale=None, *, window=(-1, -1), softcap=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn check_attention_varlen(
     q: Desc,
@@ -344,7 +392,15 @@ fn check_attention_varlen(
     max_seqlen_k: usize,
     causal: bool,
     softmax_scale: Option<f32>,
+    window: (i32, i32),
+    softcap: f32,
 ) -> PyResult<VarlenShapes> {
+    let logits = Logits {
+        causal,
+        softmax_scale,
+        window,
+        softcap,
+    };
     let (class, args) = varlen_args(
         &q,
         &k,
@@ -353,8 +409,7 @@ fn check_attention_varlen(
         &cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        causal,
-        softmax_scale,
+        logits,
         (CHECK_OUT, CHECK_OUT),
     )?;
     let s = varlen::check_args(&class, &args).map_err(py_err)?;
@@ -746,7 +801,7 @@ fn device_name(ordinal: usize) -> PyResult<(String, (u32, u32))> {
 }
 
 /// An attention plan: one kernel resolved for (dtype, head dim, head counts, causal,
-/// scale) on one device. Build once, call `forward` per call.
+/// scale, window, softcap) on one device. Build once, call `forward` per call.
 #[pyclass(frozen, module = "flashmoe._core")]
 struct AttentionPlan {
     plan: Plan,
@@ -754,8 +809,14 @@ struct AttentionPlan {
 
 #[pymethods]
 impl AttentionPlan {
+    /// `window` (left, right) around each query row's bottom-right diagonal, -1 unbounded
+    /// (`causal` bounds the right side at 0); `softcap` > 0 turns the scores s into
+    /// softcap·tanh(s / softcap). Both run on the sm_90a kernel only (Hopper, head dims 64
+    /// and 128): elsewhere the plan raises `NotImplementedError`. The arguments are checked
+    /// before the GPU is touched.
     #[new]
-    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None))]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
         dtype: &str,
@@ -764,6 +825,8 @@ impl AttentionPlan {
         heads_kv: usize,
         causal: bool,
         softmax_scale: Option<f32>,
+        window: (i32, i32),
+        softcap: f32,
     ) -> PyResult<Self> {
         let dtype = match elem("dtype", dtype)? {
             Elem::Float(d) if d != DType::F32 => d,
@@ -773,17 +836,14 @@ impl AttentionPlan {
                 )))
             }
         };
-        let class = AttentionClass {
-            dtype,
-            head_dim,
-            heads_q,
-            heads_kv,
+        let logits = Logits {
             causal,
             softmax_scale,
-            window: flashmoe::problem::NO_WINDOW,
-            softcap: 0.0,
+            window,
+            softcap,
         };
-        class.problem(1, 1, 1).validate().map_err(py_err)?;
+        let class = logits.class(dtype, head_dim, heads_q, heads_kv)?;
+        check_window_head_dim(&class)?;
         let dev = self::device(device)?;
         Ok(AttentionPlan {
             plan: Plan::new(&dev, class).map_err(py_err)?,
@@ -862,8 +922,11 @@ struct VarlenPlan {
 
 #[pymethods]
 impl VarlenPlan {
+    /// `window` and `softcap` as in `AttentionPlan`. The arguments are checked before the
+    /// GPU is touched.
     #[new]
-    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None))]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
         dtype: &str,
@@ -872,18 +935,21 @@ impl VarlenPlan {
         heads_kv: usize,
         causal: bool,
         softmax_scale: Option<f32>,
+        window: (i32, i32),
+        softcap: f32,
     ) -> PyResult<Self> {
-        let class = AttentionClass {
-            dtype: half_dtype(dtype, "a varlen plan")?,
+        let logits = Logits {
+            causal,
+            softmax_scale,
+            window,
+            softcap,
+        };
+        let class = logits.class(
+            half_dtype(dtype, "a varlen plan")?,
             head_dim,
             heads_q,
             heads_kv,
-            causal,
-            softmax_scale,
-            window: flashmoe::problem::NO_WINDOW,
-            softcap: 0.0,
-        };
-        class.problem(1, 1, 1).validate().map_err(py_err)?;
+        )?;
         let dev = self::device(device)?;
         Ok(VarlenPlan {
             plan: VPlan::new(&dev, class).map_err(py_err)?,
@@ -916,6 +982,12 @@ impl VarlenPlan {
         workspace_bytes: usize,
     ) -> PyResult<()> {
         let c = self.plan.class();
+        let logits = Logits {
+            causal: c.causal,
+            softmax_scale: c.softmax_scale,
+            window: c.window,
+            softcap: c.softcap,
+        };
         let (_, args) = varlen_args(
             &q,
             &k,
@@ -924,8 +996,7 @@ impl VarlenPlan {
             &cu_seqlens_k,
             max_seqlen_q,
             max_seqlen_k,
-            c.causal,
-            c.softmax_scale,
+            logits,
             (o, lse),
         )?;
         let ws = RawWorkspace {

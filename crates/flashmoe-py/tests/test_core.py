@@ -41,6 +41,27 @@ def test_attention_shapes_gqa():
     assert _core.check_attention(q, k, v, causal=True, softmax_scale=0.1) == ((2, 100, 8, 128), (2, 8, 100))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(
+    "causal, window, softcap",
+    [(False, (64, 64), 0.0), (True, (100, -1), 0.0), (False, (-1, 16), 30.0), (True, (-1, -1), 50.0),
+     (False, (0, 0), 0.0), (True, (2**30, 5), 1e-3)],
+)
+def test_attention_window_and_softcap_shapes(d, causal, window, softcap):
+    q, k, v = qkv(sq=77, sk=300, d=d)  # seqlen_q != seqlen_k: the window sits on the bottom-right diagonal
+    kw = dict(window=window, softcap=softcap)
+    assert _core.check_attention(q, k, v, causal, None, **kw) == ((2, 77, 8, d), (2, 8, 77))
+    assert _core.check_attention(q, k, v, causal=causal, softmax_scale=0.2, **kw)[1] == (2, 8, 77)
+
+
+def test_attention_no_window_at_any_head_dim():
+    # The defaults (and a window that hides nothing but the causal side) keep every head dim.
+    for d in (32, 96, 256):
+        q, k, v = qkv(d=d)
+        assert _core.check_attention(q, k, v, True, window=(-1, -1), softcap=0.0)[0] == (2, 100, 8, d)
+        assert _core.check_attention(q, k, v, True, window=(-1, 0))[0] == (2, 100, 8, d)
+
+
 def test_attention_packed_qkv_views():
     # q, k, v as views of one (b, s, hq + 2 hkv, d) tensor: strided, inner dim contiguous.
     b, s, hq, hkv, d = 2, 64, 8, 2, 64
@@ -75,11 +96,38 @@ def test_attention_size_one_dims_take_any_stride():
         ("inner_stride", ValueError, ["v's innermost dimension has stride 2"]),
         ("empty", ValueError, ["empty attention call"]),
         ("stride_len", ValueError, ["q: shape", "strides"]),
+        ("window_left", ValueError, ["window (-2, 0)", "-1 (unbounded) or >= 0"]),
+        ("window_right", ValueError, ["window (16, -5)"]),
+        ("softcap_negative", ValueError, ["softcap -1 must be finite and >= 0"]),
+        ("softcap_nan", ValueError, ["softcap NaN must be finite"]),
+        ("softcap_inf", ValueError, ["softcap inf must be finite"]),
+        ("window_head_dim", NotImplementedError, ["head dim 96", "sm_90a", "64, 128"]),
+        ("softcap_head_dim", NotImplementedError, ["head dim 256", "softcap 30", "sm_90a"]),
+        ("window_type", TypeError, []),
     ],
 )
 def test_attention_errors_name_tensor_and_rule(case, exc, words):
     q, k, v = qkv()
-    if case == "rank":
+    kw = {}
+    if case == "window_left":
+        kw["window"] = (-2, 0)
+    elif case == "window_right":
+        kw["window"] = (16, -5)
+    elif case == "softcap_negative":
+        kw["softcap"] = -1.0
+    elif case == "softcap_nan":
+        kw["softcap"] = float("nan")
+    elif case == "softcap_inf":
+        kw["softcap"] = float("inf")
+    elif case == "window_head_dim":
+        q, k, v = qkv(d=96)
+        kw["window"] = (16, 0)
+    elif case == "softcap_head_dim":
+        q, k, v = qkv(d=256)
+        kw["softcap"] = 30.0
+    elif case == "window_type":
+        kw["window"] = 5
+    elif case == "rank":
         q = t((2, 100, 1024))
     elif case == "dtype_mix":
         k = t((2, 130, 2, 128), "f16")
@@ -106,7 +154,7 @@ def test_attention_errors_name_tensor_and_rule(case, exc, words):
     elif case == "stride_len":
         q = t((2, 100, 8, 128), strides=(1, 1, 1))
     with pytest.raises(exc) as e:
-        _core.check_attention(q, k, v)
+        _core.check_attention(q, k, v, **kw)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
 
@@ -224,6 +272,14 @@ def test_varlen_shapes(d, causal):
     assert check_varlen(varlen_tensors(d=d), causal=causal) == ((300, 8, d), (8, 300))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal, window, softcap", [(True, (64, -1), 0.0), (False, (50, 20), 30.0),
+                                                     (False, (-1, 10), 0.0), (True, (-1, -1), 25.0)])
+def test_varlen_window_and_softcap_shapes(d, causal, window, softcap):
+    shapes = check_varlen(varlen_tensors(d=d), causal=causal, window=window, softcap=softcap)
+    assert shapes == ((300, 8, d), (8, 300))
+
+
 def test_varlen_packed_qkv_views():
     # q, k, v as views of one (total, hq + 2 hkv, d) tensor.
     tot, hq, hkv, d = 97, 8, 2, 64
@@ -250,6 +306,10 @@ def test_varlen_packed_qkv_views():
         ("max_q", ValueError, ["max_seqlen_q = 301 must be in 1..=300"]),
         ("max_k_zero", ValueError, ["max_seqlen_k = 0"]),
         ("seq_stride", ValueError, ["q", "16 bytes"]),
+        ("window", ValueError, ["window (-1, -3)", "-1 (unbounded) or >= 0"]),
+        ("softcap", ValueError, ["softcap -0.5 must be finite and >= 0"]),
+        ("softcap_inf", ValueError, ["softcap inf"]),
+        ("window_head_dim", NotImplementedError, ["head dim 96", "sm_90a"]),
     ],
 )
 def test_varlen_errors_name_tensor_and_rule(case, exc, words):
@@ -279,6 +339,14 @@ def test_varlen_errors_name_tensor_and_rule(case, exc, words):
         kw["max_seqlen_k"] = 0
     elif case == "seq_stride":
         d["q"] = t((300, 8, 128), strides=(8 * 128 + 4, 128, 1))
+    elif case == "window":
+        kw["window"] = (-1, -3)
+    elif case == "softcap":
+        kw["softcap"] = -0.5
+    elif case == "softcap_inf":
+        kw["softcap"] = float("inf")
+    elif case == "window_head_dim":
+        d, kw["window"] = varlen_tensors(d=96), (8, 8)
     with pytest.raises(exc) as e:
         check_varlen(d, **kw)
     for w in words:
@@ -437,6 +505,11 @@ def test_no_gpu_raises_runtime_error():
         _core.MoePlan(0, "bf16", 256, 128, 8, 2, "softmax", True, False, 64)
     with pytest.raises(RuntimeError, match="no GPU available"):
         _core.VarlenPlan(0, "bf16", 128, 8, 2, True)
+    # valid windows and softcaps get as far as the device
+    with pytest.raises(RuntimeError, match="no GPU available"):
+        _core.AttentionPlan(0, "bf16", 128, 8, 2, True, None, (64, 0), 30.0)
+    with pytest.raises(RuntimeError, match="no GPU available"):
+        _core.VarlenPlan(0, "f16", 64, 8, 8, False, 0.125, window=(16, 16), softcap=20.0)
     with pytest.raises(RuntimeError, match="no GPU available"):
         _core.DecodePlan(0, "bf16", 128, 8, 2, 1, (-1, 0), 0.0)
 
@@ -454,6 +527,16 @@ def test_plan_arguments_checked_before_the_gpu():
         _core.DecodePlan(0, "bf16", 128, 8, 2, 0, (-1, 0), 0.0)
     with pytest.raises(ValueError, match="softcap"):
         _core.DecodePlan(0, "bf16", 128, 8, 2, 1, (-1, 0), float("nan"))
+    with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
+        _core.AttentionPlan(0, "bf16", 128, 8, 2, False, None, (-2, 0))
+    with pytest.raises(ValueError, match="softcap -1 must be finite and >= 0"):
+        _core.AttentionPlan(0, "bf16", 128, 8, 2, True, softcap=-1.0)
+    with pytest.raises(NotImplementedError, match="sm_90a"):
+        _core.AttentionPlan(0, "bf16", 96, 8, 2, True, None, (16, 0))
+    with pytest.raises(ValueError, match=r"window \(5, -7\)"):
+        _core.VarlenPlan(0, "bf16", 128, 8, 2, False, window=(5, -7))
+    with pytest.raises(ValueError, match="softcap inf"):
+        _core.VarlenPlan(0, "bf16", 128, 8, 2, False, softcap=float("inf"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="torch is installed")

@@ -31,12 +31,19 @@ def fresh_seed():
 
 
 def poison_pool():
-    """Fill the caching allocator's free memory with NaN (the next torch.empty reuses it)."""
+    """Fill the caching allocator's free memory of the current stream with NaN (the next torch.empty
+    reuses it): one tensor per free block, largest first, so that each lands in a block of its own
+    size (best fit) and the pool does not grow. (One tensor of all the free bytes did not fit the
+    free blocks once they were fragmented: each call added a segment of that size, up to an
+    out-of-memory error.) All-ones bytes are NaN in f32, bf16 and f16."""
     torch.cuda.synchronize()
-    free = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    if free > 0:
-        torch.empty(free // 4, dtype=torch.float32, device=DEV).fill_(float("nan"))
+    stream = torch.cuda.current_stream(DEV).cuda_stream
+    sizes = sorted((b["size"] for seg in torch.cuda.memory_snapshot()
+                    if seg["device"] == DEV.index and seg["stream"] == stream
+                    for b in seg["blocks"] if b["state"] == "inactive"), reverse=True)
+    held = [torch.empty(n, dtype=torch.uint8, device=DEV).fill_(255) for n in sizes]
     torch.cuda.synchronize()
+    del held
 
 
 def gate(out, ref, dtype, what):
@@ -287,6 +294,20 @@ def test_torch_compile_traces_both_ops():
         assert abs(c_loss.item() - e_loss.item()) < 1e-2
 
 
+@torch.no_grad()
+def test_torch_compile_passes_window_and_softcap():
+    def step(q, k, v):
+        a = flashmoe.attention(q, k, v, causal=True, window_size=(32, -1), softcap=20.0)
+        b = flashmoe.attention(q, k, v, window_size=(8, 8))
+        return a, b
+
+    compiled = torch.compile(step, fullgraph=True)
+    q = torch.randn(2, 100, 8, 128, dtype=torch.bfloat16, device=DEV)
+    k, v = (torch.randn(2, 180, 2, 128, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    for name, e, c in zip(("causal window + softcap", "window"), step(q, k, v), compiled(q, k, v)):
+        assert torch.equal(e, c), f"compiled {name} differs from eager"
+
+
 def graph_step(q, k, v, x, w):
     """Both ops and elementwise glue only: every kernel is deterministic."""
     a = flashmoe.attention(q, k, v, causal=True)
@@ -376,7 +397,11 @@ VARLEN_CASES = [
 
 @pytest.mark.parametrize("case", VARLEN_CASES)
 def test_attention_varlen_matches_f64(case):
-    dtype, d, hq, hkv, causal, lq, lk = case
+    check_varlen_case(*case)
+
+
+def check_varlen_case(dtype, d, hq, hkv, causal, lq, lk, window=(-1, -1), softcap=0.0):
+    """One packed call against masked_attention_ref per sequence."""
     lk = lk or lq
     cu_q, cu_q_t = offsets(lq)
     cu_k, cu_k_t = offsets(lk)
@@ -386,19 +411,24 @@ def test_attention_varlen_matches_f64(case):
     scale = 1.0 / math.sqrt(d)
     poison_pool()
     o, lse = flashmoe.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lq), max(lk), causal=causal,
-                                       return_lse=True)
+                                       window_size=window, softcap=softcap, return_lse=True)
     torch.cuda.synchronize()
     assert o.shape == q.shape and o.dtype == dtype and lse.shape == (hq, cu_q[-1])
     for b in range(len(lq)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         if lq[b] == 0:
             continue
-        ro, rlse = masked_attention_ref(q[qs], k[ks], v[ks], scale, causal)
+        ro, rlse = masked_attention_ref(q[qs], k[ks], v[ks], scale, causal, window, softcap)
         check_lse(lse[:, qs], rlse, f"sequence {b} lse")
         assert torch.isfinite(o[qs]).all(), f"sequence {b}: non-finite o"
         if lk[b] == 0:
             assert (o[qs] == 0).all(), "a sequence without keys gives 0"
             continue
+        seen = torch.isfinite(rlse)  # (hq, sq)
+        if not seen.any():
+            assert (o[qs] == 0).all(), f"sequence {b}: no row sees a key, so o is 0"
+            continue
+        assert (o[qs].transpose(0, 1)[~seen] == 0).all(), f"sequence {b}: rows that see no key give 0"
         gate(o[qs], ro, dtype, f"sequence {b} (sq {lq[b]}, sk {lk[b]})")
 
 
@@ -417,6 +447,121 @@ def test_attention_varlen_views_and_scale():
     for b in range(len(lens)):
         s = slice(cu[b], cu[b + 1])
         gate(o[s], masked_attention_ref(q[s], k[s], v[s], 0.05, True)[0], torch.bfloat16, f"scaled {b}")
+
+
+# --------------------------------------------------------------------------- windows and softcap
+
+
+def windowed_ref(q, k, v, scale, causal, window, softcap):
+    """masked_attention_ref per batch element of dense (B, S, H, D) tensors: o like q, lse (B, Hq, Sq)."""
+    outs = [masked_attention_ref(q[i], k[i], v[i], scale, causal, window, softcap) for i in range(q.shape[0])]
+    return torch.stack([o for o, _ in outs]), torch.stack([lse for _, lse in outs])
+
+
+WINDOW_CASES = [
+    # dtype, b, sq, sk, hq, hkv, d, causal, window, softcap
+    (torch.bfloat16, 2, 200, 200, 8, 2, 128, False, (64, 64), 0.0),
+    (torch.bfloat16, 2, 300, 300, 8, 2, 128, True, (100, -1), 0.0),  # causal sliding window
+    (torch.float16, 1, 77, 300, 4, 4, 64, True, (31, 0), 30.0),  # Sq < Sk, window and softcap
+    (torch.bfloat16, 3, 129, 65, 6, 1, 64, False, (-1, 16), 0.0),  # Sq > Sk, right side only, MQA
+    (torch.bfloat16, 1, 300, 128, 4, 2, 128, False, (20, 7), 0.0),  # Sq > Sk: the first rows see no key
+    (torch.float16, 2, 150, 150, 8, 8, 128, False, (-1, -1), 50.0),  # softcap only
+    (torch.bfloat16, 2, 256, 256, 4, 2, 64, True, (-1, -1), 20.0),  # causal softcap
+    (torch.bfloat16, 1, 64, 64, 2, 2, 64, False, (0, 0), 0.0),  # the diagonal alone
+    (torch.float16, 2, 333, 1000, 8, 2, 128, False, (200, 50), 15.0),  # long keys, both sides, softcap
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+def test_attention_window_and_softcap_match_f64(case):
+    dtype, b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, sq)
+    ro, rlse = windowed_ref(q, k, v, scale, causal, window, softcap)
+    check_lse(lse, rlse, "lse")
+    gate(o, ro, dtype, "o")
+    seen = torch.isfinite(rlse)
+    if not seen.all():
+        assert (o.transpose(1, 2)[~seen] == 0).all(), "rows that see no key give 0"
+
+
+def test_attention_window_softcap_vs_fp32_explicit_mask():
+    """Against an fp32 SDPA-style reference with an explicit boolean mask and the softcap applied to the
+    scaled scores, with a non-default scale (one (left, right) window, Sq != Sk, GQA)."""
+    b, sq, sk, hq, hkv, d, scale, window, cap = 2, 96, 160, 8, 2, 128, 0.2, (40, 8), 10.0
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v = torch.randn(b, sk, hkv, d, dtype=torch.bfloat16, device=DEV)
+    o = flashmoe.attention(q, k, v, softmax_scale=scale, window_size=window, softcap=cap)
+    qf, kf, vf = (x.float().transpose(1, 2) for x in (q, k, v))
+    kf, vf = kf.repeat_interleave(hq // hkv, 1), vf.repeat_interleave(hq // hkv, 1)
+    s = cap * torch.tanh(qf @ kf.transpose(-1, -2) * scale / cap)
+    i = torch.arange(sq, device=DEV)[:, None] + sk - sq
+    j = torch.arange(sk, device=DEV)[None, :]
+    allowed = (j >= i - window[0]) & (j <= i + window[1])
+    ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vf
+    gate(o, ref.transpose(1, 2).double(), torch.bfloat16, "o vs fp32 explicit mask")
+
+
+def test_attention_window_softcap_plans_kept_apart():
+    """Classes differing only in window or softcap get their own plans (the cache keys include them)."""
+    q, k, v = (torch.randn(1, 256, 4, 64, dtype=torch.bfloat16, device=DEV) for _ in range(3))
+    full = flashmoe.attention(q, k, v)
+    win = flashmoe.attention(q, k, v, window_size=(16, 16))
+    cap30 = flashmoe.attention(q, k, v, softcap=30.0)
+    cap5 = flashmoe.attention(q, k, v, softcap=5.0)
+    assert not torch.equal(full, win) and not torch.equal(full, cap30) and not torch.equal(cap30, cap5)
+    assert torch.equal(flashmoe.attention(q, k, v), full)
+    assert torch.equal(flashmoe.attention(q, k, v, window_size=(16, 16)), win)
+    assert torch.equal(flashmoe.attention(q, k, v, softcap=30.0), cap30)
+    # a window wider than the keys hides nothing (another kernel variant: close, not bit-equal);
+    # causal with right side 5 is plain causal (the same kernel)
+    gate(flashmoe.attention(q, k, v, window_size=(4096, 4096)), full.double(), torch.bfloat16, "wide window")
+    assert torch.equal(flashmoe.attention(q, k, v, causal=True, window_size=(-1, 5)),
+                       flashmoe.attention(q, k, v, causal=True))
+
+
+def test_attention_window_softcap_errors():
+    q = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
+        flashmoe.attention(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="softcap -1 must be finite and >= 0"):
+        flashmoe.attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="softcap NaN"):
+        flashmoe.attention(q, q, q, causal=True, softcap=float("nan"))
+    with pytest.raises(TypeError, match="window_size must be a"):
+        flashmoe.attention(q, q, q, window_size=8)
+    h256 = torch.randn(1, 16, 4, 256, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(NotImplementedError, match="sm_90a"):
+        flashmoe.attention(h256, h256, h256, window_size=(8, 8))
+    flashmoe.attention(h256, h256, h256, causal=True)  # without a window head dim 256 runs (v1)
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=r"window \(3, -9\)"):
+        flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 10, 10, window_size=(3, -9))
+    with pytest.raises(ValueError, match="softcap inf"):
+        flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 10, 10, softcap=float("inf"))
+
+
+VARLEN_WINDOW_CASES = [
+    # dtype, d, hq, hkv, causal, q lengths, k lengths (None: the q lengths), window, softcap
+    (torch.bfloat16, 128, 8, 2, True, [1, 7, 130, 61, 257, 3], None, (64, -1), 0.0),
+    (torch.bfloat16, 128, 8, 2, False, [1, 13, 0, 97], [5, 13, 11, 300], (50, 20), 30.0),  # Sq != Sk, empty q
+    (torch.bfloat16, 64, 6, 1, False, [2, 31, 1, 200], [0, 31, 17, 389], (-1, 10), 0.0),  # MQA, an empty k
+    (torch.float16, 128, 4, 4, True, [127, 1, 129], [300, 1, 129], (-1, -1), 25.0),  # causal softcap
+    (torch.bfloat16, 64, 4, 2, False, [200, 50], [100, 400], (16, 16), 0.0),  # Sq > Sk: rows without keys
+    (torch.float16, 64, 8, 2, True, [300, 1, 45], [301, 5, 45], (7, 0), 10.0),  # narrow causal window
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_WINDOW_CASES)
+def test_attention_varlen_window_and_softcap_match_f64(case):
+    check_varlen_case(*case)
 
 
 def test_attention_varlen_errors():
@@ -555,7 +700,9 @@ def inference_step(q_dec, k_new, v_new, k_cache, v_cache, table, seqlens, q_pre,
     k_pre, v_pre = kv_pre.unbind(1)
     o_pre, lse = flashmoe.attention_varlen(q_pre, k_pre, v_pre, cu, cu, max_len, max_len, causal=True,
                                            return_lse=True)
-    return o_dec * 2, o_pre, lse
+    o_win = flashmoe.attention_varlen(q_pre, k_pre, v_pre, cu, cu, max_len, max_len, window_size=(16, 4),
+                                      softcap=30.0)
+    return o_dec * 2, o_pre, lse, o_win
 
 
 def inference_inputs():
@@ -585,7 +732,7 @@ def test_torch_compile_traces_the_inference_ops():
         y = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
         eager = inference_step(**x)
         comp = compiled(**y)
-        for name, e, c in zip(("decode", "prefill", "lse"), eager, comp):
+        for name, e, c in zip(("decode", "prefill", "lse", "windowed prefill"), eager, comp):
             assert torch.equal(e, c), f"compiled {name} differs from eager"
         # the compiled append wrote the caches in place, as the eager one did
         assert torch.equal(x["k_cache"].nan_to_num(7.0), y["k_cache"].nan_to_num(7.0))
@@ -613,6 +760,6 @@ def test_cuda_graph_of_the_inference_ops():
         torch.cuda.synchronize()
         got = [t.clone() for t in outs]
         ref = inference_step(**x)
-        for name, a, e in zip(("decode", "prefill", "lse"), got, ref):
+        for name, a, e in zip(("decode", "prefill", "lse", "windowed prefill"), got, ref):
             assert torch.isfinite(a).all(), f"replay {step}: {name} not finite"
             assert torch.equal(a, e), f"replay {step}: {name} differs from eager"

@@ -12,6 +12,7 @@ synchronisation. Plans are cached per shape class; the attention kernel's zeroed
 per (device, stream), as the library requires (docs/library.md, "Workspace").
 """
 
+import operator
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -106,14 +107,39 @@ def _lse_sink(nbytes: int, index: int, stream: int) -> int:
     return entry[1]
 
 
-def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale):
+def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
+                    window_left=-1, window_right=-1, softcap=0.0):
     """Build and cache the plan of a class (the call path looks the cache up itself)."""
-    key = (index, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale)
+    key = (index, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale, window_left, window_right,
+           softcap)
     plan = _attention_plans.get(key)
     if plan is None:
-        plan = _core.AttentionPlan(index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale)
+        plan = _core.AttentionPlan(index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
+                                   (window_left, window_right), softcap)
         _attention_plans[key] = plan
     return plan
+
+
+_I32_MAX = (1 << 31) - 1
+
+
+def _window(window_size, causal: bool):
+    """FlashAttention's ``window_size`` as the ops take it: ``(left, right)`` ints, the right side 0
+    when causal (the same kernel, so one plan), a side past int32 clamped into it (a side of at
+    least the key length is unbounded anyway; one below -1 stays invalid). The default (-1, -1)
+    skips this (the call path's fast case). The values are checked by the plan (Rust): each side
+    -1 or >= 0, else ValueError."""
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        msg = f"window_size must be a (left, right) pair of ints, got {window_size!r}"
+        raise TypeError(msg) from None
+    return _i32(left), 0 if causal else _i32(right)
+
+
+def _i32(side: int) -> int:
+    return -_I32_MAX - 1 if side < -_I32_MAX else min(side, _I32_MAX)
 
 
 def _workspace(family: str, needed: int, index: int, stream: int):
@@ -140,11 +166,13 @@ def _workspace(family: str, needed: int, index: int, stream: int):
 
 _lib = torch.library.Library("flashmoe", "DEF")
 _lib.define(
-    "attention(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale) -> (Tensor, Tensor)"
+    "attention(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, int window_left=-1, "
+    "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
 )
 _lib.define(
     "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-    "int max_seqlen_q, int max_seqlen_k, bool causal, float? softmax_scale) -> (Tensor, Tensor)"
+    "int max_seqlen_q, int max_seqlen_k, bool causal, float? softmax_scale, int window_left=-1, "
+    "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
 )
 _lib.define(
     "attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seqused_k, "
@@ -169,16 +197,23 @@ def _register(name, impl, fake):
     torch.library.register_fake(f"flashmoe::{name}", fake, lib=_lib)
 
 
-def _attention_impl(q, k, v, causal, softmax_scale, want_lse=True):
+# Op arguments after softmax_scale default to no window and no softcap (the dispatcher drops trailing
+# arguments equal to their schema defaults before calling a Python kernel, so the kernels need the
+# same defaults).
+def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                    want_lse=True):
     index = _device_index((("q", q), ("k", k), ("v", v)))
     _same_dtype((("q", q), ("k", k), ("v", v)))
     dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        _core.check_attention(dq, dk, dv, causal, softmax_scale)  # raises, naming the tensor
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # raises, naming the tensor
+        _core.check_attention(dq, dk, dv, causal, softmax_scale, window=(window_left, window_right),
+                              softcap=softcap)
     b, sq, hq, d = dq[2]
-    plan = _attention_plans.get((index, q.dtype, d, hq, k.shape[2], causal, softmax_scale))
+    plan = _attention_plans.get(
+        (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap))
     if plan is None:
-        plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale)
+        plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left,
+                               window_right, softcap)
     dev = q.device
     o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     stream = _raw_stream(index)
@@ -192,7 +227,7 @@ def _attention_impl(q, k, v, causal, softmax_scale, want_lse=True):
     return o, lse
 
 
-def _attention_fake(q, k, v, causal, softmax_scale):
+def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, seq, heads, head_dim) but has shape {list(q.shape)}")
     b, sq, hq, d = q.shape
@@ -210,14 +245,23 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
 ):
-    """Exact attention in FlashAttention's layout.
+    """Exact attention in FlashAttention's layout (``flash_attn_func``).
 
     q (batch, seqlen_q, heads_q, head_dim); k, v (batch, seqlen_k, heads_kv, head_dim) with
     heads_q a multiple of heads_kv (GQA/MQA); bf16 or f16 on one CUDA device. Returns o like q
     (contiguous), and with ``return_lse`` also lse (batch, heads_q, seqlen_q) f32 (natural log).
     ``causal`` is bottom-right aligned; ``softmax_scale`` defaults to 1/sqrt(head_dim).
+    ``window_size`` (left, right) is a sliding window around each query row's bottom-right
+    diagonal d = i + seqlen_k - seqlen_q: row i sees keys d - left ..= d + right, -1 leaves a side
+    unbounded, and ``causal`` sets the right side to 0. ``softcap`` > 0 turns the scores s
+    (scaled) into softcap·tanh(s / softcap) before the softmax (Gemma-2); 0 is off. Windows and
+    softcap run on the sm_90a kernel only (H100/H200, head dims 64 and 128; elsewhere
+    NotImplementedError); a window side below -1 or a negative or non-finite softcap is a
+    ValueError. A query row that sees no key gives o = 0 and lse = -inf.
     q, k, v may be strided views (e.g. of one packed QKV tensor) on the sm_90a kernel (head dims
     64 and 128 on H100/H200) when the last dimension is contiguous and every other stride is a
     multiple of 8 elements; other kernels take them contiguous (call ``.contiguous()``).
@@ -226,10 +270,12 @@ def attention(
     host time); under torch.compile, fake tensors or dispatch modes the call goes through
     ``torch.ops.flashmoe.attention``. Forward only (no autograd formula).
     """
+    left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
+    softcap = float(softcap)
     if _plain(q, k, v):
-        o, lse = _attention_impl(q, k, v, causal, softmax_scale, return_lse)
+        o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
     else:
-        o, lse = _attention_op(q, k, v, causal, softmax_scale)
+        o, lse = _attention_op(q, k, v, causal, softmax_scale, left, right, softcap)
     return (o, lse) if return_lse else o
 
 
@@ -248,7 +294,7 @@ _varlen_plans = {}
 
 
 def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                           want_lse=True):
+                           window_left=-1, window_right=-1, softcap=0.0, want_lse=True):
     named = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k))
     index = _device_index(named)
     _same_dtype(named[:3])
@@ -257,10 +303,11 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if q.dim() != 3 or k.dim() != 3:
         _core.check_attention_varlen(dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k)  # raises, naming it
     tq, hq, d = q.shape
-    key = (index, q.dtype, d, hq, k.shape[1], causal, softmax_scale)
+    key = (index, q.dtype, d, hq, k.shape[1], causal, softmax_scale, window_left, window_right, softcap)
     plan = _varlen_plans.get(key)
     if plan is None:
-        plan = _core.VarlenPlan(index, dq[1], d, hq, k.shape[1], causal, softmax_scale)
+        plan = _core.VarlenPlan(index, dq[1], d, hq, k.shape[1], causal, softmax_scale, (window_left, window_right),
+                                softcap)
         _varlen_plans[key] = plan
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
     stream = _raw_stream(index)
@@ -274,7 +321,8 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return o, lse
 
 
-def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                           window_left=-1, window_right=-1, softcap=0.0):
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D (total_q, heads_q, head_dim) but has shape {list(q.shape)}")
     tq, hq, d = q.shape
@@ -296,6 +344,8 @@ def attention_varlen(
     *,
     causal: bool = False,
     softmax_scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
 ):
     """Attention over a packed batch of sequences of unequal lengths (``flash_attn_varlen_func``).
@@ -305,11 +355,15 @@ def attention_varlen(
     is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k, v).
     ``max_seqlen_q`` sizes the grid and must be at least the longest query sequence; both maxima
     are host ints (nothing is read back from the device). Returns o (total_q, heads_q, head_dim)
-    and with ``return_lse`` also lse (heads_q, total_q) f32. Causal is bottom-right per sequence.
-    sm_90a (H100/H200) only, head dims 64 and 128; q, k, v may be strided views as in
-    ``attention``. Rows of o outside every sequence are not written.
+    and with ``return_lse`` also lse (heads_q, total_q) f32. Causal is bottom-right per sequence,
+    and so are ``window_size`` (left, right; -1 unbounded; causal sets right to 0) and ``softcap``,
+    as in ``attention``: in a sequence of lengths (sq, sk), row i sees keys d - left ..= d + right
+    of d = i + sk - sq. sm_90a (H100/H200) only, head dims 64 and 128; q, k, v may be strided views
+    as in ``attention``. Rows of o outside every sequence are not written.
     """
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
+            float(softcap))
     if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k):
         o, lse = _attention_varlen_impl(*args, return_lse)
     else:

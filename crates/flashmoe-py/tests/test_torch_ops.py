@@ -1,0 +1,94 @@
+"""The torch layer without a GPU: op schemas, fake kernels (meta tensors, fake tracing) and the
+arguments the public functions hand to the ops. Skipped without torch; needs no CUDA device."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashmoe  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+NEW_ARGS = {"window_left": -1, "window_right": -1, "softcap": 0.0}
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_varlen"])
+def test_schemas_take_window_and_softcap_with_defaults(op):
+    schema = getattr(torch.ops.flashmoe, op).default._schema
+    args = {a.name: a for a in schema.arguments}
+    for name, default in NEW_ARGS.items():
+        assert name in args, f"{op} has no {name}: {schema}"
+        assert args[name].default_value == default, f"{op}.{name}: {schema}"
+    assert str(args["window_left"].type) == "int" and str(args["softcap"].type) == "float"
+    # the new arguments come last: positional calls of the old schema still bind
+    assert [a.name for a in schema.arguments][-3:] == list(NEW_ARGS)
+
+
+def meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("extra", [(), (64, 0, 30.0), (-1, 16, 0.0)])
+def test_attention_fake_kernel_shapes(extra):
+    q, k, v = meta(2, 77, 8, 128), meta(2, 300, 2, 128), meta(2, 300, 2, 128)
+    o, lse = torch.ops.flashmoe.attention.default(q, k, v, True, None, *extra)
+    assert o.shape == (2, 77, 8, 128) and o.dtype == torch.bfloat16
+    assert lse.shape == (2, 8, 77) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("extra", [(), (50, 20, 30.0)])
+def test_attention_varlen_fake_kernel_shapes(extra):
+    q, k, v = meta(300, 8, 64, dtype=torch.float16), meta(400, 2, 64, dtype=torch.float16), meta(
+        400, 2, 64, dtype=torch.float16)
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    o, lse = torch.ops.flashmoe.attention_varlen.default(q, k, v, cu, cu, 200, 300, False, 0.1, *extra)
+    assert o.shape == (300, 8, 64) and o.dtype == torch.float16
+    assert lse.shape == (8, 300) and lse.dtype == torch.float32
+
+
+def traced_args(fn, *tensors):
+    """The arguments of the one flashmoe op call in fn's fake-traced graph."""
+    gm = make_fx(fn, tracing_mode="fake")(*tensors)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "flashmoe" in str(n.target)]
+    assert len(calls) == 1, gm.graph
+    node = calls[0]
+    schema = node.target._schema
+    bound = {a.name: a.default_value for a in schema.arguments}
+    bound.update({a.name: x for a, x in zip(schema.arguments, node.args)})
+    bound.update(node.kwargs)
+    return bound
+
+
+def test_attention_passes_window_and_softcap_to_the_op():
+    q, k, v = torch.randn(1, 20, 4, 64), torch.randn(1, 30, 2, 64), torch.randn(1, 30, 2, 64)
+    a = traced_args(lambda q, k, v: flashmoe.attention(q, k, v, window_size=(8, 3), softcap=30), q, k, v)
+    assert (a["causal"], a["window_left"], a["window_right"], a["softcap"]) == (False, 8, 3, 30.0)
+    # causal sets the right side to 0 (FlashAttention's rule), so both spellings share a plan
+    a = traced_args(lambda q, k, v: flashmoe.attention(q, k, v, causal=True, window_size=(8, 3)), q, k, v)
+    assert (a["causal"], a["window_left"], a["window_right"], a["softcap"]) == (True, 8, 0, 0.0)
+    a = traced_args(lambda q, k, v: flashmoe.attention(q, k, v, causal=True), q, k, v)
+    assert (a["window_left"], a["window_right"], a["softcap"]) == (-1, -1, 0.0)
+    # a side past int32 is unbounded anyway: clamped, not an overflow
+    a = traced_args(lambda q, k, v: flashmoe.attention(q, k, v, window_size=[2**40, -1]), q, k, v)
+    assert (a["window_left"], a["window_right"]) == (2**31 - 1, -1)
+
+
+def test_attention_varlen_passes_window_and_softcap_to_the_op():
+    q, k = torch.randn(20, 4, 64), torch.randn(30, 2, 64)
+    cu_q = torch.tensor([0, 5, 20], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+
+    def fn(q, k, v, cq, ck):
+        return flashmoe.attention_varlen(q, k, v, cq, ck, 15, 20, window_size=(16, 4), softcap=20.0)
+
+    a = traced_args(fn, q, k, k.clone(), cu_q, cu_k)
+    assert (a["causal"], a["window_left"], a["window_right"], a["softcap"]) == (False, 16, 4, 20.0)
+
+
+@pytest.mark.parametrize("window_size", [5, (1, 2, 3), (1.5, 0), "ab", None])
+def test_window_size_must_be_a_pair_of_ints(window_size):
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="window_size must be a \\(left, right\\) pair of ints"):
+        flashmoe.attention(q, q, q, window_size=window_size)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="window_size must be a \\(left, right\\) pair of ints"):
+        flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 8, 8, window_size=window_size)
