@@ -41,6 +41,22 @@ fn no_window() -> (i32, i32) {
     NO_WINDOW
 }
 
+/// The rules every attention class applies to a window and a softcap: each side -1
+/// (unbounded) or >= 0; the softcap finite and >= 0 (0 = off).
+pub fn check_window_softcap(window: (i32, i32), softcap: f32) -> Result<()> {
+    if window.0 < -1 || window.1 < -1 {
+        return Err(Error::invalid(format!(
+            "window {window:?}: each side is -1 (unbounded) or >= 0"
+        )));
+    }
+    if !(softcap >= 0.0 && softcap.is_finite()) {
+        return Err(Error::invalid(format!(
+            "softcap {softcap} must be finite and >= 0 (0 = off)"
+        )));
+    }
+    Ok(())
+}
+
 impl AttentionProblem {
     /// A self-attention problem with Sq = Sk and no GQA.
     pub fn new(
@@ -93,18 +109,7 @@ impl AttentionProblem {
                 )));
             }
         }
-        if self.window.0 < -1 || self.window.1 < -1 {
-            return Err(Error::invalid(format!(
-                "window {:?}: each side is -1 (unbounded) or >= 0",
-                self.window
-            )));
-        }
-        if !(self.softcap >= 0.0 && self.softcap.is_finite()) {
-            return Err(Error::invalid(format!(
-                "softcap {} must be finite and >= 0 (0 = off)",
-                self.softcap
-            )));
-        }
+        check_window_softcap(self.window, self.softcap)?;
         let elems = self.q_elems().max(self.kv_elems());
         if elems > (1usize << 40) {
             return Err(Error::invalid(format!(

@@ -162,18 +162,7 @@ impl DecodeClass {
                 self.max_q_per_seq
             )));
         }
-        if self.window.0 < -1 || self.window.1 < -1 {
-            return Err(Error::invalid(format!(
-                "window {:?}: each side is -1 (unbounded) or >= 0",
-                self.window
-            )));
-        }
-        if !(self.softcap >= 0.0 && self.softcap.is_finite()) {
-            return Err(Error::invalid(format!(
-                "softcap {} must be finite and >= 0 (0 = off)",
-                self.softcap
-            )));
-        }
+        crate::problem::check_window_softcap(self.window, self.softcap)?;
         if let Some(s) = self.softmax_scale {
             if !s.is_finite() || s <= 0.0 {
                 return Err(Error::invalid(format!(

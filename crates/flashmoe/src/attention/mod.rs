@@ -130,16 +130,28 @@ pub fn softmax_scale_log2(problem: &AttentionProblem) -> f32 {
     problem.scale() * std::f32::consts::LOG2_E
 }
 
-/// Writes the launch parameters of a variant's window and softcap (`FM_WINDOW`: window_left,
-/// window_right; `FM_SOFTCAP`: softcap_log2; see the kernels' ABI notes) into `params` from
-/// index `n`; returns the parameter count. `params` must have room for 3 more.
-pub(crate) fn push_logit_params(
-    params: &mut [*mut std::ffi::c_void],
-    mut n: usize,
+/// One launch of an attention kernel ([`crate::gpu::raw::launch`]): the `base` parameters,
+/// then those of the variant's window and softcap (`FM_WINDOW`: window_left, window_right;
+/// `FM_SOFTCAP`: softcap_log2; see the kernels' ABI notes). No allocation.
+///
+/// # Safety
+/// As [`crate::gpu::raw::launch`]: `base` matches the kernel's parameter list up to its
+/// window / softcap parameters and points at live values.
+pub(crate) unsafe fn launch_with_logits(
+    entry: &str,
+    func: &cudarc::driver::CudaFunction,
+    cfg: cudarc::driver::LaunchConfig,
+    stream: crate::gpu::raw::RawStream,
+    base: &[*mut std::ffi::c_void],
     m: config::Masking,
     lp: &config::LogitParams,
-) -> usize {
+) -> Result<()> {
     use crate::gpu::raw::param;
+    const MAX_PARAMS: usize = 24;
+    let mut params = [std::ptr::null_mut(); MAX_PARAMS];
+    let mut n = base.len();
+    debug_assert!(n + 3 <= MAX_PARAMS);
+    params[..n].copy_from_slice(base);
     if m.window {
         params[n] = param(&lp.window_left);
         params[n + 1] = param(&lp.window_right);
@@ -149,7 +161,7 @@ pub(crate) fn push_logit_params(
         params[n] = param(&lp.softcap_log2);
         n += 1;
     }
-    n
+    crate::gpu::raw::launch(entry, func, cfg, stream, &mut params[..n])
 }
 
 /// The raw tensors of `problem` over lab buffers (contiguous layouts).

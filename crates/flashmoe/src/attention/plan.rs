@@ -22,16 +22,15 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
-use super::{push_logit_params, tma};
+use super::{launch_with_logits, tma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
 use crate::problem::AttentionProblem;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
-use std::ffi::c_void;
 use std::sync::Arc;
 
 /// What a plan is built for: everything about an attention call except batch size and
@@ -391,7 +390,7 @@ impl AttentionPlan {
         match self.variant.abi {
             KernelAbi::Pointers => {
                 let cfg = super::launch_config(&problem, &self.variant)?;
-                let mut params: [*mut c_void; 13] = [
+                let params = [
                     param(&q),
                     param(&k),
                     param(&v),
@@ -402,17 +401,15 @@ impl AttentionPlan {
                     param(&hq),
                     param(&hkv),
                     param(&self.logits.scale_log2),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
                 ];
-                let n = push_logit_params(&mut params, 10, self.masking, &self.logits);
-                raw::launch(
+                launch_with_logits(
                     self.variant.entry,
                     &self.func,
                     cfg,
                     stream,
-                    &mut params[..n],
+                    &params,
+                    self.masking,
+                    &self.logits,
                 )
             }
             KernelAbi::TensorMaps {
@@ -443,7 +440,7 @@ impl AttentionPlan {
                     shared_mem_bytes: self.variant.shared_mem_bytes,
                 };
                 let ws = workspace.ptr;
-                let mut params: [*mut c_void; 16] = [
+                let params = [
                     param(&maps[0]),
                     param(&maps[1]),
                     param(&maps[2]),
@@ -457,17 +454,15 @@ impl AttentionPlan {
                     param(&self.logits.scale_log2),
                     param(&b),
                     param(&ws),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
                 ];
-                let n = push_logit_params(&mut params, 13, self.masking, &self.logits);
-                raw::launch(
+                launch_with_logits(
                     self.variant.entry,
                     &self.func,
                     cfg,
                     stream,
-                    &mut params[..n],
+                    &params,
+                    self.masking,
+                    &self.logits,
                 )
             }
         }

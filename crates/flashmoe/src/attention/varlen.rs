@@ -23,15 +23,14 @@
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
 use super::decode::RawIndex;
 use super::plan::{AttentionClass, Element};
-use super::{push_logit_params, tma};
+use super::{launch_with_logits, tma};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
 };
-use std::ffi::c_void;
 use std::sync::Arc;
 
 /// The tensors of one varlen call, raw (layouts in the module docs). q, k and v may be
@@ -317,7 +316,7 @@ impl VarlenPlan {
         );
         let (o, lse, ws) = (a.o.ptr, a.lse.ptr, workspace.ptr);
         let (cu_q, cu_k) = (a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr);
-        let mut params: [*mut c_void; 18] = [
+        let params = [
             param(&maps[0]),
             param(&maps[1]),
             param(&maps[2]),
@@ -333,17 +332,15 @@ impl VarlenPlan {
             param(&ws),
             param(&cu_q),
             param(&cu_k),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
         ];
-        let n = push_logit_params(&mut params, 15, self.masking, &self.logits);
-        raw::launch(
+        launch_with_logits(
             self.variant.entry,
             &self.func,
             cfg,
             stream,
-            &mut params[..n],
+            &params,
+            self.masking,
+            &self.logits,
         )
     }
 
