@@ -350,13 +350,34 @@ def moe_specs(problem):
     return specs
 
 
+def varlen_totals(problem):
+    """(total_q, total_k) of a varlen problem: the sums of its (seqlen_q, seqlen_k) pairs."""
+    lens = problem["seqlens"]
+    return sum(int(s[0]) for s in lens), sum(int(s[1]) for s in lens)
+
+
+def varlen_specs(problem):
+    """(name, tensor id, shape, scale) of a varlen problem's packed inputs, in checksum order:
+    the tensors of the batch-1 attention problem of the totals (crates/flashmoe-bench
+    src/varlen.rs, ``VarlenProblem::packed``), q (total_q, Hq, D), k and v (total_k, Hkv, D)."""
+    tq, tk = varlen_totals(problem)
+    hq, hkv, d = problem["heads_q"], problem["heads_kv"], problem["head_dim"]
+    return [
+        ("q", TENSOR_IDS["q"], (tq, hq, d), 1.0),
+        ("k", TENSOR_IDS["k"], (tk, hkv, d), 1.0),
+        ("v", TENSOR_IDS["v"], (tk, hkv, d), 1.0),
+    ]
+
+
 def problem_specs(problem):
     kind = problem.get("kind")
     if kind == "attention":
         return attention_specs(problem)
     if kind == "moe":
         return moe_specs(problem)
-    raise ValueError(f"unknown problem kind {kind!r}: expected 'attention' or 'moe'")
+    if kind == "varlen":
+        return varlen_specs(problem)
+    raise ValueError(f"unknown problem kind {kind!r}: expected 'attention', 'moe' or 'varlen'")
 
 
 def generate_problem(problem, seed, threads=None):

@@ -14,6 +14,13 @@ Attention (inputs (B, S, H, D), causal bottom-right aligned as in flashmoe):
 * ``xformers``: ``xformers.ops.memory_efficient_attention`` (its best forward operator).
 * ``flashinfer-prefill``: FlashInfer ``BatchPrefillWithRaggedKVCacheWrapper``.
 
+Varlen (packed q (total_q, H, D), k/v (total_k, Hkv, D), int32 cu_seqlens; o in the same
+layout, lse (H, total_q)):
+
+* ``fa4-varlen``: ``flash_attn.cute.flash_attn_varlen_func``.
+* ``fa3-varlen``: ``flash_attn_interface.flash_attn_varlen_func``.
+* ``flashinfer-varlen``: FlashInfer ``BatchPrefillWithRaggedKVCacheWrapper`` on the offsets.
+
 MoE (the reference's routing, then the package's expert computation):
 
 * ``vllm-fused-moe``: vLLM's Triton ``fused_experts``.
@@ -24,6 +31,7 @@ MoE (the reference's routing, then the package's expert computation):
 
 import importlib
 import importlib.util
+import inspect
 import math
 import time
 
@@ -36,9 +44,13 @@ PACKAGES = {
     "vllm-fused-moe": ("vllm.model_executor.layers.fused_moe", ("vllm",)),
     "sglang-fused-moe": ("sglang.srt.layers.moe.fused_moe_triton", ("sglang",)),
     "quack-grouped-gemm": ("quack.gemm_interface", ("quack-kernels", "nvidia-cutlass-dsl")),
+    "fa4-varlen": ("flash_attn.cute", ("flash-attn-4", "nvidia-cutlass-dsl")),
+    "fa3-varlen": ("flash_attn_interface", ("flash-attn-3", "flash_attn_3", "flashattn-hopper")),
+    "flashinfer-varlen": ("flashinfer", ("flashinfer-python", "flashinfer")),
 }
 ATTENTION = ["fa4", "fa3", "xformers", "flashinfer-prefill"]
 MOE = ["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"]
+VARLEN = ["fa4-varlen", "fa3-varlen", "flashinfer-varlen"]
 
 
 class Unavailable(Exception):
@@ -291,6 +303,177 @@ def _flashinfer_prefill(p, a, lse_check):
     p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
     p.notes.append("FlashInfer BatchPrefillWithRaggedKVCacheWrapper (planned once, outside the timing)")
 
+
+# ------------------------------------------------------------------------- varlen
+
+class Varlen(Attn):
+    """A varlen problem for the package builders: packed q (total_q, Hq, D), k and v
+    (total_k, Hkv, D); ``lens`` the (sq, sk) of each sequence; ``cu`` = (cu_q, cu_k as
+    host lists, the same as int32 device tensors). The Attn fields b / sq / sk hold the
+    sequence count and the totals."""
+
+    def __init__(self, torch, q, k, v, lens, cu, hq, hkv, d, causal, scale, window=(-1, -1), softcap=0.0):
+        cu_q, cu_k, cu_q_dev, cu_k_dev = cu
+        super().__init__(torch, q, k, v, len(lens), hq, hkv, cu_q[-1], cu_k[-1], d, causal, scale, window,
+                         softcap)
+        self.lens = list(lens)
+        self.cu_q_host, self.cu_k_host = list(cu_q), list(cu_k)
+        self.cu_q, self.cu_k = cu_q_dev, cu_k_dev
+        self.total_q, self.total_k = cu_q[-1], cu_k[-1]
+        self.max_q = max(1, max(sq for sq, _ in self.lens))
+        self.max_k = max(1, max(sk for _, sk in self.lens))
+        self.explicit_scale = False
+
+
+def split_out_lse(r):
+    """(o, lse or None) of a call that returns o alone or a tuple starting (o, lse)."""
+    if isinstance(r, (tuple, list)):
+        return r[0], (r[1] if len(r) > 1 else None)
+    return r, None
+
+
+def _note_once(p, text):
+    """Add a note unless it is there already (p.check runs more than once)."""
+    if text not in p.notes:
+        p.notes.append(text)
+
+
+def checked_varlen_lse(a, p, lse, lse_check, base2_ok=False):
+    """The LSE as (Hq, total_q) natural log if it passes the spot check, else None (noted).
+    A (total_q, Hq) LSE is transposed first."""
+    if lse is None:
+        _note_once(p, "LSE not reported by the package (O checked only)")
+        return None
+    shape = tuple(lse.shape)
+    if shape == (a.hq, a.total_q):
+        pass
+    elif shape == (a.total_q, a.hq):
+        lse = lse.transpose(0, 1)
+    else:
+        _note_once(p, f"LSE not reported: the package returned shape {shape}, not (Hq, total_q) = "
+                      f"{(a.hq, a.total_q)}")
+        return None
+    lse = lse.float().contiguous()
+    ok, why = lse_check(lse)
+    if ok:
+        return lse
+    if base2_ok:
+        lse_e = lse * math.log(2.0)
+        if lse_check(lse_e)[0]:
+            _note_once(p, "the package's LSE is base 2: converted to natural log for the gate")
+            return lse_e
+    _note_once(p, f"LSE not reported: {why}")
+    return None
+
+
+def build_varlen(name, p, a, sync, lse_check):
+    """Set p.fn / p.check / p.outputs for the varlen package baseline `name` on problem `a`
+    (a :class:`Varlen`); `lse_check(lse)` spot-checks an (Hq, total_q) LSE."""
+    if (a.windowed() or a.softcap > 0) and name == "flashinfer-varlen":
+        raise Unavailable(f"{name}: sliding window / softcap not wired into this baseline")
+    if name == "fa4-varlen":
+        _fa4_varlen(p, a, sync, lse_check)
+    elif name == "fa3-varlen":
+        _fa3_varlen(p, a, lse_check)
+    elif name == "flashinfer-varlen":
+        _flashinfer_varlen(p, a, lse_check)
+    else:
+        raise Unavailable(f"unknown varlen package baseline '{name}'")
+    _note_version(p, name)
+
+
+def _varlen_func(name):
+    f = getattr(_import(name), "flash_attn_varlen_func", None)
+    if f is None:
+        raise Unavailable(f"{PACKAGES[name][0]} has no flash_attn_varlen_func")
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return f, params
+
+
+def _fa4_varlen(p, a, sync, lse_check):
+    f, params = _varlen_func("fa4-varlen")
+    kw = a.fa_window_kwargs(none_for_unbounded=True)
+    kw["softmax_scale"] = a.scale
+    # Older releases take no max_seqlen (they derive it) and always return (o, lse).
+    for key, value in (("max_seqlen_q", a.max_q), ("max_seqlen_k", a.max_k)):
+        if key in params:
+            kw[key] = value
+    if "return_lse" in params:
+        # In the timed call too: flashmoe's kernel writes the LSE as well.
+        kw["return_lse"] = True
+
+    def fn():
+        return f(a.q, a.k, a.v, cu_seqlens_q=a.cu_q, cu_seqlens_k=a.cu_k, **kw)
+
+    try:
+        p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"flash_attn.cute rejected the config: {_first_line(e)}") from e
+
+    def check():
+        o, lse = split_out_lse(fn())
+        out = {"o": o}
+        lse = checked_varlen_lse(a, p, lse, lse_check)
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+    first = (f"JIT compile {p.compile_ms / 1e3:.1f} s" if p.compile_ms >= 100
+             else "variant already compiled in this process")
+    p.notes.append("flash_attn.cute.flash_attn_varlen_func, packed inputs, GQA native; first call: "
+                   f"{first} (not timed)")
+
+
+def _fa3_varlen(p, a, lse_check):
+    f, params = _varlen_func("fa3-varlen")
+    kw = a.fa_window_kwargs(none_for_unbounded=False)
+    lse_kw = {"return_attn_probs": True} if "return_attn_probs" in params else {}
+
+    def call(**extra):
+        return f(a.q, a.k, a.v, a.cu_q, a.cu_k, a.max_q, a.max_k, softmax_scale=a.scale, **kw, **extra)
+
+    def check():
+        o, lse = split_out_lse(call(**lse_kw))
+        out = {"o": o}
+        lse = checked_varlen_lse(a, p, lse, lse_check)
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = call, check, ["o", "lse"]
+    p.notes.append("flash_attn_interface.flash_attn_varlen_func (FA3), packed inputs, GQA native")
+
+
+def _flashinfer_varlen(p, a, lse_check):
+    flashinfer = _import("flashinfer-varlen")
+    torch = a.torch
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=a.q.device)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    # FlashInfer's causal mask is bottom-right aligned per sequence, as flashmoe's.
+    w.plan(a.cu_q, a.cu_k, a.hq, a.hkv, a.d, causal=a.causal, sm_scale=a.scale, q_data_type=a.q.dtype,
+           kv_data_type=a.k.dtype)
+
+    def fn():
+        return w.run(a.q, a.k, a.v, return_lse=True)
+
+    def check():
+        o, lse = fn()
+        out = {"o": o}
+        # (total_q, Hq), possibly base 2 → (Hq, total_q) natural log.
+        lse = checked_varlen_lse(a, p, lse, lse_check, base2_ok=True)
+        if lse is not None:
+            out["lse"] = lse
+        return out
+
+    p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+    p.notes.append("FlashInfer BatchPrefillWithRaggedKVCacheWrapper on the offsets (planned once, outside "
+                   "the timing)")
 
 # ---------------------------------------------------------------------------- MoE
 

@@ -23,7 +23,9 @@ mode only (host clock, no L2 flush): it lets the protocol and the baselines' num
 tested on a machine without a GPU.
 """
 
+import bisect
 import gc
+import inspect
 import json
 import math
 import os
@@ -46,6 +48,12 @@ MOE_IMPLS += PACKAGE_MOE_IMPLS
 # Decode-from-a-cache baselines (``flashmoe bench decode``): attention problems whose K/V
 # are the cache, causal bottom-right. n/a when the package is not importable.
 DECODE_IMPLS = ["fa-kvcache", "flashinfer-decode"]
+# Varlen baselines (``flashmoe bench varlen``): problems of kind "varlen", packed q
+# (total_q, Hq, D), k/v (total_k, Hkv, D), int32 cu_seqlens on the device; o in the same
+# packed layout, lse (Hq, total_q). The package ones run when importable.
+VARLEN_IMPLS = ["torch-varlen", "sdpa-cudnn-loop"]
+PACKAGE_VARLEN_IMPLS = ["fa4-varlen", "fa3-varlen", "flashinfer-varlen"]
+VARLEN_IMPLS += PACKAGE_VARLEN_IMPLS
 
 # Cap of the spin queued before each start event, microseconds.
 MAX_SPIN_US = 2000.0
@@ -101,7 +109,7 @@ def build_hello(device):
         "device": device,
         "timer": None,
         "flush_bytes": None,
-        "implementations": ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS,
+        "implementations": ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS,
         "unavailable": {},
         "packages": [],
         "pid": os.getpid(),
@@ -497,9 +505,10 @@ class Worker:
             raise ValueError("prepare needs a 'problem' object")
         kind = problem.get("kind")
         if (impl in ATTENTION_IMPLS + DECODE_IMPLS and kind != "attention"
-                or impl in MOE_IMPLS and kind != "moe"):
+                or impl in MOE_IMPLS and kind != "moe"
+                or impl in VARLEN_IMPLS and kind != "varlen"):
             raise NotApplicable(f"{impl} does not run {kind} problems")
-        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS:
+        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS:
             raise NotApplicable(f"unknown implementation '{impl}'")
         t0 = time.perf_counter()
         inputs = self.acquire_inputs(problem, seed)
@@ -507,6 +516,8 @@ class Worker:
             p = Prepared(impl, problem, inputs)
             if kind == "attention":
                 self.build_attention(p)
+            elif kind == "varlen":
+                self.build_varlen(p)
             else:
                 self.build_moe(p)
             self.probe(p)
@@ -1003,6 +1014,174 @@ class Worker:
                        "(not timed; dynamo reset per config)")
         p.fn, p.check = fn, check
 
+    # ---------------------------------------------------------------- varlen
+    def build_varlen(self, p):
+        """A varlen baseline on the packed inputs (see VARLEN_IMPLS for the layouts)."""
+        pr = p.problem
+        lens = [(int(s[0]), int(s[1])) for s in pr["seqlens"]]
+        hq, hkv, d = int(pr["heads_q"]), int(pr["heads_kv"]), int(pr["head_dim"])
+        causal = bool(pr["causal"])
+        scale = pr.get("softmax_scale")
+        explicit_scale = scale is not None
+        scale = float(np.float32(scale)) if explicit_scale else float(np.float32(1.0) / np.sqrt(np.float32(d)))
+        window = tuple(pr.get("window") or (-1, -1))
+        # (left, right) around each sequence's bottom-right diagonal, causal folded in.
+        window = (int(window[0]), 0 if causal else int(window[1]))
+        softcap = float(pr.get("softcap") or 0.0)
+        cu = p.inputs.derived.get("cu_seqlens")
+        if cu is None:
+            cu_q, cu_k = varlen_offsets(s[0] for s in lens), varlen_offsets(s[1] for s in lens)
+            cu = (cu_q, cu_k, torch.tensor(cu_q, dtype=torch.int32, device=self.device),
+                  torch.tensor(cu_k, dtype=torch.int32, device=self.device))
+            p.inputs.derived["cu_seqlens"] = cu
+        t = p.inputs.tensors
+        a = pk.Varlen(torch, t["q"], t["k"], t["v"], lens, cu, hq, hkv, d, causal, scale, window, softcap)
+        a.explicit_scale = explicit_scale
+        p.outputs = ["o", "lse"]
+
+        def lse_check(lse):
+            return spot_check_varlen_lse(lse, a)
+
+        if p.impl == "torch-varlen":
+            self.build_torch_varlen(p, a, lse_check)
+        elif p.impl == "sdpa-cudnn-loop":
+            self.build_sdpa_loop(p, a)
+        elif p.impl in PACKAGE_VARLEN_IMPLS:
+            if not self.cuda:
+                raise NotApplicable(f"{p.impl} needs CUDA")
+            try:
+                pk.build_varlen(p.impl, p, a, self.sync, lse_check)
+            except pk.Unavailable as e:
+                raise NotApplicable(str(e)) from None
+        else:
+            raise NotApplicable(f"unknown varlen implementation '{p.impl}'")
+
+    def build_torch_varlen(self, p, a, lse_check):
+        """torch.nn.attention.varlen.varlen_attn (FlashAttention-2 varlen inside PyTorch); its
+        signature changed across releases (is_causal, then window_size), read at run time."""
+        try:
+            from torch.nn.attention import varlen as tv
+            varlen_attn = tv.varlen_attn
+        except Exception as e:  # noqa: BLE001
+            raise NotApplicable(f"torch.nn.attention.varlen.varlen_attn is not in torch {torch.__version__} "
+                                f"({first_line(e)})")
+        if not self.cuda:
+            raise NotApplicable("varlen_attn runs on CUDA only")
+        if a.softcap > 0:
+            raise NotApplicable("varlen_attn has no softcap option")
+        params = inspect.signature(varlen_attn).parameters
+        kw = {}
+        if "is_causal" in params:
+            kw["is_causal"] = a.causal
+            if a.windowed():
+                if "window_size" not in params:
+                    raise NotApplicable("this varlen_attn has no window_size option")
+                kw["window_size"] = tuple(a.window)
+        elif "window_size" in params:
+            # Causal is the window (-1, 0); a causal sliding window is (left, 0).
+            if a.window != (-1, -1):
+                kw["window_size"] = tuple(a.window)
+        else:
+            raise NotApplicable("varlen_attn takes neither is_causal nor window_size in this torch")
+        if "enable_gqa" in params:
+            # Newer torch wants GQA asked for; older ones take Hkv < Hq as it is.
+            kw["enable_gqa"] = a.hq != a.hkv
+        if "scale" in params:
+            kw["scale"] = a.scale
+        elif a.explicit_scale:
+            raise NotApplicable("this varlen_attn has no scale option (the config sets softmax_scale)")
+        lse_kw = {}
+        if "return_aux" in params and hasattr(tv, "AuxRequest"):
+            lse_kw = {"return_aux": tv.AuxRequest(lse=True)}
+        elif "return_lse" in params:
+            lse_kw = {"return_lse": True}
+
+        def call(**extra):
+            return varlen_attn(a.q, a.k, a.v, a.cu_q, a.cu_k, a.max_q, a.max_k, **kw, **extra)
+
+        def check():
+            if lse_kw:
+                o, lse = pk.split_out_lse(call(**lse_kw))
+            else:
+                o, lse = call(), None
+            out = {"o": o}
+            lse = pk.checked_varlen_lse(a, p, lse, lse_check)
+            if lse is not None:
+                out["lse"] = lse
+            return out
+
+        p.fn, p.check = call, check
+        p.notes.append("torch.nn.attention.varlen.varlen_attn (FlashAttention-2 varlen in PyTorch), packed "
+                       "inputs, GQA native")
+
+    def build_sdpa_loop(self, p, a):
+        """SDPA with cuDNN forced, one call per sequence from a Python loop: what a user without
+        a varlen kernel writes. The per-sequence (1, H, S, D) copies are made once, untimed."""
+        if a.windowed() or a.softcap > 0:
+            raise NotApplicable("no sliding-window or softcap option (a dense mask would also time the "
+                                "hidden keys)")
+        gqa = a.hq != a.hkv
+        g = a.hq // a.hkv
+        if self.cuda:
+            from torch.nn.attention import sdpa_kernel
+            backend = sdpa_backends()["sdpa-cudnn"]
+            p.context = lambda: sdpa_kernel([backend])
+        else:
+            p.notes.append("CPU development mode: SDPA's CPU backend, not cuDNN")
+
+        def make(expand):
+            seqs = []
+            for b, (sq, sk) in enumerate(a.lens):
+                if sq == 0 or sk == 0:
+                    continue  # nothing to compute / O = 0 (the zeros of check())
+                q0, k0 = a.cu_q_host[b], a.cu_k_host[b]
+                qb = a.q[q0:q0 + sq].transpose(0, 1).unsqueeze(0).contiguous()
+                kb = a.k[k0:k0 + sk].transpose(0, 1).unsqueeze(0)
+                vb = a.v[k0:k0 + sk].transpose(0, 1).unsqueeze(0)
+                if expand:
+                    kb, vb = kb.repeat_interleave(g, dim=1), vb.repeat_interleave(g, dim=1)
+                kw = {"scale": a.scale}
+                if gqa and not expand:
+                    kw["enable_gqa"] = True
+                if a.causal:
+                    if sq == sk:
+                        kw["is_causal"] = True
+                    else:
+                        kw["attn_mask"] = lower_right_mask(sq, sk, self.device)
+                seqs.append((q0, sq, qb, kb.contiguous(), vb.contiguous(), kw))
+            return seqs
+
+        state = {"seqs": make(False)}
+
+        def loop():
+            return [F.scaled_dot_product_attention(qb, kb, vb, **kw) for (_, _, qb, kb, vb, kw) in state["seqs"]]
+
+        if gqa:
+            try:
+                with p.ctx(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loop()
+                    self.sync()
+            except Exception as e:  # noqa: BLE001
+                if is_oom(e):
+                    raise
+                state["seqs"] = make(True)
+                p.notes.append(f"backend rejected enable_gqa ({first_line(e)}): K/V heads expanded to Hq "
+                               "outside the timed region")
+
+        def check():
+            o = torch.zeros(a.total_q, a.hq, a.d, dtype=a.q.dtype, device=a.q.device)
+            for (q0, sq, *_), ob in zip(state["seqs"], loop()):
+                o[q0:q0 + sq] = ob[0].transpose(0, 1)
+            return {"o": o}
+
+        p.fn, p.check, p.outputs = loop, check, ["o"]
+        p.notes.append(f"SDPA{' (cuDNN forced)' if self.cuda else ''} called once per sequence from a Python "
+                       f"loop ({len(state['seqs'])} calls, host dispatch included); LSE not reported "
+                       "(O checked only)")
+        if a.causal and any(sq != sk for sq, sk in a.lens if sq and sk):
+            p.notes.append("Sq != Sk causal: bottom-right aligned via an explicit boolean mask")
+
     # ---------------------------------------------------------------- MoE
     def build_moe(self, p):
         pr = p.problem
@@ -1148,6 +1327,52 @@ def spot_check_lse(lse, q, k, scale, mode, sq, sk, rows=64, window=(-1, -1), sof
         ref = torch.logsumexp(s, dim=0).item()
         got = lse[bi, hi, i].item()
         if math.isinf(ref) and math.isinf(got):
+            continue
+        if not (math.isfinite(ref) and math.isfinite(got)):
+            return False, f"the backend's LSE is {got} where the scores give {ref}"
+        worst = max(worst, abs(ref - got))
+    if worst > 0.05:
+        return False, f"the backend's LSE disagrees with a recomputation (max diff {worst:.3g}): not natural-log LSE"
+    return True, None
+
+
+def varlen_offsets(lens):
+    """cu_seqlens of a list of lengths: [0, l0, l0 + l1, ...]."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + int(n))
+    return cu
+
+
+def spot_check_varlen_lse(lse, a, rows=64):
+    """Compare a varlen LSE (Hq, total_q) with an fp32 recomputation on a few rows (cheap):
+    each row's scores against its own sequence's keys, the window (a.window, causal folded)
+    around the sequence's bottom-right diagonal, the softcap."""
+    hq, tq = a.hq, a.total_q
+    g = a.hq // a.hkv
+    left, right = a.window
+    worst = 0.0
+    n = hq * tq
+    for r in range(min(rows, n)):
+        idx = (r * 2654435761) % n
+        h, row = divmod(idx, tq)
+        b = bisect.bisect_right(a.cu_q_host, row) - 1  # the non-empty sequence holding row
+        sq, sk = a.lens[b]
+        i, k0 = row - a.cu_q_host[b], a.cu_k_host[b]
+        if sk == 0:
+            ref = float("-inf")
+        else:
+            s = (a.k[k0:k0 + sk, h // g].float() @ a.q[row, h].float()) * a.scale
+            if a.softcap > 0:
+                s = a.softcap * torch.tanh(s / a.softcap)
+            dg = i + sk - sq
+            if right >= 0:
+                s[max(0, dg + right + 1):] = float("-inf")
+            if left >= 0:
+                s[:max(0, min(sk, dg - left))] = float("-inf")
+            ref = torch.logsumexp(s, dim=0).item()
+        got = lse[h, row].item()
+        if math.isinf(ref) and math.isinf(got) and ref < 0 and got < 0:
             continue
         if not (math.isfinite(ref) and math.isfinite(got)):
             return False, f"the backend's LSE is {got} where the scores give {ref}"

@@ -115,6 +115,11 @@ for s in "$@"; do
     window-ab)    stage window-ab 400 $BIN bench attention --config configs/attention-window-ab.toml --impl flashmoe-sm90 \
                     --no-baselines --against ./target/release/flashmoe-base --max-time 0.5 --out /tmp/window-ab
                   for f in results.json results.md; do cp /tmp/window-ab/$f "$OUT/window-ab-$f" 2>/dev/null; done ;;
+    # The varlen suite (issue 22): its check matrix against the per-sequence references, and
+    # the varlen preset with the PyTorch baselines (torch varlen_attn, SDPA cuDNN per sequence).
+    check-varlen) stage check-varlen 200 $BIN check --suite varlen ;;
+    bench-varlen) stage bench-varlen 300 $BIN bench varlen --preset varlen --max-time 0.5 --out /tmp/bench-varlen
+                  for f in results.json results.md report.html; do cp /tmp/bench-varlen/$f "$OUT/varlen-$f" 2>/dev/null; done ;;
     # compute-sanitizer memcheck + racecheck of the windowed and softcapped sm_90a variants
     # through their GPU unit tests (small shapes, dense and varlen).
     sanitize-window)

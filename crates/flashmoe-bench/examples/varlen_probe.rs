@@ -4,8 +4,9 @@
 //! model dim 2048 (D = 128, H = 16 and D = 64, H = 32), causal and not. The dense
 //! problem is B = 16, S = total / 16 (rounded). Both kernels are timed with CUDA events
 //! after an L2 flush, interleaved round by round; TFLOP/s by FlashAttention's convention
-//! (4·H·sq·sk·D per sequence, halved for causal). A development probe until the lab has
-//! a varlen suite; inputs are random, not zeros.
+//! (4·H·sq·sk·D per sequence, halved for causal). A development probe: the lab's varlen
+//! suite (`flashmoe bench varlen --preset varlen`) measures the same shapes with its gates,
+//! statistics and baselines; inputs here are random, not zeros.
 //!
 //! ```text
 //! cargo run --release -p flashmoe-bench --example varlen_probe [rounds]
@@ -22,17 +23,10 @@ use std::sync::Arc;
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// The preset's lengths: 64-bit LCG (Knuth's MMIX constants), length = 100 + (s >> 33) %
-/// 3901 per sequence. python/dev/varlen_baseline.py draws the same.
+/// 3901 per sequence ([`flashmoe_bench::varlen::random_lengths`], the lab's varlen preset).
+/// python/dev/varlen_baseline.py draws the same.
 pub fn lengths(seed: u64, n: usize) -> Vec<usize> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            100 + ((s >> 33) % 3901) as usize
-        })
-        .collect()
+    flashmoe_bench::varlen::random_lengths(seed, n, 100, 4000)
 }
 
 fn random_bf16(s: &Arc<CudaStream>, n: usize, seed: u64) -> Res<CudaSlice<u16>> {

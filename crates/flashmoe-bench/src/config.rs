@@ -7,6 +7,7 @@
 
 use crate::decode::DecodeProblem;
 use crate::results::ProblemSpec;
+use crate::varlen::{random_lengths, VarlenProblem};
 use anyhow::{bail, Context};
 use flashmoe::{AttentionProblem, DType, MoeProblem, Scoring};
 use serde::Deserialize;
@@ -18,6 +19,8 @@ pub enum Suite {
     Moe,
     /// Paged-KV decode attention (one decode step per config).
     Decode,
+    /// Packed prefill over sequences of unequal lengths (one varlen call per config).
+    Varlen,
 }
 
 impl Suite {
@@ -26,6 +29,26 @@ impl Suite {
             Suite::Attention => "attention",
             Suite::Moe => "moe",
             Suite::Decode => "decode",
+            Suite::Varlen => "varlen",
+        }
+    }
+
+    /// The presets of the suite (for `--preset`).
+    pub fn presets(self) -> &'static [&'static str] {
+        match self {
+            Suite::Attention => ATTENTION_PRESETS,
+            Suite::Moe => MOE_PRESETS,
+            Suite::Decode => DECODE_PRESETS,
+            Suite::Varlen => VARLEN_PRESETS,
+        }
+    }
+
+    /// The preset `bench` runs when neither `--preset` nor `--config` is given.
+    pub fn default_preset(self) -> &'static str {
+        match self {
+            Suite::Attention | Suite::Moe => "quick",
+            Suite::Decode => "decode",
+            Suite::Varlen => "varlen",
         }
     }
 }
@@ -33,6 +56,7 @@ impl Suite {
 pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003", "window"];
 pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "deepseek-v3"];
 pub const DECODE_PRESETS: &[&str] = &["decode", "paged"];
+pub const VARLEN_PRESETS: &[&str] = &["varlen"];
 
 /// Page size of the decode preset's paged cache.
 pub const DECODE_PAGE_SIZE: usize = 16;
@@ -104,6 +128,93 @@ fn decode_rows(gpu: bool) -> &'static [(usize, usize, usize, usize, usize)] {
             (4, 8, 2, 4, 500),
         ]
     }
+}
+
+/// Seed of the varlen preset's lengths: issue 22's (`examples/varlen_probe.rs`).
+pub const VARLEN_SEED: u64 = 22;
+
+/// The varlen preset, per class (head dim × heads at model dim 2048 on a GPU, 256 or 512
+/// without one; bf16):
+///
+/// 1. issue 22's target: 16 sequences of 100..=4000 tokens ([`random_lengths`] seed 22,
+///    total 31 473), Sq = Sk, D = 128 H = 16 and D = 64 H = 32 (MHA), causal and not;
+/// 2. the dense problem on the same total tokens: 16 sequences of S = total / 16
+///    (rounded, 1967) through the same varlen call, where `flashmoe-sm90-dense` (the dense
+///    kernel on `(16, S, H, D)`) runs too: the issue's "≥ 0.95× dense TFLOP/s" reads off
+///    rows 1 and 2;
+/// 3. chunked prefill: 16 sequences each appending a chunk of 64..=1024 queries to a
+///    cached context of 100..=4000 keys (Sk = context + chunk > Sq), causal, GQA 4
+///    (Hq 16 / Hkv 4 at D = 128, 32 / 8 at D = 64);
+/// 4. many short sequences: 64 of 1..=300 tokens, Sq = Sk, MHA, causal and not.
+///
+/// Without a GPU: the same four families on 6 sequences of 10..=200 tokens (chunks of
+/// 8..=64 on contexts of 10..=200), 32 short ones of 1..=40, D = 128 H = 2 and D = 64 H = 4
+/// (GQA 4: 4 / 1 and 8 / 2), small enough for the CPU f64 reference.
+fn varlen_table(gpu: bool) -> Vec<ProblemSpec> {
+    struct Family {
+        n: usize,
+        lens: (usize, usize),
+        chunk: (usize, usize),
+        short_n: usize,
+        short: (usize, usize),
+        mha: [(usize, usize); 2],
+        gqa: [(usize, usize, usize); 2],
+    }
+    let f = if gpu {
+        Family {
+            n: 16,
+            lens: (100, 4000),
+            chunk: (64, 1024),
+            short_n: 64,
+            short: (1, 300),
+            mha: [(128, 16), (64, 32)],
+            gqa: [(128, 16, 4), (64, 32, 8)],
+        }
+    } else {
+        Family {
+            n: 6,
+            lens: (10, 200),
+            chunk: (8, 64),
+            short_n: 32,
+            short: (1, 40),
+            mha: [(128, 2), (64, 4)],
+            gqa: [(128, 4, 1), (64, 8, 2)],
+        }
+    };
+    let target = random_lengths(VARLEN_SEED, f.n, f.lens.0, f.lens.1);
+    let total: usize = target.iter().sum();
+    let dense = vec![(total + f.n / 2) / f.n; f.n];
+    let short = random_lengths(VARLEN_SEED + 3, f.short_n, f.short.0, f.short.1);
+    let mut v = Vec::new();
+    let both_masks = |v: &mut Vec<ProblemSpec>, lens: &[usize]| {
+        for &(d, h) in &f.mha {
+            for causal in [false, true] {
+                v.push(ProblemSpec::Varlen(VarlenProblem::new(
+                    lens,
+                    h,
+                    h,
+                    d,
+                    causal,
+                    DType::Bf16,
+                )));
+            }
+        }
+    };
+    both_masks(&mut v, &target);
+    both_masks(&mut v, &dense);
+    let context = random_lengths(VARLEN_SEED + 1, f.n, f.lens.0, f.lens.1);
+    let chunk = random_lengths(VARLEN_SEED + 2, f.n, f.chunk.0, f.chunk.1);
+    for &(d, hq, hkv) in &f.gqa {
+        let mut p = VarlenProblem::new(&[], hq, hkv, d, true, DType::Bf16);
+        p.seqlens = chunk
+            .iter()
+            .zip(&context)
+            .map(|(&q, &c)| (q, c + q))
+            .collect();
+        v.push(ProblemSpec::Varlen(p));
+    }
+    both_masks(&mut v, &short);
+    v
 }
 
 /// The FlashAttention benchmark sweep: a fixed token budget and model dim, so batch and
@@ -271,18 +382,12 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
         }
         (Suite::Decode, "decode", gpu) => decode_table(gpu),
         (Suite::Decode, "paged", gpu) => paged_table(gpu),
-        (suite, other, _) => {
-            let names = match suite {
-                Suite::Attention => ATTENTION_PRESETS,
-                Suite::Moe => MOE_PRESETS,
-                Suite::Decode => DECODE_PRESETS,
-            };
-            bail!(
-                "unknown {} preset '{other}': choose one of {}",
-                suite.name(),
-                names.join(", ")
-            )
-        }
+        (Suite::Varlen, "varlen", gpu) => varlen_table(gpu),
+        (suite, other, _) => bail!(
+            "unknown {} preset '{other}': choose one of {}",
+            suite.name(),
+            suite.presets().join(", ")
+        ),
     })
 }
 
@@ -387,6 +492,7 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
             }
         }
         Suite::Decode => v.extend(decode_check_matrix(quick)),
+        Suite::Varlen => v.extend(varlen_check_matrix(quick)),
     }
     v
 }
@@ -520,6 +626,151 @@ fn decode_check_matrix(quick: bool) -> Vec<ProblemSpec> {
     v.into_iter().map(ProblemSpec::Decode).collect()
 }
 
+/// Sequences of the varlen check: the edges of the kernels' tiles (64, 128, 192 rows; 128
+/// keys) and one off either side, 1, primes, empty sequences on either side (0 queries
+/// with keys, queries with no key, and none), Sk > Sq (chunked prefill) and Sk < Sq
+/// (causal: the first rows see no key), and an empty last sequence (the end of the
+/// offsets). Σ Sq·Sk ≈ 181k pairs.
+pub const VARLEN_CHECK_SEQLENS: &[(usize, usize)] = &[
+    (65, 65),
+    (1, 1),
+    (63, 63),
+    (0, 0),
+    (64, 64),
+    (127, 127),
+    (128, 128),
+    (129, 129),
+    (37, 300),
+    (0, 17),
+    (193, 193),
+    (5, 0),
+    (100, 40),
+    (257, 257),
+    (1, 211),
+    (31, 31),
+    (0, 0),
+];
+
+/// (causal, window, softcap) of the varlen check's window and softcap cases (quick: the
+/// first two): a causal sliding window, a softcap alone, a two-sided window, a right-only
+/// window, the diagonal alone, a window with a softcap.
+pub const VARLEN_WINDOW_CHECK_CASES: [(bool, (i32, i32), f32); 6] = [
+    (true, (100, -1), 0.0),
+    (false, (-1, -1), 30.0),
+    (false, (64, 64), 0.0),
+    (false, (-1, 37), 0.0),
+    (true, (0, -1), 0.0),
+    (true, (64, -1), 50.0),
+];
+
+/// The varlen check matrix (issue 22), every config against the CPU f64 reference
+/// sequence by sequence: the ragged batch of [`VARLEN_CHECK_SEQLENS`] over bf16/f16 × head
+/// dims 64/128 × causal or not × GQA 1/4 (Hq 8); the window and softcap cases on both head
+/// dims (GQA 4, bf16); 48 short sequences of 1..=100 with an explicit softmax scale; and a
+/// batch whose only tokens are one sequence between empty ones. `quick` keeps bf16 D=128
+/// causal GQA 4 and f16 D=64 non-causal MHA on the ragged batch, a window and a softcap
+/// case, and the two special batches.
+fn varlen_check_matrix(quick: bool) -> Vec<ProblemSpec> {
+    let mk = |lens: &[(usize, usize)], hkv: usize, d: usize, causal: bool, dtype: DType| {
+        let mut p = VarlenProblem::new(&[], 8, hkv, d, causal, dtype);
+        p.seqlens = lens.to_vec();
+        p
+    };
+    let mut v = Vec::new();
+    if quick {
+        v.push(mk(VARLEN_CHECK_SEQLENS, 2, 128, true, DType::Bf16));
+        v.push(mk(VARLEN_CHECK_SEQLENS, 8, 64, false, DType::F16));
+    } else {
+        for dtype in [DType::Bf16, DType::F16] {
+            for d in [64, 128] {
+                for causal in [false, true] {
+                    for hkv in [8, 2] {
+                        v.push(mk(VARLEN_CHECK_SEQLENS, hkv, d, causal, dtype));
+                    }
+                }
+            }
+        }
+    }
+    let cases = if quick {
+        &VARLEN_WINDOW_CHECK_CASES[..2]
+    } else {
+        &VARLEN_WINDOW_CHECK_CASES[..]
+    };
+    for (i, &(causal, window, softcap)) in cases.iter().enumerate() {
+        let dims: &[usize] = match (quick, i) {
+            (true, 0) => &[128],
+            (true, _) => &[64],
+            (false, _) => &[64, 128],
+        };
+        for &d in dims {
+            let mut p = mk(VARLEN_CHECK_SEQLENS, 2, d, causal, DType::Bf16);
+            p.window = window;
+            p.softcap = softcap;
+            v.push(p);
+        }
+    }
+    // Many short sequences (several per work tile of rows), an explicit scale.
+    let short: Vec<(usize, usize)> = random_lengths(7, 48, 1, 100)
+        .into_iter()
+        .map(|l| (l, l))
+        .collect();
+    let mut p = mk(&short, 2, 128, true, DType::Bf16);
+    p.softmax_scale = Some(0.07);
+    v.push(p);
+    if !quick {
+        let mut p = mk(&short, 8, 64, false, DType::F16);
+        p.softmax_scale = Some(0.07);
+        v.push(p);
+    }
+    // One sequence between empty ones (leading and trailing offsets repeat).
+    v.push(mk(
+        &[(0, 0), (0, 5), (300, 300), (0, 0)],
+        2,
+        64,
+        true,
+        DType::Bf16,
+    ));
+    v.into_iter().map(ProblemSpec::Varlen).collect()
+}
+
+/// Varlen shapes the GPU check adds, above the CPU f64 reference's size (checked against
+/// the GPU fp32 reference kernel sequence by sequence): 12 sequences of 500..=3000 tokens
+/// (several waves of work tiles), causal, GQA 4, bf16; the full check adds a chunked
+/// prefill batch (f16, D = 64) and a long sliding window with a softcap.
+pub fn varlen_gpu_check_shapes(quick: bool) -> Vec<ProblemSpec> {
+    let mut v = vec![VarlenProblem::new(
+        &random_lengths(31, 12, 500, 3000),
+        16,
+        4,
+        128,
+        true,
+        DType::Bf16,
+    )];
+    if !quick {
+        let context = random_lengths(32, 8, 500, 3000);
+        let chunk = random_lengths(33, 8, 100, 1000);
+        let mut p = VarlenProblem::new(&[], 32, 8, 64, true, DType::F16);
+        p.seqlens = chunk
+            .iter()
+            .zip(&context)
+            .map(|(&q, &c)| (q, c + q))
+            .collect();
+        v.push(p);
+        let mut w = VarlenProblem::new(
+            &random_lengths(34, 8, 1000, 4000),
+            16,
+            4,
+            128,
+            true,
+            DType::Bf16,
+        );
+        w.window = (1024, -1);
+        w.softcap = 30.0;
+        v.push(w);
+    }
+    v.into_iter().map(ProblemSpec::Varlen).collect()
+}
+
 /// MoE shapes the GPU check adds, above the CPU f64 reference's size (checked against the
 /// GPU fp32 reference, which the small shapes validate against the CPU f64 reference):
 /// model-like widths at 2048 tokens, 128 and 256 experts with top-8, sigmoid scoring
@@ -589,6 +840,12 @@ pub const CPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (100, 37), (3
 /// intermediate = 11008
 /// experts = 32
 /// top_k = 2
+///
+/// [[varlen]]
+/// seqlens = [985, 2886, 17]   # or seqlens_q / seqlens_k, or random = { count, min, max, seed }
+/// heads = 16                  # or heads_q / heads_kv
+/// head_dim = [64, 128]
+/// causal = [false, true]
 /// ```
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -599,6 +856,8 @@ pub struct ConfigFile {
     pub moe: Vec<MoeEntry>,
     #[serde(default)]
     pub decode: Vec<DecodeEntry>,
+    #[serde(default)]
+    pub varlen: Vec<VarlenEntry>,
 }
 
 /// A value or a list of values (each value gives one config).
@@ -728,6 +987,108 @@ fn expand_decode(e: &DecodeEntry, index: usize) -> anyhow::Result<Vec<ProblemSpe
     Ok(v)
 }
 
+/// A `[[varlen]]` entry: one config per (head_dim, causal) value, all on the same
+/// sequence lengths, given as `seqlens` (Sq = Sk), as `seqlens_q` and `seqlens_k` (lists
+/// of equal length), or drawn by `random` ([`random_lengths`], Sq = Sk).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VarlenEntry {
+    pub seqlens: Option<Vec<usize>>,
+    pub seqlens_q: Option<Vec<usize>>,
+    pub seqlens_k: Option<Vec<usize>>,
+    pub random: Option<RandomLengths>,
+    pub heads: Option<usize>,
+    pub heads_q: Option<usize>,
+    pub heads_kv: Option<usize>,
+    pub head_dim: OneOrMany<usize>,
+    #[serde(default = "no")]
+    pub causal: OneOrMany<bool>,
+    #[serde(default = "bf16")]
+    pub dtype: String,
+    pub softmax_scale: Option<f32>,
+    /// Sliding window `[left, right]` (-1: unbounded).
+    pub window: Option<(i32, i32)>,
+    /// Logit softcap (0 or absent: off).
+    pub softcap: Option<f32>,
+}
+
+/// `count` lengths uniform in `min..=max` ([`random_lengths`] with `seed`, default
+/// [`VARLEN_SEED`]).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomLengths {
+    pub count: usize,
+    pub min: usize,
+    pub max: usize,
+    #[serde(default = "varlen_seed")]
+    pub seed: u64,
+}
+
+fn varlen_seed() -> u64 {
+    VARLEN_SEED
+}
+
+fn expand_varlen(e: &VarlenEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
+    let ctx = |what: &str| format!("[[varlen]] entry {}: {what}", index + 1);
+    let dtype: DType = e
+        .dtype
+        .parse()
+        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
+    let heads_q = e
+        .heads_q
+        .or(e.heads)
+        .with_context(|| ctx("needs `heads` or `heads_q`"))?;
+    let heads_kv = e.heads_kv.unwrap_or(heads_q);
+    let seqlens: Vec<(usize, usize)> = match (&e.seqlens, &e.seqlens_q, &e.seqlens_k, &e.random) {
+        (Some(s), None, None, None) => s.iter().map(|&l| (l, l)).collect(),
+        (None, Some(q), Some(k), None) => {
+            if q.len() != k.len() {
+                bail!(ctx(&format!(
+                    "seqlens_q has {} lengths but seqlens_k has {} (one of each per sequence)",
+                    q.len(),
+                    k.len()
+                )));
+            }
+            q.iter().copied().zip(k.iter().copied()).collect()
+        }
+        (None, None, None, Some(r)) => {
+            if r.min > r.max {
+                bail!(ctx(&format!(
+                    "random lengths: min {} is above max {}",
+                    r.min, r.max
+                )));
+            }
+            random_lengths(r.seed, r.count, r.min, r.max)
+                .into_iter()
+                .map(|l| (l, l))
+                .collect()
+        }
+        _ => bail!(ctx(
+            "give exactly one of `seqlens`, `seqlens_q` with `seqlens_k`, or `random`"
+        )),
+    };
+    let mut v = Vec::new();
+    for d in e.head_dim.values() {
+        for causal in e.causal.values() {
+            let p = VarlenProblem {
+                seqlens: seqlens.clone(),
+                heads_q,
+                heads_kv,
+                head_dim: d,
+                causal,
+                dtype,
+                softmax_scale: e.softmax_scale,
+                window: e.window.unwrap_or(flashmoe::problem::NO_WINDOW),
+                softcap: e.softcap.unwrap_or(0.0),
+            };
+            p.validate()
+                .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
+            v.push(ProblemSpec::Varlen(p));
+        }
+    }
+    Ok(v)
+}
+
 fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
     let ctx = |what: &str| format!("[[attention]] entry {}: {what}", index + 1);
     let dtype: DType = e
@@ -829,6 +1190,13 @@ pub fn parse_config(text: &str, suite: Suite) -> anyhow::Result<Vec<ProblemSpec>
             .iter()
             .enumerate()
             .map(|(i, e)| expand_decode(e, i))
+            .collect::<anyhow::Result<Vec<_>>>()?
+            .concat(),
+        Suite::Varlen => file
+            .varlen
+            .iter()
+            .enumerate()
+            .map(|(i, e)| expand_varlen(e, i))
             .collect::<anyhow::Result<Vec<_>>>()?
             .concat(),
     };
@@ -1126,6 +1494,249 @@ page_size = [16, 128]
                 }
             }
         }
+    }
+
+    fn varlen_rows(gpu: bool) -> Vec<VarlenProblem> {
+        preset(Suite::Varlen, "varlen", gpu)
+            .unwrap()
+            .into_iter()
+            .map(|c| match c {
+                ProblemSpec::Varlen(p) => p,
+                _ => panic!("non-varlen config in the varlen preset"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn varlen_preset_is_the_issue_target_and_its_families() {
+        for gpu in [true, false] {
+            let v = varlen_rows(gpu);
+            assert_eq!(v.len(), 14, "gpu={gpu}");
+            let mut ids = std::collections::HashSet::new();
+            for p in &v {
+                p.validate().unwrap();
+                // Every shape has a varlen kernel (head dim 64 or 128, bf16).
+                flashmoe::attention::varlen::varlen_variant(&p.class()).unwrap();
+                assert_eq!(p.dtype, DType::Bf16);
+                assert!(ids.insert(p.id()), "duplicate {}", p.id());
+            }
+            let (n, lo, hi) = if gpu { (16, 100, 4000) } else { (6, 10, 200) };
+            let target = random_lengths(VARLEN_SEED, n, lo, hi);
+            // 1. the ragged target, both dims, both masks, MHA.
+            for (i, p) in v[..4].iter().enumerate() {
+                assert_eq!(
+                    p.seqlens,
+                    target.iter().map(|&l| (l, l)).collect::<Vec<_>>()
+                );
+                assert_eq!((p.head_dim, p.causal), ([128, 64][i / 2], i % 2 == 1));
+                assert_eq!(p.heads_q, p.heads_kv);
+            }
+            // 2. the dense problem on the same tokens: uniform, the dense comparison runs.
+            for (p, t) in v[4..8].iter().zip(&v[..4]) {
+                assert!(p.is_uniform() && p.dense().is_some() && p.batch() == n);
+                assert!(p.total_q().abs_diff(t.total_q()) < n, "{p}");
+                assert_eq!(
+                    (p.head_dim, p.heads_q, p.causal),
+                    (t.head_dim, t.heads_q, t.causal)
+                );
+            }
+            // 3. chunked prefill: every sequence has more keys than queries, causal, GQA 4.
+            for p in &v[8..10] {
+                assert!(p.causal && p.heads_q == 4 * p.heads_kv);
+                assert!(p.seqlens.iter().all(|&(q, k)| k > q && q > 0));
+            }
+            // 4. many short sequences.
+            let short = if gpu { (64, 300) } else { (32, 40) };
+            for p in &v[10..] {
+                assert_eq!(p.batch(), short.0);
+                assert!(p
+                    .seqlens
+                    .iter()
+                    .all(|&(q, k)| q == k && (1..=short.1).contains(&q)));
+            }
+            if gpu {
+                // Issue 22's numbers: 31 473 tokens, dense B = 16 S = 1967, model dim 2048.
+                assert_eq!(v[0].total_q(), 31473);
+                assert_eq!(v[4].seqlens[0], (1967, 1967));
+                assert!(v.iter().all(|p| p.heads_q * p.head_dim == 2048));
+            } else {
+                // Small enough for the CPU f64 reference.
+                assert!(v.iter().all(|p| p.flops() < 2e8), "CPU shapes too large");
+            }
+        }
+        let e = preset(Suite::Varlen, "quick", false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown varlen preset 'quick'") && e.contains("varlen"),
+            "{e}"
+        );
+        assert_eq!(Suite::Varlen.default_preset(), "varlen");
+        for s in [Suite::Attention, Suite::Moe, Suite::Decode, Suite::Varlen] {
+            assert!(s.presets().contains(&s.default_preset()), "{}", s.name());
+            for name in s.presets() {
+                assert!(!preset(s, name, false).unwrap().is_empty(), "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn varlen_check_matrix_covers_the_issue() {
+        for quick in [true, false] {
+            let m: Vec<VarlenProblem> = check_matrix(Suite::Varlen, quick, &[])
+                .into_iter()
+                .map(|c| match c {
+                    ProblemSpec::Varlen(p) => p,
+                    _ => panic!("non-varlen config in the varlen matrix"),
+                })
+                .collect();
+            let mut ids = std::collections::HashSet::new();
+            for p in &m {
+                p.validate().unwrap();
+                flashmoe::attention::varlen::varlen_variant(&p.class()).unwrap();
+                assert!(ids.insert(p.id()), "duplicate config {}", p.id());
+                // Every config is checked against the CPU f64 reference (GPU check too).
+                assert!(p.flops() <= 5e9, "{p}");
+            }
+            let has = |f: &dyn Fn(&VarlenProblem) -> bool| m.iter().any(f);
+            let len = |l: usize| move |p: &VarlenProblem| p.seqlens.iter().any(|s| s.0 == l);
+            for l in [0, 1, 63, 64, 65, 127, 128, 129, 31, 37, 193, 257] {
+                assert!(has(&len(l)), "length {l}");
+            }
+            let seq =
+                |f: fn(&(usize, usize)) -> bool| move |p: &VarlenProblem| p.seqlens.iter().any(f);
+            assert!(has(&seq(|&(q, k)| k > q && q > 0)), "Sk > Sq");
+            assert!(has(&seq(|&(q, k)| k < q && k > 0)), "Sk < Sq");
+            assert!(has(&seq(|&(q, k)| q == 0 && k > 0)), "no queries, keys");
+            assert!(has(&seq(|&(q, k)| q > 0 && k == 0)), "queries, no keys");
+            assert!(has(
+                &|p| p.causal && p.seqlens.iter().any(|&(q, k)| k < q && k > 0)
+            ));
+            assert!(has(&|p| p.window.0 >= 0) && has(&|p| p.softcap > 0.0));
+            assert!(has(&|p| p.softmax_scale.is_some()));
+            assert!(
+                has(&|p| p.seqlens.first() == Some(&(0, 0))),
+                "leading empty sequence"
+            );
+            assert!(has(&|p| p.batch() >= 40), "many sequences");
+            for d in [64, 128] {
+                assert!(has(&|p| p.head_dim == d), "D={d}");
+            }
+            for g in [1, 4] {
+                assert!(has(&|p| p.heads_q / p.heads_kv == g), "GQA {g}");
+            }
+            for dt in [DType::Bf16, DType::F16] {
+                assert!(has(&|p| p.dtype == dt), "{dt}");
+            }
+            for causal in [false, true] {
+                assert!(has(&|p| p.causal == causal));
+            }
+            if quick {
+                assert!(m.len() <= 8, "quick stays small: {}", m.len());
+            } else {
+                for dt in [DType::Bf16, DType::F16] {
+                    for d in [64, 128] {
+                        for causal in [false, true] {
+                            for g in [1, 4] {
+                                assert!(has(&|p| p.dtype == dt
+                                    && p.head_dim == d
+                                    && p.causal == causal
+                                    && p.heads_q / p.heads_kv == g
+                                    && p.window == flashmoe::problem::NO_WINDOW
+                                    && p.seqlens == VARLEN_CHECK_SEQLENS));
+                            }
+                        }
+                    }
+                }
+                for (causal, window, softcap) in VARLEN_WINDOW_CHECK_CASES {
+                    for d in [64, 128] {
+                        assert!(has(&|p| (p.causal, p.window, p.softcap, p.head_dim)
+                            == (causal, window, softcap, d)));
+                    }
+                }
+            }
+        }
+        // The GPU check's extra shapes are above the CPU reference's size (GPU fp32
+        // reference, sequence by sequence) and have a kernel.
+        for quick in [true, false] {
+            let g = varlen_gpu_check_shapes(quick);
+            assert_eq!(g.len(), if quick { 1 } else { 3 });
+            for c in g {
+                let ProblemSpec::Varlen(p) = c else { panic!() };
+                p.validate().unwrap();
+                flashmoe::attention::varlen::varlen_variant(&p.class()).unwrap();
+                assert!(p.flops() > 5e9, "{p}");
+            }
+        }
+    }
+
+    #[test]
+    fn varlen_config_file_expands_and_validates() {
+        let text = r#"
+[[varlen]]
+seqlens = [100, 37, 0, 4000]
+heads = 16
+head_dim = [64, 128]
+causal = [false, true]
+
+[[varlen]]
+seqlens_q = [16, 1, 300]
+seqlens_k = [2000, 1, 300]
+heads_q = 32
+heads_kv = 8
+head_dim = 128
+causal = true
+dtype = "f16"
+window = [1024, -1]
+softcap = 30.0
+
+[[varlen]]
+random = { count = 16, min = 100, max = 4000 }
+heads = 16
+head_dim = 128
+"#;
+        let v = parse_config(text, Suite::Varlen).unwrap();
+        assert_eq!(v.len(), 6);
+        let p = |i: usize| match &v[i] {
+            ProblemSpec::Varlen(p) => p.clone(),
+            _ => panic!(),
+        };
+        assert_eq!(p(0).seqlens, [(100, 100), (37, 37), (0, 0), (4000, 4000)]);
+        assert_eq!((p(3).head_dim, p(3).causal), (128, true));
+        let c = p(4);
+        assert_eq!(c.seqlens, [(16, 2000), (1, 1), (300, 300)]);
+        assert_eq!((c.heads_q, c.heads_kv, c.dtype), (32, 8, DType::F16));
+        assert_eq!((c.window, c.softcap), ((1024, -1), 30.0));
+        // `random` defaults to issue 22's seed: the preset's lengths.
+        assert_eq!(p(5).seqlens, varlen_rows(true)[0].seqlens);
+        let err = |t: &str| format!("{:#}", parse_config(t, Suite::Varlen).unwrap_err());
+        let e = err(&text.replace("seqlens_k = [2000, 1, 300]", "seqlens_k = [2000, 1]"));
+        assert!(
+            e.contains("[[varlen]] entry 2") && e.contains("seqlens_q has 3"),
+            "{e}"
+        );
+        let e = err(&text.replace("heads_kv = 8", "heads_kv = 5"));
+        assert!(e.contains("entry 2") && e.contains("heads_kv (5)"), "{e}");
+        let e = err(&text.replace("min = 100", "min = 5000"));
+        assert!(
+            e.contains("entry 3") && e.contains("min 5000 is above max 4000"),
+            "{e}"
+        );
+        let e = err(&text.replace("seqlens = [100, 37, 0, 4000]", "seqlens = [0, 0]"));
+        assert!(e.contains("entry 1") && e.contains("total_q = 0"), "{e}");
+        let e = err("[[varlen]]\nheads = 2\nhead_dim = 64\n");
+        assert!(e.contains("exactly one of `seqlens`"), "{e}");
+        let e = err("[[varlen]]\nseqlens = [4]\nrandom = { count = 2, min = 1, max = 9 }\nheads = 2\nhead_dim = 64\n");
+        assert!(e.contains("exactly one of `seqlens`"), "{e}");
+        assert!(parse_config(text, Suite::Attention)
+            .unwrap_err()
+            .to_string()
+            .contains("[[attention]]"));
+        assert!(parse_config(
+            &text.replace("head_dim = 128\ncausal", "headdim = 128\ncausal"),
+            Suite::Varlen
+        )
+        .is_err());
     }
 
     #[test]

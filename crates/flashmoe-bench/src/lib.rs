@@ -18,6 +18,7 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod stats;
+pub mod varlen;
 
 // What an out-of-tree implementation needs (docs/plugins.md,
 // examples/plugin_implementation.rs).

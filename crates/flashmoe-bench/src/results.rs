@@ -5,6 +5,7 @@
 use crate::decode::DecodeProblem;
 use crate::manifest::Manifest;
 use crate::stats::{Comparison, Summary};
+use crate::varlen::VarlenProblem;
 use flashmoe::{AttentionProblem, MoeProblem};
 use serde::{Deserialize, Serialize};
 
@@ -76,6 +77,8 @@ pub enum ProblemSpec {
     Moe(MoeProblem),
     /// A paged-KV decode step (`flashmoe bench decode`).
     Decode(DecodeProblem),
+    /// A packed prefill over sequences of unequal lengths (`flashmoe bench varlen`).
+    Varlen(VarlenProblem),
 }
 
 impl ProblemSpec {
@@ -84,6 +87,7 @@ impl ProblemSpec {
             ProblemSpec::Attention(p) => p.id(),
             ProblemSpec::Moe(p) => p.id(),
             ProblemSpec::Decode(p) => p.id(),
+            ProblemSpec::Varlen(p) => p.id(),
         }
     }
     pub fn label(&self) -> String {
@@ -91,14 +95,17 @@ impl ProblemSpec {
             ProblemSpec::Attention(p) => p.to_string(),
             ProblemSpec::Moe(p) => p.to_string(),
             ProblemSpec::Decode(p) => p.to_string(),
+            ProblemSpec::Varlen(p) => p.to_string(),
         }
     }
-    /// The sweep axis used by plots: sequence length for attention, tokens for MoE.
+    /// The sweep axis used by plots: sequence length for attention, tokens for MoE, packed
+    /// query tokens for varlen.
     pub fn x_value(&self) -> f64 {
         match self {
             ProblemSpec::Attention(p) => p.seqlen_k as f64,
             ProblemSpec::Moe(p) => p.tokens as f64,
             ProblemSpec::Decode(p) => p.seqlen_k as f64,
+            ProblemSpec::Varlen(p) => p.total_q() as f64,
         }
     }
     pub fn x_label(&self) -> &'static str {
@@ -106,6 +113,7 @@ impl ProblemSpec {
             ProblemSpec::Attention(_) => "sequence length",
             ProblemSpec::Moe(_) => "tokens",
             ProblemSpec::Decode(_) => "cached keys per sequence",
+            ProblemSpec::Varlen(_) => "query tokens (packed)",
         }
     }
     /// Plot series key: configs sharing it form one panel (e.g. head dim × causal).
@@ -129,6 +137,21 @@ impl ProblemSpec {
                 p.page_size,
                 p.dtype
             ),
+            // One panel per shape family (sequence count) and class: the neighbours of a
+            // config along the token axis are configs of the same kind of batch.
+            ProblemSpec::Varlen(p) => format!(
+                "varlen D={} Hq/Hkv={} {} {} {} seqs{}",
+                p.head_dim,
+                p.heads_q / p.heads_kv.max(1),
+                if p.causal { "causal" } else { "non-causal" },
+                p.dtype,
+                p.batch(),
+                if p.is_self_attention() {
+                    ""
+                } else {
+                    " (Sk != Sq)"
+                }
+            ),
         }
     }
 }
@@ -142,7 +165,7 @@ pub struct ConfigResult {
     /// Model FLOPs of the problem (see flashmoe::problem).
     pub flops: f64,
     /// Minimum bytes moved (each input read once, each output written once); decode: the
-    /// K/V bytes the step must read (the cache read once).
+    /// K/V bytes the step must read (the cache read once); varlen: the packed tensors.
     pub min_bytes: f64,
     pub implementations: Vec<ImplResult>,
     /// The candidate against every other implementation that produced samples.

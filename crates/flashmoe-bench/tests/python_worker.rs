@@ -23,6 +23,7 @@ use flashmoe_bench::runner::python::{
     baselines, baselines_with, PythonWorker, WorkerError, WorkerOptions, ATTENTION_BASELINES,
 };
 use flashmoe_bench::runner::{Outputs, ReferenceOutputs, SuiteInputs};
+use flashmoe_bench::varlen::VarlenProblem;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -263,6 +264,10 @@ fn problem_checksum_matches_inputs_checksum() {
             ..attention_problem()
         }));
         problems.push(ProblemSpec::Moe(moe_problem(dt, dt == DType::Bf16)));
+        // Varlen: the packed tensors of ragged sequences, empty ones included.
+        let mut v = VarlenProblem::new(&[], 6, 2, 64, true, dt);
+        v.seqlens = vec![(37, 300), (0, 5), (129, 129), (7, 0), (1, 1)];
+        problems.push(ProblemSpec::Varlen(v));
     }
     for (i, p) in problems.iter().enumerate() {
         let seed = 0x5eed + i as u64;
@@ -270,6 +275,7 @@ fn problem_checksum_matches_inputs_checksum() {
             ProblemSpec::Attention(a) => a.dtype,
             ProblemSpec::Moe(m) => m.dtype,
             ProblemSpec::Decode(d) => d.dtype,
+            ProblemSpec::Varlen(v) => v.dtype,
         };
         let want = inputs_checksum(&SuiteInputs::generate(p, seed), dtype);
         let out = run_inputs_py(
@@ -729,6 +735,11 @@ fn real_worker_on_cpu_through_the_pipeline() {
             ProblemSpec::Attention(AttentionProblem::new(1, 2, 64, 64, false, DType::F16)),
         ),
         (Suite::Moe, ProblemSpec::Moe(moe_problem(DType::Bf16, true))),
+        (Suite::Varlen, {
+            let mut v = VarlenProblem::new(&[], 4, 2, 64, true, DType::Bf16);
+            v.seqlens = vec![(37, 60), (17, 17), (64, 64)];
+            ProblemSpec::Varlen(v)
+        }),
     ] {
         let mut opts = WorkerOptions::new(&py);
         opts.device = Some("cpu".into());
@@ -761,6 +772,8 @@ fn real_worker_on_cpu_through_the_pipeline() {
             Suite::Attention => &["sdpa-math", "torch-naive"],
             Suite::Moe => &["moe-naive-loop", "moe-grouped-mm"],
             Suite::Decode => &[],
+            // The per-sequence SDPA loop (SDPA's CPU backend in development mode).
+            Suite::Varlen => &["sdpa-cudnn-loop"],
         };
         for name in must_pass {
             let row = res

@@ -302,3 +302,53 @@ fn empty_and_degenerate_runs_render_without_panicking() {
     assert!(csv.contains("invalid for every implementation"));
     report::write_all(&odd, dir.path()).unwrap();
 }
+
+/// A varlen run (issue 22's preset shapes) renders in every format: the configs' labels
+/// and ids, the dense comparison's n/a on ragged batches, one CSV row per implementation
+/// with kind `varlen`, throughput panels per shape family, and a JSON round trip.
+#[test]
+fn varlen_run_renders_in_every_format() {
+    use flashmoe_bench::results::ProblemSpec;
+    let run = fixtures::gpu_varlen_run();
+    assert_eq!(run.configs.len(), 4);
+    let md = report::to_markdown(&run);
+    let term = report::terminal_table(&run);
+    let html = report::to_html(&run);
+    for c in &run.configs {
+        let ProblemSpec::Varlen(p) = &c.problem else {
+            panic!("{}: not a varlen config", c.id)
+        };
+        assert!(c.id.starts_with("varlen_n16_t"), "{}", c.id);
+        assert!(
+            c.label.starts_with("varlen 16 seqs, tokens "),
+            "{}",
+            c.label
+        );
+        assert_eq!((c.flops, c.min_bytes), (p.flops(), p.min_bytes()));
+        assert!(md.contains(&format!("### {}", c.label)), "{}", c.label);
+        assert!(md.contains(&c.id));
+        for i in &c.implementations {
+            assert!(term.contains(&i.name), "{}", i.name);
+        }
+    }
+    assert!(md.contains("n/a: the dense kernel runs only batches"));
+    assert!(term.contains("TFLOP/s") && term.contains("FASTER"));
+    assert!(html.contains("<title>Throughput, varlen D=128 Hq/Hkv=1 causal bf16 16 seqs"));
+    assert!(!html.contains("NaN") && !html.contains("\"inf"));
+    // CSV: one row per (config, implementation), problem kind varlen, x = packed tokens.
+    let text = report::to_csv(&run).unwrap();
+    let mut rdr = csv::Reader::from_reader(text.as_bytes());
+    let headers = rdr.headers().unwrap().clone();
+    let col = |name: &str| headers.iter().position(|h| h == name).unwrap();
+    let rows: Vec<csv::StringRecord> = rdr.records().map(|r| r.unwrap()).collect();
+    let expected: usize = run.configs.iter().map(|c| c.implementations.len()).sum();
+    assert_eq!(rows.len(), expected);
+    assert!(rows.iter().all(|r| &r[col("problem_kind")] == "varlen"));
+    assert_eq!(&rows[0][col("x_value")], "31473");
+    // JSON round trip keeps the sequence lengths.
+    let dir = tempfile::tempdir().unwrap();
+    report::write_all(&run, dir.path()).unwrap();
+    let back = report::read_json(&dir.path().join("results.json")).unwrap();
+    assert_eq!(back.configs[0].problem, run.configs[0].problem);
+    assert_eq!(json(&back), json(&run));
+}

@@ -12,6 +12,7 @@ use flashmoe_bench::runner::gpu::{
 };
 use flashmoe_bench::runner::gpu_decode::GpuDecode;
 use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
+use flashmoe_bench::runner::gpu_varlen::{GpuVarlen, GpuVarlenDense};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
 use std::path::Path;
@@ -125,10 +126,10 @@ fn gpu_settings(seed: u64, flush_bytes: usize) -> MeasureSettings {
 
 /// The CPU lab: the f64 reference and the tiled f32 algorithm (attention) or the grouped
 /// f32 algorithm (MoE); decode: the paged f64 reference and the tiled algorithm on the
-/// dense cache.
+/// dense cache; varlen: both attention algorithms sequence by sequence.
 pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
     let implementations: Vec<Box<dyn Implementation>> = match suite {
-        Suite::Attention | Suite::Decode => vec![
+        Suite::Attention | Suite::Decode | Suite::Varlen => vec![
             Box::new(CpuImplementation::reference()),
             Box::new(CpuImplementation::tiled()),
         ],
@@ -138,7 +139,7 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
         ],
     };
     let default_candidate = match suite {
-        Suite::Attention | Suite::Decode => "cpu-tiled",
+        Suite::Attention | Suite::Decode | Suite::Varlen => "cpu-tiled",
         Suite::Moe => "cpu-grouped",
     };
     Lab {
@@ -260,6 +261,22 @@ pub fn select(
             let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
             lab.implementations = vec![Box::new(GpuDecode { session })];
             lab.default_candidate = "flashmoe-decode".into();
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            lab
+        }
+        // Varlen: the varlen plan (the candidate) and the dense kernel on the uniform
+        // configs (the same tokens as a dense batch).
+        Ok(session) if suite == Suite::Varlen => {
+            let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
+            lab.implementations = vec![
+                Box::new(GpuVarlen {
+                    session: session.clone(),
+                }),
+                Box::new(GpuVarlenDense { session }),
+            ];
+            lab.default_candidate = "flashmoe-sm90".into();
             if let Some(python) = python {
                 add_baselines(&mut lab, suite, python, seed);
             }

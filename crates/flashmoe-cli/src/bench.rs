@@ -59,8 +59,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             format!("preset:{name}"),
         ),
         (None, None) => (
-            config::preset(suite, "quick", lab.on_gpu())?,
-            "preset:quick".to_string(),
+            config::preset(suite, suite.default_preset(), lab.on_gpu())?,
+            format!("preset:{}", suite.default_preset()),
         ),
     };
     ensure_writable(&args.out)?;

@@ -46,6 +46,9 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
         if suite == Suite::Moe && lab.on_gpu() {
             problems.extend(config::moe_gpu_check_shapes(args.quick));
         }
+        if suite == Suite::Varlen && lab.on_gpu() {
+            problems.extend(config::varlen_gpu_check_shapes(args.quick));
+        }
         let rows = run_checks(
             &problems,
             &under_test,

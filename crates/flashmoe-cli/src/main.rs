@@ -76,6 +76,8 @@ enum SuiteArg {
     Moe,
     /// Paged-KV decode attention.
     Decode,
+    /// Packed (varlen) prefill over sequences of unequal lengths.
+    Varlen,
     /// End-to-end decoder models in PyTorch (`python/flashmoe_e2e.py`; bench only).
     E2e,
 }
@@ -87,6 +89,7 @@ impl SuiteArg {
             SuiteArg::Attention => Ok(Suite::Attention),
             SuiteArg::Moe => Ok(Suite::Moe),
             SuiteArg::Decode => Ok(Suite::Decode),
+            SuiteArg::Varlen => Ok(Suite::Varlen),
             SuiteArg::E2e => anyhow::bail!(
                 "e2e has no check suite: `bench e2e` gates every model's logits against an fp32 forward"
             ),
@@ -99,7 +102,7 @@ pub struct BenchArgs {
     /// What to benchmark.
     #[arg(value_enum)]
     suite: SuiteArg,
-    /// Named set of configs: attention quick|sweep|seed002|seed003; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode|paged; e2e seed003|moe|all|smoke.
+    /// Named set of configs: attention quick|sweep|seed002|seed003|window; moe quick|seed003|mixtral|qwen3-30b|deepseek-v3; decode decode|paged; varlen varlen; e2e seed003|moe|all|smoke. Default: quick (attention, moe), decode (decode), varlen (varlen).
     #[arg(long, conflicts_with = "config")]
     preset: Option<String>,
     /// TOML file listing the configs (see README).
@@ -169,7 +172,7 @@ pub struct BenchArgs {
 
 #[derive(Args)]
 pub struct CheckArgs {
-    /// Which suite to check.
+    /// Which suite to check (default: attention and moe; decode and varlen on request).
     #[arg(long, value_enum)]
     suite: Option<SuiteArg>,
     /// A smaller matrix (one representative per feature).

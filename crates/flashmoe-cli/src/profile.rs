@@ -28,6 +28,7 @@ fn is_python_baseline(name: &str) -> bool {
         .iter()
         .chain(python::MOE_BASELINES)
         .chain(python::DECODE_BASELINES)
+        .chain(python::VARLEN_BASELINES)
         .any(|n| *n == name)
 }
 
@@ -144,6 +145,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<ExitCode> {
                         ProblemSpec::Attention(p) => p.flops(),
                         ProblemSpec::Moe(p) => p.flops(),
                         ProblemSpec::Decode(p) => p.flops(),
+                        ProblemSpec::Varlen(p) => p.flops(),
                     },
                     kernels,
                 ),
@@ -212,6 +214,7 @@ pub fn target(args: &ProfileTargetArgs) -> anyhow::Result<ExitCode> {
         ProblemSpec::Attention(_) => Suite::Attention,
         ProblemSpec::Moe(_) => Suite::Moe,
         ProblemSpec::Decode(_) => Suite::Decode,
+        ProblemSpec::Varlen(_) => Suite::Varlen,
     };
     let baseline = is_python_baseline(&args.implementation);
     let python = baseline.then_some(args.python.as_path());

@@ -246,6 +246,122 @@ fn cpu_decode_preset_runs_the_paged_reference_and_writes_every_report() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
 }
 
+/// `check --suite varlen --quick` on the CPU: the varlen check matrix (ragged batches with
+/// empty sequences, Sk < Sq causal rows, window, softcap, both head dims, GQA 1/4, both
+/// dtypes) against the per-sequence f64 reference, every row passing.
+#[test]
+fn cpu_varlen_quick_check_passes_end_to_end() {
+    let o = flashmoe(&[
+        "check", "--suite", "varlen", "--quick", "--cpu", "--seed", "7",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.ends_with("passed, 0 failed, 0 skipped"), "{last}");
+    let passed: usize = last.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(passed >= 6, "{out}");
+    assert!(
+        out.contains("varlen 17 seqs") && out.contains("cpu-tiled"),
+        "{out}"
+    );
+    assert!(
+        out.contains("window=(100,-1)") && out.contains("softcap=30"),
+        "{out}"
+    );
+}
+
+/// `bench varlen --cpu`: the varlen preset (its CPU shapes) through the whole pipeline,
+/// the default preset when none is named, `--config` with a `[[varlen]]` entry, and a bad
+/// entry as one error line.
+#[test]
+fn cpu_varlen_bench_runs_the_preset_and_config_files() {
+    use flashmoe_bench::results::ProblemSpec;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = flashmoe(&[
+        "bench",
+        "varlen",
+        "--cpu",
+        "--out",
+        out.to_str().unwrap(),
+        "--max-time",
+        "0.1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for f in ["results.json", "results.csv", "results.md", "report.html"] {
+        assert!(out.join(f).metadata().unwrap().len() > 100, "{f}");
+    }
+    let r = report::read_json(&out.join("results.json")).unwrap();
+    assert_eq!(
+        (r.suite.as_str(), r.source.as_str(), r.configs.len()),
+        ("varlen", "preset:varlen", 14)
+    );
+    for c in &r.configs {
+        let ProblemSpec::Varlen(p) = &c.problem else {
+            panic!("{}: not a varlen config", c.id)
+        };
+        assert_eq!(
+            (c.flops, c.min_bytes),
+            (p.flops(), p.min_bytes()),
+            "{}",
+            c.id
+        );
+        assert_eq!(c.comparisons.len(), 1, "tiled vs reference in {}", c.id);
+        for imp in &c.implementations {
+            let acc = imp.accuracy.as_ref().unwrap();
+            assert!(
+                acc.passed && acc.reference == "cpu-f64",
+                "{}: {acc:?}",
+                imp.name
+            );
+            assert!(imp.tflops.is_some() && imp.samples_ms.len() >= 2);
+        }
+    }
+    let cfg = dir.path().join("varlen.toml");
+    std::fs::write(
+        &cfg,
+        "[[varlen]]\nseqlens_q = [5, 0, 40]\nseqlens_k = [90, 3, 40]\nheads_q = 4\n\
+         heads_kv = 1\nhead_dim = 64\ncausal = true\nwindow = [16, -1]\n",
+    )
+    .unwrap();
+    let out2 = dir.path().join("out2");
+    let o = flashmoe(&[
+        "bench",
+        "varlen",
+        "--cpu",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out2.to_str().unwrap(),
+        "--max-time",
+        "0.1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let r = report::read_json(&out2.join("results.json")).unwrap();
+    assert_eq!(r.configs.len(), 1);
+    let ProblemSpec::Varlen(p) = &r.configs[0].problem else {
+        panic!()
+    };
+    assert_eq!((p.seqlens[0], p.window), ((5, 90), (16, -1)));
+    std::fs::write(
+        &cfg,
+        "[[varlen]]\nseqlens_q = [5, 0]\nseqlens_k = [90]\nheads = 4\nhead_dim = 64\n",
+    )
+    .unwrap();
+    assert_clean_error(
+        &flashmoe(&[
+            "bench",
+            "varlen",
+            "--cpu",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out2.to_str().unwrap(),
+        ]),
+        "seqlens_q has 2",
+    );
+}
+
 #[test]
 fn profile_without_a_usable_ncu_gives_one_clear_error_line() {
     let dir = tempfile::tempdir().unwrap();

@@ -78,6 +78,7 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
         crate::results::ProblemSpec::Attention(_) => "attention",
         crate::results::ProblemSpec::Moe(_) => "moe",
         crate::results::ProblemSpec::Decode(_) => "decode",
+        crate::results::ProblemSpec::Varlen(_) => "varlen",
     };
     let mut r = vec![
         c.id.clone(),

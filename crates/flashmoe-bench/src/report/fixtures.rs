@@ -50,6 +50,7 @@ pub fn flops_bytes(p: &ProblemSpec) -> (f64, f64) {
         ProblemSpec::Attention(a) => (a.flops(), a.min_bytes()),
         ProblemSpec::Moe(m) => (m.flops(), m.min_bytes(m.experts)),
         ProblemSpec::Decode(d) => (d.flops(), d.kv_bytes()),
+        ProblemSpec::Varlen(v) => (v.flops(), v.min_bytes()),
     }
 }
 
@@ -271,6 +272,73 @@ pub fn gpu_attention_run() -> RunResults {
         configs.push(c);
     }
     run_with("attention", "flashmoe", configs, Some(ceilings))
+}
+
+/// A GPU varlen run on the first configs of the `varlen` preset: the ragged target
+/// (issue 22's 16 sequences) and the dense problem on the same tokens, D=128, causal and
+/// not, × `flashmoe-sm90` (candidate), `flashmoe-sm90-dense` (uniform configs only, n/a on
+/// the ragged ones), `torch-varlen` and `sdpa-cudnn-loop` (O checked only).
+pub fn gpu_varlen_run() -> RunResults {
+    let ceilings = h100_ceilings();
+    let presets = crate::config::preset(crate::config::Suite::Varlen, "varlen", true)
+        .expect("the varlen preset");
+    let mut configs = Vec::new();
+    for (k, spec) in presets.into_iter().take(6).enumerate() {
+        let ProblemSpec::Varlen(p) = &spec else {
+            unreachable!("varlen preset")
+        };
+        if p.head_dim != 128 {
+            continue;
+        }
+        let t = |tf: f64| p.flops() / (tf * 1e12) * 1e3;
+        let k = k as u64;
+        let mut impls = vec![
+            (
+                "flashmoe-sm90",
+                "cuda",
+                noisy_samples(t(640.0), 0.01, 60, 70 + k),
+            ),
+            (
+                "torch-varlen",
+                "python",
+                noisy_samples(t(340.0), 0.01, 60, 80 + k),
+            ),
+            (
+                "sdpa-cudnn-loop",
+                "python",
+                noisy_samples(t(510.0), 0.02, 60, 90 + k),
+            ),
+        ];
+        if p.is_uniform() {
+            impls.push((
+                "flashmoe-sm90-dense",
+                "cuda",
+                noisy_samples(t(650.0), 0.01, 60, 100 + k),
+            ));
+        }
+        let uniform = p.is_uniform();
+        let mut c = config_from_samples(spec, "flashmoe-sm90", impls, Some(&ceilings));
+        if let Some(loop_row) = c
+            .implementations
+            .iter_mut()
+            .find(|i| i.name == "sdpa-cudnn-loop")
+        {
+            loop_row.accuracy.as_mut().unwrap().note =
+                Some("LSE not provided by this implementation: O checked only".to_string());
+        }
+        if !uniform {
+            c.implementations.push(ImplResult {
+                error: Some(
+                    "n/a: the dense kernel runs only batches whose sequences all have the same \
+                     lengths"
+                        .to_string(),
+                ),
+                ..ImplResult::new("flashmoe-sm90-dense", "cuda")
+            });
+        }
+        configs.push(c);
+    }
+    run_with("varlen", "flashmoe-sm90", configs, Some(ceilings))
 }
 
 /// A CPU MoE run (no ceilings, GFLOP/s throughputs): 2 configs × 2 implementations,

@@ -47,6 +47,7 @@ pub fn run_checks(
             ProblemSpec::Attention(p) => p.validate().map_err(|e| e.to_string()),
             ProblemSpec::Moe(p) => p.validate().map_err(|e| e.to_string()),
             ProblemSpec::Decode(p) => p.validate().map_err(|e| e.to_string()),
+            ProblemSpec::Varlen(p) => p.validate().map_err(|e| e.to_string()),
         }
         .and_then(|()| super::check_host_memory(problem));
         if let Err(e) = valid {

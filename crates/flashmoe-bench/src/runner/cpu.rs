@@ -1,11 +1,12 @@
 //! CPU implementations: the f64 ground truth and the tiled f32 FlashAttention algorithm
 //! (attention), the f64 reference (MoE), the paged f64 reference and the tiled algorithm
-//! on the dense cache (decode). Timed with the host clock.
+//! on the dense cache (decode), both sequence by sequence in the packed layout (varlen).
+//! Timed with the host clock.
 
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
-use crate::decode;
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
+use crate::{decode, varlen};
 use anyhow::Context;
 use flashmoe::reference::{attention, attention_tiled, moe, moe_grouped};
 use std::time::Instant;
@@ -86,6 +87,26 @@ fn run(
             )?;
             Outputs::Attention { o: r.o, lse: r.lse }
         }
+        // Varlen: each sequence alone (its slices of the packed inputs), scattered back into
+        // the packed layout; empty sequences as the kernel writes them.
+        (ProblemSpec::Varlen(p), SuiteInputs::Attention(x), CpuAlgorithm::Reference) => {
+            let r = varlen::reference_f64(p, x)?;
+            Outputs::Attention {
+                o: r.o.iter().map(|&v| v as f32).collect(),
+                lse: r.lse.iter().map(|&v| v as f32).collect(),
+            }
+        }
+        (ProblemSpec::Varlen(p), SuiteInputs::Attention(x), CpuAlgorithm::Tiled) => {
+            let r = varlen::per_sequence(p, x, |seq, inputs| {
+                attention_tiled::attention_tiled(
+                    seq,
+                    inputs,
+                    attention_tiled::DEFAULT_BLOCK_M,
+                    attention_tiled::DEFAULT_BLOCK_N,
+                )
+            })?;
+            Outputs::Attention { o: r.o, lse: r.lse }
+        }
         (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Reference) => {
             let r = moe::moe_f64(p, x)?;
             Outputs::Moe {
@@ -122,9 +143,10 @@ impl Implementation for CpuImplementation {
             (ProblemSpec::Moe(_), CpuAlgorithm::Tiled) => {
                 Err("the tiled CPU algorithm is attention-only".into())
             }
-            (ProblemSpec::Attention(_) | ProblemSpec::Decode(_), CpuAlgorithm::Grouped) => {
-                Err("the grouped CPU algorithm is MoE-only".into())
-            }
+            (
+                ProblemSpec::Attention(_) | ProblemSpec::Decode(_) | ProblemSpec::Varlen(_),
+                CpuAlgorithm::Grouped,
+            ) => Err("the grouped CPU algorithm is MoE-only".into()),
             (ProblemSpec::Decode(p), CpuAlgorithm::Tiled) if !p.is_plain() => Err(
                 "the tiled CPU algorithm runs the plain causal step (no window, softcap or \
                  ragged lengths)"
@@ -208,6 +230,9 @@ impl ReferenceProvider for CpuReference {
             }
             (ProblemSpec::Decode(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
                 decode::reference_f64(p, x).context("CPU f64 paged decode reference")?,
+            ),
+            (ProblemSpec::Varlen(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
+                varlen::reference_f64(p, x).context("CPU f64 varlen reference (per sequence)")?,
             ),
             _ => anyhow::bail!("inputs do not match the problem kind"),
         })

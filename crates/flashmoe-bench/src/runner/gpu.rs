@@ -317,6 +317,7 @@ impl GpuReferenceProvider {
             ProblemSpec::Moe(p) => p.flops() <= self.cpu_max_flops,
             // The GPU reference is dense attention: only the plain causal step.
             ProblemSpec::Decode(p) => !p.is_plain() || p.flops() <= self.cpu_max_flops,
+            ProblemSpec::Varlen(p) => p.flops() <= self.cpu_max_flops,
         }
     }
 }
@@ -344,6 +345,19 @@ impl ReferenceProvider for GpuReferenceProvider {
             let r = flashmoe::moe::reference::moe_reference_gpu(&self.session.device, p, x)
                 .context("GPU fp32 MoE reference")?;
             return Ok(ReferenceOutputs::Moe(r));
+        }
+        // Varlen: the fp32 reference kernel on each sequence alone (window and softcap
+        // included), scattered into the packed layout.
+        if let (ProblemSpec::Varlen(p), SuiteInputs::Attention(x)) = (problem, inputs) {
+            let r = crate::varlen::per_sequence(p, x, |seq, xs| -> anyhow::Result<_> {
+                let (o, lse) = ReferencePrepared::new(&self.session, seq, xs)?.outputs()?;
+                Ok(AttentionOutput {
+                    o: o.into_iter().map(f64::from).collect(),
+                    lse: lse.into_iter().map(f64::from).collect(),
+                })
+            })
+            .context("GPU fp32 varlen reference (per sequence)")?;
+            return Ok(ReferenceOutputs::Attention(r));
         }
         // Decode: the fp32 reference on the dense cache (the same K/V, bottom-right causal).
         let dense;

@@ -8,6 +8,7 @@ pub mod cpu;
 pub mod gpu;
 pub mod gpu_decode;
 pub mod gpu_moe;
+pub mod gpu_varlen;
 pub mod pipeline;
 pub mod python;
 pub mod serve;
@@ -20,7 +21,8 @@ use flashmoe::reference::moe::{MoeInputs, MoeOutput};
 /// Inputs of one config, generated once and shared by every implementation. A decode
 /// problem's inputs are those of its dense attention problem
 /// ([`crate::decode::DecodeProblem::dense`]): implementations on a paged cache build it
-/// from them.
+/// from them. A varlen problem's are the packed tensors q `(total_q, Hq, D)`, k and v
+/// `(total_k, Hkv, D)` ([`crate::varlen::VarlenProblem::packed`]).
 pub enum SuiteInputs {
     Attention(AttentionInputs),
     Moe(MoeInputs),
@@ -33,6 +35,9 @@ impl SuiteInputs {
             ProblemSpec::Moe(p) => SuiteInputs::Moe(MoeInputs::generate(p, seed)),
             ProblemSpec::Decode(p) => {
                 SuiteInputs::Attention(AttentionInputs::generate(&p.dense(), seed))
+            }
+            ProblemSpec::Varlen(p) => {
+                SuiteInputs::Attention(AttentionInputs::generate(&p.packed(), seed))
             }
         }
     }
@@ -135,6 +140,11 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
             let d = p.dense();
             let paged = 2 * p.num_blocks() * p.page_size * p.heads_kv * p.head_dim;
             ((d.q_elems() + 2 * d.kv_elems() + paged) * 4 + d.q_elems() * 24) as u64
+        }
+        // The packed tensors, as a batch-1 attention problem of the totals.
+        ProblemSpec::Varlen(p) => {
+            let d = p.packed();
+            ((d.q_elems() + 2 * d.kv_elems()) * 4 + d.q_elems() * 24) as u64
         }
     }
 }

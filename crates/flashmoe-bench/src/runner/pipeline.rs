@@ -33,6 +33,7 @@ fn dtype_of(problem: &ProblemSpec) -> DType {
         ProblemSpec::Attention(p) => p.dtype,
         ProblemSpec::Moe(p) => p.dtype,
         ProblemSpec::Decode(p) => p.dtype,
+        ProblemSpec::Varlen(p) => p.dtype,
     }
 }
 
@@ -200,7 +201,9 @@ pub fn gate(
             if let Some(ids) = topk_ids {
                 let experts = match problem {
                     ProblemSpec::Moe(p) => p.experts,
-                    ProblemSpec::Attention(_) | ProblemSpec::Decode(_) => 0,
+                    ProblemSpec::Attention(_) | ProblemSpec::Decode(_) | ProblemSpec::Varlen(_) => {
+                        0
+                    }
                 };
                 let c = compare_routing(ids, &r.routing, experts);
                 let note = if c.mismatched > 0 {
@@ -251,6 +254,8 @@ fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64
         ProblemSpec::Attention(p) => p.min_bytes(),
         // Decode reports GB/s of the K/V read (issue 22): the cache read once.
         ProblemSpec::Decode(p) => p.kv_bytes(),
+        // Varlen: the packed tensors (the sum of the sequences' dense minimum bytes).
+        ProblemSpec::Varlen(p) => p.min_bytes(),
         ProblemSpec::Moe(p) => {
             let touched = match reference {
                 Some(ReferenceOutputs::Moe(r)) => {
@@ -288,6 +293,7 @@ impl Pipeline<'_> {
                 ProblemSpec::Attention(p) => p.flops(),
                 ProblemSpec::Moe(p) => p.flops(),
                 ProblemSpec::Decode(p) => p.flops(),
+                ProblemSpec::Varlen(p) => p.flops(),
             },
             min_bytes: min_bytes(problem, None),
             implementations: Vec::new(),
@@ -300,6 +306,7 @@ impl Pipeline<'_> {
             ProblemSpec::Attention(p) => p.validate(),
             ProblemSpec::Moe(p) => p.validate(),
             ProblemSpec::Decode(p) => p.validate(),
+            ProblemSpec::Varlen(p) => p.validate(),
         };
         if let Err(e) = valid {
             result.error = Some(e.to_string());

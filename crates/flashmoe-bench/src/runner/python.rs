@@ -1,5 +1,7 @@
 //! Python baselines: PyTorch SDPA with each backend forced, FlexAttention, naive PyTorch,
-//! and the MoE baselines (per-expert loop, `torch._grouped_mm`, dense GEMM chain), run by
+//! the varlen baselines (PyTorch's `varlen_attn`, SDPA per sequence, the FlashAttention
+//! and FlashInfer varlen calls) and the MoE baselines (per-expert loop, `torch._grouped_mm`,
+//! dense GEMM chain), run by
 //! `python/flashmoe_worker.py` and spoken to over versioned JSON lines (protocol in
 //! `docs/baselines.md`).
 //!
@@ -62,6 +64,22 @@ pub const DECODE_BASELINES: &[&str] = &[
     "sdpa-flash",
     "fa-kvcache",
     "flashinfer-decode",
+];
+
+/// Varlen baselines, in report order, on the packed inputs (q `(total_q, Hq, D)`, k/v
+/// `(total_k, Hkv, D)`, int32 cu_seqlens on the device; the worker receives the varlen
+/// config itself): PyTorch's `torch.nn.attention.varlen.varlen_attn` (FlashAttention-2
+/// varlen inside PyTorch), SDPA with cuDNN forced called once per sequence from a Python
+/// loop (what a user without a varlen kernel writes; host dispatch included), and, when
+/// their package is importable (n/a with the import error otherwise), FlashAttention-4's
+/// `flash_attn.cute.flash_attn_varlen_func`, FlashAttention-3's
+/// `flash_attn_interface.flash_attn_varlen_func` and FlashInfer's ragged prefill.
+pub const VARLEN_BASELINES: &[&str] = &[
+    "torch-varlen",
+    "sdpa-cudnn-loop",
+    "fa4-varlen",
+    "fa3-varlen",
+    "flashinfer-varlen",
 ];
 
 /// MoE baselines, in report order; the last three come from third-party packages (vLLM's
@@ -822,6 +840,7 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Attention(_) => (ATTENTION_BASELINES, "attention"),
             ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
             ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
+            ProblemSpec::Varlen(_) => (VARLEN_BASELINES, "varlen"),
         };
         if let ProblemSpec::Decode(p) = problem {
             if !p.is_plain() {
@@ -1027,6 +1046,21 @@ impl Prepared for PythonPrepared {
                 Outputs::Attention { o, lse }
             }
             ProblemSpec::Decode(_) => bail!("a decode config reached the worker undensified"),
+            // The packed layout: o (total_q, Hq, D), lse (Hq, total_q).
+            ProblemSpec::Varlen(p) => {
+                let (tq, hq) = (p.total_q(), p.heads_q);
+                let o = read_le(
+                    &file_field(&files, "o").ok_or_else(|| missing("o"))?,
+                    tq * hq * p.head_dim,
+                    "O",
+                    f32_of,
+                )?;
+                let lse = match file_field(&files, "lse") {
+                    Some(path) => read_le(&path, hq * tq, "LSE", f32_of)?,
+                    None => Vec::new(),
+                };
+                Outputs::Attention { o, lse }
+            }
             ProblemSpec::Moe(p) => {
                 if self.ceiling_only {
                     // Timing-only ceiling: its output is not the layer's (see CEILING_ONLY).
@@ -1115,6 +1149,7 @@ pub fn baselines_with(
         Suite::Attention => ATTENTION_BASELINES,
         Suite::Moe => MOE_BASELINES,
         Suite::Decode => DECODE_BASELINES,
+        Suite::Varlen => VARLEN_BASELINES,
     };
     // A baseline whose package is missing is left out of the run, with the reason.
     let unavailable = &worker.hello().unavailable;
@@ -1293,6 +1328,7 @@ mod tests {
             .iter()
             .chain(MOE_BASELINES)
             .chain(DECODE_BASELINES)
+            .chain(VARLEN_BASELINES)
         {
             assert!(
                 src.contains(&format!("\"{n}\"")),
@@ -1305,9 +1341,12 @@ mod tests {
         for n in ["fa4", "fa3", "xformers", "flashinfer-prefill"]
             .iter()
             .chain(&["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"])
+            .chain(&["fa4-varlen", "fa3-varlen", "flashinfer-varlen"])
         {
             assert!(
-                ATTENTION_BASELINES.contains(n) || MOE_BASELINES.contains(n),
+                ATTENTION_BASELINES.contains(n)
+                    || MOE_BASELINES.contains(n)
+                    || VARLEN_BASELINES.contains(n),
                 "{n}"
             );
             assert!(
