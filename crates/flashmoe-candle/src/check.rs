@@ -1,11 +1,26 @@
 //! Up-front checks of a flash-attention call: tensor ranks, layouts, dtypes, head counts,
-//! the mask the window sizes describe, and the plan (and its cache key) the call goes to:
+//! the window the window sizes describe, and the plan (and its cache key) the call goes to:
 //! dense prefill ([`PlanKey::Dense`]), varlen prefill ([`PlanKey::Varlen`]) or paged / decode
-//! ([`PlanKey::Decode`]). Pure functions of candle `Layout`s and values, so they run (and are
-//! tested) without a GPU; the CUDA path (`cuda_fwd.rs`) calls [`check_call`],
-//! [`check_varlen`] or [`check_paged`] before touching any device memory.
+//! ([`PlanKey::Decode`]). Pure functions of candle `Layout`s, values and the device's
+//! compute capability, so they run (and are tested) without a GPU; the CUDA path
+//! (`cuda_fwd.rs`) calls [`check_call`], [`check_varlen`] or [`check_paged`] before touching
+//! any device memory.
+//!
+//! Routing of a dense call ([`check_call`]):
+//! - no mask / causal without softcap: the prefill plan (`AttentionPlan`: the sm_90a kernel
+//!   on Hopper for head dims 64 and 128, the portable kernel otherwise);
+//! - a sliding window or a softcap where the sm_90a kernel serves it ([`prefill_masks`]:
+//!   compute capability 9.0, head dims 64 and 128): the prefill plan, whatever the rows;
+//! - otherwise, decode-shaped calls ([`decode_shaped`]: at most [`MAX_Q_PER_SEQ`] query
+//!   rows, head dims 64/128/256): the decode plan over the dense cache;
+//! - otherwise an error naming the feature, the call's rows, head dim and device, and the
+//!   kernels that would serve it.
+//!
+//! Varlen calls ([`check_varlen`]) have one plan, `VarlenPlan` (sm_90a, head dims 64/128),
+//! windows and softcap included; paged calls ([`check_paged`]) the decode plan.
 
 use candle_core::{bail, DType, Layout, Result};
+use flashmoe::attention::config::SM90_HEAD_DIMS;
 use flashmoe::attention::decode::{HEAD_DIMS as DECODE_HEAD_DIMS, MAX_Q_PER_SEQ};
 
 /// The shape of one attention call, read from q (b, seq_q, heads_q, d) and k/v
@@ -20,12 +35,23 @@ pub struct AttnShape {
     pub head_dim: usize,
 }
 
-/// The masks the kernels implement. Causal is bottom-right aligned (query row i sees keys
-/// j <= i + seq_k - seq_q), the convention of FlashAttention 2 and candle-flash-attn.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Mask {
-    None,
-    Causal,
+/// The mask of a call: `(left, right)` keys around each query row's bottom-right diagonal
+/// d = i + seq_k - seq_q (row i sees keys d - left ..= d + right), -1 = unbounded:
+/// FlashAttention's `window_size`, as the plans take it. [`resolve_window`] normalises it
+/// per call, so a side that hides no key is -1: [`NO_MASK`], [`CAUSAL`] or a sliding window
+/// ([`is_sliding`]).
+pub type Window = (i32, i32);
+
+/// Every key visible.
+pub const NO_MASK: Window = (-1, -1);
+/// Bottom-right causal: row i sees keys j <= i + seq_k - seq_q (FlashAttention 2's and
+/// candle-flash-attn's convention).
+pub const CAUSAL: Window = (-1, 0);
+
+/// Whether a normalised window hides keys other than the causal ones: a bounded left side
+/// or a right side past the diagonal (the kernels' sliding-window path).
+pub fn is_sliding(w: Window) -> bool {
+    w.0 >= 0 || w.1 > 0
 }
 
 /// Element types the kernels take.
@@ -35,26 +61,38 @@ pub enum Elem {
     F16,
 }
 
-/// Everything that selects a compiled kernel and its constants: one plan per key and
-/// device. The scale is kept as its bit pattern so the key is `Eq + Hash`.
+/// Everything that selects a compiled prefill kernel and its constants: one plan per key and
+/// device. The scale and softcap are kept as bit patterns so the key is `Eq + Hash`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ClassKey {
     pub elem: Elem,
     pub head_dim: usize,
     pub heads_q: usize,
     pub heads_kv: usize,
-    pub causal: bool,
+    /// The call's normalised window ([`resolve_window`]): [`NO_MASK`], [`CAUSAL`] or a
+    /// sliding window.
+    pub window: Window,
+    /// The softcap's bits; 0 (`0.0f32`) is off.
+    pub softcap_bits: u32,
     pub scale_bits: u32,
 }
 
 impl ClassKey {
-    pub fn new(elem: Elem, shape: &AttnShape, mask: Mask, softmax_scale: f32) -> ClassKey {
+    /// `window` normalised ([`resolve_window`]), `softcap` checked ([`check_softcap`]).
+    pub fn new(
+        elem: Elem,
+        shape: &AttnShape,
+        window: Window,
+        softcap: Option<f32>,
+        softmax_scale: f32,
+    ) -> ClassKey {
         ClassKey {
             elem,
             head_dim: shape.head_dim,
             heads_q: shape.heads_q,
             heads_kv: shape.heads_kv,
-            causal: mask == Mask::Causal,
+            window,
+            softcap_bits: softcap.unwrap_or(0.0).to_bits(),
             scale_bits: softmax_scale.to_bits(),
         }
     }
@@ -62,6 +100,28 @@ impl ClassKey {
     pub fn softmax_scale(&self) -> f32 {
         f32::from_bits(self.scale_bits)
     }
+    /// 0 is off.
+    pub fn softcap(&self) -> f32 {
+        f32::from_bits(self.softcap_bits)
+    }
+    /// The right side is the diagonal (with or without a left bound).
+    pub fn causal(&self) -> bool {
+        self.window.1 == 0
+    }
+    /// Whether the class needs the sm_90a kernel: a sliding window or a softcap.
+    pub fn needs_sm90(&self) -> bool {
+        is_sliding(self.window) || self.softcap_bits != 0
+    }
+}
+
+/// Compute capability × 10 of the devices the sm_90a kernel runs on (Hopper).
+pub const SM90_ARCH: u32 = 90;
+
+/// Whether flashmoe's prefill plans run sliding windows and softcapping for this head dim on
+/// a device of compute capability `arch` (× 10): the sm_90a kernel's (9.0, head dims 64 and
+/// 128); the portable kernel has neither.
+pub fn prefill_masks(arch: u32, head_dim: usize) -> bool {
+    arch == SM90_ARCH && SM90_HEAD_DIMS.contains(&head_dim)
 }
 
 /// Largest head dimension accepted before asking the plan (which knows the exact list its
@@ -128,38 +188,39 @@ pub fn check_layouts(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnShape> {
     })
 }
 
-/// The mask that candle-flash-attn's window sizes describe, or an error for the ones we
-/// do not implement. A side that excludes no key for any row counts as unbounded, so
-/// `(None, None)` and over-long windows mean no mask and `(None, Some(0))` means causal
-/// (also what `flash_attn(.., causal)` passes).
+/// The window that candle-flash-attn's window sizes describe for a call of `seq_q` query and
+/// `seq_k` key rows (per sequence: the longest ones for varlen calls), normalised: a side
+/// that hides no key for any row is -1 (unbounded). So `(None, None)` and over-long windows
+/// are [`NO_MASK`], `(None, Some(0))` (what `flash_attn(.., causal)` passes) and
+/// `(Some(w >= seq_k - 1), Some(0))` are [`CAUSAL`], and a single query row is never causal
+/// (it sees every key under a bottom-right diagonal).
 pub fn resolve_window(
     left: Option<usize>,
     right: Option<usize>,
     seq_q: usize,
     seq_k: usize,
-) -> Result<Mask> {
-    // Row i sits at key position p = i + seq_k - seq_q and sees keys p - left ..= p + right.
-    let left_unbounded = left.is_none_or(|w| w + 1 >= seq_k);
-    let right_unbounded = right.is_none_or(|w| w + 1 >= seq_q);
-    if !left_unbounded {
-        bail!(
-            "flash-attn: sliding-window attention (window_size_left = {}) is not supported by flashmoe yet",
-            left.unwrap_or_default()
-        )
-    }
-    match right {
-        _ if right_unbounded => Ok(Mask::None),
-        Some(0) => Ok(Mask::Causal),
-        Some(w) => bail!(
-            "flash-attn: a local window to the right (window_size_right = {w}) is not supported by flashmoe yet; use 0 (causal) or None"
-        ),
-        None => unreachable!("None is unbounded"),
-    }
+) -> Result<Window> {
+    // Row i sits at key position d = i + seq_k - seq_q and sees keys d - left ..= d + right:
+    // the left side hides a key of some row iff left < seq_k - 1 (the last row's d is
+    // seq_k - 1), the right side iff right < seq_q - 1 (the first row's d is seq_k - seq_q).
+    let side = |name: &str, w: Option<usize>, rows: usize| -> Result<i32> {
+        match w {
+            Some(w) if w.saturating_add(1) < rows => i32::try_from(w).map_err(|_| {
+                candle_core::Error::Msg(format!("flash-attn: {name} = {w} exceeds i32")).bt()
+            }),
+            _ => Ok(-1),
+        }
+    };
+    Ok((
+        side("window_size_left", left, seq_k)?,
+        side("window_size_right", right, seq_q)?,
+    ))
 }
 
 /// What selects a compiled decode kernel and its constants (`flashmoe::attention::decode`):
-/// the paged entry point, and decode-shaped calls of the dense one that the prefill plan
-/// cannot run (softcap, sliding windows). `max_q_per_seq` is the call's rows per sequence
+/// the paged entry point, and decode-shaped calls of the dense one with a softcap or a
+/// sliding window that the prefill plan cannot run ([`prefill_masks`]: head dim 256, or a
+/// device other than Hopper). `max_q_per_seq` is the call's rows per sequence
 /// rounded up to a power of two, so one plan serves neighbouring sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DecodeKey {
@@ -186,9 +247,11 @@ impl DecodeKey {
 /// The plan a call runs on (and its cache key).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PlanKey {
-    /// `AttentionPlan`: padded batch, no mask or causal.
+    /// `AttentionPlan`: padded batch; no mask or causal on any kernel, sliding windows and
+    /// softcap on the sm_90a one ([`prefill_masks`]).
     Dense(ClassKey),
-    /// `VarlenPlan`: packed sequences with int32 offsets, no mask or causal (sm_90a).
+    /// `VarlenPlan`: packed sequences with int32 offsets, windows and softcap per sequence
+    /// (sm_90a, head dims 64/128).
     Varlen(ClassKey),
     /// `DecodePlan`: at most [`MAX_Q_PER_SEQ`] rows per sequence against a (paged) cache.
     Decode(DecodeKey),
@@ -257,9 +320,11 @@ fn decode_key(
 }
 
 /// All checks of one dense call, in the order candle-flash-attn reports them, and its
-/// route: the prefill plan for no mask / causal without softcap; otherwise the decode plan
-/// when the call is decode-shaped (at most 16 query rows, head dim 64/128/256); otherwise an
-/// error naming the feature.
+/// route on a device of compute capability `arch` (× 10; the module docs): the prefill plan
+/// for no mask / causal without softcap, and for sliding windows and softcap where the
+/// sm_90a kernel serves them; otherwise the decode plan when the call is decode-shaped (at
+/// most 16 query rows, head dim 64/128/256); otherwise an error naming the feature.
+#[allow(clippy::too_many_arguments)]
 pub fn check_call(
     dtypes: (DType, DType, DType),
     q: &Layout,
@@ -268,6 +333,7 @@ pub fn check_call(
     softmax_scale: f32,
     window: (Option<usize>, Option<usize>),
     softcap: Option<f32>,
+    arch: u32,
 ) -> Result<Call> {
     let shape = check_layouts(q, k, v)?;
     let elem = check_dtypes(dtypes.0, dtypes.1, dtypes.2)?;
@@ -275,13 +341,16 @@ pub fn check_call(
         bail!("flash-attn: softmax_scale must be finite (got {softmax_scale})")
     }
     let softcap = check_softcap(softcap)?;
-    let mask = resolve_window(window.0, window.1, shape.seq_q, shape.seq_k);
-    if let (Ok(mask), None) = (&mask, softcap) {
+    let w = resolve_window(window.0, window.1, shape.seq_q, shape.seq_k)?;
+    let key = ClassKey::new(elem, &shape, w, softcap, softmax_scale);
+    if !key.needs_sm90() {
         return Ok(Call {
             shape,
-            plan: PlanKey::Dense(ClassKey::new(elem, &shape, *mask, softmax_scale)),
+            plan: PlanKey::Dense(key),
         });
     }
+    // A window or softcap: decode-shaped calls on the decode kernels (built for few rows
+    // over a long cache: GQA packing, KV splits), the others on the sm_90a prefill kernel.
     if decode_shaped(shape.seq_q, shape.head_dim) {
         let w = decode_window(window.0, window.1, shape.seq_k)?;
         let key = decode_key(elem, &shape, shape.seq_q, w, softcap, softmax_scale);
@@ -290,12 +359,59 @@ pub fn check_call(
             plan: PlanKey::Decode(key),
         });
     }
-    mask?;
-    Err(unsupported(&format!(
-        "softcapping with {} query rows per sequence and head dim {} (flashmoe softcaps on \
-         its decode kernels: at most {MAX_Q_PER_SEQ} rows, head dims {DECODE_HEAD_DIMS:?})",
-        shape.seq_q, shape.head_dim
-    )))
+    if prefill_masks(arch, shape.head_dim) {
+        return Ok(Call {
+            shape,
+            plan: PlanKey::Dense(key),
+        });
+    }
+    Err(no_masking_kernel(&shape, w, window, softcap, arch))
+}
+
+/// The features of a call that need the sm_90a kernel, in words.
+fn masking_features(
+    w: Window,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+) -> String {
+    let mut what = Vec::new();
+    if is_sliding(w) {
+        let side = |s: Option<usize>| s.map_or("None".to_string(), |s| format!("Some({s})"));
+        what.push(format!(
+            "sliding-window attention (window_size_left = {}, window_size_right = {})",
+            side(window.0),
+            side(window.1)
+        ));
+    }
+    if let Some(c) = softcap {
+        what.push(format!("softcapping (softcap = {c})"));
+    }
+    what.join(" and ")
+}
+
+/// The error of a dense call with a sliding window or softcap that no flashmoe kernel serves:
+/// neither the sm_90a prefill kernel (device, head dim) nor the decode kernels (rows, head
+/// dim). Names the call's rows, head dim and device and what each kernel takes.
+fn no_masking_kernel(
+    shape: &AttnShape,
+    w: Window,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+    arch: u32,
+) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "flashmoe-candle: {} with {} query rows per sequence and head dim {} on a GPU of \
+         compute capability {}.{} is not supported: flashmoe runs sliding windows and \
+         softcapping on its sm_90a prefill kernel (compute capability 9.0, head dims \
+         {SM90_HEAD_DIMS:?}, any number of rows) and on its decode kernels (at most \
+         {MAX_Q_PER_SEQ} query rows per sequence, head dims {DECODE_HEAD_DIMS:?})",
+        masking_features(w, window, softcap),
+        shape.seq_q,
+        shape.head_dim,
+        arch / 10,
+        arch % 10,
+    ))
+    .bt()
 }
 
 /// The cumulative sequence offsets (`batch + 1` elements) candle-flash-attn takes: u32,
@@ -361,9 +477,10 @@ pub struct VarlenCall {
     pub plan: PlanKey,
 }
 
-/// All checks of a `flash_attn_varlen*` call. Only no mask and causal (bottom-right per
-/// sequence) run (on `VarlenPlan`); the window is read against `max_seqlen_q/k`, as
-/// candle-flash-attn does.
+/// All checks of a `flash_attn_varlen*` call. It runs on `VarlenPlan` (the sm_90a kernel,
+/// head dims 64 and 128): no mask, causal, sliding windows (bottom-right per sequence) and
+/// softcap. The window is read against `max_seqlen_q/k`, as candle-flash-attn does (a side
+/// at least as long as every sequence hides nothing: [`resolve_window`]).
 #[allow(clippy::too_many_arguments)]
 pub fn check_varlen(
     dtypes: (DType, DType, DType),
@@ -374,6 +491,7 @@ pub fn check_varlen(
     max_seqlen: (usize, usize),
     softmax_scale: f32,
     window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
 ) -> Result<VarlenCall> {
     let (total_q, heads_q, head_dim) = check_packed_q(q)?;
     for (name, l) in [("k", k), ("v", v)] {
@@ -428,7 +546,21 @@ pub fn check_varlen(
     if !softmax_scale.is_finite() {
         bail!("flash-attn: softmax_scale must be finite (got {softmax_scale})")
     }
-    let mask = resolve_window(window.0, window.1, max_q, max_k)?;
+    let softcap = check_softcap(softcap)?;
+    let w = resolve_window(window.0, window.1, max_q, max_k)?;
+    if !SM90_HEAD_DIMS.contains(&head_dim) {
+        let what = match masking_features(w, window, softcap) {
+            f if f.is_empty() => String::new(),
+            f => format!(" with {f}"),
+        };
+        bail!(
+            "flashmoe-candle: variable-length batches{what} with head dim {head_dim} are not \
+             supported: flashmoe's varlen kernel is the sm_90a one (compute capability 9.0, \
+             head dims {SM90_HEAD_DIMS:?}); decode-shaped calls (at most {MAX_Q_PER_SEQ} \
+             query rows per sequence, head dims {DECODE_HEAD_DIMS:?}) run on a paged cache \
+             through flash_attn_varlen_paged_windowed"
+        )
+    }
     let shape = AttnShape {
         batch: nq - 1,
         seq_q: max_q,
@@ -442,7 +574,7 @@ pub fn check_varlen(
         total_q,
         total_k,
         heads_q,
-        plan: PlanKey::Varlen(ClassKey::new(elem, &shape, mask, softmax_scale)),
+        plan: PlanKey::Varlen(ClassKey::new(elem, &shape, w, softcap, softmax_scale)),
     })
 }
 
@@ -592,9 +724,11 @@ pub fn check_paged(
 /// The error every entry point with a feature we lack returns, naming the feature.
 pub fn unsupported(what: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!(
-        "flashmoe-candle: {what} is not supported yet (flashmoe implements no mask and causal \
-         attention for padded and variable-length batches, and windows and softcapping for \
-         decode-shaped calls of at most {MAX_Q_PER_SEQ} query rows per sequence)"
+        "flashmoe-candle: {what} is not supported yet (flashmoe implements no mask, causal and \
+         sliding-window attention with optional softcapping for padded and variable-length \
+         batches: windows and softcapping on the sm_90a kernel, compute capability 9.0 and \
+         head dims {SM90_HEAD_DIMS:?}, or on the decode kernels for calls of at most \
+         {MAX_Q_PER_SEQ} query rows per sequence)"
     ))
     .bt()
 }
@@ -674,17 +808,28 @@ mod tests {
 
     #[test]
     fn windows() {
-        let r = |l, rr, sq, sk| resolve_window(l, rr, sq, sk);
-        assert_eq!(r(None, None, 8, 8).unwrap(), Mask::None);
-        assert_eq!(r(None, Some(0), 8, 8).unwrap(), Mask::Causal);
-        assert_eq!(r(None, Some(0), 8, 32).unwrap(), Mask::Causal);
+        let r = |l, rr, sq, sk| resolve_window(l, rr, sq, sk).unwrap();
+        assert_eq!(r(None, None, 8, 8), NO_MASK);
+        assert_eq!(r(None, Some(0), 8, 8), CAUSAL);
+        assert_eq!(r(None, Some(0), 8, 32), CAUSAL);
         // One query row sees every key under a bottom-right causal mask.
-        assert_eq!(r(None, Some(0), 1, 32).unwrap(), Mask::None);
+        assert_eq!(r(None, Some(0), 1, 32), NO_MASK);
         // Windows wider than the sequence mask nothing.
-        assert_eq!(r(Some(31), Some(7), 8, 32).unwrap(), Mask::None);
-        assert_eq!(r(Some(1000), Some(0), 8, 32).unwrap(), Mask::Causal);
-        assert!(err(r(Some(4), Some(0), 8, 32)).contains("sliding-window"));
-        assert!(err(r(None, Some(2), 8, 32)).contains("window_size_right = 2"));
+        assert_eq!(r(Some(31), Some(7), 8, 32), NO_MASK);
+        assert_eq!(r(Some(1000), Some(0), 8, 32), CAUSAL);
+        // A side that hides a key of some row stays: left < seq_k - 1, right < seq_q - 1.
+        assert_eq!(r(Some(4), Some(0), 8, 32), (4, 0));
+        assert_eq!(r(Some(30), Some(0), 8, 32), (30, 0));
+        assert_eq!(r(None, Some(2), 8, 32), (-1, 2));
+        assert_eq!(r(Some(6), None, 8, 32), (6, -1));
+        assert_eq!(r(Some(0), Some(6), 8, 32), (0, 6));
+        assert_eq!(r(Some(0), Some(7), 8, 32), (0, -1));
+        // Mistral's window on a prompt shorter than it is plain causal; on a longer one not.
+        assert_eq!(r(Some(4096), Some(0), 1000, 1000), CAUSAL);
+        assert_eq!(r(Some(4096), Some(0), 5000, 5000), (4096, 0));
+        assert_eq!(r(Some(usize::MAX), Some(usize::MAX), 8, 32), NO_MASK);
+        assert!(is_sliding((4, 0)) && is_sliding((-1, 2)) && is_sliding((0, -1)));
+        assert!(!is_sliding(NO_MASK) && !is_sliding(CAUSAL));
     }
 
     #[test]
@@ -697,8 +842,11 @@ mod tests {
             heads_kv: 2,
             head_dim: 128,
         };
-        let base = ClassKey::new(Elem::Bf16, &s, Mask::Causal, 0.125);
+        let key = |e, s: &AttnShape, w, cap, scale| ClassKey::new(e, s, w, cap, scale);
+        let base = key(Elem::Bf16, &s, CAUSAL, None, 0.125);
         assert_eq!(base.softmax_scale(), 0.125);
+        assert_eq!(base.softcap(), 0.0);
+        assert!(base.causal() && !base.needs_sm90());
         // Batch and sequence lengths do not select a plan.
         let other_len = AttnShape {
             batch: 7,
@@ -706,101 +854,211 @@ mod tests {
             seq_k: 3000,
             ..s
         };
-        assert_eq!(
-            base,
-            ClassKey::new(Elem::Bf16, &other_len, Mask::Causal, 0.125)
-        );
+        assert_eq!(base, key(Elem::Bf16, &other_len, CAUSAL, None, 0.125));
         // Everything else does.
-        assert_ne!(base, ClassKey::new(Elem::F16, &s, Mask::Causal, 0.125));
-        assert_ne!(base, ClassKey::new(Elem::Bf16, &s, Mask::None, 0.125));
-        assert_ne!(base, ClassKey::new(Elem::Bf16, &s, Mask::Causal, 0.126));
-        assert_ne!(
-            base,
-            ClassKey::new(
+        for other in [
+            key(Elem::F16, &s, CAUSAL, None, 0.125),
+            key(Elem::Bf16, &s, NO_MASK, None, 0.125),
+            key(Elem::Bf16, &s, (64, 0), None, 0.125),
+            key(Elem::Bf16, &s, (64, -1), None, 0.125),
+            key(Elem::Bf16, &s, CAUSAL, Some(50.0), 0.125),
+            key(Elem::Bf16, &s, CAUSAL, None, 0.126),
+            key(
                 Elem::Bf16,
                 &AttnShape { heads_kv: 8, ..s },
-                Mask::Causal,
-                0.125
-            )
-        );
-        assert_ne!(
-            base,
-            ClassKey::new(
+                CAUSAL,
+                None,
+                0.125,
+            ),
+            key(
                 Elem::Bf16,
                 &AttnShape { head_dim: 64, ..s },
-                Mask::Causal,
-                0.125
-            )
-        );
+                CAUSAL,
+                None,
+                0.125,
+            ),
+        ] {
+            assert_ne!(base, other);
+        }
+        let w = key(Elem::Bf16, &s, (64, 0), None, 0.125);
+        assert!(w.causal() && w.needs_sm90());
+        let c = key(Elem::Bf16, &s, NO_MASK, Some(50.0), 0.125);
+        assert!(!c.causal() && c.needs_sm90() && c.softcap() == 50.0);
         let mut set = std::collections::HashSet::new();
         set.insert(base);
-        assert!(set.contains(&ClassKey::new(Elem::Bf16, &other_len, Mask::Causal, 0.125)));
+        assert!(set.contains(&key(Elem::Bf16, &other_len, CAUSAL, None, 0.125)));
     }
+
+    const BF: (DType, DType, DType) = (DType::BF16, DType::BF16, DType::BF16);
+    const H100: u32 = 90;
+    const A100: u32 = 80;
 
     #[test]
     fn check_call_builds_key_and_rejects_nan_scale() {
         let (q, kv) = (bshd(1, 4, 4, 64), bshd(1, 6, 2, 64));
-        let bf = (DType::BF16, DType::BF16, DType::BF16);
-        let c = check_call(bf, &q, &kv, &kv, 0.125, (None, Some(0)), None).unwrap();
+        let c = check_call(BF, &q, &kv, &kv, 0.125, (None, Some(0)), None, H100).unwrap();
         let PlanKey::Dense(key) = c.plan else {
             panic!("causal without softcap is the prefill plan: {:?}", c.plan)
         };
-        assert!(key.causal);
+        assert_eq!(key.window, CAUSAL);
         assert_eq!((key.heads_q, key.heads_kv, key.head_dim), (4, 2, 64));
-        assert!(err(check_call(bf, &q, &kv, &kv, f32::NAN, (None, None), None)).contains("finite"));
+        let nan = check_call(BF, &q, &kv, &kv, f32::NAN, (None, None), None, H100);
+        assert!(err(nan).contains("finite"));
         // Softcap 0 is off.
-        let c = check_call(bf, &q, &kv, &kv, 0.125, (None, None), Some(0.0)).unwrap();
-        assert!(matches!(c.plan, PlanKey::Dense(_)));
-        assert!(
-            err(check_call(bf, &q, &kv, &kv, 0.1, (None, None), Some(-1.0))).contains("softcap")
-        );
+        let c = check_call(BF, &q, &kv, &kv, 0.125, (None, None), Some(0.0), A100).unwrap();
+        assert!(matches!(
+            c.plan,
+            PlanKey::Dense(ClassKey {
+                window: NO_MASK,
+                softcap_bits: 0,
+                ..
+            })
+        ));
+        let neg = check_call(BF, &q, &kv, &kv, 0.1, (None, None), Some(-1.0), H100);
+        assert!(err(neg).contains("softcap"));
+    }
+
+    /// The route of a dense call: (seq_q, seq_k, head dim, window, softcap, arch).
+    fn route(
+        (sq, sk, d): (usize, usize, usize),
+        window: (Option<usize>, Option<usize>),
+        softcap: Option<f32>,
+        arch: u32,
+    ) -> Result<PlanKey> {
+        let (q, kv) = (bshd(2, sq, 8, d), bshd(2, sk, 2, d));
+        check_call(BF, &q, &kv, &kv, 0.1, window, softcap, arch).map(|c| c.plan)
     }
 
     #[test]
-    fn decode_shaped_softcap_and_windows_route_to_the_decode_plan() {
-        let bf = (DType::BF16, DType::BF16, DType::BF16);
-        let (q, kv) = (bshd(2, 3, 8, 128), bshd(2, 300, 2, 128));
-        let c = check_call(bf, &q, &kv, &kv, 0.1, (None, Some(0)), Some(30.0)).unwrap();
-        let PlanKey::Decode(key) = c.plan else {
-            panic!("softcap goes to the decode plan: {:?}", c.plan)
+    fn prefill_windows_and_softcap_route_to_the_prefill_plan_on_hopper() {
+        // Mistral: a 4096-key sliding window, causal, head dim 128, an 8k prompt.
+        let mistral = (8192, 8192, 128);
+        let PlanKey::Dense(key) = route(mistral, (Some(4096), Some(0)), None, H100).unwrap() else {
+            panic!("a prefill window on Hopper is the prefill plan")
         };
-        assert_eq!(key.window, (-1, 0));
-        assert_eq!(key.softcap(), 30.0);
-        assert_eq!(key.softmax_scale(), 0.1);
-        assert_eq!(key.max_q_per_seq, 4, "3 rows round up to a power of two");
-        // A sliding window, and a window wider than seq_k (unbounded).
-        let c = check_call(bf, &q, &kv, &kv, 0.1, (Some(64), Some(0)), None).unwrap();
+        assert_eq!((key.window, key.softcap_bits), ((4096, 0), 0));
+        assert!(key.causal() && key.needs_sm90());
+        // The same window on a prompt it covers is plain causal: any GPU, no window kernel.
+        for arch in [H100, A100] {
+            let short = route((1000, 1000, 128), (Some(4096), Some(0)), None, arch).unwrap();
+            assert!(matches!(
+                short,
+                PlanKey::Dense(ClassKey { window: CAUSAL, .. })
+            ));
+        }
+        // Gemma-2 27B (head dim 128): softcap 50, alone and with its sliding window.
+        let PlanKey::Dense(key) =
+            route((600, 600, 128), (None, Some(0)), Some(50.0), H100).unwrap()
+        else {
+            panic!("a prefill softcap on Hopper is the prefill plan")
+        };
+        assert_eq!((key.window, key.softcap()), (CAUSAL, 50.0));
+        let p = route((600, 600, 128), (Some(256), Some(0)), Some(50.0), H100).unwrap();
         assert!(matches!(
-            c.plan,
+            p,
+            PlanKey::Dense(ClassKey {
+                window: (256, 0),
+                ..
+            })
+        ));
+        // Local (non-causal) windows and head dim 64.
+        let p = route((300, 500, 64), (Some(16), Some(16)), None, H100).unwrap();
+        assert!(matches!(
+            p,
+            PlanKey::Dense(ClassKey {
+                window: (16, 16),
+                ..
+            })
+        ));
+        let p = route((300, 500, 64), (Some(16), None), None, H100).unwrap();
+        assert!(matches!(
+            p,
+            PlanKey::Dense(ClassKey {
+                window: (16, -1),
+                ..
+            })
+        ));
+        // Decode-shaped calls stay on the decode kernels, built for few rows over long caches.
+        let p = route((3, 300, 128), (Some(64), Some(0)), Some(30.0), H100).unwrap();
+        assert!(matches!(
+            p,
             PlanKey::Decode(DecodeKey {
                 window: (64, 0),
                 ..
             })
         ));
-        let c = check_call(bf, &q, &kv, &kv, 0.1, (Some(500), Some(3)), Some(5.0)).unwrap();
-        assert!(matches!(
-            c.plan,
-            PlanKey::Decode(DecodeKey {
-                window: (-1, 3),
-                ..
-            })
+    }
+
+    #[test]
+    fn decode_shaped_windows_and_softcap_route_to_the_decode_plan() {
+        // Head dim 256 (Gemma-2 2B/9B) on Hopper, head dim 128 on an A100 and on Hopper.
+        for (d, arch) in [(256, H100), (128, A100), (128, H100)] {
+            let sd = (3, 300, d);
+            let PlanKey::Decode(key) = route(sd, (None, Some(0)), Some(30.0), arch).unwrap() else {
+                panic!("softcap goes to the decode plan (d {d}, arch {arch})")
+            };
+            assert_eq!(key.window, (-1, 0));
+            assert_eq!(key.softcap(), 30.0);
+            assert_eq!(key.softmax_scale(), 0.1);
+            assert_eq!(key.max_q_per_seq, 4, "3 rows round up to a power of two");
+            // A sliding window, and a window wider than seq_k (unbounded).
+            let p = route(sd, (Some(64), Some(0)), None, arch).unwrap();
+            assert!(matches!(
+                p,
+                PlanKey::Decode(DecodeKey {
+                    window: (64, 0),
+                    ..
+                })
+            ));
+            let p = route(sd, (Some(500), Some(3)), Some(5.0), arch).unwrap();
+            assert!(matches!(
+                p,
+                PlanKey::Decode(DecodeKey {
+                    window: (-1, 3),
+                    ..
+                })
+            ));
+            // No window and no softcap: the prefill plan, as always.
+            let p = route(sd, (Some(500), Some(0)), None, arch).unwrap();
+            assert!(matches!(p, PlanKey::Dense(ClassKey { window: CAUSAL, .. })));
+        }
+    }
+
+    #[test]
+    fn windows_and_softcap_no_kernel_serves_name_the_limits() {
+        // Gemma-2 9B prefill: head dim 256, softcap 50, window 4096.
+        let e = err(route(
+            (5000, 5000, 256),
+            (Some(4096), Some(0)),
+            Some(50.0),
+            H100,
         ));
-        // Prefill-sized softcap / window: errors naming the feature.
-        let (q, kv) = (bshd(1, 64, 8, 128), bshd(1, 64, 8, 128));
+        for part in [
+            "sliding-window attention (window_size_left = Some(4096), window_size_right = Some(0))",
+            "softcapping (softcap = 50)",
+            "5000 query rows",
+            "head dim 256",
+            "compute capability 9.0",
+            "sm_90a prefill kernel (compute capability 9.0, head dims [64, 128]",
+            "decode kernels (at most 16 query rows per sequence, head dims [64, 128, 256])",
+        ] {
+            assert!(e.contains(part), "{part:?} missing from: {e}");
+        }
+        // Prefill-sized softcap / window off Hopper.
+        let e = err(route((64, 64, 128), (None, None), Some(30.0), A100));
         assert!(
-            err(check_call(bf, &q, &kv, &kv, 0.1, (None, None), Some(30.0)))
-                .contains("softcapping")
+            e.contains("softcapping") && e.contains("compute capability 8.0"),
+            "{e}"
         );
+        assert!(!e.contains("sliding-window attention ("), "{e}");
+        let e = err(route((64, 64, 128), (Some(8), Some(0)), None, A100));
         assert!(
-            err(check_call(bf, &q, &kv, &kv, 0.1, (Some(8), Some(0)), None))
-                .contains("sliding-window")
+            e.contains("sliding-window") && !e.contains("softcapping ("),
+            "{e}"
         );
-        // Head dim without a decode kernel.
-        let (q, kv) = (bshd(1, 1, 8, 96), bshd(1, 64, 8, 96));
-        assert!(
-            err(check_call(bf, &q, &kv, &kv, 0.1, (None, None), Some(30.0)))
-                .contains("head dim 96")
-        );
+        // Head dim without a decode kernel nor an sm_90a one.
+        let e = err(route((1, 64, 96), (None, None), Some(30.0), H100));
+        assert!(e.contains("head dim 96"), "{e}");
     }
 
     fn packed(t: usize, h: usize, d: usize) -> Layout {
@@ -813,17 +1071,43 @@ mod tests {
         let cu = Layout::contiguous(4);
         let u = (DType::U32, &cu);
         let (q, kv) = (packed(20, 8, 128), packed(31, 2, 128));
-        let c = check_varlen(bf, &q, &kv, &kv, (u, u), (9, 17), 0.1, (None, Some(0))).unwrap();
+        let ok = |w, cap| check_varlen(bf, &q, &kv, &kv, (u, u), (9, 17), 0.1, w, cap).unwrap();
+        let c = ok((None, Some(0)), None);
         assert_eq!((c.batch, c.total_q, c.total_k, c.heads_q), (3, 20, 31, 8));
         let PlanKey::Varlen(key) = c.plan else {
             panic!("{:?}", c.plan)
         };
-        assert!(key.causal && key.heads_kv == 2 && key.head_dim == 128);
-        let c = check_varlen(bf, &q, &kv, &kv, (u, u), (9, 17), 0.1, (None, None)).unwrap();
+        assert!(key.window == CAUSAL && key.heads_kv == 2 && key.head_dim == 128);
+        assert!(!key.needs_sm90());
+        let c = ok((None, None), None);
         assert!(matches!(
             c.plan,
-            PlanKey::Varlen(ClassKey { causal: false, .. })
+            PlanKey::Varlen(ClassKey {
+                window: NO_MASK,
+                ..
+            })
         ));
+        // Windows are read against max_seqlen_q/k (9, 17): sliding ones stay, ones at least
+        // as long as every sequence are unbounded.
+        for (w, want) in [
+            ((Some(4), Some(0)), (4, 0)),
+            ((Some(15), Some(7)), (15, 7)),
+            ((Some(16), Some(8)), NO_MASK),
+            ((Some(100), Some(0)), CAUSAL),
+            ((None, Some(3)), (-1, 3)),
+        ] {
+            let c = ok(w, None);
+            assert!(
+                matches!(c.plan, PlanKey::Varlen(k) if k.window == want && k.softcap_bits == 0),
+                "{w:?}: {:?}",
+                c.plan
+            );
+        }
+        // Softcap (0 is off).
+        let c = ok((Some(4), Some(0)), Some(50.0));
+        assert!(matches!(c.plan, PlanKey::Varlen(k) if k.window == (4, 0) && k.softcap() == 50.0));
+        let c = ok((None, None), Some(0.0));
+        assert!(matches!(c.plan, PlanKey::Varlen(k) if !k.needs_sm90()));
         let e = |r: Result<VarlenCall>| err(r);
         let i32s = (DType::I32, &cu);
         assert!(e(check_varlen(
@@ -834,7 +1118,8 @@ mod tests {
             (i32s, u),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("seqlens_q must be u32"));
         let cu5 = Layout::contiguous(5);
@@ -846,7 +1131,8 @@ mod tests {
             (u, (DType::U32, &cu5)),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("same number"));
         let one = Layout::contiguous(1);
@@ -858,7 +1144,8 @@ mod tests {
             ((DType::U32, &one), (DType::U32, &one)),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("len >= 2"));
         let strided = Layout::new(4.into(), vec![2], 0);
@@ -870,7 +1157,8 @@ mod tests {
             ((DType::U32, &strided), u),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("contiguous"));
         assert!(e(check_varlen(
@@ -881,7 +1169,8 @@ mod tests {
             (u, u),
             (21, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("max_seqlen_q = 21"));
         assert!(e(check_varlen(
@@ -892,7 +1181,8 @@ mod tests {
             (u, u),
             (9, 0),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("max_seqlen_k = 0"));
         assert!(e(check_varlen(
@@ -903,9 +1193,40 @@ mod tests {
             (u, u),
             (9, 17),
             0.1,
-            (Some(4), Some(0))
+            (None, None),
+            Some(-2.0)
         ))
-        .contains("sliding-window"));
+        .contains("softcap"));
+        // The varlen kernel is the sm_90a one: head dims 64 and 128 only, windows or not.
+        let (q256, kv256) = (packed(20, 8, 256), packed(31, 2, 256));
+        let e256 = |w, cap| {
+            e(check_varlen(
+                bf,
+                &q256,
+                &kv256,
+                &kv256,
+                (u, u),
+                (9, 17),
+                0.1,
+                w,
+                cap,
+            ))
+        };
+        let msg = e256((Some(4), Some(0)), Some(50.0));
+        for part in [
+            "sliding-window attention (window_size_left = Some(4), window_size_right = Some(0))",
+            "softcapping (softcap = 50)",
+            "head dim 256",
+            "compute capability 9.0, head dims [64, 128]",
+            "flash_attn_varlen_paged_windowed",
+        ] {
+            assert!(msg.contains(part), "{part:?} missing from: {msg}");
+        }
+        let msg = e256((None, Some(0)), None);
+        assert!(
+            msg.contains("variable-length batches with head dim 256"),
+            "{msg}"
+        );
         assert!(e(check_varlen(
             bf,
             &bshd(1, 20, 8, 128),
@@ -914,7 +1235,8 @@ mod tests {
             (u, u),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("rank 3"));
         assert!(e(check_varlen(
@@ -925,7 +1247,8 @@ mod tests {
             (u, u),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("must divide"));
         assert!(e(check_varlen(
@@ -936,7 +1259,8 @@ mod tests {
             (u, u),
             (9, 17),
             0.1,
-            (None, None)
+            (None, None),
+            None
         ))
         .contains("shape mismatch k"));
     }

@@ -98,6 +98,8 @@ pub(crate) fn forward(
     v: &CudaStorage,
     v_l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
+    // The device routes windows and softcap (the sm_90a kernel or the decode kernels).
+    let arch = plans::arch(&q.device().cuda_stream())?;
     let call = check_call(
         (q.dtype(), k.dtype(), v.dtype()),
         q_l,
@@ -106,6 +108,7 @@ pub(crate) fn forward(
         op.softmax_scale,
         (op.window_size_left, op.window_size_right),
         op.softcap,
+        arch,
     )?;
     match elem_of(&call.plan) {
         Elem::Bf16 => forward_t::<half::bf16>(&call, q, q_l, k, k_l, v, v_l),
@@ -203,6 +206,7 @@ pub(crate) fn varlen(
         (op.max_seqlen_q, op.max_seqlen_k),
         op.softmax_scale,
         (op.window_size_left, op.window_size_right),
+        op.softcap,
     )?;
     let cu_q = int32_view("seqlens_q", &sq_st, sq_l)?;
     let cu_k = int32_view("seqlens_k", &sk_st, sk_l)?;

@@ -63,16 +63,21 @@ mod api {
         Device::from_context(ctx.clone()).map_err(|e| wrap("device", e))
     }
 
+    /// The key's normalised window as flashmoe's class: a right side of 0 is `causal` (which
+    /// bounds the right side), the left side stays the window's; plain causal and no mask
+    /// carry `NO_WINDOW`.
     fn attention_class(key: &ClassKey) -> AttentionClass {
+        let causal = key.causal();
+        let (left, right) = key.window;
         AttentionClass {
             dtype: dtype(key.elem),
             head_dim: key.head_dim,
             heads_q: key.heads_q,
             heads_kv: key.heads_kv,
-            causal: key.causal,
+            causal,
             softmax_scale: Some(key.softmax_scale()),
-            window: flashmoe::problem::NO_WINDOW,
-            softcap: 0.0,
+            window: (left, if causal { -1 } else { right }),
+            softcap: key.softcap(),
         }
     }
 

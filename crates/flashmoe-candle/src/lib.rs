@@ -9,21 +9,26 @@
 //! Causal masking is bottom-right aligned.
 //!
 //! Supported today:
-//! - `flash_attn`, and `flash_attn_windowed` with windows that amount to no mask or causal:
-//!   flashmoe's prefill plan (`AttentionPlan`).
-//! - `flash_attn_varlen`, and `flash_attn_varlen_windowed` with such windows: packed
-//!   sequences (q (total_q, heads_q, d), k/v (total_k, heads_kv, d), u32 cumulative
-//!   `seqlens_q/k` of `batch + 1` elements), causal bottom-right per sequence:
+//! - `flash_attn`, `flash_attn_windowed` and `flash_attn_alibi_windowed_softcap` (without
+//!   slopes): flashmoe's prefill plan (`AttentionPlan`). No mask and causal on any GPU (the
+//!   sm_90a kernel on Hopper for head dims 64/128, the portable kernel otherwise); sliding
+//!   windows (e.g. Mistral's `(Some(4096), Some(0))`) and softcap (e.g. Gemma-2's 50) on the
+//!   sm_90a kernel: compute capability 9.0, head dims 64 and 128, any number of rows.
+//! - The same dense calls with a window or softcap that the sm_90a kernel does not serve
+//!   (head dim 256, or another GPU) when they are decode-shaped (seq_q <= 16, head dim
+//!   64/128/256): `DecodePlan` over the dense cache.
+//! - `flash_attn_varlen`, `flash_attn_varlen_windowed` and
+//!   `flash_attn_varlen_alibi_windowed_softcap` (without slopes): packed sequences (q
+//!   (total_q, heads_q, d), k/v (total_k, heads_kv, d), u32 cumulative `seqlens_q/k` of
+//!   `batch + 1` elements), masks bottom-right per sequence, windows and softcap:
 //!   `VarlenPlan` (sm_90a, head dim 64 or 128).
 //! - `flash_attn_varlen_paged_windowed`: a paged K/V cache (num_blocks, page_block_size,
 //!   heads_kv, d) with a (batch, max_blocks) u32/i32 block table, windows and softcap, for
 //!   up to 16 query rows per sequence (decode and speculative steps): `DecodePlan`.
-//! - Softcapping and narrower windows of the dense functions (`flash_attn_windowed`,
-//!   `flash_attn_alibi_windowed_softcap` without slopes) when the call is decode-shaped
-//!   (seq_q <= 16, head dim 64/128/256): `DecodePlan` over the dense cache.
 //!
-//! Everything else (ALiBi, softcapping or sliding windows of prefill-sized calls, chunked
-//! prefill on a paged cache, `mm_prefix_ranges`) returns an error that names the feature.
+//! Everything else (ALiBi, windows or softcap of prefill-sized calls that the sm_90a kernel
+//! does not serve, chunked prefill on a paged cache, `mm_prefix_ranges`) returns an error
+//! that names the feature and the kernels' limits.
 //!
 //! Modules: `check` (shape/dtype/window checks and the plan-cache key, GPU-free),
 //! `cuda_fwd` (the `CustomOp3::cuda_fwd` body: candle storage → cudarc views),
@@ -101,6 +106,7 @@ struct FlashAttnVarlen {
     seqlens_k: Tensor,
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
+    softcap: Option<f32>,
 }
 
 cuda_only_op!(FlashAttnVarlen, "flashmoe-flash-attn-varlen", varlen);
@@ -145,10 +151,14 @@ pub fn flash_attn(
     )
 }
 
-/// Flash attention with candle-flash-attn's window arguments: `(None, Some(0))` is causal,
-/// `(None, None)` and windows covering the whole sequence mask nothing (the prefill plan).
-/// Narrower windows run when the call is decode-shaped (seq_len_q <= 16, head dim
-/// 64/128/256: the decode plan over the dense cache); otherwise they are an error.
+/// Flash attention with candle-flash-attn's window arguments, around each query row's
+/// bottom-right diagonal d = i + seq_len_kv - seq_len_q (row i sees keys
+/// `d - window_size_left ..= d + window_size_right`; None is unbounded): `(None, Some(0))`
+/// is causal, `(None, None)` and windows covering the whole sequence mask nothing (the
+/// prefill plan on any GPU). Sliding windows (`(Some(4096), Some(0))` for Mistral) run on
+/// the prefill plan's sm_90a kernel (Hopper, head dims 64 and 128); elsewhere on the decode
+/// plan when the call is decode-shaped (seq_len_q <= 16, head dim 64/128/256); otherwise
+/// they are an error naming the kernels' limits.
 pub fn flash_attn_windowed(
     q: &Tensor,
     k: &Tensor,
@@ -192,8 +202,10 @@ pub fn flash_attn_alibi_windowed(
 }
 
 /// Softcapped attention (`softcap · tanh(scores / softcap)` before the softmax; 0 is off)
-/// with candle-flash-attn's windows. Runs when the call is decode-shaped (seq_len_q <= 16,
-/// head dim 64/128/256) or needs no softcap and no narrow window; ALiBi slopes are an error.
+/// with candle-flash-attn's windows ([`flash_attn_windowed`]). Softcaps and sliding
+/// windows run on the prefill plan's sm_90a kernel (Hopper, head dims 64 and 128), and
+/// elsewhere when the call is decode-shaped (seq_len_q <= 16, head dim 64/128/256: the
+/// decode plan); ALiBi slopes are an error.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
     q: &Tensor,
@@ -258,9 +270,10 @@ pub fn flash_attn_varlen(
     )
 }
 
-/// [`flash_attn_varlen`] with candle-flash-attn's window arguments. Only windows that
-/// amount to no mask or causal (read against `max_seqlen_q/k`) are supported; narrower
-/// ones are an error naming the sliding window.
+/// [`flash_attn_varlen`] with candle-flash-attn's window arguments, around each query
+/// row's bottom-right diagonal per sequence (as [`flash_attn_windowed`]); sides at least
+/// `max_seqlen_q/k` long are unbounded. Sliding windows run on the sm_90a varlen kernel
+/// like every varlen call (head dims 64 and 128).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_windowed(
     q: &Tensor,
@@ -282,6 +295,7 @@ pub fn flash_attn_varlen_windowed(
         seqlens_k: seqlens_k.clone(),
         window_size_left,
         window_size_right,
+        softcap: None,
     };
     q.apply_op3(k, v, op)
 }
@@ -380,29 +394,40 @@ pub fn flash_attn_varlen_alibi_windowed(
     ))
 }
 
-/// Not supported yet: returns an error (softcapping of unpaged variable-length batches;
-/// ALiBi). Decode-shaped softcapped calls run through [`flash_attn_varlen_paged_windowed`]
-/// (the decode kernels read K/V through a block table, which a packed k cannot provide
-/// without a copy).
+/// Softcapped variable-length attention (`softcap · tanh(scores / softcap)` before the
+/// softmax; 0 is off) with candle-flash-attn's windows: [`flash_attn_varlen_windowed`] with
+/// a softcap, on the sm_90a varlen kernel (head dims 64 and 128). ALiBi slopes are an error.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen_alibi_windowed_softcap(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _alibi_slopes: Option<&Tensor>,
-    _seqlens_q: &Tensor,
-    _seqlens_k: &Tensor,
-    _max_seqlen_q: usize,
-    _max_seqlen_k: usize,
-    _softmax_scale: f32,
-    _window_size_left: Option<usize>,
-    _window_size_right: Option<usize>,
-    _softcap: f32,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: Option<&Tensor>,
+    seqlens_q: &Tensor,
+    seqlens_k: &Tensor,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: f32,
 ) -> Result<Tensor> {
-    Err(check::unsupported(
-        "softcapping with unpaged variable-length batches \
-         (flash_attn_varlen_alibi_windowed_softcap; see flash_attn_varlen_paged_windowed)",
-    ))
+    if alibi_slopes.is_some() {
+        return Err(check::unsupported(
+            "ALiBi with variable-length batches (flash_attn_varlen_alibi_windowed_softcap)",
+        ));
+    }
+    let op = FlashAttnVarlen {
+        softmax_scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        seqlens_q: seqlens_q.clone(),
+        seqlens_k: seqlens_k.clone(),
+        window_size_left,
+        window_size_right,
+        softcap: Some(softcap),
+    };
+    q.apply_op3(k, v, op)
 }
 
 #[cfg(test)]
@@ -431,10 +456,21 @@ mod tests {
                 .unwrap_err();
         assert!(e.to_string().contains("ALiBi"), "{e}");
         let e = flash_attn_varlen_alibi_windowed_softcap(
-            &packed, &packed, &packed, None, &s, &s, 2, 2, 0.1, None, None, 30.0,
+            &packed,
+            &packed,
+            &packed,
+            Some(&slopes),
+            &s,
+            &s,
+            2,
+            2,
+            0.1,
+            None,
+            None,
+            30.0,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("softcapping"), "{e}");
+        assert!(e.to_string().contains("ALiBi"), "{e}");
         let e = flash_attn_varlen_paged_windowed(
             &packed,
             &q,
@@ -468,6 +504,24 @@ mod tests {
         assert!(e.to_string().contains("no cpu support"), "{e}");
         let e = flash_attn_alibi_windowed_softcap(&q, &k, &v, None, 0.1, None, Some(0), 30.0)
             .unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        let e = flash_attn_windowed(&q, &k, &v, 0.1, Some(2), Some(0)).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        let e = flash_attn_varlen_alibi_windowed_softcap(
+            &packed,
+            &packed,
+            &packed,
+            None,
+            &s,
+            &s,
+            2,
+            2,
+            0.1,
+            Some(1),
+            Some(0),
+            30.0,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("no cpu support"), "{e}");
     }
 }

@@ -35,36 +35,48 @@ fn lock<T>(m: &'static OnceLock<Mutex<T>>, init: fn() -> T) -> MutexGuard<'stati
         .unwrap_or_else(|e| e.into_inner())
 }
 
+/// The flashmoe device of the stream's GPU, made on first use.
+fn device(stream: &Arc<CudaStream>) -> Result<Arc<api::Device>> {
+    let ordinal = stream.context().ordinal();
+    let mut gpus = lock(&PLANS, HashMap::new);
+    if let Some(g) = gpus.get(&ordinal) {
+        return Ok(g.dev.clone());
+    }
+    let dev = Arc::new(api::device(stream.context())?);
+    gpus.insert(
+        ordinal,
+        Gpu {
+            dev: dev.clone(),
+            plans: HashMap::new(),
+        },
+    );
+    Ok(dev)
+}
+
+/// Compute capability × 10 of the stream's GPU (what routes a call: `check::check_call`).
+pub(crate) fn arch(stream: &Arc<CudaStream>) -> Result<u32> {
+    Ok(device(stream)?.arch())
+}
+
 /// The plan for `key` on the stream's GPU, made on first use.
 pub(crate) fn plan(stream: &Arc<CudaStream>, key: &PlanKey) -> Result<Arc<Plan>> {
     let ordinal = stream.context().ordinal();
-    let dev = {
-        let mut gpus = lock(&PLANS, HashMap::new);
-        if let Some(p) = gpus.get(&ordinal).and_then(|g| g.plans.get(key)) {
-            return Ok(p.clone());
-        }
-        match gpus.get(&ordinal) {
-            Some(g) => g.dev.clone(),
-            None => {
-                let dev = Arc::new(api::device(stream.context())?);
-                gpus.insert(
-                    ordinal,
-                    Gpu {
-                        dev: dev.clone(),
-                        plans: HashMap::new(),
-                    },
-                );
-                dev
-            }
-        }
-    };
+    if let Some(p) = lock(&PLANS, HashMap::new)
+        .get(&ordinal)
+        .and_then(|g| g.plans.get(key))
+    {
+        return Ok(p.clone());
+    }
+    let dev = device(stream)?;
     // Compile outside the lock: other classes keep running meanwhile. Two threads racing
     // on a new class both compile; the first insert wins.
     let made = Arc::new(api::new_plan(&dev, key)?);
     let mut gpus = lock(&PLANS, HashMap::new);
-    let gpu = gpus
-        .get_mut(&ordinal)
-        .expect("inserted above; entries are never removed but by clear_caches");
+    // clear_caches may have run meanwhile: the entry is made again then.
+    let gpu = gpus.entry(ordinal).or_insert_with(|| Gpu {
+        dev: dev.clone(),
+        plans: HashMap::new(),
+    });
     Ok(gpu.plans.entry(*key).or_insert(made).clone())
 }
 

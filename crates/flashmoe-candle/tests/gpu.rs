@@ -3,14 +3,17 @@
 //! pseudo-random inputs. `flash_attn` (GQA, causal and not, bf16 and f16, strided inputs);
 //! `flash_attn_varlen` (ragged lengths incl. 1 and primes, strided q/k/v); the paged
 //! `flash_attn_varlen_paged_windowed` (shuffled pages, windows, softcap, u32 and i32 block
-//! tables); decode-shaped softcap / sliding windows of the dense functions.
-//! Each test returns early with a note when there is no CUDA device (the CPU CI machine).
+//! tables); sliding windows and softcap of prefill-sized dense and varlen calls (the sm_90a
+//! kernel: these tests expect a Hopper GPU, as the varlen ones do); decode-shaped softcap /
+//! sliding windows of the dense functions (the decode plan at head dims 128 and 256). Each test returns early with a note when there is no CUDA device (the CPU CI
+//! machine).
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 use flashmoe_candle::{
     flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen,
-    flash_attn_varlen_paged_windowed, flash_attn_varlen_windowed, flash_attn_windowed,
+    flash_attn_varlen_alibi_windowed_softcap, flash_attn_varlen_paged_windowed,
+    flash_attn_varlen_windowed, flash_attn_windowed,
 };
 
 fn cuda() -> Option<Device> {
@@ -169,6 +172,69 @@ fn flash_attn_reads_strided_inputs() -> Result<()> {
         println!("strided causal={causal}: rel L2 {err:.2e}");
         assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
     }
+    // A sliding window with a softcap on the same strided views.
+    let got = flash_attn_alibi_windowed_softcap(&q, &k, &v, None, scale, Some(30), Some(0), 20.0)?;
+    let want = reference_masked(&q, &k, &v, scale, (30, 0), Some(20.0))?;
+    let (err, nan) = rel_l2(&got, &want)?;
+    println!("strided window (30, 0) softcap 20: rel L2 {err:.2e}");
+    assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    Ok(())
+}
+
+/// candle-flash-attn's window sizes as the reference's sides: None is unbounded (-1).
+fn sides(left: Option<usize>, right: Option<usize>) -> (i64, i64) {
+    let s = |w: Option<usize>| w.map_or(-1, |w| w as i64);
+    (s(left), s(right))
+}
+
+#[test]
+fn prefill_windows_and_softcap_match_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // (batch, seq_q, seq_k, heads_q, heads_kv, head_dim, (left, right), softcap); every row
+    // sees at least its diagonal key (seq_q <= seq_k, right >= 0).
+    let cases = [
+        // Mistral-like: a causal sliding window much shorter than the sequence.
+        (2, 300, 300, 8, 2, 128, (Some(64), Some(0)), None),
+        // Window + softcap with seq_q < seq_k (the diagonal shifted right), head dim 64.
+        (1, 200, 457, 4, 4, 64, (Some(100), Some(0)), Some(30.0)),
+        // Gemma-2 27B-like: causal softcap 50, MQA, a ragged tile.
+        (2, 257, 257, 8, 1, 128, (None, Some(0)), Some(50.0)),
+        // A local window on both sides (not causal).
+        (1, 190, 190, 4, 2, 64, (Some(20), Some(13)), None),
+        // Left side only (the right unbounded), and a window one key wide.
+        (1, 150, 300, 4, 2, 128, (Some(40), None), None),
+        (1, 129, 129, 4, 2, 128, (Some(0), Some(0)), None),
+        // Softcap without a mask; a small cap so tanh bends the scores.
+        (2, 130, 130, 8, 8, 128, (None, None), Some(2.0)),
+    ];
+    let mut seed = 20_000;
+    for (b, sq, sk, hq, hkv, d, (left, right), softcap) in cases {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 10;
+            let r =
+                |shape, s| -> Result<Tensor> { random(shape, s)?.to_dtype(dtype)?.to_device(&dev) };
+            let q = r((b, sq, hq, d), seed)?;
+            let k = r((b, sk, hkv, d), seed + 1)?;
+            let v = r((b, sk, hkv, d), seed + 2)?;
+            // Scores of unit-variance size, so the softcap matters.
+            let scale = 3.0 / (d as f32).sqrt();
+            let got = match softcap {
+                Some(c) => {
+                    flash_attn_alibi_windowed_softcap(&q, &k, &v, None, scale, left, right, c)?
+                }
+                None => flash_attn_windowed(&q, &k, &v, scale, left, right)?,
+            };
+            assert_eq!(got.dims4()?, (b, sq, hq, d));
+            assert_eq!(got.dtype(), dtype);
+            let want = reference_masked(&q, &k, &v, scale, sides(left, right), softcap)?;
+            let (err, nan) = rel_l2(&got, &want)?;
+            println!(
+                "prefill b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} window=({left:?}, {right:?}) softcap={softcap:?} {dtype:?}: rel L2 {err:.2e}"
+            );
+            assert!(!nan, "non-finite output");
+            assert!(err < 1e-2, "relative L2 error {err}");
+        }
+    }
     Ok(())
 }
 
@@ -261,14 +327,25 @@ fn flash_attn_varlen_reads_strided_inputs_and_windows() -> Result<()> {
     let v = qkv.narrow(1, hq + hkv, hkv)?;
     assert!(!q.is_contiguous());
     let scale = 0.1;
-    // (None, Some(0)) is causal; a left window wider than every sequence masks nothing more.
-    for (left, right, causal) in [
-        (None, Some(0), true),
-        (Some(70), Some(0), true),
-        (None, None, false),
+    // (None, Some(0)) is causal; a left window wider than every sequence masks nothing more;
+    // then sliding windows (the longest sequence is 70), with and without a softcap.
+    for (left, right, softcap) in [
+        (None, Some(0), None),
+        (Some(70), Some(0), None),
+        (None, None, None),
+        (Some(8), Some(0), None),
+        (Some(3), Some(5), None),
+        (Some(16), Some(0), Some(10.0)),
+        (None, None, Some(1.0)),
     ] {
-        let got =
-            flash_attn_varlen_windowed(&q, &k, &v, &seqlens, &seqlens, 70, 70, scale, left, right)?;
+        let got = match softcap {
+            Some(c) => flash_attn_varlen_alibi_windowed_softcap(
+                &q, &k, &v, None, &seqlens, &seqlens, 70, 70, scale, left, right, c,
+            )?,
+            None => flash_attn_varlen_windowed(
+                &q, &k, &v, &seqlens, &seqlens, 70, 70, scale, left, right,
+            )?,
+        };
         let qkv_c = qkv.to_device(&Device::Cpu)?;
         let mut want = Vec::new();
         for b in 0..lens.len() {
@@ -278,12 +355,85 @@ fn flash_attn_varlen_reads_strided_inputs_and_windows() -> Result<()> {
                 t.narrow(2, hq, hkv)?,
                 t.narrow(2, hq + hkv, hkv)?,
             );
-            want.push(reference(&qb, &kb, &vb, scale, causal)?.squeeze(0)?);
+            let o = reference_masked(&qb, &kb, &vb, scale, sides(left, right), softcap)?;
+            want.push(o.squeeze(0)?);
         }
         let want = Tensor::cat(&want, 0)?;
         let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
-        println!("varlen strided window ({left:?}, {right:?}): rel L2 {err:.2e}");
+        println!(
+            "varlen strided window ({left:?}, {right:?}) softcap {softcap:?}: rel L2 {err:.2e}"
+        );
         assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    }
+    Ok(())
+}
+
+#[test]
+fn flash_attn_varlen_windows_and_softcap_match_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // Ragged (seq_q, seq_k), seq_k >= seq_q: lengths 1, primes, one over a 128-row tile.
+    let lens_q = [1usize, 7, 64, 131, 200, 2];
+    let lens_k = [1usize, 11, 97, 131, 333, 263];
+    let (cq, ck) = (cumulative(&lens_q), cumulative(&lens_k));
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    let (max_q, max_k) = (*lens_q.iter().max().unwrap(), *lens_k.iter().max().unwrap());
+    let seqlens_q = Tensor::new(cq.as_slice(), &dev)?;
+    let seqlens_k = Tensor::new(ck.as_slice(), &dev)?;
+    // (hq, hkv, d, (left, right), softcap)
+    let cases = [
+        (8, 2, 128, (Some(50), Some(0)), None),
+        (4, 4, 64, (Some(30), Some(0)), Some(20.0)),
+        (6, 1, 128, (None, Some(0)), Some(50.0)),
+        (4, 2, 64, (Some(17), Some(9)), None),
+        (8, 8, 128, (Some(60), None), Some(5.0)),
+    ];
+    let mut seed = 30_000;
+    for (hq, hkv, d, (left, right), softcap) in cases {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 10;
+            let r = |n, h, s| -> Result<Tensor> {
+                random((1, n, h, d), s)?
+                    .squeeze(0)?
+                    .to_dtype(dtype)?
+                    .to_device(&dev)
+            };
+            let (q, k, v) = (
+                r(tq, hq, seed)?,
+                r(tk, hkv, seed + 1)?,
+                r(tk, hkv, seed + 2)?,
+            );
+            let scale = 2.0 / (d as f32).sqrt();
+            let (sq, sk) = (&seqlens_q, &seqlens_k);
+            let got = match softcap {
+                Some(c) => flash_attn_varlen_alibi_windowed_softcap(
+                    &q, &k, &v, None, sq, sk, max_q, max_k, scale, left, right, c,
+                )?,
+                None => flash_attn_varlen_windowed(
+                    &q, &k, &v, sq, sk, max_q, max_k, scale, left, right,
+                )?,
+            };
+            assert_eq!(got.dims3()?, (tq, hq, d));
+            let (qc, kc, vc) = (
+                q.to_device(&Device::Cpu)?,
+                k.to_device(&Device::Cpu)?,
+                v.to_device(&Device::Cpu)?,
+            );
+            let mut want = Vec::new();
+            for b in 0..lens_q.len() {
+                let qb = rows(&qc, cq[b], lens_q[b])?;
+                let kb = rows(&kc, ck[b], lens_k[b])?;
+                let vb = rows(&vc, ck[b], lens_k[b])?;
+                let o = reference_masked(&qb, &kb, &vb, scale, sides(left, right), softcap)?;
+                want.push(o.squeeze(0)?);
+            }
+            let want = Tensor::cat(&want, 0)?;
+            let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
+            println!(
+                "varlen hq={hq} hkv={hkv} d={d} window=({left:?}, {right:?}) softcap={softcap:?} {dtype:?}: rel L2 {err:.2e}"
+            );
+            assert!(!nan, "non-finite output");
+            assert!(err < 1e-2, "relative L2 error {err}");
+        }
     }
     Ok(())
 }
@@ -422,50 +572,58 @@ fn flash_attn_varlen_paged_matches_candle_reference() -> Result<()> {
 #[test]
 fn decode_shaped_softcap_and_windows_of_dense_calls() -> Result<()> {
     let Some(dev) = cuda() else { return Ok(()) };
-    // seq_k 200 is no multiple of 16: the dense cache is one page per sequence.
-    let (b, sk, hq, hkv, d) = (3, 200, 8, 2, 128);
+    // Decode-shaped (<= 16 rows): the decode plan over the dense cache at both head dims
+    // (seq_k 200 is no multiple of 16: one page per sequence).
+    let (b, sk, hq, hkv) = (3, 200, 8, 2);
     let mut seed = 9000;
-    for sq in [1, 5, 16] {
-        for dtype in [DType::BF16, DType::F16] {
-            seed += 10;
-            let q = random((b, sq, hq, d), seed)?
-                .to_dtype(dtype)?
-                .to_device(&dev)?;
-            let k = random((b, sk, hkv, d), seed + 1)?
-                .to_dtype(dtype)?
-                .to_device(&dev)?;
-            let v = random((b, sk, hkv, d), seed + 2)?
-                .to_dtype(dtype)?
-                .to_device(&dev)?;
-            let scale = 0.09;
-            let got =
-                flash_attn_alibi_windowed_softcap(&q, &k, &v, None, scale, None, Some(0), 20.0)?;
-            let want = reference_masked(&q, &k, &v, scale, (-1, 0), Some(20.0))?;
-            let (err, nan) = rel_l2(&got, &want)?;
-            println!("dense softcap sq={sq} {dtype:?}: rel L2 {err:.2e}");
-            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
-            let got = flash_attn_windowed(&q, &k, &v, scale, Some(50), Some(0))?;
-            let want = reference_masked(&q, &k, &v, scale, (50, 0), None)?;
-            let (err, nan) = rel_l2(&got, &want)?;
-            println!("dense window (50, 0) sq={sq} {dtype:?}: rel L2 {err:.2e}");
-            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    for d in [128, 256] {
+        for sq in [1, 5, 16] {
+            for dtype in [DType::BF16, DType::F16] {
+                seed += 10;
+                let r = |shape, s| -> Result<Tensor> {
+                    random(shape, s)?.to_dtype(dtype)?.to_device(&dev)
+                };
+                let q = r((b, sq, hq, d), seed)?;
+                let k = r((b, sk, hkv, d), seed + 1)?;
+                let v = r((b, sk, hkv, d), seed + 2)?;
+                let scale = 0.09;
+                let got = flash_attn_alibi_windowed_softcap(
+                    &q,
+                    &k,
+                    &v,
+                    None,
+                    scale,
+                    None,
+                    Some(0),
+                    20.0,
+                )?;
+                let want = reference_masked(&q, &k, &v, scale, (-1, 0), Some(20.0))?;
+                let (err, nan) = rel_l2(&got, &want)?;
+                println!("dense softcap d={d} sq={sq} {dtype:?}: rel L2 {err:.2e}");
+                assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+                let got = flash_attn_windowed(&q, &k, &v, scale, Some(50), Some(0))?;
+                let want = reference_masked(&q, &k, &v, scale, (50, 0), None)?;
+                let (err, nan) = rel_l2(&got, &want)?;
+                println!("dense window (50, 0) d={d} sq={sq} {dtype:?}: rel L2 {err:.2e}");
+                assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+            }
         }
     }
-    // Prefill-sized softcap stays an error naming the feature.
-    let q = random((1, 64, hq, d), 1)?
+    // Prefill-sized softcap at head dim 256 has no kernel: an error naming the limits.
+    let q = random((1, 64, hq, 256), 1)?
         .to_dtype(DType::BF16)?
         .to_device(&dev)?;
-    let e = flash_attn_alibi_windowed_softcap(
-        &q,
-        &q.i((.., .., 0..hkv, ..))?,
-        &q.i((.., .., 0..hkv, ..))?,
-        None,
-        0.1,
-        None,
-        None,
-        30.0,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("softcapping"), "{e}");
+    let kv = q.i((.., .., 0..hkv, ..))?;
+    let e = flash_attn_alibi_windowed_softcap(&q, &kv, &kv, None, 0.1, Some(32), Some(0), 30.0)
+        .unwrap_err()
+        .to_string();
+    for part in [
+        "softcapping",
+        "sliding-window",
+        "head dim 256",
+        "head dims [64, 128]",
+    ] {
+        assert!(e.contains(part), "{part:?} missing from: {e}");
+    }
     Ok(())
 }
