@@ -203,10 +203,10 @@ impl Implementation for GpuAttention {
     }
 }
 
-/// A flash kernel (v1 or sm_90a) with its buffers.
-struct V1Prepared {
-    runner: AttentionRunner,
-    session: Rc<GpuSession>,
+/// A flash kernel (v1 or sm_90a) with its buffers (also the varlen suite's dense row).
+pub(crate) struct V1Prepared {
+    pub(crate) runner: AttentionRunner,
+    pub(crate) session: Rc<GpuSession>,
 }
 
 impl Sampled for V1Prepared {

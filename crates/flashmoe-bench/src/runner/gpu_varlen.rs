@@ -10,7 +10,7 @@
 //!   dense `(B, S, H, D)` batch: the "dense on the same tokens" row of issue 22's target
 //!   (its LSE `(B, Hq, S)` is rearranged to the packed `(Hq, B · S)` for the gate).
 
-use super::gpu::GpuSession;
+use super::gpu::{GpuSession, V1Prepared};
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
@@ -221,40 +221,39 @@ impl Implementation for GpuVarlenDense {
             AttentionRunner::with_variant(dev, &d, &x.q, &x.k, &x.v, config::select_sm90(&d)?)
                 .context("preparing the dense sm_90a kernel")?;
         Ok(Box::new(DensePrepared {
-            runner,
+            dense: V1Prepared {
+                runner,
+                session: self.session.clone(),
+            },
             problem: d,
-            session: self.session.clone(),
         }))
     }
 }
 
+/// The dense kernel's run ([`V1Prepared`]) with its LSE in the packed varlen layout.
 struct DensePrepared {
-    runner: AttentionRunner,
+    dense: V1Prepared,
     problem: flashmoe::AttentionProblem,
-    session: Rc<GpuSession>,
 }
 
 impl Sampled for DensePrepared {
     fn sample(&mut self) -> anyhow::Result<f64> {
-        let dev = &self.session.device;
-        let runner = &mut self.runner;
-        self.session.timed(|| runner.run(dev))
+        self.dense.sample()
     }
 }
 
 impl Prepared for DensePrepared {
     fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let dev = &self.session.device;
-        self.runner.poison_outputs(dev)?;
-        self.runner.run(dev)?;
-        dev.synchronize()?;
-        Ok(Outputs::Attention {
-            o: self.runner.output(dev)?,
-            lse: dense_lse_to_packed(&self.problem, &self.runner.lse(dev)?),
-        })
+        match self.dense.run_for_check()? {
+            Outputs::Attention { o, lse } => Ok(Outputs::Attention {
+                o,
+                lse: dense_lse_to_packed(&self.problem, &lse),
+            }),
+            other => Ok(other),
+        }
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
-        Some(0)
+        self.dense.peak_extra_bytes()
     }
     fn notes(&self) -> Vec<String> {
         let p = &self.problem;
