@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (see docs/gpu.md): runs the named stages in order, each
-# with its own time limit, appending to $OUT/run.log.xz and copying result JSON to $OUT.
+# with its own time limit, appending to $OUT/run.log and copying result JSON to $OUT.
 # Builds nothing: carry target/release/flashmoe (and target/release/flashmoe-gpu-tests).
 #   scripts/device-run.sh probe unit check-quick bench-quick
 set -uo pipefail
@@ -10,7 +10,7 @@ BIN=${FLASHMOE_BIN:-./target/release/flashmoe}
 NCU="/usr/local/cuda/bin/ncu --clock-control none"
 # Sections read by the ncu stages: throughput vs peak, pipes, memory, issue and stalls.
 NCU_SECTIONS="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy"
-LOG="$OUT/run.log.xz"
+LOG="$OUT/run.log"
 export PYTHONUNBUFFERED=1
 export FLASHMOE_CACHE_DIR=${FLASHMOE_CACHE_DIR:-/tmp/flashmoe-cache}
 
