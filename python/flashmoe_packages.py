@@ -181,8 +181,8 @@ def _timed_first_call(call):
 
 def build_attention(name, p, a, sync, lse_check):
     """Set p.fn / p.check / p.outputs for the package baseline `name` on problem `a`."""
-    if (a.windowed() or a.softcap > 0) and name in ("xformers", "flashinfer-prefill"):
-        raise Unavailable(f"{name}: sliding window / softcap not wired into this baseline")
+    if (a.windowed() or a.softcap > 0) and name == "xformers":
+        raise Unavailable("xformers: sliding window / softcap not wired into this baseline")
     if name == "fa4":
         _fa4(p, a, sync, lse_check)
     elif name == "fa3":
@@ -190,7 +190,7 @@ def build_attention(name, p, a, sync, lse_check):
     elif name == "xformers":
         _xformers(p, a)
     elif name == "flashinfer-prefill":
-        _flashinfer_prefill(p, a, lse_check)
+        _flashinfer_prefill(p, a, sync, lse_check)
     else:
         raise Unavailable(f"unknown package baseline '{name}'")
     _note_version(p, name)
@@ -268,27 +268,67 @@ def _xformers(p, a):
 
     p.fn, p.outputs = fn, ["o"]
     p.check = lambda: {"o": fn()}
-    p.notes.append("xformers.ops.memory_efficient_attention (its dispatcher picks the operator); "
-                   "LSE not reported (O checked only)")
+    try:  # which operator the dispatcher picks for these inputs (a private helper: best effort)
+        fmha = xops.fmha
+        op = fmha._dispatch_fw(fmha.Inputs(query=q, key=k, value=v, attn_bias=bias, scale=a.scale), False)
+        picked = f"dispatched to {op.NAME}"
+    except Exception as e:  # noqa: BLE001
+        picked = f"operator unknown ({_first_line(e)})"
+    p.notes.append(f"xformers.ops.memory_efficient_attention, {picked}; LSE not reported (O checked only)")
 
 
-def _flashinfer_prefill(p, a, lse_check):
-    flashinfer = _import("flashinfer-prefill")
+def _flashinfer_mask(a):
+    """FlashInfer's plan arguments for a's mask. Its window has a left edge only
+    (`window_left`, bottom-right aligned like flashmoe's); the right side is the causal
+    diagonal or unbounded. Its softcap is cap·tanh(s·scale/cap), as flashmoe's."""
+    left, right = a.window
+    if right > 0:
+        raise Unavailable("flashinfer: a window whose right edge is past the diagonal has no "
+                          "FlashInfer equivalent (window_left only)")
+    kw = {"causal": a.causal or right == 0, "window_left": left}
+    if a.softcap > 0:
+        kw["logits_soft_cap"] = a.softcap
+    return kw
+
+
+def _flashinfer_ragged(p, a, qo_indptr, kv_indptr, q, k, v, sync):
+    """A planned BatchPrefillWithRaggedKVCacheWrapper over packed (tokens, H, D) q/k/v;
+    the first call (JIT compile of the module on a new machine) runs here, untimed.
+    Returns the call giving (o, lse)."""
+    flashinfer = _import(p.impl)
+    torch = a.torch
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    try:
+        w.plan(qo_indptr, kv_indptr, a.hq, a.hkv, a.d, sm_scale=a.scale, q_data_type=q.dtype,
+               kv_data_type=k.dtype, **_flashinfer_mask(a))
+
+        def fn():
+            return w.run(q, k, v, return_lse=True)
+
+        p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
+    except Unavailable:
+        raise
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"flashinfer rejected the config: {_first_line(e)}") from e
+    first = (f"JIT compile {p.compile_ms / 1e3:.1f} s" if p.compile_ms >= 100
+             else "module already compiled")
+    p.notes.append(f"FlashInfer BatchPrefillWithRaggedKVCacheWrapper (planned once, outside the timing; "
+                   f"first call: {first}, not timed)")
+    return fn
+
+
+def _flashinfer_prefill(p, a, sync, lse_check):
     torch = a.torch
     dev = a.q.device
     qo = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * a.sq
     kv = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * a.sk
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-    # FlashInfer's causal mask is bottom-right aligned (query i sees keys j <= i + Sk - Sq).
-    w.plan(qo, kv, a.hq, a.hkv, a.d, causal=a.causal, sm_scale=a.scale, q_data_type=a.q.dtype,
-           kv_data_type=a.k.dtype)
     q = a.q.reshape(a.b * a.sq, a.hq, a.d)
     k = a.k.reshape(a.b * a.sk, a.hkv, a.d)
     v = a.v.reshape(a.b * a.sk, a.hkv, a.d)
-
-    def fn():
-        return w.run(q, k, v, return_lse=True)
+    fn = _flashinfer_ragged(p, a, qo, kv, q, k, v, sync)
 
     def check():
         o, lse = fn()
@@ -301,7 +341,6 @@ def _flashinfer_prefill(p, a, lse_check):
         return out
 
     p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
-    p.notes.append("FlashInfer BatchPrefillWithRaggedKVCacheWrapper (planned once, outside the timing)")
 
 
 # ------------------------------------------------------------------------- varlen
@@ -369,14 +408,12 @@ def checked_varlen_lse(a, p, lse, lse_check, base2_ok=False):
 def build_varlen(name, p, a, sync, lse_check):
     """Set p.fn / p.check / p.outputs for the varlen package baseline `name` on problem `a`
     (a :class:`Varlen`); `lse_check(lse)` spot-checks an (Hq, total_q) LSE."""
-    if (a.windowed() or a.softcap > 0) and name == "flashinfer-varlen":
-        raise Unavailable(f"{name}: sliding window / softcap not wired into this baseline")
     if name == "fa4-varlen":
         _fa4_varlen(p, a, sync, lse_check)
     elif name == "fa3-varlen":
         _fa3_varlen(p, a, lse_check)
     elif name == "flashinfer-varlen":
-        _flashinfer_varlen(p, a, lse_check)
+        _flashinfer_varlen(p, a, sync, lse_check)
     else:
         raise Unavailable(f"unknown varlen package baseline '{name}'")
     _note_version(p, name)
@@ -450,17 +487,9 @@ def _fa3_varlen(p, a, lse_check):
     p.notes.append("flash_attn_interface.flash_attn_varlen_func (FA3), packed inputs, GQA native")
 
 
-def _flashinfer_varlen(p, a, lse_check):
-    flashinfer = _import("flashinfer-varlen")
-    torch = a.torch
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=a.q.device)
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+def _flashinfer_varlen(p, a, sync, lse_check):
     # FlashInfer's causal mask is bottom-right aligned per sequence, as flashmoe's.
-    w.plan(a.cu_q, a.cu_k, a.hq, a.hkv, a.d, causal=a.causal, sm_scale=a.scale, q_data_type=a.q.dtype,
-           kv_data_type=a.k.dtype)
-
-    def fn():
-        return w.run(a.q, a.k, a.v, return_lse=True)
+    fn = _flashinfer_ragged(p, a, a.cu_q, a.cu_k, a.q, a.k, a.v, sync)
 
     def check():
         o, lse = fn()
@@ -472,8 +501,6 @@ def _flashinfer_varlen(p, a, lse_check):
         return out
 
     p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
-    p.notes.append("FlashInfer BatchPrefillWithRaggedKVCacheWrapper on the offsets (planned once, outside "
-                   "the timing)")
 
 # ---------------------------------------------------------------------------- MoE
 

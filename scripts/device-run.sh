@@ -28,13 +28,31 @@ stage() {  # name, timeout seconds, command...
 # seed003 135 s; deepseek-v3 2 of 4 configs in ~125 s (45 GB of f32 inputs generated and
 # uploaded twice per config). mixtral and qwen3-30b (small weights) are estimates.
 moe_limit() {
-  case $1 in seed003) echo 170 ;; mixtral|qwen3-30b) echo 70 ;; deepseek-v3) echo 270 ;; *) echo 240 ;; esac
+  case $1 in seed003) echo 300 ;; mixtral|qwen3-30b) echo 70 ;; deepseek-v3) echo 270 ;; *) echo 240 ;; esac
 }
 
 moe_preset() {  # preset name
   stage "moe-$1" "$(moe_limit "$1")" $BIN bench moe --preset "$1" --out "/tmp/moe-$1"
   cp "/tmp/moe-$1/results.json" "$OUT/moe-$1.json" 2>/dev/null
+  cp "/tmp/moe-$1/results.md" "$OUT/moe-$1.md" 2>/dev/null
+  cp "/tmp/moe-$1/report.html" "$OUT/moe-$1.html" 2>/dev/null
 }
+
+# The third-party baselines unpacked by an earlier `baselines` stage (this call or one
+# before it on the same warm machine). PYTHONPATH skips .pth files, so the dsl_packages
+# folder that nvidia_cutlass_dsl's .pth adds goes on it too. FA4 and FlashInfer keep their
+# compiled kernels on disk, so later processes reuse them; FlashInfer compiles with the
+# toolkit's nvcc.
+BASELINES_SITE=/root/baselines-site
+use_baselines_site() {
+  [ -d "$BASELINES_SITE/flashinfer" ] || [ -d "$BASELINES_SITE/flash_attn" ] || return 0
+  case ":${PYTHONPATH:-}:" in *":$BASELINES_SITE:"*) return 0 ;; esac
+  export PYTHONPATH=$BASELINES_SITE:$BASELINES_SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  export FLASHINFER_WORKSPACE_BASE=/root
+}
+use_baselines_site
 
 SUMMARY=""
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
@@ -108,7 +126,7 @@ for s in "$@"; do
     # The attention plans' GPU tests (dense, varlen, decode; windows and softcap included).
     unit-attn)    stage unit-attn 300 ./target/release/flashmoe-gpu-tests attention:: --test-threads=1 --nocapture ;;
     # Sliding windows and softcap beside plain attention of the same visible length (issue 22).
-    bench-window) stage bench-window 400 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window
+    bench-window) stage bench-window 420 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window
                   for f in results.json results.md report.html; do cp /tmp/bench-window/$f "$OUT/window-$f" 2>/dev/null; done ;;
     # This build's sm_90a kernel against target/release/flashmoe-base's, interleaved in one run
     # (bench --against), on the window / softcap shapes of configs/attention-window-ab.toml.
@@ -118,7 +136,7 @@ for s in "$@"; do
     # The varlen suite (issue 22): its check matrix against the per-sequence references, and
     # the varlen preset with the PyTorch baselines (torch varlen_attn, SDPA cuDNN per sequence).
     check-varlen) stage check-varlen 200 $BIN check --suite varlen ;;
-    bench-varlen) stage bench-varlen 300 $BIN bench varlen --preset varlen --max-time 0.5 --out /tmp/bench-varlen
+    bench-varlen) stage bench-varlen 360 $BIN bench varlen --preset varlen --max-time 0.5 --out /tmp/bench-varlen
                   for f in results.json results.md report.html; do cp /tmp/bench-varlen/$f "$OUT/varlen-$f" 2>/dev/null; done ;;
     # compute-sanitizer memcheck + racecheck of the windowed and softcapped sm_90a variants
     # through their GPU unit tests (small shapes, dense and varlen).
@@ -143,8 +161,8 @@ for s in "$@"; do
     # with the SDPA baselines and the paged preset (page 16 / 128 / Sk) without them.
     unit-decode)  stage unit-decode 200 ./target/release/flashmoe-gpu-tests decode_gpu_tests --test-threads=1 --nocapture ;;
     check-decode) stage check-decode 240 $BIN check --suite decode ;;
-    bench-decode) stage bench-decode 240 $BIN bench decode --preset decode --max-time 0.5 --out /tmp/bench-decode
-                  for f in results.json results.md; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
+    bench-decode) stage bench-decode 300 $BIN bench decode --preset decode --max-time 0.5 --out /tmp/bench-decode
+                  for f in results.json results.md report.html; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
     bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
                   for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
     # Whether the lab's memset flush sets a floor under B=1 decode (perf-notes §8).
@@ -253,30 +271,33 @@ for s in "$@"; do
                       $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
-    # travels in parts of ≤ 33 MiB: `baselines-part` (one call) keeps the carried
-    # .baselines/part-* in /root/fa4-parts; `baselines` (the next call, inside the warm
-    # window) adds this call's parts, checks the sha256, unpacks to /root/fa4-site and
-    # exports PYTHONPATH for the later stages of the same call.
-    baselines-part) mkdir -p /root/fa4-parts && cp .baselines/part-* /root/fa4-parts/ && ls -l /root/fa4-parts | tee -a "$LOG" ;;
-    baselines)    mkdir -p /root/fa4-parts /root/fa4-site
-                  cp .baselines/part-* /root/fa4-parts/ 2>/dev/null
-                  cat /root/fa4-parts/part-* >/root/fa4-site.tar.xz
-                  want=$(cut -d' ' -f1 .baselines/fa4-site.sha256 2>/dev/null)
-                  got=$(sha256sum /root/fa4-site.tar.xz | cut -d' ' -f1)
+    # travels in parts of ≤ 33 MiB: `baselines-part` (one call per part but the last) keeps
+    # the carried .baselines/part-* in /root/baselines-parts; `baselines` (the call with the
+    # last part, each inside the warm window of the one before) adds this call's part,
+    # checks the sha256, unpacks to /root/baselines-site and imports the packages. Every
+    # later stage and call puts that site on PYTHONPATH (see the top of this script).
+    baselines-part) mkdir -p /root/baselines-parts && cp .baselines/part-* /root/baselines-parts/ && ls -l /root/baselines-parts | tee -a "$LOG" ;;
+    baselines)    mkdir -p /root/baselines-parts "$BASELINES_SITE"
+                  cp .baselines/part-* /root/baselines-parts/ 2>/dev/null
+                  cat /root/baselines-parts/part-* >/root/baselines-site.tar.xz
+                  want=$(cut -d' ' -f1 .baselines/baselines-site.sha256 2>/dev/null)
+                  got=$(sha256sum /root/baselines-site.tar.xz | cut -d' ' -f1)
                   echo "baselines archive sha256 $got (expected ${want:-unknown})" | tee -a "$LOG"
                   [ -n "$want" ] && [ "$want" != "$got" ] && echo "baselines: archive sha256 MISMATCH (a part is missing?)" | tee -a "$LOG"
-                  stage baselines-unpack 120 tar -xJf /root/fa4-site.tar.xz -C /root/fa4-site
-                  export PYTHONPATH=/root/fa4-site:/root/fa4-site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
-                  # FA4 keeps its compiled kernels on disk, so later processes (profile) reuse them.
-                  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-                  stage baselines-import 120 python3 -c "import flash_attn.cute, quack.gemm_interface, sys; sys.path.insert(0, 'python'); import flashmoe_packages as p; print(p.availability())" ;;
-    # The sweep with FA4 beside cuDNN and FA2 (issue 24); needs the baselines stage first.
-    sweep-fa4)    stage sweep-fa4 ${SWEEP_LIMIT:-330} $BIN bench attention --preset sweep --impl flashmoe-sm90,fa4,sdpa-cudnn,sdpa-flash --max-time ${SWEEP_MAX_TIME:-0.5} --out /tmp/sweep-fa4
-                  for f in results.json results.md report.html; do cp /tmp/sweep-fa4/$f "$OUT/sweep-fa4-$f" 2>/dev/null; done ;;
+                  stage baselines-unpack 180 tar -xJf /root/baselines-site.tar.xz -C "$BASELINES_SITE"
+                  use_baselines_site
+                  stage baselines-import 180 python3 -c "import flash_attn.cute, quack.gemm_interface, sys; sys.path.insert(0, 'python'); import flashmoe_packages as p; print(p.availability())" ;;
+    # The sweep with the package baselines (FA4, FlashInfer, xFormers; after `baselines`)
+    # beside cuDNN and FA2 (issue 24). FA4 alone took 177 s at --max-time 0.5 (2026-11-25).
+    sweep-baselines)
+                  stage sweep-baselines ${SWEEP_LIMIT:-480} $BIN bench attention --preset sweep \
+                    --impl ${SWEEP_IMPLS:-flashmoe-sm90,fa4,flashinfer-prefill,xformers,sdpa-cudnn,sdpa-flash} \
+                    --max-time ${SWEEP_MAX_TIME:-0.4} --out /tmp/sweep-baselines
+                  for f in results.json results.md report.html; do cp /tmp/sweep-baselines/$f "$OUT/sweep-$f" 2>/dev/null; done ;;
     # ncu profiles of the sweep's key configs (D=128 S=4096 causal and not, D=64 S=8192):
     # about 20 s per (config, implementation) on the H100 (run of 2026-11-25).
-    profile-key)  stage profile-key ${PROFILE_LIMIT:-300} $BIN profile attention --preset sweep --select sq4096_sk4096_d128,sq8192_sk8192_d64_full \
-                    --impl ${PROFILE_IMPLS:-flashmoe-sm90,fa4,sdpa-cudnn} --out /tmp/profile-key
+    profile-key)  stage profile-key ${PROFILE_LIMIT:-540} $BIN profile attention --preset sweep --select sq4096_sk4096_d128,sq8192_sk8192_d64_full \
+                    --impl ${PROFILE_IMPLS:-flashmoe-sm90,fa4,sdpa-cudnn,sdpa-flash,flashinfer-prefill} --out /tmp/profile-key
                   tar -C /tmp -czf "$OUT/profile-key.tgz" profile-key 2>/dev/null ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Build the archive that brings FlashAttention-4 (flash_attn.cute) and QuACK, with their
-# CuTe-DSL libraries, to a GPU machine that has no package registry (docs/baselines.md).
+# Build the archive that brings the third-party baselines (FlashAttention-4 / flash_attn.cute,
+# QuACK, FlashInfer, xFormers) and their libraries to a GPU machine that has no package
+# registry (docs/baselines.md).
 # Run it where PyPI is reachable; the GPU machine needs only python3 with torch.
 #
 #   scripts/stage-baselines.sh [PART_MB]
 #
 # Output in .baselines/ (gitignored): wheels/, site/ (the unpacked packages),
-# fa4-site.tar.xz, and part-00, part-01, ... of at most PART_MB MiB each (default 33: what
-# fits beside the ~31 MB working tree in one 64 MiB transfer). Unpack on the GPU machine
-# with `scripts/device-run.sh baselines` (it also sets PYTHONPATH).
+# baselines-site.tar.xz, and part-00, part-01, ... of at most PART_MB MiB each (default 33:
+# what fits beside the ~18 MB working tree and the carried binaries in one 64 MiB
+# transfer). Unpack on the GPU machine with `scripts/device-run.sh baselines`; later calls
+# of device-run.sh put the unpacked site on PYTHONPATH by themselves.
 set -euo pipefail
 PART_MB=${1:-33}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,8 +21,17 @@ PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platfo
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any)
 # Pinned: flash-attn-4 is published as pre-releases only; cutlass-dsl's CUDA-13 libraries
 # match the machine's torch (cu130). torch, numpy, typing_extensions, einops, protobuf and
-# cuda-bindings are already on the machine and left out.
+# cuda-bindings are already on the machine and left out. flashinfer-python is pure Python
+# (its kernels are JIT-compiled with the machine's nvcc and ninja on first use); its
+# cuda-tile, nccl4py, nccl-extensions and cudnn-frontend needs come along. xformers 0.0.35
+# is built on torch's stable ABI (>= 2.10).
 WHEELS=(
+  flashinfer-python==0.7.2.post1
+  cuda-tile==1.7.0
+  nccl4py==0.6.0
+  nccl-extensions==0.1.0
+  nvidia-cudnn-frontend==1.32.0
+  xformers==0.0.35
   flash-attn-4==4.0.0b36
   quack-kernels==0.6.5
   nvidia-cutlass-dsl==4.8.1
@@ -43,8 +54,8 @@ for w in "$DIR"/wheels/*.whl; do
 done
 grep -q dsl_packages "$DIR"/site/nvidia_cutlass_dsl*.pth
 
-rm -f "$DIR"/fa4-site.tar.xz "$DIR"/part-*
-tar -C "$DIR/site" -cf - . | xz -9e -T"${XZ_THREADS:-1}" >"$DIR/fa4-site.tar.xz"
-split -b "${PART_MB}M" -d "$DIR/fa4-site.tar.xz" "$DIR/part-"
-ls -l "$DIR"/fa4-site.tar.xz "$DIR"/part-*
-sha256sum "$DIR"/fa4-site.tar.xz | tee "$DIR/fa4-site.sha256"
+rm -f "$DIR"/fa4-site.* "$DIR"/baselines-site.tar.xz "$DIR"/part-*
+tar -C "$DIR/site" -cf - . | xz -9e -T"${XZ_THREADS:-1}" >"$DIR/baselines-site.tar.xz"
+split -b "${PART_MB}M" -d "$DIR/baselines-site.tar.xz" "$DIR/part-"
+ls -l "$DIR"/baselines-site.tar.xz "$DIR"/part-*
+sha256sum "$DIR"/baselines-site.tar.xz | tee "$DIR/baselines-site.sha256"
