@@ -95,6 +95,51 @@ fn python_selftest_passes() {
     assert!(out.contains("selftest passed"), "{out}");
 }
 
+/// The package baselines' mask arguments (pure Python, no torch): FlashAttention's
+/// `window_size` and FlashInfer's `window_left` / `logits_soft_cap` for flashmoe's windows
+/// (bottom-right aligned, causal folded in as a right edge of 0).
+#[test]
+fn package_baselines_map_windows_and_softcap() {
+    let script = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+import flashmoe_packages as pk
+
+def attn(causal, window, softcap=0.0):
+    return pk.Attn(None, None, None, None, 1, 8, 2, 64, 64, 64, causal, 0.125, window, softcap)
+
+# FlashInfer: plain, causal, causal window, non-causal left-only window, softcap.
+assert pk._flashinfer_mask(attn(False, (-1, -1))) == {"causal": False, "window_left": -1}
+assert pk._flashinfer_mask(attn(True, (-1, 0))) == {"causal": True, "window_left": -1}
+assert pk._flashinfer_mask(attn(True, (31, 0))) == {"causal": True, "window_left": 31}
+assert pk._flashinfer_mask(attn(False, (31, -1))) == {"causal": False, "window_left": 31}
+assert pk._flashinfer_mask(attn(True, (-1, 0), 30.0))["logits_soft_cap"] == 30.0
+try:
+    pk._flashinfer_mask(attn(False, (31, 5)))
+    raise SystemExit("a right edge past the diagonal must be n/a")
+except pk.Unavailable as e:
+    assert "window_left only" in str(e), e
+# FlashAttention: FA4 writes an unbounded side as None, FA2/FA3 as -1.
+assert attn(True, (-1, 0)).fa_window_kwargs(True) == {"causal": True}
+assert attn(True, (31, 0)).fa_window_kwargs(True) == {"causal": False, "window_size": (31, 0)}
+assert attn(False, (31, -1)).fa_window_kwargs(False) == {"causal": False, "window_size": (31, -1)}
+assert attn(False, (31, -1)).fa_window_kwargs(True) == {"causal": False, "window_size": (31, None)}
+assert attn(False, (-1, -1), 50.0).fa_window_kwargs(True) == {"causal": False, "softcap": 50.0}
+print("mask mappings ok")
+"#;
+    let out = Command::new(python())
+        .args(["-c", script])
+        .arg(pydir())
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("mask mappings ok"),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn generator_matches_python_bit_for_bit() {
     let Some(py) = python_with_numpy() else {
