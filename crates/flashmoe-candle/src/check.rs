@@ -450,6 +450,54 @@ fn check_packed_q(q: &Layout) -> Result<(usize, usize, usize)> {
     q.shape().dims3()
 }
 
+/// k and v of a packed call: `rank` dims (`caller` and `dims` name them in the error), a
+/// contiguous last dim, one shape for both, and q's head size as the last dim.
+fn check_packed_kv(
+    (q, k, v): (&Layout, &Layout, &Layout),
+    head_dim: usize,
+    (caller, rank, dims): (&str, usize, &str),
+) -> Result<()> {
+    for (name, l) in [("k", k), ("v", v)] {
+        if l.dims().len() != rank {
+            bail!(
+                "{caller} expects {name} of rank {rank} {dims}, got {:?}",
+                l.dims()
+            )
+        }
+        if l.stride()[rank - 1] != 1 {
+            bail!(
+                "flash-attn: the last dim of {name} must be contiguous (strides {:?})",
+                l.stride()
+            )
+        }
+    }
+    if v.shape() != k.shape() {
+        bail!(
+            "flash-attn: shape mismatch k {:?} and v {:?}",
+            k.shape(),
+            v.shape()
+        )
+    }
+    if k.dims()[rank - 1] != head_dim {
+        bail!(
+            "flash-attn: shape mismatch q {:?} and k {:?}",
+            q.shape(),
+            k.shape()
+        )
+    }
+    Ok(())
+}
+
+/// `seqlens_q` and `seqlens_k`: each valid, the same length (batch + 1), returned.
+fn check_seqlens_pair(q: (DType, &Layout), k: (DType, &Layout)) -> Result<usize> {
+    let nq = check_seqlens("seqlens_q", q.0, q.1)?;
+    let nk = check_seqlens("seqlens_k", k.0, k.1)?;
+    if nq != nk {
+        bail!("flash-attn: seqlens_q and seqlens_k should have the same number of elements {nq} <> {nk}")
+    }
+    Ok(nq)
+}
+
 fn check_heads(head_dim: usize, heads_q: usize, heads_kv: usize) -> Result<()> {
     if head_dim == 0 || heads_q == 0 || heads_kv == 0 {
         bail!("flash-attn: empty input (head_dim {head_dim}, heads {heads_q}/{heads_kv})")
@@ -494,39 +542,15 @@ pub fn check_varlen(
     softcap: Option<f32>,
 ) -> Result<VarlenCall> {
     let (total_q, heads_q, head_dim) = check_packed_q(q)?;
-    for (name, l) in [("k", k), ("v", v)] {
-        if l.dims().len() != 3 {
-            bail!("flash-attn-varlen expects {name} of rank 3 (total_k, heads_kv, head_size), got {:?}", l.dims())
-        }
-        if l.stride()[2] != 1 {
-            bail!(
-                "flash-attn: the last dim of {name} must be contiguous (strides {:?})",
-                l.stride()
-            )
-        }
-    }
-    let (total_k, heads_kv, kd) = k.shape().dims3()?;
-    if kd != head_dim {
-        bail!(
-            "flash-attn: shape mismatch q {:?} and k {:?}",
-            q.shape(),
-            k.shape()
-        )
-    }
-    if v.shape() != k.shape() {
-        bail!(
-            "flash-attn: shape mismatch k {:?} and v {:?}",
-            k.shape(),
-            v.shape()
-        )
-    }
+    check_packed_kv(
+        (q, k, v),
+        head_dim,
+        ("flash-attn-varlen", 3, "(total_k, heads_kv, head_size)"),
+    )?;
+    let (total_k, heads_kv, _) = k.shape().dims3()?;
     check_heads(head_dim, heads_q, heads_kv)?;
     let elem = check_dtypes(dtypes.0, dtypes.1, dtypes.2)?;
-    let nq = check_seqlens("seqlens_q", seqlens.0 .0, seqlens.0 .1)?;
-    let nk = check_seqlens("seqlens_k", seqlens.1 .0, seqlens.1 .1)?;
-    if nq != nk {
-        bail!("flash-attn: seqlens_q and seqlens_k should have the same number of elements {nq} <> {nk}")
-    }
+    let nq = check_seqlens_pair(seqlens.0, seqlens.1)?;
     if total_q == 0 || total_k == 0 {
         bail!(
             "flash-attn: empty input (q {:?}, k {:?})",
@@ -614,32 +638,16 @@ pub fn check_paged(
     softcap: Option<f32>,
 ) -> Result<PagedCall> {
     let (total_q, heads_q, head_dim) = check_packed_q(q)?;
-    for (name, l) in [("k", k), ("v", v)] {
-        if l.dims().len() != 4 {
-            bail!("flash-attn-varlen paged expects {name} of rank 4 (num_blocks, page_block_size, heads_kv, head_size), got {:?}", l.dims())
-        }
-        if l.stride()[3] != 1 {
-            bail!(
-                "flash-attn: the last dim of {name} must be contiguous (strides {:?})",
-                l.stride()
-            )
-        }
-    }
-    let (num_blocks, page, heads_kv, kd) = k.shape().dims4()?;
-    if v.shape() != k.shape() {
-        bail!(
-            "flash-attn: shape mismatch k {:?} and v {:?}",
-            k.shape(),
-            v.shape()
-        )
-    }
-    if kd != head_dim {
-        bail!(
-            "flash-attn: shape mismatch q {:?} and k {:?}",
-            q.shape(),
-            k.shape()
-        )
-    }
+    check_packed_kv(
+        (q, k, v),
+        head_dim,
+        (
+            "flash-attn-varlen paged",
+            4,
+            "(num_blocks, page_block_size, heads_kv, head_size)",
+        ),
+    )?;
+    let (num_blocks, page, heads_kv, _) = k.shape().dims4()?;
     if page_block_size != page {
         bail!(
             "flash-attn: page_block_size {page_block_size} does not match k shape {:?}",
@@ -655,11 +663,7 @@ pub fn check_paged(
     }
     check_heads(head_dim, heads_q, heads_kv)?;
     let elem = check_dtypes(dtypes.0, dtypes.1, dtypes.2)?;
-    let nq = check_seqlens("seqlens_q", idx.seqlens_q.0, idx.seqlens_q.1)?;
-    let nk = check_seqlens("seqlens_k", idx.seqlens_k.0, idx.seqlens_k.1)?;
-    if nq != nk {
-        bail!("flash-attn: seqlens_q and seqlens_k should have the same number of elements {nq} <> {nk}")
-    }
+    let nq = check_seqlens_pair(idx.seqlens_q, idx.seqlens_k)?;
     let (bt_dtype, bt) = idx.block_table;
     if !matches!(bt_dtype, DType::U32 | DType::I32) {
         bail!("flash-attn: block_table must be u32 or i32, got {bt_dtype:?}")
