@@ -92,3 +92,86 @@ def test_window_size_must_be_a_pair_of_ints(window_size):
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="window_size must be a \\(left, right\\) pair of ints"):
         flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 8, 8, window_size=window_size)
+
+
+# --------------------------------------------------------------------------- no silent detach
+# The ops have no backward yet: with grad mode on, an input that requires grad must raise rather
+# than give outputs without a grad_fn (everything upstream would stop training unnoticed). The
+# check runs before the device check, so CPU tensors show it without a GPU.
+
+NO_BACKWARD = "has no backward pass yet, but {} requires grad"
+
+
+def attention_calls():
+    q, k = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16), torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    cache = torch.randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    bt, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    return {
+        "attention": (lambda q, k, v: flashmoe.attention(q, k, v, causal=True), (q, k, k.clone())),
+        "attention_varlen": (lambda q, k, v: flashmoe.attention_varlen(q, k, v, cu, cu, 8, 8), (q[0], k[0], k[0])),
+        "attention_with_kvcache": (
+            lambda q, kc, vc: flashmoe.attention_with_kvcache(q, kc, vc, block_table=bt, cache_seqlens=lens),
+            (q[:, :1], cache, cache.clone())),
+    }
+
+
+@pytest.mark.parametrize("fn", ["attention", "attention_varlen", "attention_with_kvcache"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_attention_refuses_inputs_that_require_grad(fn, which):
+    call, tensors = attention_calls()[fn]
+    tensors = [t.clone().requires_grad_(i == which) for i, t in enumerate(tensors)]
+    name = {"attention_with_kvcache": ("q", "k_cache", "v_cache")}.get(fn, ("q", "k", "v"))[which]
+    with pytest.raises(RuntimeError, match=NO_BACKWARD.format(name)):
+        call(*tensors)
+    # inference (grad mode off) is unaffected: the call gets as far as the device check
+    with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        call(*tensors)
+
+
+def test_kvcache_refuses_appended_rows_that_require_grad():
+    q, cache = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16), torch.randn(2, 16, 2, 64, dtype=torch.bfloat16)
+    new = torch.randn(1, 1, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    bt, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=NO_BACKWARD.format("k")):
+        flashmoe.attention_with_kvcache(q, cache, cache, block_table=bt, cache_seqlens=lens, k=new, v=new.detach())
+
+
+def moe_args(h=64, i=32, e=4):
+    return (torch.randn(16, h, dtype=torch.bfloat16), torch.randn(h, e, dtype=torch.bfloat16),
+            torch.randn(e, h, 2 * i, dtype=torch.bfloat16), torch.randn(e, i, h, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("which", ["x", "router_w", "w13", "w2", "shared_w2"])
+def test_moe_refuses_inputs_that_require_grad(which):
+    x, rw, w13, w2 = moe_args()
+    args = {"x": x, "router_w": rw, "w13": w13, "w2": w2}
+    shared = [torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)]
+    if which == "shared_w2":
+        shared[1] = torch.nn.Parameter(shared[1])  # a module's weight: takes the dispatcher path
+    else:
+        args[which] = torch.nn.Parameter(args[which]) if which != "x" else x.requires_grad_()
+    with pytest.raises(RuntimeError, match=NO_BACKWARD.format(which)):
+        flashmoe.moe(*args.values(), top_k=2, shared=tuple(shared))
+    with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        flashmoe.moe(*args.values(), top_k=2, shared=tuple(shared))
+
+
+def test_op_path_refuses_inputs_that_require_grad():
+    # torch.ops.flashmoe.* directly (as torch.compile calls them): the ops' Autograd kernels
+    q = meta(1, 8, 4, 64).requires_grad_()
+    k = meta(1, 8, 2, 64)
+    with pytest.raises(RuntimeError, match=NO_BACKWARD.format("q")):
+        torch.ops.flashmoe.attention.default(q, k, k, True, None)
+    o, lse = torch.ops.flashmoe.attention.default(q.detach(), k, k, True, None)  # the fake kernel runs
+    assert o.shape == (1, 8, 4, 64) and o.grad_fn is None
+    x, rw, w13, w2 = (t.to("meta") for t in moe_args())
+    with pytest.raises(RuntimeError, match=NO_BACKWARD.format("w13")):
+        torch.ops.flashmoe.moe.default(x, rw, w13.requires_grad_(), w2, None, None, 2, "softmax", True)
+
+
+def test_compile_refuses_inputs_that_require_grad():
+    q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(lambda q: flashmoe.attention(q, q, q), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=NO_BACKWARD.format("q")):
+        fn(q)

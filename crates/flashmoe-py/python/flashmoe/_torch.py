@@ -3,7 +3,9 @@
 The ops are defined with ``torch.library.Library`` (schema + a kernel per backend + a fake
 kernel) rather than the ``@torch.library.custom_op`` decorator: same tracing and graph
 behaviour, but the decorator's Python wrappers cost several µs more per call
-(tools/overhead.py measures both; docs/python.md). The ops are forward-only (inference).
+(tools/overhead.py measures both; docs/python.md). The ops are forward-only (inference): a
+call whose tensors require grad while grad mode is on raises (``_refuse_grad``) instead of
+returning outputs silently cut off from the autograd graph.
 
 A call reads each tensor's address, dtype, shape and strides, allocates its outputs with
 ``torch.empty`` (PyTorch's caching allocator, so CUDA-graph capture puts them in the
@@ -54,6 +56,38 @@ def _same_dtype(named):
     for name, t in named[1:]:
         if t.dtype is not t0.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but {first} has {t0.dtype}: one dtype is required")
+
+
+def _refuse_grad(fn: str, named) -> None:
+    """RuntimeError if grad mode is on and a (name, tensor) pair requires grad: `fn` has no
+    backward, so its outputs would be detached from the graph and everything upstream would stop
+    training without a word. Inference under torch.no_grad() / torch.inference_mode(), or on
+    detached tensors, is unaffected."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"flashmoe.{fn} has no backward pass yet, but {name} requires grad: its outputs would "
+                "carry no gradient to the tensors upstream. Call it under torch.no_grad() or "
+                "torch.inference_mode() (or on detached tensors) for inference; for training use a "
+                "differentiable path (e.g. torch.nn.functional.scaled_dot_product_attention)."
+            )
+
+
+def _forward_only(name: str, arg_names) -> None:
+    """Register the Autograd kernel of op `name`: refuse inputs that require grad (see
+    ``_refuse_grad``), else run the op below autograd. It covers calls that reach the dispatcher
+    (torch.ops.flashmoe.*, torch.compile, tensor subclasses); the eager fast paths check
+    themselves."""
+    op = getattr(torch.ops.flashmoe, name).default
+
+    def autograd_kernel(*args):
+        _refuse_grad(name, zip(arg_names, args))
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    _lib.impl(name, autograd_kernel, "Autograd")
 
 
 def _plain(*tensors) -> bool:
@@ -235,6 +269,7 @@ def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right
 
 
 _register("attention", _attention_impl, _attention_fake)
+_forward_only("attention", ("q", "k", "v"))
 _attention_op = torch.ops.flashmoe.attention.default
 
 
@@ -268,11 +303,13 @@ def attention(
 
     Eager calls on plain tensors run the kernel function directly (no dispatcher: a few µs less
     host time); under torch.compile, fake tensors or dispatch modes the call goes through
-    ``torch.ops.flashmoe.attention``. Forward only (no autograd formula).
+    ``torch.ops.flashmoe.attention``. Forward only: with grad mode on, q, k or v requiring grad is a
+    RuntimeError (never a silent detach); run inference under ``torch.no_grad()``.
     """
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     softcap = float(softcap)
     if _plain(q, k, v):
+        _refuse_grad("attention", (("q", q), ("k", k), ("v", v)))
         o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
     else:
         o, lse = _attention_op(q, k, v, causal, softmax_scale, left, right, softcap)
@@ -330,6 +367,7 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 _register("attention_varlen", _attention_varlen_impl, _attention_varlen_fake)
+_forward_only("attention_varlen", ("q", "k", "v"))
 _attention_varlen_op = torch.ops.flashmoe.attention_varlen.default
 
 
@@ -365,6 +403,7 @@ def attention_varlen(
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
             float(softcap))
     if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        _refuse_grad("attention_varlen", (("q", q), ("k", k), ("v", v)))
         o, lse = _attention_varlen_impl(*args, return_lse)
     else:
         o, lse = _attention_varlen_op(*args)
@@ -462,6 +501,7 @@ def _append_kv_fake(k, v, k_cache, v_cache, block_table, cache_seqlens):
 
 _register("attention_kvcache", _attention_kvcache_impl, _attention_kvcache_fake)
 _register("append_kv", _append_kv_impl, _append_kv_fake)
+_forward_only("attention_kvcache", ("q", "k_cache", "v_cache"))
 _attention_kvcache_op = torch.ops.flashmoe.attention_kvcache.default
 _append_kv_op = torch.ops.flashmoe.append_kv.default
 
@@ -500,6 +540,9 @@ def attention_with_kvcache(
     """
     if (k is None) != (v is None):
         raise ValueError("k and v are appended together: give both or neither")
+    # every path, the op path included: append_kv mutates the caches and has no autograd kernel
+    _refuse_grad("attention_with_kvcache",
+                 (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
     if cu_seqlens_q is None:
         if q.dim() != 4:
             raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {list(q.shape)}")
@@ -627,6 +670,7 @@ def _moe_fake(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renor
 
 
 _register("moe", _moe_impl, _moe_fake)
+_forward_only("moe", ("x", "router_w", "w13", "w2", "shared_w13", "shared_w2"))
 _moe_op = torch.ops.flashmoe.moe.default
 
 
@@ -648,9 +692,15 @@ def moe(
     [I, H]), a dense SwiGLU expert added to every token with weight 1. All contiguous, one dtype
     (bf16 or f16), one CUDA device. ``scoring`` "softmax" or "sigmoid"; ``renormalize`` makes the
     k weights sum to 1. PyTorch Linear weights ([out, in]) are the transposes of these.
-    Eager calls skip the dispatcher as ``attention`` does; forward only.
+    Eager calls skip the dispatcher as ``attention`` does. Forward only: with grad mode on, any
+    input requiring grad is a RuntimeError (never a silent detach).
     """
     s13, s2 = shared if shared is not None else (None, None)
-    run = _moe_impl if _plain(x, router_w, w13, w2) else _moe_op
+    if _plain(x, router_w, w13, w2):
+        _refuse_grad("moe", (("x", x), ("router_w", router_w), ("w13", w13), ("w2", w2), ("shared_w13", s13),
+                             ("shared_w2", s2)))
+        run = _moe_impl
+    else:
+        run = _moe_op
     out, ids, weights, counts, losses = run(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
     return MoeOutput(out, ids, weights, counts, losses[0], losses[1])
