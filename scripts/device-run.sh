@@ -129,8 +129,8 @@ for s in "$@"; do
     bench-window) stage bench-window 420 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window
                   for f in results.json results.md report.html; do cp /tmp/bench-window/$f "$OUT/window-$f" 2>/dev/null; done ;;
     # This build's sm_90a kernel against target/release/flashmoe-base's, interleaved in one run
-    # (bench --against), on the window / softcap shapes of configs/attention-window-ab.toml.
-    window-ab)    stage window-ab 400 $BIN bench attention --config configs/attention-window-ab.toml --impl flashmoe-sm90 \
+    # (bench --against), on the window / softcap shapes of configs/dev/attention-window-ab.toml.
+    window-ab)    stage window-ab 400 $BIN bench attention --config configs/dev/attention-window-ab.toml --impl flashmoe-sm90 \
                     --no-baselines --against ./target/release/flashmoe-base --max-time 0.5 --out /tmp/window-ab
                   for f in results.json results.md; do cp /tmp/window-ab/$f "$OUT/window-ab-$f" 2>/dev/null; done ;;
     # The varlen suite (issue 22): its check matrix against the per-sequence references, and
@@ -199,7 +199,7 @@ for s in "$@"; do
                   done ;;
     # seed003 at 768-1536 tokens: 64-row tiles against the automatic 128-row choice.
     moe-tile-range) for o in sm90-bm64 auto; do
-                    stage "moe-range-$o" 120 env FLASHMOE_MOE_GEMM=$o $BIN bench moe --config configs/moe-tile-range.toml --impl flashmoe-moe --no-baselines --out /tmp/moe-range-$o
+                    stage "moe-range-$o" 120 env FLASHMOE_MOE_GEMM=$o $BIN bench moe --config configs/dev/moe-tile-range.toml --impl flashmoe-moe --no-baselines --out /tmp/moe-range-$o
                     cp /tmp/moe-range-$o/results.json "$OUT/moe-range-$o.json" 2>/dev/null
                   done ;;
     # compute-sanitizer memcheck + racecheck over the sm_90a kernels on small shapes
@@ -211,9 +211,9 @@ for s in "$@"; do
                   tools="memcheck racecheck"; [ "$s" = racecheck ] && tools=racecheck
                   for tool in $tools; do
                     stage "sanitize-attn-$tool" 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 --kernel-name kns=flash_attn_fwd_sm90 \
-                      $BIN bench attention --config configs/attention-sanitize.toml --impl flashmoe-sm90 --no-baselines --max-time 0.2 --out /tmp/san-attn-$tool
+                      $BIN bench attention --config configs/dev/attention-sanitize.toml --impl flashmoe-sm90 --no-baselines --max-time 0.2 --out /tmp/san-attn-$tool
                     stage "sanitize-moe-$tool" 240 env FLASHMOE_MOE_GEMM=sm90 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 --kernel-name kns=moe_ \
-                      $BIN bench moe --config configs/moe-sanitize.toml --impl flashmoe-moe --no-baselines --max-time 0.2 --out /tmp/san-moe-$tool
+                      $BIN bench moe --config configs/dev/moe-sanitize.toml --impl flashmoe-moe --no-baselines --max-time 0.2 --out /tmp/san-moe-$tool
                   done ;;
     # racecheck through the GPU unit tests instead (small sm_90a attention shapes: D 64
     # and 128, causal and not, GQA; the forced sm_90 MoE GEMM matrix): no cuBLAS in them.
@@ -226,12 +226,12 @@ for s in "$@"; do
                   for m in 0 1 2 3; do
                     stage "racecheck-probe-mode$m" 60 /usr/local/cuda/bin/compute-sanitizer --tool racecheck /tmp/rc-probe $m
                   done ;;
-    # A/B of sm_90a tiles on configs/attention-tile-ab.toml: "default" plus each entry of
+    # A/B of sm_90a tiles on configs/dev/attention-tile-ab.toml: "default" plus each entry of
     # $TILE_AB (FLASHMOE_SM90_TILE values separated by '|'); one JSON per variant.
     tile-ab)      i=0
                   for t in default ${TILE_AB//|/ }; do
                     if [ "$t" = default ]; then envs=(); else envs=(FLASHMOE_SM90_TILE="$t"); fi
-                    stage "tile-ab-$i" 150 env "${envs[@]}" $BIN bench attention --config configs/attention-tile-ab.toml --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/tile-ab-$i
+                    stage "tile-ab-$i" 150 env "${envs[@]}" $BIN bench attention --config configs/dev/attention-tile-ab.toml --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/tile-ab-$i
                     cp /tmp/tile-ab-$i/results.json "$OUT/tile-ab-$i.json" 2>/dev/null
                     echo "tile-ab-$i: $t" | tee -a "$LOG"
                     i=$((i + 1))
@@ -239,11 +239,11 @@ for s in "$@"; do
     # A/B of builds (kernel sources differ): each entry of
     # $AB_BINS (executables taking flashmoe's arguments; a wrapper script may set
     # FLASHMOE_SM90_TILE) in turn, $AB_ROUNDS rounds (default 2), on $AB_CONFIG (default
-    # configs/attention-tile-ab.toml); JSON bin-ab-<round>-<index>.
+    # configs/dev/attention-tile-ab.toml); JSON bin-ab-<round>-<index>.
     bin-ab)       read -r -a bins <<<"${AB_BINS:-$BIN}"
                   for r in $(seq 1 "${AB_ROUNDS:-2}"); do
                     for k in "${!bins[@]}"; do
-                      stage "bin-ab-$r-$k" 150 "${bins[$k]}" bench attention --config "${AB_CONFIG:-configs/attention-tile-ab.toml}" --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/bin-ab-$r-$k
+                      stage "bin-ab-$r-$k" 150 "${bins[$k]}" bench attention --config "${AB_CONFIG:-configs/dev/attention-tile-ab.toml}" --impl flashmoe-sm90 --no-baselines --max-time 0.5 --out /tmp/bin-ab-$r-$k
                       cp /tmp/bin-ab-$r-$k/results.json "$OUT/bin-ab-$r-$k.json" 2>/dev/null
                       echo "bin-ab-$r-$k: ${bins[$k]}" | tee -a "$LOG"
                     done
@@ -266,9 +266,9 @@ for s in "$@"; do
                     stage "ncu-moe-$o" 200 bash -c "FLASHMOE_MOE_GEMM=$o $NCU -k regex:'^moe_gemm' --launch-count 2 $NCU_SECTIONS \
                       $BIN bench moe --config configs/moe-2048.toml --impl flashmoe-moe --no-baselines --max-time 0.1 --out /tmp/ncu-moe-$o >>$OUT/ncu-moe.txt 2>&1"
                   done ;;
-    # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/attention-ncu.toml).
+    # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/dev/attention-ncu.toml).
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
-                      $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
+                      $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
     # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
     # travels in parts of ≤ 33 MiB: `baselines-part` (one call per part but the last) keeps
