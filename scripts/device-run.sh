@@ -58,9 +58,9 @@ SUMMARY=""
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
 for s in "$@"; do
   case $s in
-    probe)        stage probe 300 python3 python/dev/kernel_probe.py --quick --out /tmp/probe
+    probe)        stage probe 300 python3 tools/probes/kernel_probe.py --quick --out /tmp/probe
                   cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
-    probe-full)   stage probe-full 400 python3 python/dev/kernel_probe.py --out /tmp/probe
+    probe-full)   stage probe-full 400 python3 tools/probes/kernel_probe.py --out /tmp/probe
                   cp /tmp/probe/probe.json "$OUT/" 2>/dev/null ;;
     unit)         stage unit 300 ./target/release/flashmoe-gpu-tests gpu_tests --test-threads=1 --nocapture
                   # the lab's timing and ceiling tests (flashmoe-bench lib), when carried
@@ -166,7 +166,7 @@ for s in "$@"; do
     bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
                   for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
     # Whether the lab's memset flush sets a floor under B=1 decode (perf-notes §8).
-    flush-probe)  stage flush-probe 120 python3 python/dev/l2_flush_probe.py ;;
+    flush-probe)  stage flush-probe 120 python3 tools/probes/l2_flush_probe.py ;;
     # memcheck + racecheck of the decode kernel on small paged shapes: a forced 6-way split
     # with the fused merge (graph replays) and the unsplit dense-cache case.
     sanitize-decode)
@@ -182,7 +182,7 @@ for s in "$@"; do
     moe-presets)  for p in seed003 mixtral qwen3-30b deepseek-v3; do moe_preset $p; done ;;
     moe-seed003|moe-mixtral|moe-qwen3-30b|moe-deepseek-v3)
                   moe_preset "${s#moe-}" ;;
-    moe-probe)    stage moe-probe 200 python3 python/dev/moe_gemm_probe.py --quick ;;
+    moe-probe)    stage moe-probe 200 python3 tools/probes/moe_gemm_probe.py --quick ;;
     moe-small)    stage moe-small 300 $BIN bench moe --config configs/moe-small.toml --out /tmp/moe-small
                   cp /tmp/moe-small/results.json "$OUT/moe-small.json" 2>/dev/null ;;
     seeds)        stage seed002 200 $BIN bench attention --preset seed002 --out /tmp/seed002
@@ -219,10 +219,10 @@ for s in "$@"; do
     # and 128, causal and not, GQA; the forced sm_90 MoE GEMM matrix): no cuBLAS in them.
     # (Run 12: racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
     # "Sanitizer failed to handle a hardware exception", before our kernels ran.)
-    # Whether racecheck models mbarrier hand-offs (python/dev/racecheck_mbarrier_probe.cu):
+    # Whether racecheck models mbarrier hand-offs (tools/probes/racecheck_mbarrier_probe.cu):
     # mode 0 mbarriers (warp arrival), 1 __syncthreads, 2 unsynchronised, 3 mbarriers (thread arrival).
     racecheck-probe)
-                  stage racecheck-probe-build 120 /usr/local/cuda/bin/nvcc -arch=sm_90a -o /tmp/rc-probe python/dev/racecheck_mbarrier_probe.cu
+                  stage racecheck-probe-build 120 /usr/local/cuda/bin/nvcc -arch=sm_90a -o /tmp/rc-probe tools/probes/racecheck_mbarrier_probe.cu
                   for m in 0 1 2 3; do
                     stage "racecheck-probe-mode$m" 60 /usr/local/cuda/bin/compute-sanitizer --tool racecheck /tmp/rc-probe $m
                   done ;;
@@ -269,7 +269,7 @@ for s in "$@"; do
     # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/dev/attention-ncu.toml).
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
-    worker-probe) stage worker-probe 300 python3 python/dev/worker_gpu_probe.py ;;
+    worker-probe) stage worker-probe 300 python3 tools/probes/worker_gpu_probe.py ;;
     # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
     # travels in parts of ≤ 33 MiB: `baselines-part` (one call per part but the last) keeps
     # the carried .baselines/part-* in /root/baselines-parts; `baselines` (the call with the

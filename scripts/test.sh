@@ -20,14 +20,14 @@ python3 -c "import numpy" 2>/dev/null || python3 -m pip install --quiet numpy
 python3 -c "import numpy; print('numpy', numpy.__version__)"
 
 step "Work protocol model of the sm_90a attention kernel (dispenser, posted tile, K/V ring)"
-python3 python/dev/ring_protocol_model.py --trials 1000
+python3 tools/models/ring_protocol_model.py --trials 1000
 
 step "Merge protocol of a split work tile (sm_90a): the kernel's passes, each mutation fails"
-python3 python/dev/split_merge_model.py
-python3 python/dev/split_merge_model.py --mutants
+python3 tools/models/split_merge_model.py
+python3 tools/models/split_merge_model.py --mutants
 
 step "Varlen work-tile enumeration (sm_90a): every tile once, longest first"
-python3 python/dev/varlen_schedule_model.py 500
+python3 tools/models/varlen_schedule_model.py 500
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

@@ -1,6 +1,6 @@
 //! Times varlen prefill ([`VarlenPlan`]) against the dense sm_90a kernel on the same total
 //! tokens: issue 22's target shape, 16 sequences with lengths drawn uniformly from
-//! 100..=4000 (fixed seed, the generator `python/dev/varlen_baseline.py` mirrors), bf16,
+//! 100..=4000 (fixed seed, the generator `tools/probes/varlen_baseline.py` mirrors), bf16,
 //! model dim 2048 (D = 128, H = 16 and D = 64, H = 32), causal and not. The dense
 //! problem is B = 16, S = total / 16 (rounded). Both kernels are timed with CUDA events
 //! after an L2 flush, interleaved round by round; TFLOP/s by FlashAttention's convention
@@ -24,7 +24,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 /// The preset's lengths: 64-bit LCG (Knuth's MMIX constants), length = 100 + (s >> 33) %
 /// 3901 per sequence ([`flashmoe_bench::varlen::random_lengths`], the lab's varlen preset).
-/// python/dev/varlen_baseline.py draws the same.
+/// tools/probes/varlen_baseline.py draws the same.
 pub fn lengths(seed: u64, n: usize) -> Vec<usize> {
     flashmoe_bench::varlen::random_lengths(seed, n, 100, 4000)
 }

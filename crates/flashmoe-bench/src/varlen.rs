@@ -328,7 +328,7 @@ fn offsets(lens: impl Iterator<Item = usize>) -> Vec<usize> {
 
 /// `n` lengths uniform in `lo..=hi` from a 64-bit LCG (Knuth's MMIX constants): length =
 /// `lo + (s >> 33) % (hi - lo + 1)`. `random_lengths(22, 16, 100, 4000)` are issue 22's
-/// varlen lengths (`examples/varlen_probe.rs`, `python/dev/varlen_baseline.py`).
+/// varlen lengths (`examples/varlen_probe.rs`, `tools/probes/varlen_baseline.py`).
 pub fn random_lengths(seed: u64, n: usize, lo: usize, hi: usize) -> Vec<usize> {
     assert!(lo <= hi, "random_lengths: lo {lo} > hi {hi}");
     let span = (hi - lo + 1) as u64;
@@ -604,7 +604,7 @@ mod tests {
 
     #[test]
     fn random_lengths_are_the_probe_s() {
-        // examples/varlen_probe.rs and python/dev/varlen_baseline.py (results/dev logs).
+        // examples/varlen_probe.rs and tools/probes/varlen_baseline.py (results/dev logs).
         assert_eq!(
             random_lengths(22, 16, 100, 4000),
             [

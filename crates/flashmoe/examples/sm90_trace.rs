@@ -1,7 +1,7 @@
 //! Development timeline of the sm_90a attention kernel: runs the production tile of each
 //! configuration built with `FM_TRACE=1` (clock64 stamps at the phase boundaries of every
 //! warpgroup's work tiles, see `TraceEvent` in kernels/fm90_trace.cuh) and writes
-//! the raw stamps for `python/dev/sm90_trace_report.py`.
+//! the raw stamps for `tools/probes/sm90_trace_report.py`.
 //!
 //! ```text
 //! cargo run --release --example sm90_trace -- OUT_DIR 128:1024:0 64:1024:1 [128:512:1:f16]

@@ -113,7 +113,7 @@ __device__ __forceinline__ void release(u32 bar, int lane) {
 // This thread is done with Q and with the posted work tile: one arrival per consumer
 // thread, since the tile was read with ordinary loads by every thread (a warp-level
 // arrival after __syncwarp orders them as well, but compute-sanitizer racecheck only
-// credits a thread's own arrival: python/dev/racecheck_mbarrier_probe.cu).
+// credits a thread's own arrival: tools/probes/racecheck_mbarrier_probe.cu).
 __device__ __forceinline__ void release_q(const Bars& bar) { mbar_arrive(bar.q_empty()); }
 
 // One key tile (ring slot s, round `round`) passed without computing: the slot is

@@ -3,7 +3,7 @@
 // Holds: Producer, which issues every TMA load of the CTA (Q per work tile, K and V per
 // key tile into the mbarrier-guarded ring) and decodes and posts the next work tile while
 // the ring is full. The consumer side of the same protocol is in fm90_mainloop.cuh; the
-// model check of both is python/dev/ring_protocol_model.py. Included by
+// model check of both is tools/models/ring_protocol_model.py. Included by
 // flash_attn_fwd_sm90.cu, whose producer loop drives it.
 #pragma once
 

@@ -200,7 +200,7 @@ struct VarlenSeqs {
 // the last pass: kt <= 1). So the launch ends on the tiles of the shortest sequences and
 // its tail (the CTAs idle while the last tiles run) costs at most a short tile, where batch
 // order could end on a 4000-key tile (0.951x dense at D=128 non-causal; docs/perf-notes.md
-// §9). The enumeration is model-checked by python/dev/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
+// §9). The enumeration is model-checked by tools/models/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
 // last rows first) of all its heads in turn (GQA heads sharing K/V run together, the
 // sequence's K/V stays in L2). Only (pass, b, base, n) are kept: the producer runs on 24
 // registers (PRODUCER_REGS), so the offsets are read again (L1 hits) when needed.

@@ -4,7 +4,7 @@
 // stamp helpers trace() / trace_value() that the producer and consumers call at their phase
 // boundaries. With FM_TRACE=0 (production) the helpers are empty and fm90_trace does not
 // exist. A tool, not an experiment: examples/sm90_trace.rs reads the array back and
-// python/dev/sm90_trace_report.py reports the phases. Included by fm90_producer.cuh,
+// tools/probes/sm90_trace_report.py reports the phases. Included by fm90_producer.cuh,
 // fm90_mainloop.cuh and flash_attn_fwd_sm90.cu.
 #pragma once
 

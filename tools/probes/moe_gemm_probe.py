@@ -2,9 +2,9 @@
 """Standalone GPU probe for the MoE grouped GEMMs (kernels/moe_grouped_gemm.cu), PyTorch +
 CuPy, no Rust.
 
-  python3 python/dev/moe_gemm_probe.py [--quick] [--out DIR] [--no-tune]
+  python3 tools/probes/moe_gemm_probe.py [--quick] [--out DIR] [--no-tune]
 
-1. Compiles moe_gemm13 / moe_gemm2 for every tile of the table (python/dev/
+1. Compiles moe_gemm13 / moe_gemm2 for every tile of the table (tools/kernels/
    moe_nvrtc_check.py, mirror of crates/flashmoe/src/moe/gemm_config.rs) with NVRTC
    (ctypes; cupy.RawModule(code=...) fallback) and loads them with CuPy.
 2. Correctness: random x / w13 / w2 (torch.randn, scaled), random routing with an expert
@@ -32,7 +32,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "kernels"))
 import nvrtc_check as nc  # noqa: E402
 import moe_nvrtc_check as mc  # noqa: E402
 

@@ -8,7 +8,7 @@ random interleaving, each decoding with its own cursor, as the persistent kernel
 Checks that every (sequence, query block, head) tile is handed out exactly once, that
 every CTA ends with "no work left", and that the passes come out longest first.
 
-  python3 python/dev/varlen_schedule_model.py [trials]
+  python3 tools/models/varlen_schedule_model.py [trials]
 """
 import random
 import sys

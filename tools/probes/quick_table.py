@@ -2,7 +2,7 @@
 files (an A/B between kernel versions measured in one device call), with cuDNN's figure
 from the first file that has it.
 
-    python3 python/dev/quick_table.py --impl flashmoe-sm90 label=path.json ...
+    python3 tools/probes/quick_table.py --impl flashmoe-sm90 label=path.json ...
 """
 import argparse
 import json

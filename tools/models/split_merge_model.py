@@ -11,8 +11,8 @@ CTA may draw both slots, running one part to the end before the other starts), o
 stream-ordered launches sharing the records. Checked: no deadlock, exactly one part writes
 O and it holds both partials, and the record is zero again after each launch.
 
-    python3 python/dev/split_merge_model.py            # the kernel's protocol: passes
-    python3 python/dev/split_merge_model.py --mutants  # each mutation must fail
+    python3 tools/models/split_merge_model.py            # the kernel's protocol: passes
+    python3 tools/models/split_merge_model.py --mutants  # each mutation must fail
 """
 import sys
 

@@ -7,9 +7,9 @@ p = F2FP (pack), * = FMUL, b = SYNCS (mbarrier wait / arrive). In the attention 
 steady loop every e must come before W0, or the softmax does not overlap P V.
 
   nvdisasm -c kernel.cubin > k.sass      # nvdisasm: CUDA toolkit or pip nvidia-cuda-nvdisasm
-  python3 python/dev/sass_loops.py [--order] k.sass [more.sass ...]
+  python3 tools/kernels/sass_loops.py [--order] k.sass [more.sass ...]
 
-Cubins of the sm_90a attention kernel: python/dev/nvrtc_check.py (Nvrtc.compile).
+Cubins of the sm_90a attention kernel: tools/kernels/nvrtc_check.py (Nvrtc.compile).
 """
 import re
 import sys

@@ -35,7 +35,7 @@ no deadlock (every live role spinning on a wait).
 At the end, mutation self-tests: deliberately broken variants of the protocol, each of
 which the model must catch (an assertion or a deadlock); one line per mutation.
 
-  python3 python/dev/ring_protocol_model.py [--trials N] [--no-mutations]
+  python3 tools/models/ring_protocol_model.py [--trials N] [--no-mutations]
 """
 import argparse
 import random

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Standalone GPU probe for the flashmoe attention kernels (PyTorch + CuPy, no Rust).
 
-  python3 python/dev/kernel_probe.py [--quick] [--out DIR] [--no-tune] [--no-sweep]
+  python3 tools/probes/kernel_probe.py [--quick] [--out DIR] [--no-tune] [--no-sweep]
 
 1. Compiles crates/flashmoe/kernels/{flash_attn_fwd,attention_reference}.cu with NVRTC
    (ctypes, in parallel, -std=c++17 -arch=sm_XY, the variant defines; falls back to
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 KDIR = os.path.join(ROOT, "crates", "flashmoe", "kernels")
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tools", "kernels"))
 import nvrtc_check as nc  # noqa: E402  (tile table, define builders, ctypes NVRTC)
 
 import torch  # noqa: E402

@@ -3,7 +3,7 @@
 the same 16 sequence lengths (its LCG, seed 22), bf16, D=128 H=16 and D=64 H=32, causal
 and not, timed the probe's way (CUDA events after a 256 MB L2 flush, median).
 
-  python3 python/dev/varlen_baseline.py [rounds]
+  python3 tools/probes/varlen_baseline.py [rounds]
 
 Baselines: torch.nn.attention.varlen.varlen_attn (FlashAttention-2 varlen inside PyTorch)
 when importable; SDPA per sequence (a Python loop of 16 calls, cuDNN and flash backends

@@ -7,9 +7,9 @@ prepares every attention baseline for D=128, B=4, H=16, S=4096, non-causal and c
 calls in this process with ``triton.testing.do_bench`` (median) and prints a table with
 the difference. The worker's figures should agree with do_bench within 5%.
 
-    python3 python/dev/worker_gpu_probe.py                  # on the H100
-    python3 python/dev/worker_gpu_probe.py --samples 100 --dtype f16
-    python3 python/dev/worker_gpu_probe.py --device cpu --small   # protocol smoke test, no GPU
+    python3 tools/probes/worker_gpu_probe.py                  # on the H100
+    python3 tools/probes/worker_gpu_probe.py --samples 100 --dtype f16
+    python3 tools/probes/worker_gpu_probe.py --device cpu --small   # protocol smoke test, no GPU
 
 Exit status: 0 when every SDPA row that both sides timed agrees within --tolerance,
 1 otherwise, 2 when the worker could not start.
@@ -26,7 +26,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PYDIR = os.path.dirname(HERE)
+PYDIR = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
 WORKER = os.path.join(PYDIR, "flashmoe_worker.py")
 ATTENTION_IMPLS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex", "torch-naive"]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Phase report of an sm_90a attention timeline (examples/sm90_trace.rs, FM_TRACE=1).
 
-    python3 python/dev/sm90_trace_report.py DIR/trace-128-1024-c0-bf16.bin [...]
+    python3 tools/probes/sm90_trace_report.py DIR/trace-128-1024-c0-bf16.bin [...]
 
 Per consumer warpgroup and work tile (stamps are the SM's clock64, cycles):
   gap      previous tile's stores issued -> this tile readable (q_full)
