@@ -317,7 +317,7 @@ impl TileConfig {
 }
 
 /// The v1 tile table: one configuration per served head dim. Chosen for zero register
-/// spills under NVRTC 13.0 (checked by python/dev/nvrtc_check.py, which keeps a copy of
+/// spills under NVRTC 13.0 (checked by tools/kernels/nvrtc_check.py, which keeps a copy of
 /// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
 /// reasoned about in docs/perf-notes.md.
 pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
@@ -1053,8 +1053,8 @@ mod tests {
 
     #[test]
     fn python_tile_table_matches() {
-        // python/dev/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
-        let py = include_str!("../../../../python/dev/nvrtc_check.py");
+        // tools/kernels/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
+        let py = include_str!("../../../../tools/kernels/nvrtc_check.py");
         let start = py.find("V1_TILES = {").expect("V1_TILES in nvrtc_check.py");
         let table = &py[start..start + py[start..].find('}').unwrap()];
         let mut seen = 0;
@@ -1082,8 +1082,8 @@ mod tests {
 
     #[test]
     fn python_sm90_tile_table_matches() {
-        // python/dev/sm90_sass.py: `D: (BLOCK_N, STAGES, CONSUMERS, PINGPONG, Q_REGS)`.
-        let py = include_str!("../../../../python/dev/sm90_sass.py");
+        // tools/kernels/sm90_sass.py: `D: (BLOCK_N, STAGES, CONSUMERS, PINGPONG, Q_REGS)`.
+        let py = include_str!("../../../../tools/kernels/sm90_sass.py");
         let start = py
             .find("SM90_TILES = {")
             .expect("SM90_TILES in sm90_sass.py");

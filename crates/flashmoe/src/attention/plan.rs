@@ -22,7 +22,8 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
-use super::{launch_with_logits, tma};
+use super::launch::launch_with_logits;
+use super::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};
@@ -389,7 +390,7 @@ impl AttentionPlan {
         let (q, k, v, o, lse) = (a.q.ptr, a.k.ptr, a.v.ptr, a.o.ptr, a.lse.ptr);
         match self.variant.abi {
             KernelAbi::Pointers => {
-                let cfg = super::launch_config(&problem, &self.variant)?;
+                let cfg = super::launch::launch_config(&problem, &self.variant)?;
                 let params = [
                     param(&q),
                     param(&k),

@@ -22,8 +22,9 @@
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
 use super::decode::RawIndex;
+use super::launch::launch_with_logits;
 use super::plan::{AttentionClass, Element};
-use super::{launch_with_logits, tma};
+use super::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};

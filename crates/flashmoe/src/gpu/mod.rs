@@ -15,11 +15,11 @@
 pub mod buffer;
 pub mod cache;
 pub mod device;
-#[cfg(test)]
+#[cfg(all(test, feature = "lab"))]
 mod gpu_tests;
 pub mod kernels;
 pub(crate) mod libs;
-#[cfg(test)]
+#[cfg(all(test, feature = "lab"))]
 pub(crate) mod test_support;
 pub use libs::ensure_cublas;
 pub mod nvrtc;

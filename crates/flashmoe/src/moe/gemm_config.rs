@@ -8,7 +8,7 @@
 //! flight). Many rows make them compute-bound: `block_m` = 128 with 8 warps.
 //!
 //! The shared-memory formula lives in ONE place, [`GemmTile::shared_mem_bytes`], and
-//! mirrors the comment at the top of the .cu (`SMEM_BYTES` there). python/dev/
+//! mirrors the comment at the top of the .cu (`SMEM_BYTES` there). tools/kernels/
 //! moe_nvrtc_check.py keeps a copy of [`regime_tile`] (`MOE_TILES`), checked by a test here.
 //!
 //! `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
@@ -190,7 +190,7 @@ impl Regime {
 }
 
 /// The preferred tile of each (regime, GEMM), at the widest block_n. Mirrored by
-/// `MOE_TILES` in python/dev/moe_nvrtc_check.py.
+/// `MOE_TILES` in tools/kernels/moe_nvrtc_check.py.
 pub fn regime_tile(r: Regime, g: Gemm) -> GemmTile {
     let t = |block_m, block_n, warps_m, warps_n, stages, min_blocks| GemmTile {
         gemm: g,
@@ -447,8 +447,8 @@ pub(crate) mod tests {
 
     #[test]
     fn python_tile_table_matches() {
-        // python/dev/moe_nvrtc_check.py: `("regime", gemm): (BM, BN, WM, WN, ST, MIN),`
-        let py = include_str!("../../../../python/dev/moe_nvrtc_check.py");
+        // tools/kernels/moe_nvrtc_check.py: `("regime", gemm): (BM, BN, WM, WN, ST, MIN),`
+        let py = include_str!("../../../../tools/kernels/moe_nvrtc_check.py");
         let start = py
             .find("MOE_TILES = {")
             .expect("MOE_TILES in moe_nvrtc_check.py");

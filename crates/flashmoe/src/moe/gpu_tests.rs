@@ -6,12 +6,17 @@
 //! relative, output relative L2 ≤ 1.6e-2 (bf16) — tokens 1, 7, 128; top_k 1, 2, 8;
 //! softmax and sigmoid; an expert that gets no token; a shared expert; fp16.
 
+use super::runner::*;
 use super::*;
 use crate::accuracy::error_metrics;
+use crate::dtype::DType;
 use crate::error::Error;
 use crate::gpu::test_support::with_gpu;
+use crate::gpu::Device;
+use crate::problem::MoeProblem;
 use crate::problem::Scoring;
 use crate::reference::moe::moe_f64;
+use crate::reference::moe::MoeInputs;
 
 const EXPERTS: usize = 16;
 /// Expert whose router column is a copy of `TIED_LOW`'s: with equal logits the lower index

@@ -59,7 +59,7 @@
 use super::config::{self, MoeKernel, BACKEND};
 use super::gemm_config;
 use super::gemm_sm90::{self, GemmPath};
-use super::{gemm_launch_config, pipeline_configs};
+use super::launch::{gemm_launch_config, pipeline_configs};
 use crate::attention::Element;
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -8,7 +8,7 @@
 //! the host by the CPU reference's code, a host-built permutation, plain fp32 tiled
 //! GEMMs with h kept in f32, and a combine accumulated in f64.
 
-use super::check_inputs;
+use super::runner::check_inputs;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::{Device, DeviceTensor};

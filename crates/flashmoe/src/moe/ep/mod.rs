@@ -15,10 +15,12 @@ pub mod comm;
 pub mod exchange;
 pub mod layer;
 pub mod placement;
+#[cfg(feature = "lab")]
 mod sim;
 
 pub use comm::{find_nccl_library, nccl_version, Communicator, NcclId};
 pub use exchange::Exchange;
 pub use layer::{ExchangeTiming, ExpertParallelMoe};
 pub use placement::ExpertPlacement;
+#[cfg(feature = "lab")]
 pub use sim::simulate_cpu;
