@@ -24,7 +24,7 @@ stage() {  # name, timeout seconds, command...
   SUMMARY+="$name rc=$rc $((SECONDS - t0))s; "
 }
 
-# Time limit per MoE preset, seconds. Measured on the H100 (results/dev/device-run-9-moe-done.log):
+# Time limit per MoE preset, seconds. Measured on the H100:
 # seed003 135 s; deepseek-v3 2 of 4 configs in ~125 s (45 GB of f32 inputs generated and
 # uploaded twice per config). mixtral and qwen3-30b (small weights) are estimates.
 moe_limit() {

@@ -604,7 +604,7 @@ mod tests {
 
     #[test]
     fn random_lengths_are_the_probe_s() {
-        // examples/varlen_probe.rs and tools/probes/varlen_baseline.py (results/dev logs).
+        // examples/varlen_probe.rs and tools/probes/varlen_baseline.py draw these lengths too.
         assert_eq!(
             random_lengths(22, 16, 100, 4000),
             [
