@@ -102,8 +102,8 @@ fn os_name() -> String {
 
 /// The variables a result must name because they change the kernels measured.
 pub const KERNEL_OVERRIDE_VARS: [&str; 2] = [
-    flashmoe::attention::config::SM90_TILE_ENV,
-    flashmoe::moe::gemm_sm90::PATH_ENV,
+    flashmoe::attention::runner::SM90_TILE_ENV,
+    flashmoe::moe::runner::GEMM_PATH_ENV,
 ];
 
 impl Manifest {

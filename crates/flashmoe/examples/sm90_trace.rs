@@ -86,11 +86,7 @@ fn trace_one(
     out: &std::path::Path,
 ) -> Result<(), Box<dyn Error>> {
     // The table's tile, or the FLASHMOE_SM90_TILE override's for this head dim.
-    let over = match std::env::var(config::SM90_TILE_ENV) {
-        Ok(spec) => config::parse_sm90_tile_override(&spec)?,
-        Err(_) => Vec::new(),
-    };
-    let tile = over
+    let tile = flashmoe::attention::runner::sm90_tile_override()?
         .into_iter()
         .find(|t| t.head_dim as usize == problem.head_dim)
         .or_else(|| config::sm90_tile(problem.head_dim))

@@ -155,7 +155,7 @@ impl Implementation for GpuAttention {
         };
         let variant = match self.kernel {
             GpuAttentionKernel::V1 => config::select_v1(p),
-            GpuAttentionKernel::Sm90 => config::select_sm90(p),
+            GpuAttentionKernel::Sm90 => flashmoe::attention::runner::select_sm90_for_lab(p),
             GpuAttentionKernel::Reference => config::select_reference(p),
         }
         .map_err(|e| e.to_string())?;
@@ -193,7 +193,7 @@ impl Implementation for GpuAttention {
                     &x.q,
                     &x.k,
                     &x.v,
-                    config::select_sm90(p)?,
+                    flashmoe::attention::runner::select_sm90_for_lab(p)?,
                 )
                 .context("preparing the sm_90a kernel")?,
                 session: self.session.clone(),

@@ -199,7 +199,8 @@ impl Implementation for GpuVarlenDense {
         let d = p.dense().ok_or(
             "the dense kernel runs only batches whose sequences all have the same lengths",
         )?;
-        let variant = config::select_sm90(&d).map_err(|e| e.to_string())?;
+        let variant =
+            flashmoe::attention::runner::select_sm90_for_lab(&d).map_err(|e| e.to_string())?;
         let arch = self.session.device.arch();
         variant
             .runs_on(arch)
@@ -217,9 +218,15 @@ impl Implementation for GpuVarlenDense {
             .dense()
             .context("the dense comparison given a ragged varlen config")?;
         let dev = &self.session.device;
-        let runner =
-            AttentionRunner::with_variant(dev, &d, &x.q, &x.k, &x.v, config::select_sm90(&d)?)
-                .context("preparing the dense sm_90a kernel")?;
+        let runner = AttentionRunner::with_variant(
+            dev,
+            &d,
+            &x.q,
+            &x.k,
+            &x.v,
+            flashmoe::attention::runner::select_sm90_for_lab(&d)?,
+        )
+        .context("preparing the dense sm_90a kernel")?;
         Ok(Box::new(DensePrepared {
             dense: V1Prepared {
                 runner,

@@ -595,18 +595,16 @@ impl Sm90Tile {
     }
 }
 
-/// Development override of the sm_90a tile table, for A/B timing of tiles without a
-/// rebuild: `FLASHMOE_SM90_TILE="D:BN,STAGES,CONSUMERS,PINGPONG[,qregs=0|1][;D:...]"`,
-/// e.g. `128:128,2,2,1` or `64:128,2,2,0,qregs=1`: the values the table sets per head dim.
-/// `qregs` (Q in registers) defaults to 0. Head dims it does not name keep the table's
-/// tile. Benchmark manifests record it (flashmoe-bench `Manifest::kernel_overrides`).
-pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
-
-/// Parse a [`SM90_TILE_ENV`] value into (head dim, tile) pairs; errors name the bad part.
+/// Parse a tile override of the sm_90a tile table, for A/B timing of tiles without a
+/// rebuild (the lab reads it from `FLASHMOE_SM90_TILE`):
+/// `"D:BN,STAGES,CONSUMERS,PINGPONG[,qregs=0|1][;D:...]"`, e.g. `128:128,2,2,1` or
+/// `64:128,2,2,0,qregs=1`: the values the table sets per head dim. `qregs` (Q in
+/// registers) defaults to 0. Head dims it does not name keep the table's tile (see
+/// [`select_with_tiles`]). Errors name the bad part.
 pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>, String> {
     let mut tiles = Vec::new();
     for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {
-        let bad = |why: &str| format!("{SM90_TILE_ENV} entry '{entry}': {why}");
+        let bad = |why: &str| format!("sm_90a tile override entry '{entry}': {why}");
         let (d, rest) = entry
             .split_once(':')
             .ok_or_else(|| bad("expected D:BN,STAGES,CONSUMERS,PINGPONG"))?;
@@ -658,20 +656,14 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
     Ok(tiles)
 }
 
-/// The tile for a problem: the [`SM90_TILE_ENV`] override when it names this head dim,
-/// else the table's ([`sm90_tile`]).
-fn sm90_tile_in_use(problem: &AttentionProblem) -> Result<Option<Sm90Tile>> {
-    if let Ok(spec) = std::env::var(SM90_TILE_ENV) {
-        let tiles =
-            parse_sm90_tile_override(&spec).map_err(|e| Error::unsupported("flash-sm90", e))?;
-        if let Some(t) = tiles
-            .into_iter()
-            .find(|t| t.head_dim as usize == problem.head_dim)
-        {
-            return Ok(Some(t));
-        }
-    }
-    Ok(sm90_tile(problem.head_dim))
+/// The tile for a problem: the override's when it names this head dim, else the table's
+/// ([`sm90_tile`]).
+fn sm90_tile_in_use(problem: &AttentionProblem, tiles: &[Sm90Tile]) -> Option<Sm90Tile> {
+    tiles
+        .iter()
+        .find(|t| t.head_dim as usize == problem.head_dim)
+        .copied()
+        .or_else(|| sm90_tile(problem.head_dim))
 }
 
 /// The defines every attention kernel (v1, sm_90a, reference) takes from the problem:
@@ -746,11 +738,20 @@ pub fn sm90_variant_for(tile: &Sm90Tile, dtype: DType, m: Masking) -> Result<Ker
 /// The sm_90a kernel variant for a problem, or `Error::Unsupported` naming why not (the
 /// caller then uses v1: see [`select`]).
 pub fn select_sm90(problem: &AttentionProblem) -> Result<KernelVariant> {
+    select_sm90_with_tiles(problem, &[])
+}
+
+/// [`select_sm90`] with an override of the tile table (parsed by
+/// [`parse_sm90_tile_override`]; the lab's A/B timing of tiles).
+pub fn select_sm90_with_tiles(
+    problem: &AttentionProblem,
+    tiles: &[Sm90Tile],
+) -> Result<KernelVariant> {
     let tile = admit(
         "flash-sm90",
         "the sm_90a kernel",
         problem,
-        sm90_tile_in_use(problem)?,
+        sm90_tile_in_use(problem, tiles),
         &SM90_HEAD_DIMS,
     )?;
     let tiles = sm90_work_tiles(problem, tile.block_m());
@@ -807,10 +808,17 @@ pub fn sm90_grid_x(
 /// The kernel a device of architecture `arch` (compute capability ×10) runs for a problem:
 /// the sm_90a kernel on Hopper (9.0) when it serves the problem, else v1.
 pub fn select(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
+    select_with_tiles(problem, arch, &[])
+}
+
+/// [`select`] with an override of the sm_90a tile table (see [`select_sm90_with_tiles`]).
+pub fn select_with_tiles(
+    problem: &AttentionProblem,
+    arch: u32,
+    tiles: &[Sm90Tile],
+) -> Result<KernelVariant> {
     if arch == 90 {
-        // A malformed tile override is an error, not a silent fallback to v1.
-        sm90_tile_in_use(problem)?;
-        if let Ok(v) = select_sm90(problem) {
+        if let Ok(v) = select_sm90_with_tiles(problem, tiles) {
             return Ok(v);
         }
     }
@@ -1195,7 +1203,7 @@ mod tests {
         ] {
             let e = parse_sm90_tile_override(spec).unwrap_err();
             assert!(
-                e.contains(needle) && e.contains(SM90_TILE_ENV),
+                e.contains(needle) && e.contains("tile override"),
                 "{spec}: {e}"
             );
         }

@@ -12,6 +12,31 @@ use crate::gpu::{check_len, Device, DeviceTensor, Workspace};
 use crate::problem::AttentionProblem;
 use cudarc::driver::LaunchConfig;
 
+/// The lab's override of the sm_90a tile table for A/B timing of tiles without a rebuild
+/// (format: [`config::parse_sm90_tile_override`]); benchmark manifests record it. Plans
+/// never read the environment: the lab passes the override to the selection explicitly.
+pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
+
+/// The tiles [`SM90_TILE_ENV`] sets (none when unset); a malformed value is an error, not
+/// a silent fallback to the table.
+pub fn sm90_tile_override() -> Result<Vec<config::Sm90Tile>> {
+    match std::env::var(SM90_TILE_ENV) {
+        Ok(spec) => config::parse_sm90_tile_override(&spec)
+            .map_err(|e| Error::unsupported("flash-sm90", format!("{SM90_TILE_ENV}: {e}"))),
+        Err(_) => Ok(Vec::new()),
+    }
+}
+
+/// The kernel [`config::select`] picks for this device, with the lab's tile override.
+pub fn select_for_lab(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
+    config::select_with_tiles(problem, arch, &sm90_tile_override()?)
+}
+
+/// The sm_90a kernel for `problem` ([`config::select_sm90`]) with the lab's tile override.
+pub fn select_sm90_for_lab(problem: &AttentionProblem) -> Result<KernelVariant> {
+    config::select_sm90_with_tiles(problem, &sm90_tile_override()?)
+}
+
 /// Check buffer lengths against the problem: q/o (B·Sq·Hq·D), k/v (B·Sk·Hkv·D), lse
 /// (B·Hq·Sq). Errors name the first buffer that does not match.
 pub fn check_buffer_lengths(
@@ -138,7 +163,7 @@ pub fn forward(
     lse: &mut DeviceTensor,
 ) -> Result<()> {
     check_call(problem, problem.dtype, q, k, v, o, lse)?;
-    let variant = config::select(problem, dev.arch())?;
+    let variant = select_for_lab(problem, dev.arch())?;
     run_once(dev, problem, variant, q, k, v, o, lse)
 }
 
@@ -215,7 +240,7 @@ impl AttentionRunner {
         v: &[f32],
     ) -> Result<AttentionRunner> {
         problem.validate()?;
-        let variant = config::select(problem, dev.arch())?;
+        let variant = select_for_lab(problem, dev.arch())?;
         Self::with_variant(dev, problem, q, k, v, variant)
     }
 

@@ -11,9 +11,10 @@
 //! The shared-memory formula lives in ONE place, [`Sm90Tile::shared_mem_bytes`], and
 //! mirrors `SMEM_BYTES` at the top of the .cu.
 //!
-//! `FLASHMOE_MOE_GEMM=portable` forces the mma.sync kernels (for A/B comparisons);
-//! `FLASHMOE_MOE_GEMM=sm90` makes an unsupported shape an error instead of a fallback;
-//! `sm90-bm64` / `sm90-bm128` also force the tile height.
+//! The choice is automatic; [`MoePlan::with_gemm_path`](super::plan::MoePlan::with_gemm_path)
+//! takes an explicit override for A/B timing (the lab passes `FLASHMOE_MOE_GEMM`'s value):
+//! `portable` forces the mma.sync kernels, `sm90` makes an unsupported shape an error
+//! instead of a fallback, `sm90-bm64` / `sm90-bm128` also force the tile height.
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{MoeKernel, BACKEND, PERMUTE_SOURCE};
@@ -33,8 +34,6 @@ pub const GATHER_THREADS: u32 = 128;
 pub const SM90_THREADS: u32 = 384;
 /// Mean rows per expert from which the wgmma path is used (below: weight streaming).
 pub const SM90_MIN_ROWS_PER_EXPERT: f64 = 48.0;
-/// Environment override of the path choice.
-pub const PATH_ENV: &str = "FLASHMOE_MOE_GEMM";
 
 /// One tile configuration of `moe_gemm_sm90.cu`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,19 +151,25 @@ pub enum GemmPath {
     Sm90(MoeKernel, MoeKernel),
 }
 
-/// The path for `p` on compute capability `arch`, honouring `FLASHMOE_MOE_GEMM`
-/// (`override_` is its value).
+/// The path for `p` on compute capability `arch`, or the one `override_` forces (see the
+/// module's notes; None, "" and "auto" choose automatically).
 pub fn select_path(p: &MoeProblem, arch: u32, override_: Option<&str>) -> Result<GemmPath> {
     // sm90-bm64 / sm90-bm128 also force the tile height (for A/B timing of the tiles).
     let (forced, height) = match override_ {
         None | Some("") | Some("auto") => (false, TileHeight::Bm128),
-        Some("portable") => return Ok(GemmPath::Portable(format!("{PATH_ENV}=portable"))),
+        Some("portable") => {
+            return Ok(GemmPath::Portable(
+                "the gemm path override is portable".into(),
+            ))
+        }
         Some("sm90") | Some("sm90-bm128") => (true, TileHeight::Bm128),
         Some("sm90-bm64") => (true, TileHeight::Bm64),
         Some(other) => {
             return Err(Error::unsupported(
                 BACKEND,
-                format!("{PATH_ENV}={other}: choose auto, portable, sm90, sm90-bm64 or sm90-bm128"),
+                format!(
+                    "gemm path override '{other}': choose auto, portable, sm90, sm90-bm64 or sm90-bm128"
+                ),
             ))
         }
     };
@@ -204,7 +209,7 @@ pub fn select_path(p: &MoeProblem, arch: u32, override_: Option<&str>) -> Result
         None => Ok(GemmPath::Sm90(t13.kernel(p.dtype), t2.kernel(p.dtype))),
         Some(why) if forced => Err(Error::unsupported(
             SM90_SOURCE,
-            format!("{PATH_ENV}=sm90 but {why}"),
+            format!("the gemm path override forces sm90 but {why}"),
         )),
         Some(why) => Ok(GemmPath::Portable(why)),
     }

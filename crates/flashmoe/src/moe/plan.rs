@@ -3,7 +3,7 @@
 //!
 //! [`MoePlan::new`] does the slow work once per [`MoeClass`]: for every token count
 //! `1..=max_tokens` it resolves the kernels [`config::select`] and the sm_90 path choice
-//! ([`gemm_sm90::select_path`], with `FLASHMOE_MOE_GEMM` read here and only here) pick,
+//! ([`gemm_sm90::select_path`], or the lab's explicit override in [`MoePlan::with_gemm_path`]) pick,
 //! compiles or loads each distinct kernel once, and sets the shared-memory attributes. The
 //! choices depend on the token count (router logits kernel, grouped-GEMM tile regime,
 //! sm_90 or portable GEMMs), so the plan keeps them as a short table of token ranges
@@ -547,11 +547,9 @@ pub(crate) fn plan_selections(
 
 impl MoePlan {
     /// Resolve, compile and load every kernel `class` needs on `dev` for 1..=max_tokens
-    /// tokens. The grouped-GEMM path follows `FLASHMOE_MOE_GEMM` (read now, never per
-    /// call; see [`gemm_sm90`]).
+    /// tokens, the grouped-GEMM path chosen per token range ([`gemm_sm90::select_path`]).
     pub fn new(dev: &Device, class: MoeClass) -> Result<MoePlan> {
-        let env = std::env::var(gemm_sm90::PATH_ENV).ok();
-        Self::with_gemm_path(dev, class, 1, env.as_deref())
+        Self::with_gemm_path(dev, class, 1, None)
     }
 
     /// Like [`MoePlan::new`] for calls of `min_tokens..=max_tokens` tokens only (fewer

@@ -12,7 +12,6 @@
 //! ```
 
 use super::config::MoeKernel;
-use super::gemm_sm90;
 use super::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs, WorkspaceLayout};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -20,6 +19,11 @@ use crate::gpu::{check_len, Device, DeviceTensor};
 use crate::problem::MoeProblem;
 use crate::reference::moe::MoeInputs;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+
+/// The lab's override of the grouped-GEMM path for A/B timing (auto, portable, sm90,
+/// sm90-bm64, sm90-bm128), passed to [`MoePlan::with_gemm_path`]; benchmark manifests
+/// record it. Plans never read the environment.
+pub const GEMM_PATH_ENV: &str = "FLASHMOE_MOE_GEMM";
 
 /// Element counts of the MoE inputs of `p`, overflow checked (InvalidProblem).
 fn elems(name: &str, dims: &[usize]) -> Result<usize> {
@@ -209,9 +213,9 @@ impl MoeRunner {
     /// Validate `problem` and `inputs`, build the plan (select and compile the kernels
     /// for this device), upload the inputs (rounded to the problem's dtype) once and
     /// allocate the outputs and the workspace. The grouped-GEMM path follows
-    /// `FLASHMOE_MOE_GEMM` (see [`gemm_sm90`]).
+    /// [`GEMM_PATH_ENV`] when set (the lab's A/B switch; see [`super::gemm_sm90`]).
     pub fn new(dev: &Device, problem: &MoeProblem, inputs: &MoeInputs) -> Result<MoeRunner> {
-        let env = std::env::var(gemm_sm90::PATH_ENV).ok();
+        let env = std::env::var(GEMM_PATH_ENV).ok();
         Self::with_gemm_path(dev, problem, inputs, env.as_deref())
     }
 
