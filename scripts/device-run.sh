@@ -165,7 +165,7 @@ for s in "$@"; do
                   for f in results.json results.md report.html; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
     bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
                   for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
-    # Whether the lab's memset flush sets a floor under B=1 decode (perf-notes §8).
+    # Whether the lab's memset flush sets a floor under B=1 decode (docs/design/attention-decode.md).
     flush-probe)  stage flush-probe 120 python3 tools/probes/l2_flush_probe.py ;;
     # memcheck + racecheck of the decode kernel on small paged shapes: a forced 6-way split
     # with the fused merge (graph replays) and the unsplit dense-cache case.
@@ -192,7 +192,7 @@ for s in "$@"; do
     gqa)          stage gqa 200 $BIN bench attention --config configs/attention-gqa.toml --out /tmp/gqa
                   cp /tmp/gqa/results.json "$OUT/gqa.json" 2>/dev/null ;;
     # seed003 2048 tokens with the 64- and 128-row sm_90 tiles and the portable kernels
-    # (the 2048-token target; see docs/perf-notes-moe.md, v2 outcomes).
+    # (the 2048-token target; see docs/design/moe.md).
     moe-tiles)    for o in sm90-bm64 sm90-bm128 portable; do
                     stage "moe-tiles-$o" 150 env FLASHMOE_MOE_GEMM=$o $BIN bench moe --config configs/moe-2048.toml --impl flashmoe-moe,moe-grouped-mm --out /tmp/moe-tiles-$o
                     cp /tmp/moe-tiles-$o/results.json "$OUT/moe-tiles-$o.json" 2>/dev/null
@@ -217,7 +217,7 @@ for s in "$@"; do
                   done ;;
     # racecheck through the GPU unit tests instead (small sm_90a attention shapes: D 64
     # and 128, causal and not, GQA; the forced sm_90 MoE GEMM matrix): no cuBLAS in them.
-    # (Run 12: racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
+    # (Through the bench, racecheck with --kernel-name crashed inside the bench's cuBLAS ceiling GEMM,
     # "Sanitizer failed to handle a hardware exception", before our kernels ran.)
     # Whether racecheck models mbarrier hand-offs (tools/probes/racecheck_mbarrier_probe.cu):
     # mode 0 mbarriers (warp arrival), 1 __syncthreads, 2 unsynchronised, 3 mbarriers (thread arrival).

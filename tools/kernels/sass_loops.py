@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-loop instruction counts of an nvdisasm listing: for every backward branch whose body
-holds HGMMA, the body's size and its R2UR / IMAD / MUFU counts (docs/perf-notes.md §7.5b).
-With --order, also the loop's event sequence, runs collapsed (docs/perf-notes.md §7.13):
+holds HGMMA, the body's size and its R2UR / IMAD / MUFU counts (docs/design/attention-prefill-sm90.md).
+With --order, also the loop's event sequence, runs collapsed:
 H = HGMMA, W1 / W0 = WARPGROUP.DEPBAR.LE gsb0 1 / 0 (wgmma waits), e = MUFU.EX2,
 p = F2FP (pack), * = FMUL, b = SYNCS (mbarrier wait / arrive). In the attention kernel's
 steady loop every e must come before W0, or the softmax does not overlap P V.

@@ -2,7 +2,7 @@
 """Compile the production variants of the sm_90a attention kernel (bf16 by default, fp16
 with --dtypes; D 64 and 128; causal and not; tile table of config.rs `sm90_tile`) with
 NVRTC, disassemble them and print the ptxas report plus the per-loop counts and event order
-of sass_loops.py (docs/perf-notes.md §7.5b).
+of sass_loops.py (docs/design/attention-prefill-sm90.md).
 
   python3 tools/kernels/sm90_sass.py OUTDIR [--nvdisasm PATH] [--dtypes bf16,fp16] [-D NAME=VALUE ...]
 

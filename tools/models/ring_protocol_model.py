@@ -119,8 +119,8 @@ HALVES = ("K", "V")
 
 def producer_order(n):
     """The order the producer issues the key tiles' halves: K(0), V(0), K(1), V(1), ..
-    (A K-one-ahead order, K(0), K(1), V(0), K(2), V(1), .., also passes; run 55 measured it
-    no faster, docs/perf-notes.md §7.19.)"""
+    (A K-one-ahead order, K(0), K(1), V(0), K(2), V(1), .., also passes; it measured
+    no faster on the H100, docs/design/attention-prefill-sm90.md.)"""
     return [(h, i) for i in range(n) for h in HALVES]
 
 

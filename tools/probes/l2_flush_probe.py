@@ -1,4 +1,4 @@
-"""Does the lab's L2 flush set a floor under small decode steps? (perf-notes §8, session 22)
+"""Does the lab's L2 flush set a floor under small decode steps? (docs/design/attention-decode.md, "The B=1 floor")
 
 The lab flushes L2 with a ~105 MB memset queued right before the start event. The memset
 leaves L2 (50 MiB on the H100) full of dirty lines; a step that reads ~34 MB right after

@@ -1,5 +1,5 @@
 // Does compute-sanitizer racecheck model mbarrier arrive/wait as synchronisation?
-// (docs/perf-notes.md §7.8: racecheck flagged the sm_90a attention kernel's posted work
+// (docs/design/attention-prefill-sm90.md: racecheck flagged the sm_90a attention kernel's posted work
 // tile, a shared-memory slot handed from the producer thread to the consumer warps under
 // mbarriers.) Three kernels hand a value through shared memory several times, the same way:
 //   mode 0: mbarriers, as the attention kernel does (producer: wait "empty", write, arrive
@@ -7,7 +7,7 @@
 //   mode 1: the same hand-off with __syncthreads (racecheck's own model: expect 0 hazards);
 //   mode 2: no synchronisation at all (a real race: expect hazards);
 //   mode 3: mbarriers with every consumer thread arriving on "empty" (no __syncwarp).
-// Run 17 (H100, compute-sanitizer of CUDA 13.0): mode 0 reported a read-then-write hazard
+// Measured (H100, compute-sanitizer of CUDA 13.0): mode 0 reported a read-then-write hazard
 // (112: every later round of every consumer warp), mode 1 none, mode 2 208.
 // Each mode also checks the values read, so a wrong hand-off is visible without the tool.
 //   nvcc -arch=sm_90a -o probe racecheck_mbarrier_probe.cu

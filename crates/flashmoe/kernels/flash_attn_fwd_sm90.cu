@@ -39,7 +39,7 @@
 //   The first block starts below row 0: Q rows < 0 are TMA-filled with zeros, warpgroups
 //   with no row >= 0 pass (pass_tile), and warps with no row >= 0 store nothing. The
 //   rounding to 16 keeps every warp's 16 rows on one side of row 0: a TMA store whose box
-//   starts at a negative row raised an illegal instruction (run 46).
+//   starts at a negative row raised an illegal instruction on the H100.
 //   Ranks are handed out by a dispenser in the workspace (one atomicAdd per tile): a CTA
 //   takes the next rank when it starts a tile, so CTAs that drew cheap (causal) tiles take
 //   more of them. The last CTA to find no work left resets the dispenser. D >= 128

@@ -108,9 +108,9 @@ constexpr int OFF_K = Q_BYTES;
 constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
 // The epilogue stages each consumer warp's 16 rows of O in shared memory, then either one
 // TMA store per 64 columns writes them (O_TMA_STORE), or the warp copies them out as
-// whole 16-byte chunks of contiguous rows. Measured on the H100 (runs 46-50): the TMA
+// whole 16-byte chunks of contiguous rows. Measured on the H100 (builds alternated in one call): the TMA
 // store gains 1-2 % at D=128 S <= 1024; at D=64 ptxas then schedules the steady-state
-// loop differently, and the build measured 1-3 % slower at S = 8192 (run 50).
+// loop differently, and the build measured 1-3 % slower at S = 8192.
 // Varlen: a 16-row box clipped only at the packed tensor's end would write the next
 // sequence's first rows, so those variants store O with plain (row-checked) stores.
 constexpr bool O_TMA_STORE = D >= 128 && !VARLEN;
@@ -132,7 +132,7 @@ constexpr int SMEM_BYTES =
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
 // setmaxnreg.inc waits until the pool has the registers: a split above the allocation
-// hangs every consumer (a 32-register producer did at D=128, run 38: 4096 + 61440 > 64512).
+// hangs every consumer (a 32-register producer did at D=128: 4096 + 61440 > 64512).
 constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCW == 2 ? 240 : 160;
@@ -183,12 +183,12 @@ struct SlotPhases {
 
 // ---- global-memory workspace ----
 // The split of the last wave over key ranges (fm90_scheduler.cuh) and the threshold it
-// applies from. Measured (runs 61-64, H100, 6 alternated rounds in run 64): +1-4 % at
+// applies from. Measured (H100, 6 alternated rounds, paired): +1-4 % at
 // D=128 S >= 4096, but -1.4 % at S = 1024 (each slot pays 2-3 tile starts and a merge,
 // against a 16th wave of 8 key tiles) and -3 % at D=64 S <= 1024, where ptxas also
 // scheduled the steady-state loop worse (10 exponentials after the P V wait). So only
-// D >= 128 non-causal splits, and only tiles of at least SPLIT_MIN_KV_TILES key tiles. Run 78
-// cut from 8 key tiles again, after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
+// D >= 128 non-causal splits, and only tiles of at least SPLIT_MIN_KV_TILES key tiles. Cutting
+// from 8 key tiles, re-measured after the producer schedule: S=1024 -3 %, S=2048 -0.5 %; a
 // cut segment costs about 1.9 iterations besides its keys (a whole tile 0.74), the merge's
 // round trip through L2.
 // (Varlen: not split; the work-tile record carries the sequence instead of the split.

@@ -22,8 +22,8 @@ constexpr bool SKIP_MASKED = CAUSAL && BM > FM_BLOCK_N;
 // without it, ptxas hoists the wait, and the P.V wait behind it, above the softmax in these
 // variants (sm90_sass.py event order: "W1 b3 *2 W0 e10 b e56" instead of "e66 b W0"). The
 // others keep (almost) all exponentials before the wait on their own, and measured 1-2 %
-// faster so (run 42). (Run 61 again: the non-causal variants with the dependency measured
-// 1-4 % slower than without, though without it ptxas put the D=64 wait above the softmax.)
+// faster so. (Re-measured with the last-wave split: the non-causal variants with the dependency
+// measured 1-4 % slower than without, though without it ptxas put the D=64 wait above the softmax.)
 constexpr bool ORDER_V_WAIT = SKIP_MASKED;
 
 // ---- consumer building blocks (one warpgroup, 64 query rows) ----
@@ -289,7 +289,8 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
                 // schedules a wgmma wait at the top of its basic block, so without the
                 // try-wait's branch in between, the wait for P V would be hoisted above the
                 // whole softmax and the softmax would no longer overlap P V (SASS before:
-                // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; docs/perf-notes.md §7.13).
+                // DEPBAR.LE gsb0, 0x0 ahead of every MUFU.EX2 of the loop; fixing it measured +4-10 % at
+                // D=128 non-causal: docs/design/attention-prefill-sm90.md).
                 // In some variants (ORDER_V_WAIT) ptxas moved the try-wait itself up into the
                 // softmax: there its parity takes the softmax's sums through zero_after, which
                 // keeps all 66 MUFU.EX2 before it.

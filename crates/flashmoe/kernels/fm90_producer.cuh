@@ -17,11 +17,11 @@ namespace fm90 {
 // loads Q and every K and V tile the consumers compute. The next tile is decoded and
 // written to the other work-tile record during the current tile (once its loads fill the
 // ring, where the producer waits for slots anyway), and its first K is loaded
-// right after the current tile's last V, ahead of the wait for Q's release: run 69's
+// right after the current tile's last V, ahead of the wait for Q's release: an FM_TRACE
 // timeline showed the producer thread taking about 3800 cycles from a tile's last V to
 // the next tile's first K (decode 1240, post to Q issued 1260, ...; no barrier wait was
-// long). Run 70: that K is now issued 2170 cycles before the last P V (710 after it
-// before); D=128 +1-2 % against cuDNN in the run-73 sweep (docs/perf-notes.md §7.21).
+// long). Now that K is issued 2170 cycles before the last P V (710 after it before);
+// D=128 +1-2 % against cuDNN in the next sweep (docs/design/attention-prefill-sm90.md).
 struct Producer {
     const FmTensorMap *tq, *tk, *tv;
     u32 base;   // the aligned shared memory (Q, the ring, the barriers, the work-tile records)

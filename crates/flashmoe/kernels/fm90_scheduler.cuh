@@ -50,7 +50,7 @@ struct WorkTile {
 // ---- split of the launch's last tiles over key ranges (non-causal) ----
 // Equal work tiles on G persistent CTAs leave the last wave partly empty: 2048 tiles of the
 // D=128 sweep shapes on 132 SMs are 15.5 waves, and 64 CTAs sit idle for the 16th (3.3 % of
-// the SM time in the run 54 timeline). So the last G + R tiles (R = total mod G) are not
+// the SM time in an FM_TRACE timeline). So the last G + R tiles (R = total mod G) are not
 // dealt out whole: their key-tile iterations, in a row, are cut into G contiguous ranges
 // (slots), one per rank after the whole tiles, like stream-K GEMMs. A range is at least one
 // tile long, so a tile is cut at most once, into a part that starts it (part 0: the highest
@@ -101,21 +101,21 @@ __device__ __forceinline__ Schedule make_schedule(int n_mb, int heads_q, int bat
 // sees), and the dispenser hands them out in rank order, so the launch ends well balanced
 // only if it ends on light tiles. With every head's blocks in turn (heaviest first), the
 // last heads' heaviest tiles start late: 5.4-7.9 % of the SM time sat idle after the CTAs'
-// last tiles at S <= 1024 (run 54 timeline). Ranks therefore go through groups of heads
+// last tiles at S <= 1024 (FM_TRACE timeline). Ranks therefore go through groups of heads
 // holding CAUSAL_GROUP_WAVES waves of tiles: inside a group, the heaviest query block of
 // every head first, then the next (longest first). The partial group goes first, so the
-// last one is full. Run 56 (H100): idle tail 2.6-4.3 %, +2-5 % at S >= 2048, but -3 % /
+// last one is full. Measured (H100): idle tail 2.6-4.3 %, +2-5 % at S >= 2048, but -3 % /
 // -6 % at S = 512 (D=128 / 64): there the launch is near the copy ceiling, and grouping
 // runs every head's light, memory-heavy tiles at the same time (slower key-tile steps).
 // So the groups apply from CAUSAL_GROUP_MIN_BLOCKS query blocks per head (S = 1024 at
-// both head dims: +5 % at D=64 and +1 % at D=128 against the same kernel with 10, run 59),
+// both head dims: +5 % at D=64 and +1 % at D=128 against the same kernel with 10),
 // and while a group's K and V (upper bound, no GQA sharing) stay within
 // CAUSAL_GROUP_MAX_KV_BYTES of L2.
 constexpr int CAUSAL_GROUP_WAVES = 2;
 constexpr int CAUSAL_GROUP_MIN_BLOCKS = 6;
-constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // run 56 measured up to 25 MB (D=128 S=16384)
+constexpr long long CAUSAL_GROUP_MAX_KV_BYTES = 32ll << 20;  // groups measured up to 25 MB (D=128 S=16384)
 // Below CAUSAL_GROUP_MIN_BLOCKS, only the launch's last group (CAUSAL_GROUP_WAVES waves of
-// tiles) is ordered longest first: the light tiles run together once, at the end. Run 76
+// tiles) is ordered longest first: the light tiles run together once, at the end. Measured
 // (H100, S = 512 causal, 6 alternated rounds): idle tail 6.8 -> 3.2 % (D=128) and 5.5 ->
 // 2.3 % (D=64), +2.2 % (D=128 bf16), +1.9 % (fp16), +2.5 % (D=64); key-tile steps unchanged.
 
@@ -152,8 +152,8 @@ __device__ __forceinline__ WorkTile decode_tile(int rank, int total, int n_mb, i
         mb = r / in_group;
         bh = bh0 + (r - mb * in_group);
     } else {
-        // Each head's blocks in turn. (Its own branch, with fewer divisions: run 57
-        // measured the group arithmetic at 1-3.5 % on short causal tiles, while the
+        // Each head's blocks in turn. (Its own branch, with fewer divisions: the
+        // group arithmetic measured at 1-3.5 % on short causal tiles, while the
         // decode still sat between the wait for Q's release and the next post.)
         mb = rank % n_mb;
         bh = rank / n_mb;
@@ -199,8 +199,8 @@ struct VarlenSeqs {
 // floor(log2 kt) = VARLEN_PASSES - 1 - p (pass 0: kt >= 32, i.e. 4096 keys at BN = 128;
 // the last pass: kt <= 1). So the launch ends on the tiles of the shortest sequences and
 // its tail (the CTAs idle while the last tiles run) costs at most a short tile, where batch
-// order could end on a 4000-key tile (0.951x dense at D=128 non-causal; docs/perf-notes.md
-// §9). The enumeration is model-checked by tools/models/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
+// order could end on a 4000-key tile (0.951x dense at D=128 non-causal, 1.000x longest first;
+// docs/design/attention-varlen-window.md). The enumeration is model-checked by tools/models/varlen_schedule_model.py. Inside a sequence (ranks [base, base + n)): each query block (causal: the heaviest,
 // last rows first) of all its heads in turn (GQA heads sharing K/V run together, the
 // sequence's K/V stays in L2). Only (pass, b, base, n) are kept: the producer runs on 24
 // registers (PRODUCER_REGS), so the offsets are read again (L1 hits) when needed.

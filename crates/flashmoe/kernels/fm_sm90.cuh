@@ -155,7 +155,7 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const FmTensorMap* m, u32 b
 }
 // TMA store shared -> global of one box (coordinates as for the loads). Box elements past
 // the tensor's bounds are not written. (A box starting at a negative coordinate raised
-// CUDA_ERROR_ILLEGAL_INSTRUCTION on the H100, run 46: callers keep coordinates >= 0.) Completion is
+// CUDA_ERROR_ILLEGAL_INSTRUCTION on the H100: callers keep coordinates >= 0.) Completion is
 // tracked per issuing thread in bulk groups: commit, then wait until the shared source of
 // all but N groups has been read (`.read`: the buffer may be rewritten) or fully written.
 __device__ __forceinline__ void tma_store_4d(const FmTensorMap* m, u32 src, int c0, int c1, int c2, int c3) {

@@ -252,7 +252,7 @@ fn describe(v: &KernelVariant) -> String {
 
 /// The one sm_90a variant allowed to spill: D=64 fp16 dense with a window and a softcap (3
 /// consumer warpgroups at 160 registers; fp16 keeps the softcap's online max, which bf16
-/// drops: docs/perf-notes.md §11). ptxas keeps a few words in local memory, about 6
+/// drops: docs/design/attention-varlen-window.md, "Softcap"). ptxas keeps a few words in local memory, about 6
 /// local accesses per key tile (L1 hits). Anything more fails.
 fn known_spill(v: &KernelVariant, r: &flashmoe::gpu::KernelResources) -> bool {
     v.define("FM_HEAD_DIM") == Some("64")
