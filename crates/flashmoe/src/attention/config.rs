@@ -319,7 +319,7 @@ impl TileConfig {
 /// The v1 tile table: one configuration per served head dim. Chosen for zero register
 /// spills under NVRTC 13.0 (checked by tools/kernels/nvrtc_check.py, which keeps a copy of
 /// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
-/// reasoned about in docs/perf-notes.md.
+/// reasoned about in docs/design/attention-prefill-sm90.md (the portable kernel).
 pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
     let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| TileConfig {
         head_dim,
@@ -489,7 +489,7 @@ pub struct Sm90Tile {
     /// rank dispenser (one atomic per tile), so the next tile's loads overlap this tile's
     /// last GEMMs and epilogue. Dynamic, so causal tiles of unequal cost balance too (a
     /// static round robin made persistent causal 8 % slower at D=128 and 31 % at D=64;
-    /// docs/perf-notes.md §7.8). False: one CTA per work tile.
+    /// on the H100; docs/design/attention-prefill-sm90.md). False: one CTA per work tile.
     pub persistent: bool,
     /// Packed variable-length batches (`FM_VARLEN`, [`super::varlen`]): O stored without
     /// TMA, no split of the last wave. The table's tiles are dense; [`Sm90Tile::for_varlen`]
@@ -687,7 +687,7 @@ fn problem_defines(head_dim: u32, dtype: DType, m: Masking) -> Vec<(String, Stri
     d
 }
 
-/// The sm_90a tile table (docs/perf-notes.md, "sm_90a kernel").
+/// The sm_90a tile table (docs/design/attention-prefill-sm90.md).
 pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
     let t = |head_dim, (block_n, stages, consumers), pingpong, persistent| Sm90Tile {
         head_dim,
@@ -696,7 +696,7 @@ pub fn sm90_tile(head_dim: usize) -> Option<Sm90Tile> {
         consumers,
         pingpong,
         // Q in registers at D=128: +1.2 % geomean over the D=128 A/B shapes, ncu -2.6 % at
-        // S=4096 (run 34, H100). D=64's three consumers have no registers for it.
+        // S=4096 (H100). D=64's three consumers have no registers for it.
         q_regs: head_dim == 128,
         persistent,
         varlen: false,
@@ -1163,8 +1163,9 @@ mod tests {
 
     #[test]
     fn causal_d64_uses_the_table_tile_at_every_length() {
-        // Short causal D=64 problems had a 2-consumer tile until run 48 measured the
-        // 3-consumer one 6.5 % / 7.5 % faster at S = 512 / 1024 (docs/perf-notes.md §7.18).
+        // Short causal D=64 problems had a 2-consumer tile until the 3-consumer one
+        // measured 6.5 % / 7.5 % faster at S = 512 / 1024 on the H100
+        // (docs/design/attention-prefill-sm90.md).
         let p = AttentionProblem::new(2, 4, 1000, 64, true, DType::Bf16);
         assert_eq!(select_sm90(&p).unwrap().block_m, 192);
         let p = AttentionProblem::new(2, 4, 2048, 64, true, DType::Bf16);

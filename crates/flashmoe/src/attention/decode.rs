@@ -42,10 +42,11 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::plan::{Bshd, Element};
+use super::plan::Bshd;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor};
+pub use crate::gpu::raw::RawIndex;
+use crate::gpu::raw::{self, param, Element, RawStream, RawTensor};
 pub use crate::gpu::RawWorkspace;
 use crate::gpu::{Device, Workspace};
 use cudarc::driver::{
@@ -284,80 +285,6 @@ impl DecodeClass {
 /// Sk keys per sequence): upload it once and pass it as `block_table`.
 pub fn identity_block_table(batch: usize) -> Vec<i32> {
     (0..batch as i32).collect()
-}
-
-/// A borrowed int32 device matrix (`rows × cols`, row stride in elements; a vector is one
-/// row... or `rows` rows of one column, see [`RawIndex::vector`]). Kept apart from
-/// [`RawTensor`] so that [`DType`] stays the floating-point storage types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RawIndex {
-    pub ptr: u64,
-    pub rows: usize,
-    pub cols: usize,
-    pub row_stride: usize,
-}
-
-impl RawIndex {
-    /// A contiguous `[rows, cols]` matrix (a block table).
-    pub fn matrix(ptr: u64, rows: usize, cols: usize) -> RawIndex {
-        RawIndex {
-            ptr,
-            rows,
-            cols,
-            row_stride: cols,
-        }
-    }
-    /// A vector of `n` elements (seqused_k).
-    pub fn vector(ptr: u64, n: usize) -> RawIndex {
-        RawIndex {
-            ptr,
-            rows: n,
-            cols: 1,
-            row_stride: 1,
-        }
-    }
-    /// Elements from the base to one past the last.
-    pub fn span_elems(&self) -> u64 {
-        if self.rows == 0 || self.cols == 0 {
-            0
-        } else {
-            (self.rows as u64 - 1) * self.row_stride as u64 + self.cols as u64
-        }
-    }
-    fn expect(&self, name: &str, rows: usize, cols: Option<usize>) -> Result<()> {
-        if self.rows != rows || cols.is_some_and(|c| c != self.cols) || self.cols == 0 {
-            return Err(Error::invalid(format!(
-                "{name} is int32 [{}, {}] but [{rows}, {}] is required",
-                self.rows,
-                self.cols,
-                cols.map_or("max_blocks >= 1".to_string(), |c| c.to_string())
-            )));
-        }
-        if self.ptr == 0 || self.ptr % 4 != 0 {
-            return Err(Error::invalid(format!(
-                "{name} at {:#x} must be a non-null 4-byte aligned device address",
-                self.ptr
-            )));
-        }
-        if self.rows > 1 && self.row_stride < self.cols {
-            return Err(Error::invalid(format!(
-                "{name}'s row stride {} is below its {} columns",
-                self.row_stride, self.cols
-            )));
-        }
-        Ok(())
-    }
-    /// A contiguous vector of `n` elements (varlen's cu_seqlens).
-    pub(crate) fn expect_vector(&self, name: &str, n: usize) -> Result<()> {
-        self.expect(name, n, Some(1))?;
-        if n > 1 && self.row_stride != 1 {
-            return Err(Error::invalid(format!(
-                "{name} must be contiguous (element stride 1) but has stride {}",
-                self.row_stride
-            )));
-        }
-        Ok(())
-    }
 }
 
 /// The tensors of one decode call, raw (shapes in the module docs).

@@ -26,6 +26,7 @@ use super::launch::launch_with_logits;
 use super::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+pub use crate::gpu::raw::Element;
 use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
 use crate::problem::AttentionProblem;
@@ -143,22 +144,6 @@ pub struct CallShape {
     pub batch: usize,
     pub seqlen_q: usize,
     pub seqlen_k: usize,
-}
-
-/// A 16-bit element type the kernels take: `half::bf16` or `half::f16`.
-pub trait Element: sealed::Sealed + Copy + 'static {
-    const DTYPE: DType;
-}
-impl Element for half::bf16 {
-    const DTYPE: DType = DType::Bf16;
-}
-impl Element for half::f16 {
-    const DTYPE: DType = DType::F16;
-}
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for half::bf16 {}
-    impl Sealed for half::f16 {}
 }
 
 /// A (batch, seq, heads, head_dim) view over a cudarc buffer (`CudaSlice`, `CudaView`,

@@ -12,7 +12,7 @@
 //! sequence positions. Rows past `seq` are out of bounds of their own batch and are written
 //! as zeros, which is what makes ragged lengths safe without a bounds check in the kernel;
 //! a stored box's rows past `seq` are not written. (The kernel never passes a negative
-//! coordinate: an O store starting at a negative row raised an illegal instruction, run 46.)
+//! coordinate: an O store starting at a negative row raised an illegal instruction on the H100.)
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]

@@ -21,13 +21,13 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
-use super::decode::RawIndex;
+
 use super::launch::launch_with_logits;
-use super::plan::{AttentionClass, Element};
+use super::plan::AttentionClass;
 use super::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{param, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::raw::{param, Element, RawIndex, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,

@@ -34,7 +34,9 @@ pub use nvrtc::{
     compile_arch_for, compile_options, init_nvrtc_from, nvrtc_compile, nvrtc_version,
     parse_ptxas_report, CompiledKernel, ImageKind, KernelResources,
 };
-pub use raw::{RawStream, RawTensor, RawWorkspace, LEGACY_STREAM, PER_THREAD_STREAM};
+pub use raw::{
+    Element, RawIndex, RawStream, RawTensor, RawU32, RawWorkspace, LEGACY_STREAM, PER_THREAD_STREAM,
+};
 pub use tensor_map::{encode_tiled, TensorMap, TiledLayout};
 pub use workspace::Workspace;
 

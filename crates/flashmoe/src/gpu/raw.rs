@@ -5,8 +5,10 @@
 //! device stream, PyTorch's `torch.cuda.current_stream().cuda_stream`, or the legacy
 //! ([`LEGACY_STREAM`]) and per-thread ([`PER_THREAD_STREAM`]) default streams), reading and
 //! writing device addresses the caller owns, described by [`RawTensor`]: address, element
-//! type, shape and element strides. Nothing here allocates, synchronises or creates a
-//! context or stream.
+//! type, shape and element strides; [`RawIndex`] (int32 index matrices: block tables,
+//! sequence lengths) and [`RawU32`] (expert ids, counts) are the integer views, and
+//! [`Element`] the 16-bit element types of the typed (cudarc) layers. Nothing here
+//! allocates, synchronises or creates a context or stream.
 //!
 //! Contract of every raw entry point (checked where that is cheap):
 //! - addresses are device allocations of the plan's context (the device's primary
@@ -244,6 +246,128 @@ pub unsafe fn zero_async(ptr: u64, bytes: usize, stream: RawStream) -> Result<()
 /// A kernel parameter's address as the driver's parameter array wants it.
 pub fn param<T>(value: &T) -> *mut c_void {
     value as *const T as *mut c_void
+}
+
+/// A borrowed int32 device matrix (`rows × cols`, row stride in elements; a vector is one
+/// row... or `rows` rows of one column, see [`RawIndex::vector`]). Kept apart from
+/// [`RawTensor`] so that [`DType`] stays the floating-point storage types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawIndex {
+    pub ptr: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+}
+
+impl RawIndex {
+    /// A contiguous `[rows, cols]` matrix (a block table).
+    pub fn matrix(ptr: u64, rows: usize, cols: usize) -> RawIndex {
+        RawIndex {
+            ptr,
+            rows,
+            cols,
+            row_stride: cols,
+        }
+    }
+    /// A vector of `n` elements (seqused_k).
+    pub fn vector(ptr: u64, n: usize) -> RawIndex {
+        RawIndex {
+            ptr,
+            rows: n,
+            cols: 1,
+            row_stride: 1,
+        }
+    }
+    /// Elements from the base to one past the last.
+    pub fn span_elems(&self) -> u64 {
+        if self.rows == 0 || self.cols == 0 {
+            0
+        } else {
+            (self.rows as u64 - 1) * self.row_stride as u64 + self.cols as u64
+        }
+    }
+    /// Check that this is `name`, `rows` × `cols` (any cols >= 1 when None), at a non-null
+    /// 4-byte aligned address with a row stride of at least its columns.
+    pub(crate) fn expect(&self, name: &str, rows: usize, cols: Option<usize>) -> Result<()> {
+        if self.rows != rows || cols.is_some_and(|c| c != self.cols) || self.cols == 0 {
+            return Err(Error::invalid(format!(
+                "{name} is int32 [{}, {}] but [{rows}, {}] is required",
+                self.rows,
+                self.cols,
+                cols.map_or("max_blocks >= 1".to_string(), |c| c.to_string())
+            )));
+        }
+        if self.ptr == 0 || self.ptr % 4 != 0 {
+            return Err(Error::invalid(format!(
+                "{name} at {:#x} must be a non-null 4-byte aligned device address",
+                self.ptr
+            )));
+        }
+        if self.rows > 1 && self.row_stride < self.cols {
+            return Err(Error::invalid(format!(
+                "{name}'s row stride {} is below its {} columns",
+                self.row_stride, self.cols
+            )));
+        }
+        Ok(())
+    }
+    /// A contiguous vector of `n` elements (varlen's cu_seqlens).
+    pub(crate) fn expect_vector(&self, name: &str, n: usize) -> Result<()> {
+        self.expect(name, n, Some(1))?;
+        if n > 1 && self.row_stride != 1 {
+            return Err(Error::invalid(format!(
+                "{name} must be contiguous (element stride 1) but has stride {}",
+                self.row_stride
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A borrowed device array of u32 (expert ids, counts): address and element count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawU32 {
+    pub ptr: u64,
+    pub len: usize,
+}
+
+impl RawU32 {
+    /// Check that this is `name` with exactly `len` elements at a non-null 4-byte aligned
+    /// address.
+    pub fn expect(&self, name: &str, len: usize) -> Result<()> {
+        if self.len != len {
+            return Err(Error::invalid(format!(
+                "{name} has {} u32 elements but {len} are required",
+                self.len
+            )));
+        }
+        if self.ptr == 0 {
+            return Err(Error::invalid(format!("{name} is a null device pointer")));
+        }
+        if self.ptr % 4 != 0 {
+            return Err(Error::invalid(format!(
+                "{name} at {:#x} is not 4-byte aligned",
+                self.ptr
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A 16-bit element type the kernels take: `half::bf16` or `half::f16`.
+pub trait Element: sealed::Sealed + Copy + 'static {
+    const DTYPE: DType;
+}
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 #[cfg(test)]

@@ -93,11 +93,9 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::problem::{MoeProblem, Scoring};
 
-/// Backend name used in errors.
-pub const BACKEND: &str = "flashmoe-moe";
+pub use super::kernel::{MoeKernel, BACKEND, PERMUTE_SOURCE};
 
 pub const ROUTER_SOURCE: &str = "moe_router.cu";
-pub const PERMUTE_SOURCE: &str = "moe_permute.cu";
 pub const COMBINE_SOURCE: &str = "moe_combine.cu";
 pub const LOGITS_ENTRY: &str = "moe_router_logits";
 pub const LOGITS_SMALL_ENTRY: &str = "moe_router_logits_small";
@@ -343,21 +341,6 @@ pub fn all_variants() -> Vec<MoeKernel> {
     out.extend(super::gemm_sm90::all_sm90_variants());
     out.push(super::gemm_sm90::gather_kernel());
     out
-}
-
-/// One compiled kernel and how to launch it (same shape as the attention variants).
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeKernel {
-    pub source_file: &'static str,
-    pub entry: &'static str,
-    pub defines: Vec<(String, String)>,
-    /// Rows per block for the grouped GEMMs (1 for the other kernels).
-    pub block_m: u32,
-    /// Output columns per block for the grouped GEMMs.
-    pub block_n: u32,
-    pub block_threads: u32,
-    pub shared_mem_bytes: u32,
-    pub min_arch: u32,
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 //! `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::MoeKernel;
+use super::kernel::MoeKernel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::problem::MoeProblem;

@@ -17,8 +17,8 @@
 //! instead of a fallback, `sm90-bm64` / `sm90-bm128` also force the tile height.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::{MoeKernel, BACKEND, PERMUTE_SOURCE};
 use super::gemm_config::Gemm;
+use super::kernel::{MoeKernel, BACKEND, PERMUTE_SOURCE};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::TiledLayout;

@@ -21,6 +21,7 @@ pub mod gemm_config;
 pub mod gemm_sm90;
 #[cfg(all(test, feature = "lab"))]
 mod gpu_tests;
+pub mod kernel;
 pub mod launch;
 pub mod plan;
 #[cfg(all(test, feature = "lab"))]

@@ -60,10 +60,10 @@ use super::config::{self, MoeKernel, BACKEND};
 use super::gemm_config;
 use super::gemm_sm90::{self, GemmPath};
 use super::launch::{gemm_launch_config, pipeline_configs};
-use crate::attention::Element;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
+pub use crate::gpu::raw::RawU32;
+use crate::gpu::raw::{self, param, Element, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::tensor_map::{self, TensorMap};
 use crate::gpu::{Device, Workspace};
 use crate::problem::{MoeProblem, Scoring};
@@ -191,36 +191,6 @@ impl MoeClass {
             shared_expert: p.shared_expert,
             max_tokens,
         }
-    }
-}
-
-/// A borrowed device array of u32 (expert ids, counts): address and element count.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RawU32 {
-    pub ptr: u64,
-    pub len: usize,
-}
-
-impl RawU32 {
-    /// Check that this is `name` with exactly `len` elements at a non-null 4-byte aligned
-    /// address.
-    pub fn expect(&self, name: &str, len: usize) -> Result<()> {
-        if self.len != len {
-            return Err(Error::invalid(format!(
-                "{name} has {} u32 elements but {len} are required",
-                self.len
-            )));
-        }
-        if self.ptr == 0 {
-            return Err(Error::invalid(format!("{name} is a null device pointer")));
-        }
-        if self.ptr % 4 != 0 {
-            return Err(Error::invalid(format!(
-                "{name} at {:#x} is not 4-byte aligned",
-                self.ptr
-            )));
-        }
-        Ok(())
     }
 }
 

@@ -1,1 +1,0 @@
-../../tools/kernels/moe_nvrtc_check.py

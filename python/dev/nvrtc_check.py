@@ -1,1 +1,0 @@
-../../tools/kernels/nvrtc_check.py

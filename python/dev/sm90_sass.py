@@ -1,1 +1,0 @@
-../../tools/kernels/sm90_sass.py
