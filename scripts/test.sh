@@ -35,6 +35,9 @@ cargo fmt --all -- --check
 step "cargo clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --release -- -D warnings
 
+step "the product crate alone (default features: no lab module may be needed)"
+cargo clippy -p flashmoe --all-targets --release -- -D warnings
+
 step "cargo test"
 cargo test --workspace --release
 
