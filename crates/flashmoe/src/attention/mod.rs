@@ -7,7 +7,9 @@
 //!   stream over the caller's memory);
 //! - varlen: [`varlen`] ([`VarlenPlan`], packed sequences on the sm_90a kernel);
 //! - decode: [`decode`] ([`decode::DecodePlan`], the paged KV cache);
-//! - [`launch`]: launch helpers the plans share.
+//! - [`launch`]: launch helpers the plans share;
+//! - [`route`]: which plan serves a call (window normalisation, softcap checks, the
+//!   dense → prefill / decode routing and the plan keys the front ends cache plans by).
 //!
 //! With the `lab` feature, [`runner`] adds the lab's owners of buffers ([`AttentionRunner`],
 //! the one-off [`forward`] / [`reference_forward`]); engines use the plans.
@@ -23,6 +25,7 @@ pub mod launch;
 pub mod plan;
 #[cfg(all(test, feature = "lab"))]
 mod plan_gpu_tests;
+pub mod route;
 #[cfg(feature = "lab")]
 pub mod runner;
 pub mod tma;
