@@ -15,6 +15,7 @@
 use flashmoe::attention::decode::{
     AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
 };
+use flashmoe::attention::route::{self, AttnCall, AttnShape, Elem as HalfElem, Route, WindowSize};
 use flashmoe::attention::varlen::{self, VarlenArgs, VarlenPlan as VPlan};
 use flashmoe::attention::{config, AttentionArgs, AttentionClass, AttentionPlan as Plan};
 use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
@@ -217,6 +218,58 @@ impl Logits {
     }
 }
 
+/// The router's view of a dense call of `class` with `seq_q` query and `seq_k` key rows:
+/// the window as flash_attn's pair (-1 unbounded, `causal` sets the right side to 0), the
+/// scale resolved (None: 1/sqrt(head_dim), the plans' own default).
+fn attn_call(class: &AttentionClass, seq_q: usize, seq_k: usize) -> PyResult<AttnCall> {
+    let elem = HalfElem::of(class.dtype).ok_or_else(|| {
+        PyTypeError::new_err(format!(
+            "dtype {}: flashmoe's attention takes bf16 or f16",
+            class.dtype
+        ))
+    })?;
+    let (left, right) = class.window;
+    Ok(AttnCall {
+        elem,
+        shape: AttnShape {
+            batch: 1,
+            seq_q,
+            seq_k,
+            heads_q: class.heads_q,
+            heads_kv: class.heads_kv,
+            head_dim: class.head_dim,
+        },
+        softmax_scale: class
+            .softmax_scale
+            .unwrap_or_else(|| route::default_scale(class.head_dim)),
+        window: WindowSize::from_pair(left.into(), right.into(), class.causal).map_err(py_err)?,
+        softcap: Some(class.softcap),
+    })
+}
+
+/// `NotImplementedError` for a dense call that no kernel on any device serves: a sliding
+/// window or a softcap at a head dim the sm_90a kernel does not take, on a call that is not
+/// decode-shaped (the router's decision on the most capable device).
+fn check_routable(class: &AttentionClass, seq_q: usize, seq_k: usize) -> PyResult<()> {
+    let call = attn_call(class, seq_q, seq_k)?;
+    if route::route_dense(&call, route::SM90_ARCH).is_ok() {
+        return Ok(());
+    }
+    Err(py_err(Error::unsupported(
+        "flash-sm90",
+        format!(
+            "head dim {} with window {:?} and softcap {}: sliding windows and softcap run on \
+             the sm_90a kernel (Hopper, head dims {:?}) or, for calls of at most \
+             {MAX_Q_PER_SEQ} query rows ({seq_q} here), on the decode kernels (head dims {:?})",
+            class.head_dim,
+            class.window,
+            class.softcap,
+            config::SM90_HEAD_DIMS,
+            flashmoe::attention::decode::HEAD_DIMS,
+        ),
+    )))
+}
+
 /// `NotImplementedError` for a dense class with a sliding window or a softcap at a head dim
 /// the sm_90a kernel does not serve: no kernel on any device runs it (the portable kernel
 /// has neither), so the device-free check can say so.
@@ -298,10 +351,82 @@ fn check_attention(
         softcap,
     };
     let (class, [rq, rk, rv]) = attention_class(&q, &k, &v, logits)?;
-    check_window_head_dim(&class)?;
+    check_routable(&class, rq.shape[1], rk.shape[1])?;
     let s = class.check_inputs(&rq, &rk, &rv).map_err(py_err)?;
     let (b, sq, hq, d) = (s.batch, s.seqlen_q, class.heads_q, class.head_dim);
     Ok(((b, sq, hq, d), (b, hq, sq)))
+}
+
+/// A plan kind (`"prefill"`: `AttentionPlan`, `"decode"`: `DecodePlan`), the plan's
+/// arguments after (device, dtype, head_dim, heads_q, heads_kv), and the route's scope
+/// `((seq_q lo, hi), (seq_k lo, hi))`.
+type RouteOut = (&'static str, Py<PyAny>, ((usize, usize), (usize, usize)));
+
+/// Which plan serves a dense attention call on a device of compute capability `arch`
+/// (major × 10 + minor), without a GPU: the library's router (`flashmoe::attention::route`),
+/// as flashmoe-candle uses it. Windows are normalised for the call's `seq_q` / `seq_k` (a side
+/// hiding no key is unbounded); a sliding window or softcap goes to the decode plan when the
+/// call is decode-shaped (at most 16 query rows, head dims 64/128/256), else to the sm_90a
+/// prefill kernel (compute capability 9.0, head dims 64/128), else `NotImplementedError`
+/// naming the feature, rows, head dim and device. Returns `(kind, args, scope)`: `kind`
+/// `"prefill"` with `args = (causal, softmax_scale, window, softcap)` for `AttentionPlan`,
+/// or `"decode"` with `args = (max_q_per_seq, window, softcap, softmax_scale)` for
+/// `DecodePlan` (over the dense k/v as one page per sequence); `scope` the lengths over
+/// which every other argument being equal routes the same (a cache keeps the route for
+/// them). Bad values raise as the plans do (`ValueError`, `TypeError`).
+#[pyfunction]
+#[pyo3(signature = (dtype, head_dim, heads_q, heads_kv, seq_q, seq_k, causal, softmax_scale=None, window=(-1, -1), softcap=0.0, *, arch))]
+#[allow(clippy::too_many_arguments)]
+fn route_attention(
+    py: Python<'_>,
+    dtype: &str,
+    head_dim: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seq_q: usize,
+    seq_k: usize,
+    causal: bool,
+    softmax_scale: Option<f32>,
+    window: (i32, i32),
+    softcap: f32,
+    arch: u32,
+) -> PyResult<RouteOut> {
+    let logits = Logits {
+        causal,
+        softmax_scale,
+        window,
+        softcap,
+    };
+    let class = logits.class(
+        half_dtype(dtype, "an attention plan")?,
+        head_dim,
+        heads_q,
+        heads_kv,
+    )?;
+    if seq_q == 0 || seq_k == 0 {
+        return Err(PyValueError::new_err(format!(
+            "empty attention call: seq_q {seq_q} and seq_k {seq_k} must be >= 1"
+        )));
+    }
+    let call = attn_call(&class, seq_q, seq_k)?;
+    let scope = route::route_scope(&call);
+    let scope = (scope.seq_q, scope.seq_k);
+    match route::route_dense(&call, arch).map_err(py_err)? {
+        Route::Prefill(key) => {
+            let c = key.attention_class();
+            let args = (c.causal, c.softmax_scale, c.window, c.softcap);
+            Ok((
+                "prefill",
+                args.into_pyobject(py)?.into_any().unbind(),
+                scope,
+            ))
+        }
+        Route::Decode(key) => {
+            let c = key.decode_class();
+            let args = (c.max_q_per_seq, c.window, c.softcap, c.softmax_scale);
+            Ok(("decode", args.into_pyobject(py)?.into_any().unbind(), scope))
+        }
+    }
 }
 
 /// A placeholder output address for the device-free checks (aligned, never dereferenced).
@@ -1258,6 +1383,7 @@ impl MoePlan {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(route_attention, m)?)?;
     m.add_function(wrap_pyfunction!(check_moe, m)?)?;
     m.add_function(wrap_pyfunction!(check_attention_varlen, m)?)?;
     m.add_function(wrap_pyfunction!(check_attention_kvcache, m)?)?;

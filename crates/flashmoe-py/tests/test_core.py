@@ -544,3 +544,83 @@ def test_torch_ops_say_they_need_torch():
     for fn in (flashmoe.attention, flashmoe.attention_varlen, flashmoe.attention_with_kvcache, flashmoe.moe):
         with pytest.raises(ImportError, match="need PyTorch"):
             fn(None, None, None)
+
+
+# --------------------------------------------------------------------------- the router
+
+USIZE_MAX = 2**64 - 1
+H100, A100 = 90, 80
+
+
+def route(sq, sk, d=128, causal=False, window=(-1, -1), softcap=0.0, arch=H100, scale=0.125, dtype="bf16"):
+    return _core.route_attention(dtype, d, 8, 2, sq, sk, causal, scale, window, softcap, arch=arch)
+
+
+def test_route_without_window_or_softcap_is_the_prefill_plan_for_every_length():
+    for arch in (H100, A100):
+        assert route(100, 300, arch=arch) == ("prefill", (False, 0.125, (-1, -1), 0.0),
+                                              ((1, USIZE_MAX), (1, USIZE_MAX)))
+        # causal: one route for every length of two rows or more; a single row sees every key
+        assert route(100, 300, causal=True, arch=arch) == ("prefill", (True, 0.125, (-1, -1), 0.0),
+                                                           ((2, USIZE_MAX), (1, USIZE_MAX)))
+        assert route(1, 300, causal=True, arch=arch) == ("prefill", (False, 0.125, (-1, -1), 0.0),
+                                                         ((1, 1), (1, USIZE_MAX)))
+    # the default scale is the plans' own 1/sqrt(head_dim), as an f32
+    kind, (causal, scale, window, softcap), _ = route(100, 300, d=64, scale=None)
+    assert kind == "prefill" and abs(scale - 0.125) < 1e-7
+
+
+def test_route_windows_are_normalised_per_call():
+    # a window covering every key is no window: the prefill plan on any GPU
+    assert route(100, 300, window=(4096, 4096), arch=A100)[:2] == ("prefill", (False, 0.125, (-1, -1), 0.0))
+    assert route(100, 300, causal=True, window=(4096, 5), arch=A100)[:2] == (
+        "prefill", (True, 0.125, (-1, -1), 0.0))
+    # a sliding window on Hopper: the sm_90a prefill kernel (causal bounds the right side)
+    kind, args, (sq_range, sk_range) = route(100, 300, causal=True, window=(64, -1))
+    assert (kind, args) == ("prefill", (True, 0.125, (64, -1), 0.0))
+    assert sq_range[0] <= 100 <= sq_range[1] and sk_range[0] <= 300 <= sk_range[1]
+    assert route(300, 300, window=(16, 16), softcap=30.0)[:2] == ("prefill", (False, 0.125, (16, 16), 30.0))
+
+
+@pytest.mark.parametrize("d, arch", [(256, H100), (128, A100), (128, H100), (64, A100)])
+def test_route_decode_shaped_windows_and_softcap_take_the_decode_plan(d, arch):
+    kind, args, (sq_range, _) = route(3, 300, d=d, causal=True, softcap=30.0, arch=arch)
+    assert (kind, args) == ("decode", (4, (-1, 0), 30.0, 0.125))  # 3 rows: the 4-row plan
+    assert sq_range == (3, 4)
+    assert route(1, 300, d=d, window=(64, 0), arch=arch)[:2] == ("decode", (1, (64, 0), 0.0, 0.125))
+    assert route(16, 300, d=d, window=(500, 3), softcap=5.0, arch=arch)[:2] == ("decode", (16, (-1, 3), 5.0, 0.125))
+
+
+def test_route_errors_name_feature_rows_head_dim_and_device():
+    with pytest.raises(NotImplementedError) as e:
+        route(100, 300, window=(64, 0), arch=A100)
+    for part in ["sliding-window attention (window_size = (64, 0))", "100 query rows", "head dim 128",
+                 "compute capability 8.0", "sm_90a prefill kernel", "decode kernels (at most 16 query rows"]:
+        assert part in str(e.value)
+    with pytest.raises(NotImplementedError, match=r"softcapping \(softcap = 50\).*head dim 256"):
+        route(5000, 5000, d=256, causal=True, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="head dim 96"):
+        route(1, 64, d=96, softcap=30.0)
+    with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
+        route(4, 4, window=(-2, 0))
+    with pytest.raises(ValueError, match="softcap -1 must be finite and >= 0"):
+        route(4, 4, softcap=-1.0)
+    with pytest.raises(ValueError, match="empty"):
+        route(0, 4)
+    with pytest.raises(TypeError, match="bf16 or f16"):
+        route(4, 4, dtype="f32")
+
+
+def test_check_attention_lets_decode_shaped_windows_through():
+    # head dim 256 has no sm_90a kernel, but a decode-shaped call runs on the decode plan
+    q, k, v = qkv(sq=16, sk=300, d=256)
+    assert _core.check_attention(q, k, v, False, window=(8, 8))[0] == (2, 16, 8, 256)
+    assert _core.check_attention(q, k, v, True, softcap=30.0)[1] == (2, 8, 16)
+    q, k, v = qkv(sq=17, sk=300, d=256)
+    with pytest.raises(NotImplementedError, match="at most 16 query rows"):
+        _core.check_attention(q, k, v, False, window=(8, 8))
+
+
+def test_route_attention_is_exported():
+    assert flashmoe.route_attention is _core.route_attention
+    assert "route_attention" in flashmoe.__all__

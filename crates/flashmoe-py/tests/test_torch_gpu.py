@@ -537,7 +537,9 @@ def test_attention_window_softcap_errors():
         flashmoe.attention(q, q, q, causal=True, softcap=float("nan"))
     with pytest.raises(TypeError, match="window_size must be a"):
         flashmoe.attention(q, q, q, window_size=8)
-    h256 = torch.randn(1, 16, 4, 256, dtype=torch.bfloat16, device=DEV)
+    # head dim 256 has no sm_90a kernel: a prefill-sized window has no kernel on any GPU (a
+    # decode-shaped one runs on the decode plan: test_attention_decode_shaped_windows_use_the_decode_plan)
+    h256 = torch.randn(1, 32, 4, 256, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(NotImplementedError, match="sm_90a"):
         flashmoe.attention(h256, h256, h256, window_size=(8, 8))
     flashmoe.attention(h256, h256, h256, causal=True)  # without a window head dim 256 runs (v1)
@@ -546,6 +548,65 @@ def test_attention_window_softcap_errors():
         flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 10, 10, window_size=(3, -9))
     with pytest.raises(ValueError, match="softcap inf"):
         flashmoe.attention_varlen(q[0], q[0], q[0], cu, cu, 10, 10, softcap=float("inf"))
+
+
+DECODE_SHAPED_WINDOW_CASES = [
+    # dtype, b, sq, sk, hq, hkv, d, causal, window, softcap: at most 16 query rows with a window or
+    # softcap run on the decode plan over the dense k/v on every GPU (head dim 256 included), as in
+    # flashmoe-candle
+    (torch.bfloat16, 2, 1, 300, 8, 2, 256, True, (-1, -1), 50.0),  # Gemma-2 decode step: softcap
+    (torch.bfloat16, 3, 4, 1000, 8, 1, 256, True, (255, -1), 30.0),  # + sliding window, MQA, 4 rows
+    (torch.float16, 2, 16, 77, 4, 4, 128, False, (20, 3), 0.0),  # local window, 16 rows
+    (torch.bfloat16, 1, 3, 5000, 8, 2, 64, True, (4096, -1), 0.0),  # Mistral window, long keys (splits)
+    (torch.float16, 2, 7, 9, 8, 2, 128, True, (2, -1), 10.0),  # short keys: rows see only the window
+]
+
+
+@pytest.mark.parametrize("case", DECODE_SHAPED_WINDOW_CASES)
+def test_attention_decode_shaped_windows_use_the_decode_plan(case):
+    dtype, b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    poison_pool()
+    o, lse = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, sq)
+    ro, rlse = windowed_ref(q, k, v, 1.0 / math.sqrt(d), causal, window, softcap)
+    check_lse(lse, rlse, "lse")
+    gate(o, ro, dtype, "o")
+    # the same class at other lengths: each call routed by its own lengths (prefill-sized calls
+    # of head dim 256 with a window have no kernel), the cached decode plan reused
+    if d != 256:
+        return
+    o2 = flashmoe.attention(q[:, :1], k[:, : sk // 2], v[:, : sk // 2], causal=causal, window_size=window,
+                            softcap=softcap)
+    gate(o2, windowed_ref(q[:, :1], k[:, : sk // 2], v[:, : sk // 2], 1.0 / math.sqrt(d), causal, window,
+                          softcap)[0], dtype, "o, one row")
+    long_q = torch.randn(b, 17, hq, d, dtype=dtype, device=DEV)
+    with pytest.raises(NotImplementedError, match="17 query rows"):
+        flashmoe.attention(long_q, k, v, causal=causal, window_size=window, softcap=softcap)
+
+
+@torch.no_grad()
+def test_decode_shaped_window_in_a_cuda_graph():
+    """The decode route's per-call block table and lengths are captured like any op."""
+    q = torch.randn(2, 1, 8, 256, dtype=torch.bfloat16, device=DEV)
+    k, v = (torch.randn(2, 500, 2, 256, dtype=torch.bfloat16, device=DEV) for _ in range(2))
+    step = lambda: flashmoe.attention(q, k, v, causal=True, window_size=(127, -1), softcap=50.0)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step())
 
 
 VARLEN_WINDOW_CASES = [

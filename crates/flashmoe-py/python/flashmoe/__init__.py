@@ -7,8 +7,8 @@ implementations, so ``torch.compile`` traces them and CUDA graphs capture them.
 
 The extension module ``flashmoe._core`` imports without torch: it describes tensors as
 ``(data_ptr, dtype, shape, strides)`` tuples and holds the shape checks
-(``check_attention``, ``check_attention_varlen``, ``check_attention_kvcache``, ``check_moe``)
-and the plans (``AttentionPlan``, ``VarlenPlan``, ``DecodePlan``, ``MoePlan``).
+(``check_attention``, ``check_attention_varlen``, ``check_attention_kvcache``, ``check_moe``),
+the router that picks a dense call's plan (``route_attention``) and the plans (``AttentionPlan``, ``VarlenPlan``, ``DecodePlan``, ``MoePlan``).
 """
 
 from ._core import (  # noqa: F401
@@ -22,6 +22,7 @@ from ._core import (  # noqa: F401
     check_moe,
     device_count,
     device_name,
+    route_attention,
 )
 
 try:
@@ -58,4 +59,5 @@ __all__ = [
     "check_moe",
     "device_count",
     "device_name",
+    "route_attention",
 ]

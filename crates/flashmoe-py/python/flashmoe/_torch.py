@@ -141,17 +141,56 @@ def _lse_sink(nbytes: int, index: int, stream: int) -> int:
     return entry[1]
 
 
+# The dense op's plan cache. The call's key is its arguments but the lengths: (device index, dtype,
+# head_dim, heads_q, heads_kv, causal, softmax_scale, window_left, window_right, softcap). The plan
+# serving it is the library's router's choice (``_core.route_attention``: the prefill plan, or the
+# decode plan for a decode-shaped call with a window or softcap), which also depends on the lengths;
+# the router returns the ranges of seq_q and seq_k over which its choice holds. An entry is
+# (seq_q lo, hi, seq_k lo, hi, plan, decode). _attention_plans: the entry the key's last call used
+# (the call path checks its ranges, two comparisons); _attention_routes: every entry of the key;
+# _routed_plans: plans by (index, dtype, head_dim, heads_q, heads_kv, kind, plan arguments), one per
+# route. The router runs only on a miss.
+_attention_routes = {}
+_routed_plans = {}
+
+
+def _routed_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, kind, args):
+    """The cached plan of a route: kind "prefill" (``AttentionPlan``, args (causal, softmax_scale,
+    window, softcap)) or "decode" (``DecodePlan``, args (max_q_per_seq, window, softcap,
+    softmax_scale))."""
+    key = (index, torch_dtype, head_dim, heads_q, heads_kv, kind, args)
+    plan = _routed_plans.get(key)
+    if plan is None:
+        make = _core.AttentionPlan if kind == "prefill" else _core.DecodePlan
+        plan = make(index, dtype, head_dim, heads_q, heads_kv, *args)
+        _routed_plans[key] = plan
+    return plan
+
+
 def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
                     window_left=-1, window_right=-1, softcap=0.0):
-    """Build and cache the plan of a class (the call path looks the cache up itself)."""
-    key = (index, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale, window_left, window_right,
-           softcap)
-    plan = _attention_plans.get(key)
-    if plan is None:
-        plan = _core.AttentionPlan(index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
-                                   (window_left, window_right), softcap)
-        _attention_plans[key] = plan
-    return plan
+    """Build and cache the prefill plan of a class, without routing (tools/overhead.py times it)."""
+    args = (causal, softmax_scale, (window_left, window_right), softcap)
+    return _routed_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, "prefill", args)
+
+
+def _attention_route(key, dtype, sq, sk):
+    """The entry of a call whose key's last entry does not cover its lengths (or that has none):
+    another entry of the key that does, else the router's choice and its plan."""
+    entries = _attention_routes.setdefault(key, [])
+    for entry in entries:
+        if entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]:
+            break
+    else:
+        index, torch_dtype, d, hq, hkv, causal, softmax_scale, left, right, softcap = key
+        major, minor = torch.cuda.get_device_capability(index)
+        kind, args, ((q_lo, q_hi), (k_lo, k_hi)) = _core.route_attention(
+            dtype, d, hq, hkv, sq, sk, causal, softmax_scale, (left, right), softcap, arch=10 * major + minor)
+        plan = _routed_plan(index, dtype, torch_dtype, d, hq, hkv, kind, args)
+        entry = (q_lo, q_hi, k_lo, k_hi, plan, kind == "decode")
+        entries.append(entry)
+    _attention_plans[key] = entry
+    return entry
 
 
 _I32_MAX = (1 << 31) - 1
@@ -243,11 +282,12 @@ def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right
         _core.check_attention(dq, dk, dv, causal, softmax_scale, window=(window_left, window_right),
                               softcap=softcap)
     b, sq, hq, d = dq[2]
-    plan = _attention_plans.get(
-        (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap))
-    if plan is None:
-        plan = _attention_plan(index, dq[1], q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left,
-                               window_right, softcap)
+    sk = dk[2][1]
+    key = (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap)
+    entry = _attention_plans.get(key)
+    if entry is None or not (entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]):
+        entry = _attention_route(key, dq[1], sq, sk)
+    plan = entry[4]
     dev = q.device
     o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
     stream = _raw_stream(index)
@@ -256,6 +296,15 @@ def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right
         lse_ptr = lse.data_ptr()
     else:
         lse, lse_ptr = None, _lse_sink(4 * b * hq * sq, index, stream)
+    if entry[5]:
+        # The decode plan over the dense cache: k, v (b, sk, hkv, d) as b pages of sk keys, the
+        # identity block table, every sequence sk keys long.
+        table = torch.arange(b, dtype=torch.int32, device=dev).view(b, 1)
+        used = torch.full((b,), sk, dtype=torch.int32, device=dev)
+        ws, ws_bytes = _workspace("decode", plan.workspace_bytes(b, sk), index, stream)
+        plan.forward(stream, dq, dk, dv, _idesc(table, "block_table"), _idesc(used, "cache_seqlens"), None,
+                     o.data_ptr(), lse_ptr, ws, ws_bytes)
+        return o, lse
     ws, ws_bytes = _workspace("prefill", plan.workspace_bytes, index, stream)
     plan.forward(stream, dq, dk, dv, o.data_ptr(), lse_ptr, ws, ws_bytes)
     return o, lse
