@@ -4,6 +4,7 @@
 //! launch latency is never counted as kernel time.
 
 use super::cpu::CpuReference;
+use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::gpu::{EventTimer, L2Flusher};
 use crate::measure::Sampled;
@@ -173,56 +174,39 @@ impl Implementation for GpuAttention {
             anyhow::bail!("GPU attention given a non-attention config");
         };
         let dev = &self.session.device;
-        Ok(match self.kernel {
-            GpuAttentionKernel::V1 => Box::new(V1Prepared {
-                runner: AttentionRunner::with_variant(
-                    dev,
-                    p,
-                    &x.q,
-                    &x.k,
-                    &x.v,
-                    config::select_v1(p)?,
-                )
-                .context("preparing the v1 kernel")?,
-                session: self.session.clone(),
-            }),
-            GpuAttentionKernel::Sm90 => Box::new(V1Prepared {
-                runner: AttentionRunner::with_variant(
-                    dev,
-                    p,
-                    &x.q,
-                    &x.k,
-                    &x.v,
-                    flashmoe::attention::runner::select_sm90_for_lab(p)?,
-                )
-                .context("preparing the sm_90a kernel")?,
-                session: self.session.clone(),
-            }),
-            GpuAttentionKernel::Reference => Box::new(ReferencePrepared::new(&self.session, p, x)?),
-        })
+        let (variant, what) = match self.kernel {
+            GpuAttentionKernel::V1 => (config::select_v1(p)?, "the v1 kernel"),
+            GpuAttentionKernel::Sm90 => (
+                flashmoe::attention::runner::select_sm90_for_lab(p)?,
+                "the sm_90a kernel",
+            ),
+            GpuAttentionKernel::Reference => {
+                let call = ReferenceCall::new(dev, p, x)?;
+                return Ok(Box::new(PlanBacked::new(&self.session, call)));
+            }
+        };
+        let runner = AttentionRunner::with_variant(dev, p, &x.q, &x.k, &x.v, variant)
+            .with_context(|| format!("preparing {what}"))?;
+        Ok(Box::new(PlanBacked::new(
+            &self.session,
+            RunnerCall { runner },
+        )))
     }
 }
 
 /// A flash kernel (v1 or sm_90a) with its buffers (also the varlen suite's dense row).
-pub(crate) struct V1Prepared {
+pub(crate) struct RunnerCall {
     pub(crate) runner: AttentionRunner,
-    pub(crate) session: Rc<GpuSession>,
 }
 
-impl Sampled for V1Prepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        let dev = &self.session.device;
-        let runner = &mut self.runner;
-        self.session.timed(|| runner.run(dev))
+impl PlanCall for RunnerCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.runner.run(dev)
     }
-}
-
-impl Prepared for V1Prepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let dev = &self.session.device;
-        self.runner.poison_outputs(dev)?;
-        self.runner.run(dev)?;
-        dev.synchronize()?;
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.runner.poison_outputs(dev)
+    }
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
         Ok(Outputs::Attention {
             o: self.runner.output(dev)?,
             lse: self.runner.lse(dev)?,
@@ -235,69 +219,62 @@ impl Prepared for V1Prepared {
 }
 
 /// Buffers for the GPU reference kernel (O in f32).
-struct ReferencePrepared {
+struct ReferenceCall {
     problem: flashmoe::AttentionProblem,
     q: DeviceTensor,
     k: DeviceTensor,
     v: DeviceTensor,
-    o: DeviceTensor,
-    lse: DeviceTensor,
-    session: Rc<GpuSession>,
+    out: AttentionOut,
 }
 
-impl ReferencePrepared {
+impl ReferenceCall {
     fn new(
-        session: &Rc<GpuSession>,
+        dev: &Device,
         p: &flashmoe::AttentionProblem,
         x: &flashmoe::reference::attention::AttentionInputs,
-    ) -> anyhow::Result<ReferencePrepared> {
-        let dev = &session.device;
-        Ok(ReferencePrepared {
+    ) -> anyhow::Result<ReferenceCall> {
+        Ok(ReferenceCall {
             problem: p.clone(),
             q: DeviceTensor::from_f32(dev, p.dtype, &x.q)?,
             k: DeviceTensor::from_f32(dev, p.dtype, &x.k)?,
             v: DeviceTensor::from_f32(dev, p.dtype, &x.v)?,
-            o: DeviceTensor::alloc(dev, DType::F32, p.q_elems())?,
-            lse: DeviceTensor::alloc(dev, DType::F32, p.lse_elems())?,
-            session: session.clone(),
+            out: AttentionOut {
+                o: DeviceTensor::alloc(dev, DType::F32, p.q_elems())?,
+                lse: DeviceTensor::alloc(dev, DType::F32, p.lse_elems())?,
+            },
         })
     }
 
-    fn launch(&mut self) -> flashmoe::Result<()> {
-        let dev = &self.session.device;
-        attention::reference_forward(
-            dev,
-            &self.problem,
-            &self.q,
-            &self.k,
-            &self.v,
-            &mut self.o,
-            &mut self.lse,
-        )
-    }
-
-    fn outputs(&mut self) -> anyhow::Result<(Vec<f32>, Vec<f32>)> {
-        let session = self.session.clone();
-        let dev = &session.device;
-        self.o.poison(dev)?;
-        self.lse.poison(dev)?;
-        self.launch()?;
-        dev.synchronize()?;
-        Ok((self.o.to_f32(dev)?, self.lse.to_f32(dev)?))
+    /// One checked run's (o, lse) in f64: the reference outputs of a config.
+    fn reference(
+        session: &Rc<GpuSession>,
+        p: &flashmoe::AttentionProblem,
+        x: &flashmoe::reference::attention::AttentionInputs,
+    ) -> anyhow::Result<AttentionOutput<f64>> {
+        let call = ReferenceCall::new(&session.device, p, x)?;
+        let Outputs::Attention { o, lse } = PlanBacked::new(session, call).run_for_check()? else {
+            unreachable!("the attention reference returns attention outputs")
+        };
+        Ok(AttentionOutput {
+            o: o.into_iter().map(f64::from).collect(),
+            lse: lse.into_iter().map(f64::from).collect(),
+        })
     }
 }
 
-impl Sampled for ReferencePrepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        let session = self.session.clone();
-        session.timed(|| self.launch())
+impl PlanCall for ReferenceCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        let AttentionOut { o, lse } = &mut self.out;
+        attention::reference_forward(dev, &self.problem, &self.q, &self.k, &self.v, o, lse)
     }
-}
-
-impl Prepared for ReferencePrepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let (o, lse) = self.outputs()?;
-        Ok(Outputs::Attention { o, lse })
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.out.poison(dev)
+    }
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
+        self.out.download(dev)
+    }
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        None
     }
 }
 
@@ -349,12 +326,8 @@ impl ReferenceProvider for GpuReferenceProvider {
         // Varlen: the fp32 reference kernel on each sequence alone (window and softcap
         // included), scattered into the packed layout.
         if let (ProblemSpec::Varlen(p), SuiteInputs::Attention(x)) = (problem, inputs) {
-            let r = crate::varlen::per_sequence(p, x, |seq, xs| -> anyhow::Result<_> {
-                let (o, lse) = ReferencePrepared::new(&self.session, seq, xs)?.outputs()?;
-                Ok(AttentionOutput {
-                    o: o.into_iter().map(f64::from).collect(),
-                    lse: lse.into_iter().map(f64::from).collect(),
-                })
+            let r = crate::varlen::per_sequence(p, x, |seq, xs| {
+                ReferenceCall::reference(&self.session, seq, xs)
             })
             .context("GPU fp32 varlen reference (per sequence)")?;
             return Ok(ReferenceOutputs::Attention(r));
@@ -372,12 +345,7 @@ impl ReferenceProvider for GpuReferenceProvider {
             }
             _ => anyhow::bail!("no GPU reference for this config"),
         };
-        let (o, lse) = ReferencePrepared::new(&self.session, p, x)?
-            .outputs()
-            .context("GPU fp32 reference")?;
-        Ok(ReferenceOutputs::Attention(AttentionOutput {
-            o: o.into_iter().map(f64::from).collect(),
-            lse: lse.into_iter().map(f64::from).collect(),
-        }))
+        let r = ReferenceCall::reference(&self.session, p, x).context("GPU fp32 reference")?;
+        Ok(ReferenceOutputs::Attention(r))
     }
 }

@@ -9,14 +9,14 @@
 //! implementation reads.
 
 use super::gpu::GpuSession;
+use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::decode::{DecodeProblem, PagedCache};
-use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use flashmoe::attention::decode::{DecodeArgs, DecodePlan, RawIndex};
-use flashmoe::gpu::{DeviceTensor, Workspace};
+use flashmoe::gpu::{Device, DeviceTensor, Workspace};
 use flashmoe::DType;
 use std::rc::Rc;
 
@@ -45,15 +45,14 @@ impl Implementation for GpuDecode {
         let (ProblemSpec::Decode(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
             anyhow::bail!("the decode plan given a non-decode config");
         };
-        Ok(Box::new(
-            DecodePrepared::new(&self.session, p, x).context("preparing the decode plan")?,
-        ))
+        let call =
+            DecodeCall::new(&self.session.device, p, x).context("preparing the decode plan")?;
+        Ok(Box::new(PlanBacked::new(&self.session, call)))
     }
 }
 
 /// The plan, its workspace and every buffer its raw arguments point into.
-struct DecodePrepared {
-    session: Rc<GpuSession>,
+struct DecodeCall {
     plan: DecodePlan,
     args: DecodeArgs,
     workspace: Workspace,
@@ -65,17 +64,15 @@ struct DecodePrepared {
     _table: CudaSlice<i32>,
     _seqused: CudaSlice<i32>,
     _cu_seqlens_q: Option<CudaSlice<i32>>,
-    o: DeviceTensor,
-    lse: DeviceTensor,
+    out: AttentionOut,
 }
 
-impl DecodePrepared {
+impl DecodeCall {
     fn new(
-        session: &Rc<GpuSession>,
+        dev: &Device,
         p: &DecodeProblem,
         x: &flashmoe::reference::AttentionInputs,
-    ) -> anyhow::Result<DecodePrepared> {
-        let dev = &session.device;
+    ) -> anyhow::Result<DecodeCall> {
         let s = dev.stream();
         let (b, sq, hq, hkv, d) = (p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim);
         let (nb, ps, mb) = (p.num_blocks(), p.page_size, p.max_blocks());
@@ -116,8 +113,7 @@ impl DecodePrepared {
         let plan = DecodePlan::new(dev, p.class())?;
         let shape = plan.check(&args)?;
         let workspace = plan.alloc_workspace(s, b, p.seqlen_k)?;
-        Ok(DecodePrepared {
-            session: session.clone(),
+        Ok(DecodeCall {
             plan,
             args,
             workspace,
@@ -128,13 +124,14 @@ impl DecodePrepared {
             _table: table,
             _seqused: seqused,
             _cu_seqlens_q: cu,
-            o,
-            lse,
+            out: AttentionOut { o, lse },
         })
     }
+}
 
-    fn launch(&self) -> flashmoe::Result<()> {
-        let s = self.session.device.stream();
+impl PlanCall for DecodeCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        let s = dev.stream();
         // SAFETY: every address in `args` points into a buffer owned by `self` and sized
         // for its tensor (checked by `plan.check` at prepare); seqused_k = max_seqlen_k;
         // the table holds a permutation of the blocks; the workspace is the plan's, sized
@@ -144,27 +141,11 @@ impl DecodePrepared {
                 .forward_raw(s.cu_stream(), &self.args, self.workspace.raw())
         }
     }
-}
-
-impl Sampled for DecodePrepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        let session = self.session.clone();
-        session.timed(|| self.launch())
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.out.poison(dev)
     }
-}
-
-impl Prepared for DecodePrepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let session = self.session.clone();
-        let dev = &session.device;
-        self.o.poison(dev)?;
-        self.lse.poison(dev)?;
-        self.launch()?;
-        dev.synchronize()?;
-        Ok(Outputs::Attention {
-            o: self.o.to_f32(dev)?,
-            lse: self.lse.to_f32(dev)?,
-        })
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
+        self.out.download(dev)
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         // The split-KV partials; the paged cache replaces the dense one.

@@ -3,10 +3,12 @@
 //! the attention kernels (see `gpu.rs`).
 
 use super::gpu::GpuSession;
+use super::plan_backed::{PlanBacked, PlanCall};
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
+use flashmoe::gpu::Device;
 use flashmoe::moe::{config, MoeRunner};
 use std::rc::Rc;
 
@@ -45,61 +47,50 @@ impl Implementation for GpuMoe {
         };
         let runner = MoeRunner::new(&self.session.device, p, x)
             .with_context(|| format!("preparing the MoE pipeline for {p}"))?;
-        Ok(Box::new(MoePrepared {
+        let call = MoeCall {
             runner,
-            session: self.session.clone(),
             router_ms: None,
-        }))
+        };
+        Ok(Box::new(PlanBacked::new(&self.session, call)))
     }
 }
 
-struct MoePrepared {
+struct MoeCall {
     runner: MoeRunner,
-    session: Rc<GpuSession>,
     router_ms: Option<f64>,
 }
 
 /// Samples of the router stage alone (L2 flushed before each, like the layer's samples).
 const ROUTER_SAMPLES: usize = 15;
 
-impl MoePrepared {
-    /// Median time of the router stage (logits, scoring + top-k, statistics) alone.
-    fn time_router(&mut self) -> anyhow::Result<f64> {
-        let dev = &self.session.device;
-        let mut v = Vec::with_capacity(ROUTER_SAMPLES);
-        for _ in 0..ROUTER_SAMPLES {
-            let runner = &mut self.runner;
-            v.push(self.session.timed(|| runner.run_router(dev))?);
-        }
-        Ok(crate::stats::median(&v))
+impl PlanCall for MoeCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.runner.run(dev)
     }
-}
-
-impl Sampled for MoePrepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        let dev = &self.session.device;
-        let runner = &mut self.runner;
-        self.session.timed(|| runner.run(dev))
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.runner.poison_outputs(dev)
     }
-}
-
-impl Prepared for MoePrepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let dev = &self.session.device;
-        self.runner.poison_outputs(dev)?;
-        self.runner.run(dev)?;
-        dev.synchronize().context("running the MoE pipeline")?;
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
         // Load statistics and losses are reported per config from the reference routing,
         // which the gate requires this one to match (ids, and losses within 1e-4).
         let routing = self.runner.gpu_routing(dev)?;
-        let out = self.runner.output(dev)?;
-        // After the outputs are read: the router's runs overwrite only its own buffers.
-        self.router_ms = Some(self.time_router().context("timing the MoE router alone")?);
         Ok(Outputs::Moe {
-            out,
+            out: self.runner.output(dev)?,
             losses: Some((routing.aux_loss, routing.z_loss)),
             topk_ids: Some(routing.topk_ids),
         })
+    }
+    /// The median time of the router stage (logits, scoring + top-k, statistics) alone,
+    /// after the outputs are read: the router's runs overwrite only its own buffers.
+    fn after_check(&mut self, session: &GpuSession) -> anyhow::Result<()> {
+        let dev = &session.device;
+        let mut v = Vec::with_capacity(ROUTER_SAMPLES);
+        for _ in 0..ROUTER_SAMPLES {
+            let runner = &mut self.runner;
+            v.push(session.timed(|| runner.run_router(dev))?);
+        }
+        self.router_ms = Some(crate::stats::median(&v));
+        Ok(())
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         Some(self.runner.workspace_bytes())

@@ -10,16 +10,16 @@
 //!   dense `(B, S, H, D)` batch: the "dense on the same tokens" row of issue 22's target
 //!   (its LSE `(B, Hq, S)` is rearranged to the packed `(Hq, B · S)` for the gate).
 
-use super::gpu::{GpuSession, V1Prepared};
+use super::gpu::{GpuSession, RunnerCall};
+use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
 use super::{Implementation, Outputs, Prepared, SuiteInputs};
-use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use crate::varlen::VarlenProblem;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use flashmoe::attention::decode::RawIndex;
 use flashmoe::attention::{config, varlen, AttentionRunner, VarlenArgs, VarlenPlan};
-use flashmoe::gpu::{DeviceTensor, Workspace};
+use flashmoe::gpu::{Device, DeviceTensor, Workspace};
 use flashmoe::reference::AttentionInputs;
 use flashmoe::DType;
 use std::rc::Rc;
@@ -63,15 +63,14 @@ impl Implementation for GpuVarlen {
         let (ProblemSpec::Varlen(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
             anyhow::bail!("the varlen plan given a non-varlen config");
         };
-        Ok(Box::new(
-            VarlenPrepared::new(&self.session, p, x).context("preparing the varlen plan")?,
-        ))
+        let call =
+            VarlenCall::new(&self.session.device, p, x).context("preparing the varlen plan")?;
+        Ok(Box::new(PlanBacked::new(&self.session, call)))
     }
 }
 
 /// The plan, its workspace and every buffer its raw arguments point into.
-struct VarlenPrepared {
-    session: Rc<GpuSession>,
+struct VarlenCall {
     plan: VarlenPlan,
     args: VarlenArgs,
     workspace: Workspace,
@@ -82,17 +81,11 @@ struct VarlenPrepared {
     _v: DeviceTensor,
     _cu_seqlens_q: CudaSlice<i32>,
     _cu_seqlens_k: CudaSlice<i32>,
-    o: DeviceTensor,
-    lse: DeviceTensor,
+    out: AttentionOut,
 }
 
-impl VarlenPrepared {
-    fn new(
-        session: &Rc<GpuSession>,
-        p: &VarlenProblem,
-        x: &AttentionInputs,
-    ) -> anyhow::Result<VarlenPrepared> {
-        let dev = &session.device;
+impl VarlenCall {
+    fn new(dev: &Device, p: &VarlenProblem, x: &AttentionInputs) -> anyhow::Result<VarlenCall> {
         let s = dev.stream();
         let (hq, hkv, d) = (p.heads_q, p.heads_kv, p.head_dim);
         let (tq, tk, b) = (p.total_q(), p.total_k(), p.batch());
@@ -118,8 +111,7 @@ impl VarlenPrepared {
         let plan = VarlenPlan::new(dev, p.class())?;
         plan.check(&args)?;
         let workspace = plan.alloc_workspace(s)?;
-        Ok(VarlenPrepared {
-            session: session.clone(),
+        Ok(VarlenCall {
             plan,
             args,
             workspace,
@@ -129,13 +121,14 @@ impl VarlenPrepared {
             _v: v,
             _cu_seqlens_q: cu_q,
             _cu_seqlens_k: cu_k,
-            o,
-            lse,
+            out: AttentionOut { o, lse },
         })
     }
+}
 
-    fn launch(&self) -> flashmoe::Result<()> {
-        let s = self.session.device.stream();
+impl PlanCall for VarlenCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        let s = dev.stream();
         // SAFETY: every address in `args` points into a buffer owned by `self` and sized
         // for its tensor (checked by `plan.check` at prepare); the offsets are the
         // problem's, non-decreasing from 0 to the totals; the workspace is the plan's,
@@ -145,27 +138,11 @@ impl VarlenPrepared {
                 .forward_raw(s.cu_stream(), &self.args, self.workspace.raw())
         }
     }
-}
-
-impl Sampled for VarlenPrepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        let session = self.session.clone();
-        session.timed(|| self.launch())
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.out.poison(dev)
     }
-}
-
-impl Prepared for VarlenPrepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        let session = self.session.clone();
-        let dev = &session.device;
-        self.o.poison(dev)?;
-        self.lse.poison(dev)?;
-        self.launch()?;
-        dev.synchronize()?;
-        Ok(Outputs::Attention {
-            o: self.o.to_f32(dev)?,
-            lse: self.lse.to_f32(dev)?,
-        })
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
+        self.out.download(dev)
     }
     fn peak_extra_bytes(&self) -> Option<u64> {
         // The work-tile dispenser; the offsets are inputs.
@@ -227,31 +204,29 @@ impl Implementation for GpuVarlenDense {
             flashmoe::attention::runner::select_sm90_for_lab(&d)?,
         )
         .context("preparing the dense sm_90a kernel")?;
-        Ok(Box::new(DensePrepared {
-            dense: V1Prepared {
-                runner,
-                session: self.session.clone(),
-            },
+        let call = DenseCall {
+            dense: RunnerCall { runner },
             problem: d,
-        }))
+        };
+        Ok(Box::new(PlanBacked::new(&self.session, call)))
     }
 }
 
-/// The dense kernel's run ([`V1Prepared`]) with its LSE in the packed varlen layout.
-struct DensePrepared {
-    dense: V1Prepared,
+/// The dense kernel's call ([`RunnerCall`]) with its LSE in the packed varlen layout.
+struct DenseCall {
+    dense: RunnerCall,
     problem: flashmoe::AttentionProblem,
 }
 
-impl Sampled for DensePrepared {
-    fn sample(&mut self) -> anyhow::Result<f64> {
-        self.dense.sample()
+impl PlanCall for DenseCall {
+    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.dense.launch(dev)
     }
-}
-
-impl Prepared for DensePrepared {
-    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
-        match self.dense.run_for_check()? {
+    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
+        self.dense.poison(dev)
+    }
+    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
+        match self.dense.outputs(dev)? {
             Outputs::Attention { o, lse } => Ok(Outputs::Attention {
                 o,
                 lse: dense_lse_to_packed(&self.problem, &lse),

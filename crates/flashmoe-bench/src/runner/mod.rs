@@ -10,6 +10,7 @@ pub mod gpu_decode;
 pub mod gpu_moe;
 pub mod gpu_varlen;
 pub mod pipeline;
+mod plan_backed;
 pub mod python;
 pub mod serve;
 
