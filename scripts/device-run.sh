@@ -146,6 +146,16 @@ for s in "$@"; do
                       ./target/release/flashmoe-gpu-tests windows_and_softcap --test-threads=1
                   done ;;
     check)        stage check 580 $BIN check --suite attention ;;
+    # Behaviour and speed unchanged by a refactor: this build against target/release/flashmoe-base
+    # (bench --against, interleaved in one run) on the quick presets of every family and the
+    # attention sweep, our implementations only; results packed into $OUT/against.tgz.
+    against-base) for run in "attention quick flashmoe-sm90,flashmoe-v1" "moe quick flashmoe-moe" \
+                             "decode decode flashmoe-decode" "varlen varlen flashmoe-sm90" "attention sweep flashmoe-sm90"; do
+                    set -- $run
+                    stage "against-$1-$2" 300 $BIN bench "$1" --preset "$2" --impl "$3" --no-baselines \
+                      --against ./target/release/flashmoe-base --max-time 0.5 --out "/tmp/against/$1-$2"
+                  done
+                  tar -C /tmp -czf "$OUT/against.tgz" against 2>>"$LOG" ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
