@@ -11,6 +11,8 @@
 //! [`Error`] instead of panicking on bad input.
 
 pub mod attention;
+/// The f64 attention backward (dq, dk, dv), checked against finite differences.
+pub mod attention_backward;
 pub mod attention_tiled;
 /// Paged-KV decode attention in f64 (block tables, windows, softcap).
 pub mod decode;

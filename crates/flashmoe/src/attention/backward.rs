@@ -1,0 +1,516 @@
+//! Attention backward: dq, dk and dv of `o = softmax(scale · q kᵀ [mask, softcap]) v`, on
+//! the portable mma.sync kernels (`kernels/flash_attn_bwd.cu`, sm_80 and newer, Hopper
+//! included), deterministic.
+//!
+//! [`AttentionBackwardPlan::new`] does the slow work once per [`AttentionClass`] (dtype,
+//! head dim, head counts, causal, scale, window, softcap): NVRTC compile or disk cache of
+//! one module with the three kernels, module load, shared-memory attributes. A call
+//! ([`AttentionBackwardPlan::backward_raw`]) does O(1) checks and enqueues three launches
+//! on the caller's stream: no allocation, no synchronisation, no compile, so it can be
+//! captured in a CUDA graph.
+//!
+//! 1. `flash_attn_bwd_preprocess`: `Delta = rowsum(dO ∘ O)` and the LSE in log2 units,
+//!    into the workspace ([`AttentionBackwardPlan::workspace_bytes`], written before it is
+//!    read: nothing to zero).
+//! 2. `flash_attn_bwd_dkdv`: one CTA per (batch, kv head, key block); loops over the query
+//!    heads of its GQA group and their query blocks, recomputing `P = exp(S − LSE)`;
+//!    writes dk and dv once.
+//! 3. `flash_attn_bwd_dq`: one CTA per (batch, query head, query block); loops over key
+//!    blocks; writes dq once.
+//!
+//! No atomics: every gradient element is accumulated in a fixed order by one CTA, so two
+//! runs give bit-identical gradients. Masks are the forward's: causal bottom-right (row i
+//! sees keys j ≤ i + Sk − Sq), sliding windows around that diagonal, Sq ≠ Sk; a row that
+//! sees no key (LSE = −inf) gets zero gradients.
+//!
+//! FLOPs: 2.5 × the forward's ([`backward_flops`]).
+
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use super::config::{LogitParams, Masking, MAX_GRID_YZ, MAX_SEQLEN};
+use super::plan::{AttentionClass, CallShape};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::raw::{launch, param, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::Device;
+use crate::problem::AttentionProblem;
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
+use std::sync::Arc;
+
+/// Source file of the three backward kernels.
+pub const BWD_SOURCE: &str = "flash_attn_bwd.cu";
+pub const BWD_PREPROCESS_ENTRY: &str = "flash_attn_bwd_preprocess";
+pub const BWD_DKDV_ENTRY: &str = "flash_attn_bwd_dkdv";
+pub const BWD_DQ_ENTRY: &str = "flash_attn_bwd_dq";
+/// Head dims the backward kernels serve.
+pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+/// Rows per block of the preprocess kernel (one warp each).
+const PREPROCESS_ROWS: u32 = 4;
+
+/// Tile configuration of the backward kernels for one head dim: the compile-time constants
+/// of `flash_attn_bwd.cu` (FM_KV_WARPS, FM_KV_BLOCK_M, FM_Q_WARPS, FM_Q_BLOCK_N).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BwdTile {
+    pub head_dim: u32,
+    /// Warps of the dK/dV kernel; its key block is 16 per warp.
+    pub kv_warps: u32,
+    /// Query rows per step of the dK/dV kernel.
+    pub kv_block_m: u32,
+    /// Warps of the dQ kernel; its query block is 16 per warp.
+    pub q_warps: u32,
+    /// Keys per step of the dQ kernel.
+    pub q_block_n: u32,
+}
+
+impl BwdTile {
+    /// The tile of `head_dim`, or None where the backward has no kernel.
+    pub fn for_head_dim(head_dim: usize) -> Option<BwdTile> {
+        if !BWD_HEAD_DIMS.contains(&head_dim) {
+            return None;
+        }
+        Some(BwdTile {
+            head_dim: head_dim as u32,
+            kv_warps: 4,
+            // The dK/dV accumulators take 2·D/8·4 registers a thread: above D = 64, 32
+            // query rows a step keep the score fragments within 255 registers.
+            kv_block_m: if head_dim <= 64 { 64 } else { 32 },
+            q_warps: 4,
+            q_block_n: if head_dim <= 64 { 64 } else { 32 },
+        })
+    }
+    /// Elements per shared-memory row (the kernel's PITCH).
+    pub fn pitch(&self) -> u32 {
+        if self.head_dim <= 64 {
+            64
+        } else {
+            128
+        }
+    }
+    /// Keys per dK/dV CTA.
+    pub fn kv_block_n(&self) -> u32 {
+        16 * self.kv_warps
+    }
+    /// Query rows per dQ CTA.
+    pub fn q_block_m(&self) -> u32 {
+        16 * self.q_warps
+    }
+    /// Dynamic shared memory of the dK/dV kernel (KV_SMEM in the .cu).
+    pub fn kv_smem_bytes(&self) -> u32 {
+        2 * self.pitch() * (2 * self.kv_block_n() + 4 * self.kv_block_m) + 16 * self.kv_block_m
+    }
+    /// Dynamic shared memory of the dQ kernel (Q_SMEM in the .cu).
+    pub fn q_smem_bytes(&self) -> u32 {
+        2 * self.pitch() * (2 * self.q_block_m() + 4 * self.q_block_n)
+    }
+}
+
+/// The NVRTC defines of the backward module for `class` with `tile`.
+pub fn bwd_defines(class: &AttentionClass, tile: &BwdTile) -> Vec<(String, String)> {
+    let m = Masking::of(&class.problem(1, 1, 1));
+    let b = |x: bool| if x { "1" } else { "0" }.to_string();
+    vec![
+        ("FM_HEAD_DIM".into(), tile.head_dim.to_string()),
+        ("FM_DTYPE_BF16".into(), b(class.dtype == DType::Bf16)),
+        ("FM_CAUSAL".into(), b(m.causal)),
+        ("FM_WINDOW".into(), b(m.window)),
+        ("FM_SOFTCAP".into(), b(m.softcap)),
+        ("FM_KV_WARPS".into(), tile.kv_warps.to_string()),
+        ("FM_KV_BLOCK_M".into(), tile.kv_block_m.to_string()),
+        ("FM_Q_WARPS".into(), tile.q_warps.to_string()),
+        ("FM_Q_BLOCK_N".into(), tile.q_block_n.to_string()),
+    ]
+}
+
+/// One class per compiled variant (head dim × dtype × masking): the compile tests' list.
+pub fn all_bwd_classes() -> Vec<AttentionClass> {
+    let mut out = Vec::new();
+    for &d in &BWD_HEAD_DIMS {
+        for dtype in [DType::Bf16, DType::F16] {
+            for (causal, window, softcap) in [
+                (false, crate::problem::NO_WINDOW, 0.0),
+                (true, crate::problem::NO_WINDOW, 0.0),
+                (true, (16, -1), 0.0),
+                (false, crate::problem::NO_WINDOW, 30.0),
+                (true, crate::problem::NO_WINDOW, 30.0),
+                (true, (16, -1), 30.0),
+            ] {
+                out.push(AttentionClass {
+                    dtype,
+                    head_dim: d,
+                    heads_q: 1,
+                    heads_kv: 1,
+                    causal,
+                    softmax_scale: None,
+                    window,
+                    softcap,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// FLOPs of one backward call, FlashAttention's convention: 2.5 × the forward's
+/// 4·B·Hq·(unmasked pairs)·D (five GEMMs to the forward's two).
+pub fn backward_flops(p: &AttentionProblem) -> f64 {
+    2.5 * p.flops()
+}
+
+/// The tensors of one backward call, raw, all contiguous. q, o, d_o and dq: (batch,
+/// seqlen_q, heads_q, head_dim); k, v, dk and dv: (batch, seqlen_k, heads_kv, head_dim),
+/// in the class's dtype; lse: (batch, heads_q, seqlen_q) f32, the forward's natural-log
+/// LSE (−inf for a row that sees no key). o and lse are what the forward wrote for these
+/// q, k, v (the backward recomputes P from lse). dq, dk and dv are written entirely (every
+/// element, zeros where no gradient flows) and must not overlap the inputs or each other.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BackwardArgs {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub o: RawTensor,
+    pub d_o: RawTensor,
+    pub lse: RawTensor,
+    pub dq: RawTensor,
+    pub dk: RawTensor,
+    pub dv: RawTensor,
+}
+
+/// The backward kernels resolved for one shape class on one device.
+pub struct AttentionBackwardPlan {
+    class: AttentionClass,
+    tile: BwdTile,
+    logits: LogitParams,
+    scale: f32,
+    preprocess: CudaFunction,
+    dkdv: CudaFunction,
+    dq: CudaFunction,
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for AttentionBackwardPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttentionBackwardPlan")
+            .field("class", &self.class)
+            .field("tile", &self.tile)
+            .finish()
+    }
+}
+
+/// Bytes of one f32 (batch, heads_q, seqlen_q) region of the workspace, 256-byte aligned.
+fn region_bytes(batch: usize, heads_q: usize, seqlen_q: usize) -> usize {
+    (batch * heads_q * seqlen_q * 4).div_ceil(256) * 256
+}
+
+impl AttentionBackwardPlan {
+    /// Check that the backward serves `class` (bf16 or f16, a head dim of
+    /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its kernels for `dev` (compute
+    /// capability 8.0 or newer) and set their shared-memory limits.
+    pub fn new(dev: &Device, class: AttentionClass) -> Result<AttentionBackwardPlan> {
+        let problem = class.problem(1, 1, 1);
+        problem.validate()?;
+        let backend = "attention backward";
+        if !matches!(class.dtype, DType::Bf16 | DType::F16) {
+            return Err(Error::unsupported(
+                backend,
+                format!("dtype {} (bf16 and f16 only)", class.dtype),
+            ));
+        }
+        let tile = BwdTile::for_head_dim(class.head_dim).ok_or_else(|| {
+            Error::unsupported(
+                backend,
+                format!("head dim {} (served: {:?})", class.head_dim, BWD_HEAD_DIMS),
+            )
+        })?;
+        if class.heads_q > MAX_GRID_YZ {
+            return Err(Error::unsupported(
+                backend,
+                format!(
+                    "heads_q = {} exceeds the grid limit {MAX_GRID_YZ}",
+                    class.heads_q
+                ),
+            ));
+        }
+        if dev.arch() < 80 {
+            return Err(Error::unsupported(
+                backend,
+                format!(
+                    "needs compute capability 8.0 or newer (mma.sync bf16), but {} is {}.{}",
+                    dev.info().name,
+                    dev.info().compute_capability.0,
+                    dev.info().compute_capability.1
+                ),
+            ));
+        }
+        let defines = bwd_defines(&class, &tile);
+        let preprocess = dev.load_kernel(BWD_SOURCE, BWD_PREPROCESS_ENTRY, &defines)?;
+        let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
+        let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
+        dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
+        dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+        Ok(AttentionBackwardPlan {
+            class,
+            tile,
+            logits: LogitParams::of(&problem),
+            scale: problem.scale(),
+            preprocess,
+            dkdv,
+            dq,
+            ctx: dev.context().clone(),
+        })
+    }
+
+    pub fn class(&self) -> &AttentionClass {
+        &self.class
+    }
+    pub fn tile(&self) -> &BwdTile {
+        &self.tile
+    }
+
+    /// Bytes of the workspace a call of `batch` sequences of `seqlen_q` queries needs: the
+    /// f32 Delta and log2-LSE of every query row (2 × batch · heads_q · seqlen_q · 4,
+    /// rounded up to 256 bytes each). Any contents: every launch writes it before reading.
+    /// Launches that may run at the same time need one each.
+    pub fn workspace_bytes(&self, batch: usize, seqlen_q: usize) -> usize {
+        2 * region_bytes(batch, self.class.heads_q, seqlen_q)
+    }
+
+    /// Check a call's tensors against the class and the kernels' rules, O(1); returns the
+    /// batch size and sequence lengths. Errors name the tensor and the rule.
+    pub fn check(&self, a: &BackwardArgs) -> Result<CallShape> {
+        let shape = self.class.check_inputs(&a.q, &a.k, &a.v)?;
+        let CallShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+        } = shape;
+        let c = &self.class;
+        let (hq, hkv, d, dt) = (c.heads_q, c.heads_kv, c.head_dim, c.dtype);
+        for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v)] {
+            if !t.is_contiguous() {
+                return Err(Error::unsupported(
+                    "attention backward",
+                    format!(
+                        "{name} is a strided view (strides {:?}); the backward takes contiguous \
+                         tensors",
+                        t.strides()
+                    ),
+                ));
+            }
+        }
+        for (name, t, shape) in [
+            ("o", &a.o, [b, sq, hq, d]),
+            ("d_o", &a.d_o, [b, sq, hq, d]),
+            ("dq", &a.dq, [b, sq, hq, d]),
+            ("dk", &a.dk, [b, sk, hkv, d]),
+            ("dv", &a.dv, [b, sk, hkv, d]),
+        ] {
+            if t.rank != 4 {
+                return Err(Error::invalid(format!(
+                    "{name} must be 4-D (batch, seq, heads, head_dim) but has shape {:?}",
+                    t.shape()
+                )));
+            }
+            t.expect_contiguous(name, dt, &shape, 16)?;
+        }
+        a.lse
+            .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
+        for (what, value) in [("seqlen_q", sq), ("seqlen_k", sk)] {
+            if value > MAX_SEQLEN {
+                return Err(Error::unsupported(
+                    "attention backward",
+                    format!("{what} = {value} exceeds {MAX_SEQLEN}"),
+                ));
+            }
+        }
+        if b > MAX_GRID_YZ {
+            return Err(Error::unsupported(
+                "attention backward",
+                format!("batch = {b} exceeds the grid limit {MAX_GRID_YZ}"),
+            ));
+        }
+        for (name, t) in [("dq", &a.dq), ("dk", &a.dk), ("dv", &a.dv)] {
+            for (iname, i) in [
+                ("q", &a.q),
+                ("k", &a.k),
+                ("v", &a.v),
+                ("o", &a.o),
+                ("d_o", &a.d_o),
+            ] {
+                if t.ptr == i.ptr {
+                    return Err(Error::invalid(format!(
+                        "{name} and {iname} are the same buffer; gradients need their own"
+                    )));
+                }
+            }
+        }
+        Ok(shape)
+    }
+
+    /// Enqueue the backward pass on `stream`: dq, dk and dv of the forward that produced
+    /// `a.o` and `a.lse` from `a.q`, `a.k`, `a.v`, given `a.d_o`. Asynchronous; O(1) checks
+    /// ([`AttentionBackwardPlan::check`]), no allocation; three launches.
+    ///
+    /// # Safety
+    /// The contract of [`crate::gpu::raw`]: every address in `a` and `workspace .. workspace
+    /// + workspace_bytes(batch, seqlen_q)` is live device memory of this plan's context
+    ///   covering its tensor's span, the workspace is not used by a launch that may run at
+    ///   the same time, and `stream` belongs to the context. The workspace is checked for
+    ///   size and alignment.
+    pub unsafe fn backward_raw(
+        &self,
+        stream: RawStream,
+        a: &BackwardArgs,
+        workspace: RawWorkspace,
+    ) -> Result<()> {
+        let shape = self.check(a)?;
+        let (b, sq, sk) = (shape.batch, shape.seqlen_q, shape.seqlen_k);
+        let hq = self.class.heads_q;
+        workspace.check(self.workspace_bytes(b, sq), 16, "AttentionBackwardPlan")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let lse2 = workspace.ptr;
+        let delta = workspace.ptr + region_bytes(b, hq, sq) as u64;
+        let (sq_i, sk_i, hq_i, hkv_i) =
+            (sq as i32, sk as i32, hq as i32, self.class.heads_kv as i32);
+        let (o, d_o, lse) = (a.o.ptr, a.d_o.ptr, a.lse.ptr);
+        let pre = LaunchConfig {
+            grid_dim: ((sq as u32).div_ceil(PREPROCESS_ROWS), hq as u32, b as u32),
+            block_dim: (32 * PREPROCESS_ROWS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut params = [
+            param(&o),
+            param(&d_o),
+            param(&lse),
+            param(&lse2),
+            param(&delta),
+            param(&sq_i),
+            param(&hq_i),
+        ];
+        launch(
+            BWD_PREPROCESS_ENTRY,
+            &self.preprocess,
+            pre,
+            stream,
+            &mut params,
+        )?;
+
+        let lp = &self.logits;
+        let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
+        let t = &self.tile;
+        let kv = LaunchConfig {
+            grid_dim: (
+                (sk as u32).div_ceil(t.kv_block_n()),
+                self.class.heads_kv as u32,
+                b as u32,
+            ),
+            block_dim: (32 * t.kv_warps, 1, 1),
+            shared_mem_bytes: t.kv_smem_bytes(),
+        };
+        let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dk),
+            param(&dv),
+            param(&sq_i),
+            param(&sk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&lp.scale_log2),
+            param(&lp.softcap_log2),
+            param(&lp.window_left),
+            param(&lp.window_right),
+        ];
+        launch(BWD_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+
+        let qc = LaunchConfig {
+            grid_dim: ((sq as u32).div_ceil(t.q_block_m()), hq as u32, b as u32),
+            block_dim: (32 * t.q_warps, 1, 1),
+            shared_mem_bytes: t.q_smem_bytes(),
+        };
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dq),
+            param(&sq_i),
+            param(&sk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&lp.scale_log2),
+            param(&lp.softcap_log2),
+            param(&lp.window_left),
+            param(&lp.window_right),
+        ];
+        launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<AttentionBackwardPlan>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_fit_sm80_shared_memory() {
+        for &d in &BWD_HEAD_DIMS {
+            let t = BwdTile::for_head_dim(d).unwrap();
+            assert!(
+                t.kv_smem_bytes() <= super::super::config::MAX_SMEM_SM80,
+                "{t:?}"
+            );
+            assert!(
+                t.q_smem_bytes() <= super::super::config::MAX_SMEM_SM80,
+                "{t:?}"
+            );
+            assert_eq!(t.kv_block_m % 16, 0);
+            assert_eq!(t.q_block_n % 16, 0);
+        }
+        assert!(BwdTile::for_head_dim(256).is_none());
+        assert!(BwdTile::for_head_dim(80).is_none());
+    }
+
+    #[test]
+    fn defines_follow_the_masking() {
+        let c = all_bwd_classes();
+        assert_eq!(c.len(), BWD_HEAD_DIMS.len() * 2 * 6);
+        let get = |d: &[(String, String)], k: &str| {
+            d.iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        let t = BwdTile::for_head_dim(64).unwrap();
+        let mut w = c[0];
+        w.window = (8, 4);
+        w.causal = false;
+        let d = bwd_defines(&w, &t);
+        assert_eq!(get(&d, "FM_CAUSAL"), "1");
+        assert_eq!(get(&d, "FM_WINDOW"), "1");
+        assert_eq!(get(&d, "FM_SOFTCAP"), "0");
+        let d = bwd_defines(&c[0], &t);
+        assert_eq!(get(&d, "FM_CAUSAL"), "0");
+        assert_eq!(get(&d, "FM_WINDOW"), "0");
+        let mut p = AttentionProblem::new(1, 2, 100, 64, true, DType::Bf16);
+        assert_eq!(backward_flops(&p), 2.5 * p.flops());
+        p.causal = false;
+        assert_eq!(backward_flops(&p), 2.5 * 4.0 * 2.0 * 100.0 * 100.0 * 64.0);
+    }
+}

@@ -1,0 +1,544 @@
+//! GPU tests of [`AttentionBackwardPlan`]: dq, dk and dv against the f64 reference
+//! (global relative L2 and a per-row bound), over head dims, dtypes, masks, Sq ≠ Sk,
+//! GQA/MQA, windows, softcap and odd lengths; determinism (bit-identical reruns); bad
+//! input; the forward → backward chain on the forward plan's o and lse; and the backward's
+//! speed (TFLOP/s, 2.5 × the forward's FLOPs). Each prints "skipped: no GPU" and passes on
+//! a machine without one. Inputs are fresh random values (seed printed); every output and
+//! the workspace are poisoned (NaN) before a run.
+
+use super::backward::{backward_flops, AttentionBackwardPlan, BackwardArgs};
+use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
+use crate::dtype::DType;
+use crate::gpu::raw::RawWorkspace;
+use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::{Device, RawTensor};
+use crate::inputs::{generate, TensorId};
+use crate::problem::{AttentionProblem, NO_WINDOW};
+use crate::reference::attention::{attention_f64, AttentionInputs};
+use crate::reference::attention_backward::attention_backward_f64;
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use std::sync::Arc;
+
+fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    n: usize,
+) -> CudaSlice<T> {
+    // 0xFF bytes: NaN in bf16, f16 and f32.
+    let mut s = stream.alloc_zeros::<T>(n.max(1)).unwrap();
+    let bytes = s.len() * std::mem::size_of::<T>();
+    let (p, _g) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut s, stream);
+    unsafe { sys::cuMemsetD8Async(p, 0xFF, bytes, stream.cu_stream()) }
+        .result()
+        .unwrap();
+    drop(_g);
+    s
+}
+
+fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+    s.device_ptr(stream).0
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    d: usize,
+    dtype: DType,
+    hq: usize,
+    hkv: usize,
+    b: usize,
+    sq: usize,
+    sk: usize,
+    causal: bool,
+    window: (i32, i32),
+    softcap: f32,
+}
+
+impl Case {
+    fn new(
+        d: usize,
+        dtype: DType,
+        hq: usize,
+        hkv: usize,
+        sq: usize,
+        sk: usize,
+        causal: bool,
+    ) -> Case {
+        Case {
+            d,
+            dtype,
+            hq,
+            hkv,
+            b: 2,
+            sq,
+            sk,
+            causal,
+            window: NO_WINDOW,
+            softcap: 0.0,
+        }
+    }
+    fn class(&self) -> AttentionClass {
+        AttentionClass {
+            dtype: self.dtype,
+            head_dim: self.d,
+            heads_q: self.hq,
+            heads_kv: self.hkv,
+            causal: self.causal,
+            softmax_scale: None,
+            window: self.window,
+            softcap: self.softcap,
+        }
+    }
+    fn problem(&self) -> AttentionProblem {
+        self.class().problem(self.b, self.sq, self.sk)
+    }
+}
+
+/// Device buffers of one backward call (16-bit tensors as raw bits).
+struct Bufs {
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    d_o: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+    dq: CudaSlice<u16>,
+    dk: CudaSlice<u16>,
+    dv: CudaSlice<u16>,
+    ws: CudaSlice<u8>,
+}
+
+impl Bufs {
+    fn args(&self, s: &Arc<CudaStream>, c: &Case) -> BackwardArgs {
+        let (qs, ks) = ([c.b, c.sq, c.hq, c.d], [c.b, c.sk, c.hkv, c.d]);
+        let t = |p, sh: &[usize]| RawTensor::contiguous(p, c.dtype, sh).unwrap();
+        BackwardArgs {
+            q: t(addr(&self.q, s), &qs),
+            k: t(addr(&self.k, s), &ks),
+            v: t(addr(&self.v, s), &ks),
+            o: t(addr(&self.o, s), &qs),
+            d_o: t(addr(&self.d_o, s), &qs),
+            lse: RawTensor::contiguous(addr(&self.lse, s), DType::F32, &[c.b, c.hq, c.sq]).unwrap(),
+            dq: t(addr(&self.dq, s), &qs),
+            dk: t(addr(&self.dk, s), &ks),
+            dv: t(addr(&self.dv, s), &ks),
+        }
+    }
+    fn ws(&self, s: &Arc<CudaStream>) -> RawWorkspace {
+        RawWorkspace {
+            ptr: addr(&self.ws, s),
+            bytes: self.ws.len(),
+        }
+    }
+    /// Fresh NaN gradients and workspace.
+    fn repoison(&mut self, s: &Arc<CudaStream>) {
+        self.dq = poisoned(s, self.dq.len());
+        self.dk = poisoned(s, self.dk.len());
+        self.dv = poisoned(s, self.dv.len());
+        self.ws = poisoned(s, self.ws.len());
+    }
+    fn grads(&self, s: &Arc<CudaStream>) -> [Vec<u16>; 3] {
+        let g = [
+            s.clone_dtoh(&self.dq).unwrap(),
+            s.clone_dtoh(&self.dk).unwrap(),
+            s.clone_dtoh(&self.dv).unwrap(),
+        ];
+        s.synchronize().unwrap();
+        g
+    }
+}
+
+/// Relative L2 over everything, and the worst row's ‖out_r − ref_r‖ / max(‖ref_r‖, the
+/// rms row norm / 4) (a floor so that rows of near-zero gradient are judged at the
+/// tensor's scale). Also the count of non-finite outputs.
+fn errors(out: &[f32], reference: &[f64], row: usize) -> (f64, f64, usize) {
+    let (mut num, mut den) = (0f64, 0f64);
+    let mut bad = 0usize;
+    for (&a, &r) in out.iter().zip(reference) {
+        if !a.is_finite() {
+            bad += 1;
+            continue;
+        }
+        num += (a as f64 - r).powi(2);
+        den += r * r;
+    }
+    let rows = reference.len() / row;
+    let floor = (den / rows.max(1) as f64).sqrt() / 4.0;
+    let mut worst = 0f64;
+    for (o, r) in out.chunks(row).zip(reference.chunks(row)) {
+        let e: f64 = o
+            .iter()
+            .zip(r)
+            .map(|(&a, &b)| (a as f64 - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let n: f64 = r.iter().map(|b| b * b).sum::<f64>().sqrt();
+        worst = worst.max(e / n.max(floor).max(1e-30));
+    }
+    let rel = if den > 0.0 {
+        (num / den).sqrt()
+    } else {
+        num.sqrt()
+    };
+    (rel, worst, bad)
+}
+
+/// Run one case against the f64 reference; returns (worst rel L2, worst row error).
+fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
+    let s = dev.stream();
+    let p = c.problem();
+    let x = AttentionInputs::generate(&p, seed);
+    let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
+    let fwd = attention_f64(&p, &x).unwrap();
+    let o: Vec<f32> = fwd.o.iter().map(|&v| c.dtype.round(v as f32)).collect();
+    let lse: Vec<f32> = fwd.lse.iter().map(|&v| v as f32).collect();
+    let want = attention_backward_f64(&p, &x, &d_o).unwrap();
+
+    let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+    let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
+    let mut bufs = Bufs {
+        q: up(&x.q),
+        k: up(&x.k),
+        v: up(&x.v),
+        o: up(&o),
+        d_o: up(&d_o),
+        lse: s.clone_htod(&lse).unwrap(),
+        dq: poisoned(s, x.q.len()),
+        dk: poisoned(s, x.k.len()),
+        dv: poisoned(s, x.v.len()),
+        ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
+    };
+    unsafe { plan.backward_raw(s.cu_stream(), &bufs.args(s, c), bufs.ws(s)) }.unwrap();
+    let got = bufs.grads(s);
+
+    let tol = crate::accuracy::tolerance(c.dtype).rel_l2;
+    let row_tol = 4.0 * tol;
+    let mut worst = (0f64, 0f64);
+    let mut report = String::new();
+    for (name, g, r) in [
+        ("dq", &got[0], &want.dq),
+        ("dk", &got[1], &want.dk),
+        ("dv", &got[2], &want.dv),
+    ] {
+        let (rel, row, bad) = errors(&c.dtype.decode_u16(g), r, c.d);
+        report.push_str(&format!(" {name} rel L2 {rel:.2e} worst row {row:.2e};"));
+        assert_eq!(
+            bad, 0,
+            "{c:?}: {name} has {bad} non-finite values (seed {seed})"
+        );
+        assert!(
+            rel <= tol && row <= row_tol,
+            "{c:?}: {name} rel L2 {rel:.3e} (tol {tol:.1e}), worst row {row:.3e} (tol \
+             {row_tol:.1e}) (seed {seed})"
+        );
+        worst = (worst.0.max(rel), worst.1.max(row));
+    }
+    eprintln!(
+        "bwd D={} {:?} B={} Hq={} Hkv={} Sq={} Sk={} causal={} window={:?} softcap={}:{report}",
+        c.d, c.dtype, c.b, c.hq, c.hkv, c.sq, c.sk, c.causal, c.window, c.softcap
+    );
+
+    // Deterministic: a rerun into fresh NaN buffers gives the same bits.
+    bufs.repoison(s);
+    unsafe { plan.backward_raw(s.cu_stream(), &bufs.args(s, c), bufs.ws(s)) }.unwrap();
+    let again = bufs.grads(s);
+    for (name, a, b) in [("dq", 0, 0), ("dk", 1, 1), ("dv", 2, 2)] {
+        assert!(got[a] == again[b], "{c:?}: {name} differs between two runs");
+    }
+    worst
+}
+
+#[test]
+fn backward_matches_f64_reference() {
+    with_gpu("bwd-reference", |dev| {
+        let seed = fresh_seed("bwd-reference");
+        use DType::{Bf16, F16};
+        let mut cases = vec![
+            Case::new(64, Bf16, 4, 4, 200, 200, false),
+            Case::new(64, Bf16, 4, 4, 77, 77, true),
+            Case::new(128, Bf16, 4, 4, 200, 200, false),
+            Case::new(128, Bf16, 4, 4, 200, 200, true),
+            Case::new(64, F16, 4, 4, 200, 200, false),
+            Case::new(128, F16, 4, 4, 77, 77, true),
+            // Sq != Sk, both ways (causal Sq > Sk: the first rows see no key)
+            Case::new(128, Bf16, 2, 2, 77, 200, true),
+            Case::new(64, F16, 2, 2, 200, 77, true),
+            Case::new(64, Bf16, 2, 2, 200, 77, false),
+            Case::new(128, F16, 2, 2, 77, 200, false),
+            // GQA and MQA
+            Case::new(128, Bf16, 8, 2, 130, 130, true),
+            Case::new(64, Bf16, 8, 2, 200, 150, false),
+            Case::new(64, F16, 4, 1, 100, 100, true),
+            Case::new(128, Bf16, 4, 1, 96, 160, false),
+            // other head dims
+            Case::new(32, Bf16, 2, 2, 150, 150, true),
+            Case::new(96, F16, 2, 2, 150, 130, false),
+            // longer: many blocks in both loops
+            Case::new(128, Bf16, 2, 1, 1024, 1024, true),
+            Case::new(64, Bf16, 2, 2, 700, 900, false),
+        ];
+        let mut w = |mut c: Case, window: (i32, i32), softcap: f32| {
+            c.window = window;
+            c.softcap = softcap;
+            cases.push(c);
+        };
+        w(Case::new(64, Bf16, 4, 2, 200, 200, false), (32, 8), 0.0);
+        w(Case::new(128, F16, 4, 4, 200, 260, true), (48, -1), 0.0);
+        w(Case::new(128, Bf16, 4, 4, 300, 200, false), (-1, 20), 0.0);
+        w(Case::new(64, Bf16, 2, 2, 200, 200, false), (100, 100), 0.0);
+        w(Case::new(128, Bf16, 4, 2, 200, 200, true), NO_WINDOW, 5.0);
+        w(Case::new(64, F16, 2, 2, 150, 150, false), NO_WINDOW, 2.0);
+        w(Case::new(64, Bf16, 2, 1, 200, 180, false), (40, 0), 3.0);
+        w(Case::new(128, F16, 2, 2, 77, 77, true), (10, -1), 30.0);
+        let mut worst = (0f64, 0f64);
+        for (n, c) in cases.iter().enumerate() {
+            let e = check_case(dev, c, seed.wrapping_add(n as u64));
+            worst = (worst.0.max(e.0), worst.1.max(e.1));
+        }
+        eprintln!(
+            "bwd: {} cases passed; worst rel L2 {:.2e}, worst row {:.2e}",
+            cases.len(),
+            worst.0,
+            worst.1
+        );
+    });
+}
+
+/// The forward plan's o and lse feed the backward (the chain a training step runs), on
+/// the kernel the forward plan picks for this device.
+#[test]
+fn backward_after_forward_plan() {
+    with_gpu("bwd-after-fwd", |dev| {
+        let seed = fresh_seed("bwd-after-fwd");
+        let s = dev.stream();
+        for c in [
+            Case::new(128, DType::Bf16, 8, 2, 333, 333, true),
+            Case::new(64, DType::Bf16, 4, 4, 256, 300, false),
+        ] {
+            let p = c.problem();
+            let x = AttentionInputs::generate(&p, seed);
+            let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
+            let want = attention_backward_f64(&p, &x, &d_o).unwrap();
+            let fplan = AttentionPlan::new(dev, c.class()).unwrap();
+            let fws = fplan.alloc_workspace(s).unwrap();
+            let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+            let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
+            let bufs = Bufs {
+                q: up(&x.q),
+                k: up(&x.k),
+                v: up(&x.v),
+                o: poisoned(s, x.q.len()),
+                d_o: up(&d_o),
+                lse: poisoned(s, c.b * c.hq * c.sq),
+                dq: poisoned(s, x.q.len()),
+                dk: poisoned(s, x.k.len()),
+                dv: poisoned(s, x.v.len()),
+                ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
+            };
+            let a = bufs.args(s, &c);
+            let fa = AttentionArgs {
+                q: a.q,
+                k: a.k,
+                v: a.v,
+                o: a.o,
+                lse: a.lse,
+            };
+            unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
+            unsafe { plan.backward_raw(s.cu_stream(), &a, bufs.ws(s)) }.unwrap();
+            let got = bufs.grads(s);
+            let tol = crate::accuracy::tolerance(c.dtype).rel_l2;
+            for (name, g, r) in [
+                ("dq", &got[0], &want.dq),
+                ("dk", &got[1], &want.dk),
+                ("dv", &got[2], &want.dv),
+            ] {
+                let (rel, row, bad) = errors(&c.dtype.decode_u16(g), r, c.d);
+                eprintln!(
+                    "fwd {} -> bwd {c:?}: {name} rel L2 {rel:.2e} worst row {row:.2e}",
+                    fplan.variant().entry
+                );
+                assert_eq!(bad, 0);
+                assert!(rel <= tol && row <= 4.0 * tol, "{name}: {rel} {row}");
+            }
+        }
+    });
+}
+
+#[test]
+fn backward_rejects_bad_input() {
+    with_gpu("bwd-bad-input", |dev| {
+        let s = dev.stream();
+        let c = Case::new(64, DType::Bf16, 4, 2, 64, 64, false);
+        for (d, dtype) in [(256, DType::Bf16), (80, DType::Bf16), (64, DType::F32)] {
+            let mut bad = c.class();
+            bad.head_dim = d;
+            bad.dtype = dtype;
+            let e = AttentionBackwardPlan::new(dev, bad)
+                .unwrap_err()
+                .to_string();
+            eprintln!("D={d} {dtype:?}: {e}");
+            assert!(e.contains("attention backward"), "{e}");
+        }
+        let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+        let n = c.b * c.sq * c.hq * c.d;
+        let nk = c.b * c.sk * c.hkv * c.d;
+        let bufs = Bufs {
+            q: poisoned(s, n),
+            k: poisoned(s, nk),
+            v: poisoned(s, nk),
+            o: poisoned(s, n),
+            d_o: poisoned(s, n),
+            lse: poisoned(s, c.b * c.hq * c.sq),
+            dq: poisoned(s, n),
+            dk: poisoned(s, nk),
+            dv: poisoned(s, nk),
+            ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
+        };
+        let good = bufs.args(s, &c);
+        plan.check(&good).unwrap();
+        let expect_err = |a: BackwardArgs, ws: RawWorkspace, what: &str| {
+            let e = unsafe { plan.backward_raw(s.cu_stream(), &a, ws) }
+                .unwrap_err()
+                .to_string();
+            eprintln!("{what}: {e}");
+            assert!(e.contains(what), "{what}: {e}");
+        };
+        let mut a = good;
+        a.d_o.dtype = DType::F16;
+        expect_err(a, bufs.ws(s), "d_o");
+        let mut a = good;
+        a.dk.shape[2] = 4;
+        expect_err(a, bufs.ws(s), "dk");
+        let mut a = good;
+        a.lse.shape[2] = 63;
+        expect_err(a, bufs.ws(s), "lse");
+        let mut a = good;
+        a.q = RawTensor::new(
+            a.q.ptr,
+            DType::Bf16,
+            &[2, 32, 4, 64],
+            &[2 * 64 * 256, 2 * 256, 64, 1],
+        )
+        .unwrap();
+        a.d_o.shape[1] = 32;
+        a.o.shape[1] = 32;
+        a.dq.shape[1] = 32;
+        a.lse = RawTensor::contiguous(a.lse.ptr, DType::F32, &[2, 4, 32]).unwrap();
+        expect_err(a, bufs.ws(s), "strided");
+        let mut a = good;
+        a.dq = a.q;
+        expect_err(a, bufs.ws(s), "same buffer");
+        let small = RawWorkspace {
+            ptr: addr(&bufs.ws, s),
+            bytes: 16,
+        };
+        expect_err(good, small, "workspace");
+        s.synchronize().unwrap();
+    });
+}
+
+/// Speed of the backward (all three launches) on the 16k-token sweep shapes, model dim
+/// 2048, bf16; o and lse from the forward plan. Host wall time over back-to-back calls
+/// (synchronised before and after), TFLOP/s with FLOPs = 2.5 × the forward's.
+#[test]
+fn backward_speed() {
+    with_gpu("bwd-speed", |dev| {
+        let s = dev.stream();
+        for (d, seq, causal) in [
+            (64, 1024, false),
+            (64, 4096, false),
+            (64, 4096, true),
+            (128, 1024, false),
+            (128, 4096, false),
+            (128, 4096, true),
+            (128, 16384, false),
+        ] {
+            let heads = 2048 / d;
+            let b = 16384 / seq;
+            let mut c = Case::new(d, DType::Bf16, heads, heads, seq, seq, causal);
+            c.b = b;
+            let p = c.problem();
+            let n = b * seq * heads * d;
+            let rnd = |id: TensorId| {
+                s.clone_htod(&DType::Bf16.encode_u16(&generate(7, id, n, 1.0, DType::Bf16)))
+                    .unwrap()
+            };
+            let fplan = AttentionPlan::new(dev, c.class()).unwrap();
+            let fws = fplan.alloc_workspace(s).unwrap();
+            let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+            let bufs = Bufs {
+                q: rnd(TensorId::Q),
+                k: rnd(TensorId::K),
+                v: rnd(TensorId::V),
+                o: poisoned(s, n),
+                d_o: rnd(TensorId::MoeX),
+                lse: poisoned(s, b * heads * seq),
+                dq: poisoned(s, n),
+                dk: poisoned(s, n),
+                dv: poisoned(s, n),
+                ws: poisoned(s, plan.workspace_bytes(b, seq)),
+            };
+            let a = bufs.args(s, &c);
+            let fa = AttentionArgs {
+                q: a.q,
+                k: a.k,
+                v: a.v,
+                o: a.o,
+                lse: a.lse,
+            };
+            unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
+            let ws = bufs.ws(s);
+            let time = |iters: usize, f: &dyn Fn()| {
+                s.synchronize().unwrap();
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    f();
+                }
+                s.synchronize().unwrap();
+                t0.elapsed().as_secs_f64() / iters as f64
+            };
+            let bwd = || unsafe { plan.backward_raw(s.cu_stream(), &a, ws) }.unwrap();
+            let fwd = || unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
+            time(2, &bwd);
+            let once = time(1, &bwd);
+            let iters = ((0.3 / once) as usize).clamp(3, 50);
+            let tb = time(iters, &bwd);
+            let tf = time(iters, &fwd);
+            let g = bufs.grads(s);
+            let finite = g
+                .iter()
+                .all(|v| DType::Bf16.decode_u16(v).iter().all(|x| x.is_finite()));
+            eprintln!(
+                "bwd speed B={b} H={heads} S={seq} D={d} causal={causal}: backward {:.3} ms = \
+                 {:.1} TFLOP/s; forward ({}) {:.3} ms = {:.1} TFLOP/s; gradients finite: {finite}",
+                tb * 1e3,
+                backward_flops(&p) / tb / 1e12,
+                fplan.variant().entry,
+                tf * 1e3,
+                p.flops() / tf / 1e12
+            );
+            assert!(finite);
+        }
+    });
+}
+
+/// A few small cases with partial tiles, Sq != Sk, GQA, a window and a softcap: the run
+/// compute-sanitizer (memcheck, racecheck) goes through.
+#[test]
+fn backward_sanitizer_cases() {
+    with_gpu("bwd-sanitizer", |dev| {
+        let seed = fresh_seed("bwd-sanitizer");
+        let mut c = Case::new(128, DType::Bf16, 4, 2, 77, 150, true);
+        c.b = 1;
+        c.window = (40, -1);
+        c.softcap = 5.0;
+        for (n, c) in [
+            Case::new(64, DType::F16, 2, 2, 100, 37, true),
+            Case::new(64, DType::Bf16, 2, 1, 45, 70, false),
+            c,
+        ]
+        .iter()
+        .enumerate()
+        {
+            check_case(dev, c, seed + n as u64);
+        }
+    });
+}
