@@ -12,6 +12,7 @@
 //! tensor) naming the tensor and the rule; a shape class no kernel implements raises
 //! `NotImplementedError`; no driver, no GPU or a CUDA failure raises `RuntimeError`.
 
+use flashmoe::attention::backward::{AttentionBackwardPlan as BPlan, BackwardArgs};
 use flashmoe::attention::decode::{
     AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
 };
@@ -1039,6 +1040,106 @@ impl AttentionPlan {
     }
 }
 
+/// An attention backward plan: dq, dk and dv of one dense class (dtype, head dim, head
+/// counts, causal, scale, window, softcap) on the portable deterministic kernels (head
+/// dims 32, 64, 96, 128; any GPU of compute capability 8.0 or newer).
+#[pyclass(frozen, module = "flashmoe._core")]
+struct AttentionBackwardPlan {
+    plan: BPlan,
+}
+
+#[pymethods]
+impl AttentionBackwardPlan {
+    /// The class as for `AttentionPlan`; a head dim or dtype the backward does not serve
+    /// raises `NotImplementedError`.
+    #[new]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        device: usize,
+        dtype: &str,
+        head_dim: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        causal: bool,
+        softmax_scale: Option<f32>,
+        window: (i32, i32),
+        softcap: f32,
+    ) -> PyResult<Self> {
+        let dtype = match elem("dtype", dtype)? {
+            Elem::Float(d) if d != DType::F32 => d,
+            _ => {
+                return Err(PyTypeError::new_err(format!(
+                    "dtype {dtype}: an attention backward plan takes bf16 or f16"
+                )))
+            }
+        };
+        let logits = Logits {
+            causal,
+            softmax_scale,
+            window,
+            softcap,
+        };
+        let class = logits.class(dtype, head_dim, heads_q, heads_kv)?;
+        let dev = self::device(device)?;
+        Ok(AttentionBackwardPlan {
+            plan: BPlan::new(&dev, class).map_err(py_err)?,
+        })
+    }
+
+    /// Bytes of the workspace a call of `batch` sequences of `seqlen_q` queries needs (any
+    /// contents: the launch writes it before reading).
+    fn workspace_bytes(&self, batch: usize, seqlen_q: usize) -> usize {
+        self.plan.workspace_bytes(batch, seqlen_q)
+    }
+
+    /// Enqueue one backward on `stream` (a `CUstream` value). Every tensor is a descriptor
+    /// of a contiguous tensor: q, o, d_o, dq (batch, seqlen_q, heads_q, head_dim); k, v,
+    /// dk, dv (batch, seqlen_k, heads_kv, head_dim); lse f32 (batch, heads_q, seqlen_q)
+    /// from the forward. dq, dk and dv are written entirely.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        stream: usize,
+        q: Desc,
+        k: Desc,
+        v: Desc,
+        o: Desc,
+        d_o: Desc,
+        lse: Desc,
+        dq: Desc,
+        dk: Desc,
+        dv: Desc,
+        workspace: u64,
+        workspace_bytes: usize,
+    ) -> PyResult<()> {
+        let args = BackwardArgs {
+            q: q.raw("q")?,
+            k: k.raw("k")?,
+            v: v.raw("v")?,
+            o: o.raw("o")?,
+            d_o: d_o.raw("d_o")?,
+            lse: lse.raw("lse")?,
+            dq: dq.raw("dq")?,
+            dk: dk.raw("dk")?,
+            dv: dv.raw("dv")?,
+        };
+        let ws = RawWorkspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        };
+        // SAFETY: the torch layer passes live tensors of the device this plan was built on,
+        // allocated by PyTorch on the primary context and kept alive by the caching
+        // allocator's stream semantics until the stream has run the launches; dq, dk, dv
+        // and the workspace are fresh allocations of the shapes the plan checks.
+        unsafe {
+            self.plan
+                .backward_raw(stream as gpu::RawStream, &args, ws)
+                .map_err(py_err)
+        }
+    }
+}
+
 /// A varlen plan (sm_90a, head dims 64 and 128): packed sequences of unequal lengths.
 #[pyclass(frozen, module = "flashmoe._core")]
 struct VarlenPlan {
@@ -1390,6 +1491,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(device_name, m)?)?;
     m.add_class::<AttentionPlan>()?;
+    m.add_class::<AttentionBackwardPlan>()?;
     m.add_class::<MoePlan>()?;
     m.add_class::<VarlenPlan>()?;
     m.add_class::<DecodePlan>()?;

@@ -824,3 +824,137 @@ def test_cuda_graph_of_the_inference_ops():
         for name, a, e in zip(("decode", "prefill", "lse", "windowed prefill"), got, ref):
             assert torch.isfinite(a).all(), f"replay {step}: {name} not finite"
             assert torch.equal(a, e), f"replay {step}: {name} differs from eager"
+
+
+# --------------------------------------------------------------------------- autograd (backward)
+# flashmoe.attention's gradients (the library's deterministic backward) against float64 autograd
+# of the masked reference, under torch.compile, and in a small training step.
+
+GRAD_CASES = [
+    # dtype, b, sq, sk, hq, hkv, d, causal, window, softcap
+    (torch.bfloat16, 2, 200, 200, 8, 2, 128, False, (-1, -1), 0.0),
+    (torch.bfloat16, 2, 200, 200, 8, 2, 128, True, (-1, -1), 0.0),
+    (torch.float16, 2, 77, 200, 4, 4, 64, True, (-1, -1), 0.0),  # Sq < Sk
+    (torch.bfloat16, 2, 150, 99, 4, 1, 64, False, (-1, -1), 0.0),  # Sq > Sk, MQA
+    (torch.bfloat16, 1, 256, 256, 4, 2, 64, True, (64, -1), 20.0),  # causal window + softcap
+    (torch.float16, 2, 130, 130, 4, 4, 128, False, (32, 16), 0.0),  # two-sided window
+]
+
+
+def grad_ref(q, k, v, do, scale, causal, window, softcap):
+    """dq, dk, dv of sum(do * attention(q, k, v)) by float64 autograd of windowed_ref."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, _ = windowed_ref(q64, k64, v64, scale, causal, window, softcap)
+    return torch.autograd.grad(o, (q64, k64, v64), do.double())
+
+
+def rel_l2(out, ref):
+    return (torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_attention_grads_match_f64(case):
+    dtype, b, sq, sk, hq, hkv, d, causal, window, softcap = case
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV, requires_grad=True)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV, requires_grad=True)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV, requires_grad=True)
+    do = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV)
+    poison_pool()
+    o = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    assert o.requires_grad and o.grad_fn is not None
+    o.backward(do)
+    refs = grad_ref(q, k, v, do, 1.0 / math.sqrt(d), causal, window, softcap)
+    for name, t, ref in zip("qkv", (q, k, v), refs):
+        g = t.grad
+        assert g.shape == t.shape and g.dtype == dtype and torch.isfinite(g).all(), name
+        err = rel_l2(g, ref)
+        print(f"d{name}: rel L2 {err:.2e}")
+        assert err <= TOL[dtype][0], f"d{name}: rel L2 {err:.3e}"
+    # deterministic: the same gradients, bit for bit
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap).backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_attention_grads_match_sdpa():
+    q, k, v = (torch.randn(2, 128, 4, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16, device=DEV)
+    flashmoe.attention(q, k, v, causal=True).backward(do)
+    ours = [t.grad for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().float().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, is_causal=True)
+    o.backward(do.float().transpose(1, 2))
+    for name, a, b_ in zip("qkv", ours, (q2.grad, k2.grad, v2.grad)):
+        err = rel_l2(a, b_.transpose(1, 2).double())
+        assert err <= 1.6e-2, f"d{name} vs SDPA fp32: {err:.3e}"
+
+
+def test_attention_grads_under_compile_match_eager():
+    q = torch.randn(2, 96, 8, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    # a compiled loss's backward() (forward and backward graphs through AOTAutograd)
+    fn = torch.compile(lambda q, k, v: flashmoe.attention(q, k, v, causal=True).float().square().sum(),
+                       fullgraph=True)
+    fn(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flashmoe.attention(q, k, v, causal=True).float().square().sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_training_step_reaches_upstream_weights():
+    # the issue's repro: Linear -> flashmoe.attention -> loss; the Linear's weight gets a gradient
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 3 * 256, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2, 64, 256, device=DEV, dtype=torch.bfloat16)
+    qkv = lin(x).view(2, 64, 3, 4, 64)
+    o = flashmoe.attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    assert o.requires_grad and o.grad_fn is not None
+    o.float().pow(2).mean().backward()
+    assert lin.weight.grad is not None and torch.isfinite(lin.weight.grad).all()
+    assert lin.weight.grad.abs().sum() > 0
+    # the same step through SDPA gives nearly the same weight gradient
+    g = lin.weight.grad.clone()
+    lin.weight.grad = None
+    qkv = lin(x).view(2, 64, 3, 4, 64).permute(2, 0, 3, 1, 4)  # (3, b, h, s, d)
+    o = torch.nn.functional.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+    o.float().pow(2).mean().backward()
+    assert rel_l2(g, lin.weight.grad.double()) < 3e-2
+
+
+def test_attention_head_dim_without_backward_raises_on_gpu():
+    q = torch.randn(1, 16, 2, 256, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward pass for head_dim 256"):
+        flashmoe.attention(q, q, q)
+
+
+def test_attention_forward_backward_in_cuda_graph():
+    q = torch.randn(2, 160, 8, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 160, 2, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(2, 160, 2, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    do = torch.randn(2, 160, 8, 64, dtype=torch.bfloat16, device=DEV)
+    flashmoe.attention(q, k, v, causal=True).backward(do)
+    want = [t.grad.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            flashmoe.attention(q, k, v, causal=True).backward(do)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flashmoe.attention(q, k, v, causal=True).backward(do)
+    grads = [t.grad for t in (q, k, v)]
+    for g in grads:
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b_) for a, b_ in zip(want, grads))

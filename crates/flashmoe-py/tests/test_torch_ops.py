@@ -95,9 +95,9 @@ def test_window_size_must_be_a_pair_of_ints(window_size):
 
 
 # --------------------------------------------------------------------------- no silent detach
-# The ops have no backward yet: with grad mode on, an input that requires grad must raise rather
-# than give outputs without a grad_fn (everything upstream would stop training unnoticed). The
-# check runs before the device check, so CPU tensors show it without a GPU.
+# The ops without a backward (all but dense attention): with grad mode on, an input that requires
+# grad must raise rather than give outputs without a grad_fn (everything upstream would stop
+# training unnoticed). The check runs before the device check, so CPU tensors show it without a GPU.
 
 NO_BACKWARD = "has no backward pass yet, but {} requires grad"
 
@@ -116,7 +116,7 @@ def attention_calls():
     }
 
 
-@pytest.mark.parametrize("fn", ["attention", "attention_varlen", "attention_with_kvcache"])
+@pytest.mark.parametrize("fn", ["attention_varlen", "attention_with_kvcache"])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_attention_refuses_inputs_that_require_grad(fn, which):
     call, tensors = attention_calls()[fn]
@@ -161,8 +161,9 @@ def test_op_path_refuses_inputs_that_require_grad():
     # torch.ops.flashmoe.* directly (as torch.compile calls them): the ops' Autograd kernels
     q = meta(1, 8, 4, 64).requires_grad_()
     k = meta(1, 8, 2, 64)
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
     with pytest.raises(RuntimeError, match=NO_BACKWARD.format("q")):
-        torch.ops.flashmoe.attention.default(q, k, k, True, None)
+        torch.ops.flashmoe.attention_varlen.default(q[0], k[0], k[0], cu, cu, 8, 8, True, None)
     o, lse = torch.ops.flashmoe.attention.default(q.detach(), k, k, True, None)  # the fake kernel runs
     assert o.shape == (1, 8, 4, 64) and o.grad_fn is None
     x, rw, w13, w2 = (t.to("meta") for t in moe_args())
@@ -171,7 +172,65 @@ def test_op_path_refuses_inputs_that_require_grad():
 
 
 def test_compile_refuses_inputs_that_require_grad():
-    q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
-    fn = torch.compile(lambda q: flashmoe.attention(q, q, q), fullgraph=True, backend="eager")
+    q = torch.randn(8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    fn = torch.compile(lambda q: flashmoe.attention_varlen(q, q, q, cu, cu, 8, 8), fullgraph=True,
+                       backend="eager")
     with pytest.raises(Exception, match=NO_BACKWARD.format("q")):
         fn(q)
+
+
+# --------------------------------------------------------------------------- autograd (dense attention)
+# flashmoe.attention is differentiable (register_autograd on flashmoe::attention, backward through
+# flashmoe::attention_backward). On meta tensors the fake kernels run, so the autograd wiring,
+# shapes and dtypes are checked without a GPU.
+
+
+def test_attention_backward_fake_kernel_shapes():
+    q, k = meta(2, 77, 8, 128), meta(2, 300, 2, 128)
+    lse = meta(2, 8, 77, dtype=torch.float32)
+    dq, dk, dv = torch.ops.flashmoe.attention_backward.default(q, q, k, k, q, lse, True, None, 16, 0, 30.0)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert dq.dtype == dk.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"causal": True}, {"window_size": (8, 0), "softcap": 5.0}])
+def test_attention_is_differentiable(kwargs):
+    q = meta(2, 33, 8, 64).requires_grad_()
+    k, v = meta(2, 40, 2, 64).requires_grad_(), meta(2, 40, 2, 64).requires_grad_()
+    o = flashmoe.attention(q, k, v, **kwargs)
+    assert o.requires_grad and o.grad_fn is not None
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    # only k requires grad: the other inputs get none
+    o, lse = flashmoe.attention(q.detach(), k, v.detach(), return_lse=True, **kwargs)
+    (dk,) = torch.autograd.grad(o, (k,), torch.ones_like(o))
+    assert dk.shape == k.shape
+
+
+def test_attention_backward_traces_into_the_backward_op():
+    def step(q, k, v):
+        o = flashmoe.attention(q, k, v, causal=True)
+        return torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+
+    q, k = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16), torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+    gm = make_fx(lambda q, k, v: step(q.requires_grad_(), k.requires_grad_(), v.requires_grad_()),
+                 tracing_mode="fake")(q, k, k.clone())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("flashmoe.attention.default" in t for t in targets), targets
+    assert any("flashmoe.attention_backward.default" in t for t in targets), targets
+
+
+def test_attention_cpu_tensors_with_grad_meet_the_device_check():
+    q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        flashmoe.attention(q, q, q)
+
+
+def test_attention_head_dim_without_backward_raises():
+    q = meta(1, 8, 4, 256).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"no backward pass for head_dim 256 \(.*\), but q requires grad"):
+        flashmoe.attention(q, q.detach(), q.detach())
+    # inference is unaffected: the eager call gets as far as the device check
+    with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        flashmoe.attention(q, q, q)

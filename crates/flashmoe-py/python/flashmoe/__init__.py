@@ -8,10 +8,11 @@ implementations, so ``torch.compile`` traces them and CUDA graphs capture them.
 The extension module ``flashmoe._core`` imports without torch: it describes tensors as
 ``(data_ptr, dtype, shape, strides)`` tuples and holds the shape checks
 (``check_attention``, ``check_attention_varlen``, ``check_attention_kvcache``, ``check_moe``),
-the router that picks a dense call's plan (``route_attention``) and the plans (``AttentionPlan``, ``VarlenPlan``, ``DecodePlan``, ``MoePlan``).
+the router that picks a dense call's plan (``route_attention``) and the plans (``AttentionPlan``, ``AttentionBackwardPlan``, ``VarlenPlan``, ``DecodePlan``, ``MoePlan``).
 """
 
 from ._core import (  # noqa: F401
+    AttentionBackwardPlan,
     AttentionPlan,
     DecodePlan,
     MoePlan,

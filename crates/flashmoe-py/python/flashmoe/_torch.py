@@ -3,9 +3,11 @@
 The ops are defined with ``torch.library.Library`` (schema + a kernel per backend + a fake
 kernel) rather than the ``@torch.library.custom_op`` decorator: same tracing and graph
 behaviour, but the decorator's Python wrappers cost several µs more per call
-(tools/overhead.py measures both; docs/python.md). The ops are forward-only (inference): a
-call whose tensors require grad while grad mode is on raises (``_refuse_grad``) instead of
-returning outputs silently cut off from the autograd graph.
+(tools/overhead.py measures both; docs/python.md). ``attention`` (dense) is differentiable: its
+autograd formula (``torch.library.register_autograd``) saves q, k, v, o and lse and calls the op
+``attention_backward`` (the library's deterministic backward plan). The other ops are
+forward-only (inference): a call whose tensors require grad while grad mode is on raises
+(``_refuse_grad``) instead of returning outputs silently cut off from the autograd graph.
 
 A call reads each tensor's address, dtype, shape and strides, allocates its outputs with
 ``torch.empty`` (PyTorch's caching allocator, so CUDA-graph capture puts them in the
@@ -243,6 +245,11 @@ _lib.define(
     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
 )
 _lib.define(
+    "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
+    "float? softmax_scale, int window_left=-1, int window_right=-1, float softcap=0.0) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
     "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
     "int max_seqlen_q, int max_seqlen_k, bool causal, float? softmax_scale, int window_left=-1, "
     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
@@ -318,8 +325,86 @@ def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right
 
 
 _register("attention", _attention_impl, _attention_fake)
-_forward_only("attention", ("q", "k", "v"))
 _attention_op = torch.ops.flashmoe.attention.default
+
+# Head dims the backward plan serves (``flashmoe::attention::backward::BWD_HEAD_DIMS``).
+_BWD_HEAD_DIMS = (32, 64, 96, 128)
+# The backward plans: (device index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
+# window_left, window_right, softcap) -> _core.AttentionBackwardPlan.
+_backward_plans = {}
+
+
+def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
+                             softcap=0.0):
+    named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o))
+    index = _device_index(named + (("lse", lse),))
+    _same_dtype(named)
+    # The kernels take contiguous tensors: a gradient may arrive expanded or strided, q, k, v
+    # may be views of a packed QKV tensor (copies only where needed).
+    dout, q, k, v, o, lse = (t.contiguous() for t in (dout, q, k, v, o, lse))
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D (batch, seq, heads, head_dim), got {list(q.shape)} and {list(k.shape)}")
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap)
+    plan = _backward_plans.get(key)
+    if plan is None:
+        plan = _core.AttentionBackwardPlan(index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale,
+                                           (window_left, window_right), softcap)
+        _backward_plans[key] = plan
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Any contents: the launch writes it before reading it (a fresh block from the caching
+    # allocator, the graph's pool under capture).
+    ws = torch.empty(plan.workspace_bytes(b, sq), dtype=torch.uint8, device=q.device)
+    plan.backward(_raw_stream(index), _desc(q, "q"), _desc(k, "k"), _desc(v, "v"), _desc(o, "o"),
+                  _desc(dout, "dout"), _desc(lse, "lse"), _desc(dq, "dq"), _desc(dk, "dk"), _desc(dv, "dv"),
+                  ws.data_ptr(), ws.numel())
+    return dq, dk, dv
+
+
+def _attention_backward_fake(dout, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
+                             softcap=0.0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_register("attention_backward", _attention_backward_impl, _attention_backward_fake)
+_forward_only("attention_backward", ("dout", "q", "k", "v", "o", "lse"))
+_attention_backward_op = torch.ops.flashmoe.attention_backward.default
+
+# The schema's arguments after q, k, v and their defaults (the dispatcher may drop trailing
+# defaults before the autograd kernel sees the call).
+_ATTENTION_SCALARS = (False, None, -1, -1, 0.0)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    d = q.shape[-1]
+    if d not in _BWD_HEAD_DIMS:
+        name = next((n for n, t in zip("qkv", (q, k, v)) if t.requires_grad), "q")
+        raise RuntimeError(
+            f"flashmoe.attention has no backward pass for head_dim {d} (head dims with a backward: "
+            f"{', '.join(map(str, _BWD_HEAD_DIMS))}), but {name} requires grad: its outputs would carry no "
+            "gradient to the tensors upstream. Call it under torch.no_grad() or torch.inference_mode() (or "
+            "on detached tensors) for inference; for training use a head dim with a backward or "
+            "torch.nn.functional.scaled_dot_product_attention."
+        )
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.scalars = tuple(inputs[3:]) + _ATTENTION_SCALARS[len(inputs) - 3:]
+    ctx.n_inputs = len(inputs)
+
+
+def _attention_backward(ctx, do, dlse):
+    # lse is not differentiated through (its gradient is ignored); o's gradient drives dq, dk, dv.
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _attention_backward_op(do, q, k, v, o, lse, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+
+torch.library.register_autograd("flashmoe::attention", _attention_backward,
+                                setup_context=_attention_setup_context, lib=_lib)
 
 
 def attention(
@@ -352,13 +437,19 @@ def attention(
 
     Eager calls on plain tensors run the kernel function directly (no dispatcher: a few µs less
     host time); under torch.compile, fake tensors or dispatch modes the call goes through
-    ``torch.ops.flashmoe.attention``. Forward only: with grad mode on, q, k or v requiring grad is a
-    RuntimeError (never a silent detach); run inference under ``torch.no_grad()``.
+    ``torch.ops.flashmoe.attention``.
+
+    Differentiable: with grad mode on and q, k or v requiring grad, the call goes through the op,
+    whose autograd formula saves q, k, v, o and lse and computes dq, dk, dv with the library's
+    deterministic backward (``torch.ops.flashmoe.attention_backward``: head dims 32, 64, 96, 128,
+    every mask, window and softcap above; bit-identical gradients run to run). lse is not
+    differentiated through. A head dim without a backward raises a RuntimeError at the forward call
+    (never a silent detach).
     """
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     softcap = float(softcap)
-    if _plain(q, k, v):
-        _refuse_grad("attention", (("q", q), ("k", k), ("v", v)))
+    if _plain(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                              or v.requires_grad)):
         o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
     else:
         o, lse = _attention_op(q, k, v, causal, softmax_scale, left, right, softcap)
