@@ -410,34 +410,51 @@ mod tests {
 
     #[test]
     fn select_uses_gemm_config() {
-        // With the stub gemm_config the whole pipeline is Unsupported, for a clear reason;
-        // with the real one it is the seven kernels in pipeline order.
-        match select(&problem()) {
-            Ok(v) => {
-                let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
-                let p = problem();
-                let logits = if gemm_config::router_logits_tile(p.tokens, p.experts).is_some() {
-                    GEMM2_ENTRY
-                } else if use_small_logits(&p) {
-                    LOGITS_SMALL_ENTRY
-                } else {
-                    LOGITS_ENTRY
-                };
-                assert_eq!(
-                    entries,
-                    [
-                        logits,
-                        TOPK_ENTRY,
-                        STATS_ENTRY,
-                        PERMUTE_ENTRY,
-                        GEMM13_ENTRY,
-                        GEMM2_ENTRY,
-                        COMBINE_ENTRY
-                    ]
-                );
+        // H = 64 and I = 32 are multiples of the grouped GEMM's narrowest column tile (32),
+        // so the pipeline must select: the seven kernels in pipeline order, the two GEMMs
+        // being the tiles gemm_config picks for this problem.
+        let p = problem();
+        let v = select(&p).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let entries: Vec<&str> = v.iter().map(|k| k.entry).collect();
+        let logits = if gemm_config::router_logits_tile(p.tokens, p.experts).is_some() {
+            GEMM2_ENTRY
+        } else if use_small_logits(&p) {
+            LOGITS_SMALL_ENTRY
+        } else {
+            LOGITS_ENTRY
+        };
+        assert_eq!(
+            entries,
+            [
+                logits,
+                TOPK_ENTRY,
+                STATS_ENTRY,
+                PERMUTE_ENTRY,
+                GEMM13_ENTRY,
+                GEMM2_ENTRY,
+                COMBINE_ENTRY
+            ]
+        );
+        let (g13, g2) = gemm_config::gemm_kernels(&p).unwrap();
+        assert_eq!((&v[K_GEMM13], &v[K_GEMM2]), (&g13, &g2));
+        // A hidden or intermediate dim that is not a multiple of 32 has no grouped-GEMM
+        // column tile: select must be Unsupported (not an invalid problem, not a panic),
+        // and say which dim and why.
+        for (hidden, intermediate, why) in [
+            (64, 100, "intermediate (100) must be a multiple of 32"),
+            (80, 32, "hidden (80) must be a multiple of 32"),
+        ] {
+            let q = MoeProblem {
+                hidden,
+                intermediate,
+                ..problem()
+            };
+            match select(&q) {
+                Err(Error::Unsupported { reason, .. }) => {
+                    assert!(reason.contains(why), "{q}: {reason}")
+                }
+                other => panic!("{q}: expected Unsupported ({why}), got {other:?}"),
             }
-            Err(Error::Unsupported { reason, .. }) => assert!(!reason.is_empty()),
-            Err(e) => panic!("{e}"),
         }
     }
 
