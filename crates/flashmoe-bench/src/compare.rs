@@ -10,6 +10,7 @@
 //! with [`EXIT_ENV_DRIFT`] instead of passing or failing. Files without calibration compare
 //! on the raw change alone.
 
+use crate::measure::StopReason;
 use crate::report::format::{fmt_ms, fmt_p, fmt_sig, level_pct, truncate};
 use crate::results::{ImplResult, RunResults};
 use crate::stats::{self, CalibratedComparison, Comparison, CrossRunVerdict, VerdictOptions};
@@ -74,6 +75,16 @@ pub struct ConfigChange {
     /// The final verdict: [`stats::cross_run_verdict`] of the raw and the corrected
     /// verdicts with a calibration, the raw verdict without.
     pub verdict: CrossRunVerdict,
+    /// `bench --against` only: whether the speedup CI resolved the ±threshold band
+    /// ([`crate::measure::resolves`]: entirely beyond it or entirely inside it). `false`
+    /// means sampling hit its cap first ([`Self::stop`]) and the verdict rests on an
+    /// undecided interval.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<bool>,
+    /// `bench --against` only: how the config's sampling ended (absent for runs that did
+    /// not record it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<crate::measure::StopReason>,
 }
 
 impl ConfigChange {
@@ -88,8 +99,21 @@ impl ConfigChange {
         (1.0 / s.high - 1.0, 1.0 / s.low - 1.0)
     }
 
+    /// A SLOWER verdict counts as a regression unless it is an
+    /// [unresolved slowdown](Self::is_unresolved_slowdown).
     pub fn is_regression(&self) -> bool {
+        self.verdict == CrossRunVerdict::Slower && !self.is_unresolved_slowdown()
+    }
+
+    /// `bench --against`: SLOWER, but sampling hit its cap while the CI still touched the
+    /// ±threshold band (slower by more than the threshold is not yet confirmed at the
+    /// CI's level). Not a regression: the gate exits [`EXIT_ENV_DRIFT`] (3, "rerun")
+    /// instead of failing or passing. Under heavy load these are where the A/A false
+    /// alarms were (docs/regression-gate.md).
+    pub fn is_unresolved_slowdown(&self) -> bool {
         self.verdict == CrossRunVerdict::Slower
+            && self.resolved == Some(false)
+            && matches!(self.stop, Some(StopReason::TimeCap | StopReason::SampleCap))
     }
 }
 
@@ -107,6 +131,13 @@ pub struct CompareReport {
     pub improvements: usize,
     /// Number of ENV-DRIFT verdicts.
     pub env_drifts: usize,
+    /// `bench --against`: changes whose CI did not resolve the ±threshold band before the
+    /// sampling cap (their verdict is SAME, UNCLEAR or SLOWER/FASTER on a CI that still
+    /// touches the band).
+    pub unresolved: usize,
+    /// `bench --against`: SLOWER verdicts among them
+    /// ([`ConfigChange::is_unresolved_slowdown`]); not counted in `regressions`.
+    pub unresolved_slowdowns: usize,
     /// Configs compared with a calibration correction (both runs measured it).
     pub calibrated_configs: usize,
     /// Implementations of shared configs that were not compared, with the reason
@@ -247,6 +278,8 @@ pub fn compare_runs(old: &RunResults, new: &RunResults, opts: &CompareOptions) -
                 comparison,
                 calibrated,
                 verdict,
+                resolved: None,
+                stop: None,
             });
         }
         for ni in &nc.implementations {
@@ -307,12 +340,11 @@ pub fn compare_against_old(run: &RunResults, opts: &CompareOptions) -> CompareRe
             }
             let comparison = stats::compare_samples(&old.samples_ms, &new.samples_ms, &vopts);
             let verdict: CrossRunVerdict = comparison.verdict.into();
-            match verdict {
-                CrossRunVerdict::Slower => rep.regressions += 1,
-                CrossRunVerdict::Faster => rep.improvements += 1,
-                _ => {}
+            let resolved = crate::measure::resolves(&comparison.speedup, opts.threshold);
+            if !resolved {
+                rep.unresolved += 1;
             }
-            rep.changes.push(ConfigChange {
+            let change = ConfigChange {
                 config_id: c.id.clone(),
                 label: c.label.clone(),
                 implementation: new.name.clone(),
@@ -321,7 +353,17 @@ pub fn compare_against_old(run: &RunResults, opts: &CompareOptions) -> CompareRe
                 comparison,
                 calibrated: None,
                 verdict,
-            });
+                resolved: Some(resolved),
+                stop: c.sampling.as_ref().map(|s| s.stop),
+            };
+            if change.is_regression() {
+                rep.regressions += 1;
+            } else if change.is_unresolved_slowdown() {
+                rep.unresolved_slowdowns += 1;
+            } else if change.verdict == CrossRunVerdict::Faster {
+                rep.improvements += 1;
+            }
+            rep.changes.push(change);
         }
         for old in c
             .implementations
@@ -413,11 +455,11 @@ impl CompareReport {
     }
 
     /// [`EXIT_REGRESSION`] if anything regressed, else [`EXIT_ENV_DRIFT`] if the machine
-    /// drifted, else [`EXIT_OK`].
+    /// drifted or (`--against`) a slowdown stayed unresolved at the cap, else [`EXIT_OK`].
     pub fn exit_code(&self) -> u8 {
         if self.has_regression() {
             EXIT_REGRESSION
-        } else if self.has_env_drift() {
+        } else if self.has_env_drift() || self.unresolved_slowdowns > 0 {
             EXIT_ENV_DRIFT
         } else {
             EXIT_OK
@@ -461,12 +503,25 @@ impl CompareReport {
             };
             last_cfg = Some(&c.config_id);
             let (lo, hi) = c.change_ci();
-            let verdict = match c.verdict {
+            let mut verdict = match c.verdict {
                 CrossRunVerdict::Slower => "SLOWER (regression)".to_string(),
                 CrossRunVerdict::Faster => "FASTER (improvement)".to_string(),
                 CrossRunVerdict::EnvDrift => "ENV-DRIFT (machine moved)".to_string(),
                 v => v.to_string(),
             };
+            if c.resolved == Some(false) {
+                verdict.push_str(&match c.stop {
+                    Some(s @ (StopReason::TimeCap | StopReason::SampleCap)) => format!(
+                        ", unresolved at the {}",
+                        if s == StopReason::TimeCap {
+                            "time cap"
+                        } else {
+                            "sample cap"
+                        }
+                    ),
+                    _ => ", unresolved".to_string(),
+                });
+            }
             let right = |s: String| Cell::new(s).set_alignment(CellAlignment::Right);
             let mut row = vec![
                 Cell::new(label),
@@ -538,12 +593,27 @@ impl CompareReport {
                 }
             }
         };
+        if self.unresolved > 0 {
+            out.push_str(&format!(
+                "{} change(s) unresolved: sampling hit its cap before the CI left the ±{}% band \
+                 edge it straddles, so the verdict is not decided by the data; raise \
+                 --against-max-time or use a quieter machine.\n",
+                self.unresolved,
+                fmt_sig(self.threshold * 100.0, 3)
+            ));
+        }
         list(&mut out, "Configs only in the old run", &self.only_in_old);
         list(&mut out, "Configs only in the new run", &self.only_in_new);
         list(&mut out, "Not compared", &self.skipped);
         list(&mut out, "Warnings", &self.warnings);
         if self.has_regression() {
             out.push_str("REGRESSION: the new run is significantly slower.\n");
+        } else if self.unresolved_slowdowns > 0 {
+            out.push_str(
+                "UNRESOLVED: a slowdown beyond the threshold was measured but its CI still \
+                 touched the band when sampling hit its cap; rerun on a quieter machine or \
+                 with a larger --against-max-time.\n",
+            );
         } else if self.has_env_drift() {
             out.push_str(
                 "ENV-DRIFT: no regression the calibration confirms, but the machine moved \

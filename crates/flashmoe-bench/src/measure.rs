@@ -2,6 +2,12 @@
 //! round-robin (shuffled order each round) until every median's bootstrap CI is tight,
 //! or a sample / time cap is hit. Backend-agnostic: each implementation supplies its own
 //! timer (host clock on CPU, CUDA events on GPU) through [`Sampled::sample`].
+//!
+//! `bench --against` replaces the stop rule ([`ResolveRule`]): sampling goes on until the
+//! speedup CI of every (old build, this build) pair *resolves* the practical band
+//! [1/(1+t), 1+t] — lies entirely above it, entirely below it, or entirely inside it — so
+//! the gate's verdict is decided by the data rather than by the time cap, up to a longer
+//! cap of its own.
 
 use crate::results::MeasureSettings;
 use crate::stats;
@@ -62,6 +68,8 @@ pub fn spin_for(seconds: f64) {
 pub enum StopReason {
     /// Every median CI half-width fell under the target.
     Converged,
+    /// `--against` ([`ResolveRule`]): every pair's speedup CI resolved the threshold band.
+    Resolved,
     SampleCap,
     TimeCap,
     /// The user interrupted (Ctrl-C); the samples are incomplete.
@@ -81,6 +89,42 @@ pub struct Measurement {
     pub sets: Vec<SampleSet>,
     pub stop: StopReason,
     pub rounds: usize,
+    /// Wall time of the sampling rounds (after warm-up), ms.
+    pub sampling_ms: f64,
+}
+
+/// The stop rule of a `bench --against` run: pairs of implementations (the old build's
+/// `old:X` as the baseline, this build's `X` as the candidate) whose speedup CI,
+/// median(old) / median(new) at level 1 − `alpha`, must resolve the band
+/// [1/(1+t), 1+t] of the practical threshold t (see [`resolves`]) before sampling stops.
+///
+/// With it, the usual stop (every median CI within `target_rel_ci`, or `max_time_ms`)
+/// no longer ends sampling on its own: a noisy machine widens the CIs, and a gate that
+/// stops at a fixed time then answers UNCLEAR where more rounds would have decided (issue
+/// 32: a 10% slowdown caught in 13 of 20 runs under load at the 4 s cap). Sampling stops
+/// when every pair resolved ([`StopReason::Resolved`]), or at `max_time_ms` of this rule
+/// (≥ the settings' cap) or at the sample cap scaled by the same factor; a pair that is
+/// still unresolved there is reported as such by the verdict.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResolveRule {
+    /// (baseline index, candidate index) into the implementations measured.
+    pub pairs: Vec<(usize, usize)>,
+    /// Practical threshold t as a fraction (0.05 = 5%).
+    pub threshold: f64,
+    /// The CI is at level 1 − alpha, as in the verdict.
+    pub alpha: f64,
+    /// Sampling-time cap of an unresolved measurement, ms.
+    pub max_time_ms: f64,
+}
+
+/// Whether the speedup interval `ci` resolves the band [1/(1+t), 1+t]: entirely below
+/// it (the candidate slower by more than t), entirely above it (faster by more than t),
+/// or entirely inside it (the same within t). An interval that straddles a band edge, or
+/// has a NaN bound, does not.
+pub fn resolves(ci: &stats::Interval, threshold: f64) -> bool {
+    let upper = 1.0 + threshold;
+    let lower = 1.0 / upper;
+    ci.high < lower || ci.low > upper || (ci.low >= lower && ci.high <= upper)
 }
 
 impl Default for MeasureSettings {
@@ -97,6 +141,7 @@ impl Default for MeasureSettings {
             threshold: 0.02,
             cache_policy: "none".into(),
             timer: "host clock".into(),
+            against_max_time_ms: None,
         }
     }
 }
@@ -121,14 +166,68 @@ fn converged(set: &SampleSet, settings: &MeasureSettings, seed: u64) -> bool {
     ci.relative_half_width() <= settings.target_rel_ci
 }
 
+/// Whether every pair of `rule` resolved its band (a pair with a failed side has nothing
+/// more to learn and counts as resolved).
+///
+/// The CI is computed exactly as the verdict computes it afterwards (the settings' seed and
+/// resample count; `bench --against` passes the same to `compare_against_old`), so a pair
+/// that stopped as resolved is reported as resolved.
+fn pairs_resolved(sets: &[SampleSet], rule: &ResolveRule, settings: &MeasureSettings) -> bool {
+    rule.pairs.iter().all(|&(base, cand)| {
+        let (b, c) = (&sets[base], &sets[cand]);
+        if b.error.is_some() || c.error.is_some() {
+            return true;
+        }
+        let n = b.samples_ms.len().min(c.samples_ms.len());
+        if n < settings.min_samples.max(2) {
+            return false;
+        }
+        let ci = stats::bootstrap_speedup_ci(
+            &b.samples_ms,
+            &c.samples_ms,
+            1.0 - rule.alpha,
+            settings.bootstrap_resamples,
+            settings.seed,
+        );
+        resolves(&ci, rule.threshold)
+    })
+}
+
 /// Measure `impls` interleaved. `cancel` is polled between samples; `on_round` is called
 /// after each round with the number of rounds done (for progress display).
 pub fn measure_interleaved(
     impls: &mut [&mut dyn Sampled],
     settings: &MeasureSettings,
     cancel: &AtomicBool,
+    on_round: impl FnMut(usize),
+) -> Measurement {
+    measure_interleaved_until(impls, settings, None, cancel, on_round)
+}
+
+/// [`measure_interleaved`] with an optional [`ResolveRule`] (`bench --against`) in place
+/// of the usual stop rule.
+pub fn measure_interleaved_until(
+    impls: &mut [&mut dyn Sampled],
+    settings: &MeasureSettings,
+    resolve: Option<&ResolveRule>,
+    cancel: &AtomicBool,
     mut on_round: impl FnMut(usize),
 ) -> Measurement {
+    // Caps: the rule's time cap (never below the settings' one) and the sample cap scaled
+    // by the same factor.
+    let resolve = resolve.filter(|r| !r.pairs.is_empty());
+    let (max_time_ms, max_rounds) = match resolve {
+        Some(r) => {
+            let t = r.max_time_ms.max(settings.max_time_ms);
+            let factor = if settings.max_time_ms > 0.0 {
+                (t / settings.max_time_ms).ceil().max(1.0)
+            } else {
+                1.0
+            };
+            (t, (settings.max_samples as f64 * factor) as usize)
+        }
+        None => (settings.max_time_ms, settings.max_samples),
+    };
     let k = impls.len();
     let mut sets = vec![SampleSet::default(); k];
     let start = Instant::now();
@@ -144,6 +243,7 @@ pub fn measure_interleaved(
                     sets,
                     stop: StopReason::Cancelled,
                     rounds: 0,
+                    sampling_ms: 0.0,
                 };
             }
             if let Err(e) = imp.sample() {
@@ -181,24 +281,38 @@ pub fn measure_interleaved(
         }
         rounds += 1;
         on_round(rounds);
-        if rounds >= settings.max_samples {
+        if rounds >= max_rounds {
             break StopReason::SampleCap;
         }
         // At least two rounds: one sample has no spread, and compare needs two a side.
-        if rounds >= 2 && elapsed_ms(&sampling_start) >= settings.max_time_ms {
+        if rounds >= 2 && elapsed_ms(&sampling_start) >= max_time_ms {
             break StopReason::TimeCap;
         }
         // Check convergence at geometrically spaced rounds: the bootstrap is not free.
         if rounds >= next_check {
             next_check = rounds + (rounds / 8).max(5);
             let seed = settings.seed ^ rounds as u64;
-            if sets.iter().all(|s| converged(s, settings, seed)) {
-                break StopReason::Converged;
+            match resolve {
+                Some(rule) => {
+                    if pairs_resolved(&sets, rule, settings) {
+                        break StopReason::Resolved;
+                    }
+                }
+                None => {
+                    if sets.iter().all(|s| converged(s, settings, seed)) {
+                        break StopReason::Converged;
+                    }
+                }
             }
         }
     };
     let _ = start;
-    Measurement { sets, stop, rounds }
+    Measurement {
+        sets,
+        stop,
+        rounds,
+        sampling_ms: elapsed_ms(&sampling_start),
+    }
 }
 
 #[cfg(test)]
@@ -328,6 +442,87 @@ mod tests {
         let t0 = Instant::now();
         spin_for(0.002);
         assert!(t0.elapsed().as_secs_f64() >= 0.002);
+    }
+
+    #[test]
+    fn resolves_needs_the_ci_on_one_side_of_each_band_edge() {
+        let ci = |low: f64, high: f64| stats::Interval {
+            estimate: (low + high) / 2.0,
+            low,
+            high,
+            level: 0.95,
+        };
+        let t = 0.05; // band [0.952, 1.05]
+        assert!(resolves(&ci(0.98, 1.02), t)); // inside: SAME
+        assert!(resolves(&ci(0.85, 0.94), t)); // below: slower by more than t
+        assert!(resolves(&ci(1.06, 1.2), t)); // above: faster by more than t
+        assert!(!resolves(&ci(0.9, 0.97), t)); // straddles the lower edge
+        assert!(!resolves(&ci(1.02, 1.08), t)); // straddles the upper edge
+        assert!(!resolves(&ci(0.9, 1.1), t)); // wider than the band
+        assert!(!resolves(&ci(f64::NAN, 1.0), t));
+    }
+
+    #[test]
+    fn against_rule_stops_when_the_pair_resolves() {
+        // A 10% slowdown with 2% noise: the ratio CI leaves the ±5% band quickly, and
+        // sampling stops there although the median CIs (target 0.01%) never converge.
+        let log = Default::default();
+        let mut old = fake(0, 1.0, 0.02, &log);
+        let mut new = fake(1, 1.1, 0.02, &log);
+        let cancel = AtomicBool::new(false);
+        let s = MeasureSettings {
+            target_rel_ci: 0.0001,
+            ..quick_settings()
+        };
+        let rule = ResolveRule {
+            pairs: vec![(0, 1)],
+            threshold: 0.05,
+            alpha: 0.05,
+            max_time_ms: 60_000.0,
+        };
+        let m =
+            measure_interleaved_until(&mut [&mut old, &mut new], &s, Some(&rule), &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::Resolved);
+        assert!(m.rounds < 100, "{} rounds", m.rounds);
+        // Without the rule the same samples run to the sample cap.
+        let mut old = fake(0, 1.0, 0.02, &log);
+        let mut new = fake(1, 1.1, 0.02, &log);
+        let m = measure_interleaved(&mut [&mut old, &mut new], &s, &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::SampleCap);
+    }
+
+    #[test]
+    fn against_rule_samples_past_the_usual_caps_then_gives_up() {
+        // True ratio on the band edge (5.0% slower): the CI straddles 1/1.05 for ever.
+        // The usual stop (median CIs within 1% with 0.1% noise) would stop early; the rule
+        // goes on to its own cap, the sample cap times max_time / settings.max_time.
+        let log = Default::default();
+        let mut old = fake(0, 1.0, 0.001, &log);
+        let mut new = fake(1, 1.05, 0.001, &log);
+        let cancel = AtomicBool::new(false);
+        let s = MeasureSettings {
+            max_samples: 40,
+            max_time_ms: 1_000.0,
+            ..quick_settings()
+        };
+        let rule = ResolveRule {
+            pairs: vec![(0, 1)],
+            threshold: 0.05,
+            alpha: 0.05,
+            max_time_ms: 3_000.0,
+        };
+        let m =
+            measure_interleaved_until(&mut [&mut old, &mut new], &s, Some(&rule), &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::SampleCap);
+        assert_eq!(m.rounds, 120);
+        // An empty rule is no rule.
+        let empty = ResolveRule {
+            pairs: vec![],
+            ..rule
+        };
+        let m =
+            measure_interleaved_until(&mut [&mut old, &mut new], &s, Some(&empty), &cancel, |_| {});
+        assert_eq!(m.stop, StopReason::Converged);
     }
 
     #[test]

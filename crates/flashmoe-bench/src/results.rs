@@ -56,6 +56,11 @@ pub struct MeasureSettings {
     /// How caches were defeated between samples (e.g. "l2-flush 100 MB", "none (cpu)").
     pub cache_policy: String,
     pub timer: String,
+    /// `bench --against`: sampling of a config goes on past `max_time_ms` until every
+    /// (old:X, X) speedup CI resolves the threshold band, up to this cap in ms
+    /// (`measure::ResolveRule`). `None` (and absent in older files): no such rule.
+    #[serde(default)]
+    pub against_max_time_ms: Option<f64>,
 }
 
 /// Ceilings measured in the same session, used for "% of ceiling".
@@ -180,6 +185,23 @@ pub struct ConfigResult {
     /// (absent in files written before it existed).
     #[serde(default)]
     pub calibration: Option<CalibrationResult>,
+    /// How the measurement of this config ended (absent in files written before it was
+    /// recorded).
+    #[serde(default)]
+    pub sampling: Option<SamplingRecord>,
+}
+
+/// How a config's sampling ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingRecord {
+    /// Why sampling stopped: "converged" (every median CI within the target), "resolved"
+    /// (`--against`: every pair's CI resolved the threshold band), "sample-cap",
+    /// "time-cap".
+    pub stop: crate::measure::StopReason,
+    /// Rounds measured (one sample of every implementation each).
+    pub rounds: usize,
+    /// Wall time of the rounds, ms.
+    pub sampling_ms: f64,
 }
 
 /// A fixed reference workload timed in every round of a config's measurement, with the
@@ -267,6 +289,17 @@ pub struct AccuracyResult {
     pub non_finite: usize,
     /// Relative-L2 tolerance applied.
     pub tolerance_rel_l2: f64,
+    /// Worst per-row relative L2 error (`flashmoe::accuracy`: a row is one query row of
+    /// one head for attention, one token for MoE; judged against max(‖ref_row‖, RMS row
+    /// norm / 16)). Absent in files written before the per-row gate.
+    #[serde(default)]
+    pub max_row_rel_l2: Option<f64>,
+    /// Index of that row in the output (row-major over the leading dims).
+    #[serde(default)]
+    pub worst_row: Option<usize>,
+    /// Per-row tolerance applied to `max_row_rel_l2`.
+    #[serde(default)]
+    pub tolerance_row_rel_l2: Option<f64>,
     pub passed: bool,
     /// What the implementation was checked against (e.g. "cpu-f64").
     pub reference: String,

@@ -312,4 +312,55 @@ fn against_compares_each_implementation_with_its_old_self_in_the_same_run() {
     assert_eq!(rep.changes[1].comparison.verdict, Verdict::Same);
     assert_eq!(rep.exit_code(), 1);
     assert!(rep.skipped.iter().any(|s| s.contains("new-only")));
+    // Both CIs resolved the ±5% band: one beyond it, one inside it.
+    assert!(rep.changes.iter().all(|c| c.resolved == Some(true)));
+    assert_eq!(rep.unresolved, 0);
+}
+
+#[test]
+fn against_says_when_the_cap_was_hit_before_the_ci_resolved() {
+    use flashmoe_bench::compare::compare_against_old;
+    use flashmoe_bench::measure::StopReason;
+    use flashmoe_bench::report::fixtures::config_from_samples;
+    use flashmoe_bench::results::SamplingRecord;
+    // 5% slower with 10% noise and 30 samples a side: the CI straddles the band edge.
+    let mut c = config_from_samples(
+        problem(512),
+        "flashmoe",
+        vec![
+            ("flashmoe", "cpu", noisy_samples(1.05, 0.1, 30, 1)),
+            ("old:flashmoe", "old-build", noisy_samples(1.0, 0.1, 30, 2)),
+        ],
+        None,
+    );
+    c.sampling = Some(SamplingRecord {
+        stop: StopReason::TimeCap,
+        rounds: 30,
+        sampling_ms: 16_000.0,
+    });
+    let r = run_with("attention", "flashmoe", vec![c], None);
+    let rep = compare_against_old(&r, &opts());
+    assert_eq!(rep.changes.len(), 1);
+    let ch = &rep.changes[0];
+    assert_eq!(ch.resolved, Some(false), "{}", rep.render());
+    assert_eq!(ch.stop, Some(StopReason::TimeCap));
+    assert_eq!(rep.unresolved, 1);
+    let text = rep.render();
+    assert!(text.contains("unresolved at the time cap"), "{text}");
+    // Whatever its verdict, an unresolved change is never a confirmed regression: a
+    // SLOWER one exits 3 (rerun), anything else passes.
+    assert!(!ch.is_regression());
+    assert_eq!(rep.regressions, 0);
+    if ch.verdict == flashmoe_bench::stats::CrossRunVerdict::Slower {
+        assert!(ch.is_unresolved_slowdown());
+        assert_eq!((rep.unresolved_slowdowns, rep.exit_code()), (1, 3));
+        assert!(text.contains("UNRESOLVED"), "{text}");
+    } else {
+        assert_eq!(rep.exit_code(), 0);
+    }
+    assert!(text.contains("1 change(s) unresolved"), "{text}");
+    // The JSON carries both fields for --against rows.
+    let v = serde_json::to_value(&rep).unwrap();
+    assert_eq!(v["changes"][0]["resolved"], false);
+    assert_eq!(v["changes"][0]["stop"], "time-cap");
 }

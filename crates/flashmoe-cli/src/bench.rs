@@ -15,6 +15,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Fail early, before any measurement, if results could not be written.
+/// `--against` without `--against-max-time`: the resolve rule's cap is this many times the
+/// sampling time cap (CPU quick: 4 s → 16 s per config at most; most configs resolve
+/// sooner, docs/regression-gate.md).
+const AGAINST_CAP_FACTOR: f64 = 4.0;
+
 fn ensure_writable(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)
         .with_context(|| format!("cannot create output directory {}", dir.display()))?;
@@ -179,6 +184,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         }
         settings.max_time_ms = s * 1e3;
     }
+    if args.against.is_some() {
+        // Keep sampling until every (old:X, X) CI resolves the threshold band, up to this
+        // cap (measure::ResolveRule).
+        let cap_ms = match args.against_max_time {
+            Some(s) if s > 0.0 && s.is_finite() => s * 1e3,
+            Some(s) => bail!("--against-max-time must be a positive number of seconds, got {s}"),
+            None => AGAINST_CAP_FACTOR * settings.max_time_ms,
+        };
+        settings.against_max_time_ms = Some(cap_ms.max(settings.max_time_ms));
+    }
 
     let ceilings = match &lab.session {
         Some(session) => {
@@ -251,9 +266,13 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         use flashmoe_bench::compare::{compare_against_old, CompareOptions};
         let report = compare_against_old(
             &results,
+            // The verdict's CI with the resolve rule's seed and resamples (measure.rs), so
+            // a config that stopped as resolved is reported as resolved.
             &CompareOptions {
                 threshold: args.threshold,
-                ..CompareOptions::default()
+                alpha: 1.0 - results.settings.confidence,
+                resamples: results.settings.bootstrap_resamples,
+                seed: results.settings.seed,
             },
         );
         println!("\nThis build against the old build (same run, interleaved):");

@@ -144,6 +144,12 @@ pub struct BenchArgs {
     /// significantly slower than its old self (the recommended CI gate).
     #[arg(long, value_name = "OLD_BINARY")]
     against: Option<PathBuf>,
+    /// With --against: sampling of a config goes on past --max-time until the CI of every
+    /// implementation's change against its old self resolves the ±threshold band (entirely
+    /// beyond it or entirely inside it), up to this many seconds per config (default: 4×
+    /// the sampling time cap).
+    #[arg(long, value_name = "SECONDS", requires = "against")]
+    against_max_time: Option<f64>,
     /// Expert parallelism (moe only): the MoE layer across N GPUs of this host, one rank
     /// process per GPU over NCCL; writes ep-PRESET-NGPUgpu.{json,md,html} (default preset
     /// deepseek-v3).
@@ -289,6 +295,13 @@ pub(crate) fn print_gate(report: &flashmoe_bench::compare::CompareReport, thresh
         flashmoe_bench::compare::EXIT_REGRESSION => println!(
             "REGRESSION: {} significant slowdown(s) beyond {:.1}% (exit {code})",
             report.regressions,
+            threshold * 100.0
+        ),
+        flashmoe_bench::compare::EXIT_ENV_DRIFT if report.unresolved_slowdowns > 0 => println!(
+            "UNRESOLVED: {} slowdown(s) beyond {:.1}% measured but not confirmed before the \
+             sampling cap (the CI still touches the band): rerun, or raise --against-max-time \
+             (exit {code})",
+            report.unresolved_slowdowns,
             threshold * 100.0
         ),
         flashmoe_bench::compare::EXIT_ENV_DRIFT => println!(

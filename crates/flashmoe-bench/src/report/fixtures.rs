@@ -85,6 +85,9 @@ pub fn impl_from_samples(
             rel_l2: 2.1e-3,
             non_finite: 0,
             tolerance_rel_l2: 1e-2,
+            max_row_rel_l2: Some(4.2e-3),
+            worst_row: Some(17),
+            tolerance_row_rel_l2: Some(2e-2),
             passed: true,
             reference: "cpu-f64".to_string(),
             note: None,
@@ -135,6 +138,7 @@ pub fn config_from_samples(
         error: None,
         routing: None,
         calibration: None,
+        sampling: None,
     }
 }
 
@@ -160,6 +164,7 @@ pub fn settings(cpu: bool) -> MeasureSettings {
         } else {
             "cuda events".to_string()
         },
+        against_max_time_ms: None,
     }
 }
 

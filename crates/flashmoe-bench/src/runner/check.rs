@@ -106,15 +106,21 @@ pub fn render(rows: &[CheckRow]) -> String {
         "config",
         "implementation",
         "rel-L2",
+        "worst row rel-L2",
         "max abs",
         "max rel",
         "tol rel-L2",
         "result",
     ]);
     for r in rows {
-        let (l2, ma, mr, tol) = match &r.accuracy {
+        let (l2, row, ma, mr, tol) = match &r.accuracy {
             Some(a) => (
                 format!("{:.2e}", a.rel_l2),
+                match (a.max_row_rel_l2, a.worst_row) {
+                    (Some(e), Some(i)) => format!("{e:.2e} (row {i})"),
+                    (Some(e), None) => format!("{e:.2e}"),
+                    _ => String::new(),
+                },
                 format!("{:.2e}", a.max_abs),
                 format!("{:.2e}", a.max_rel),
                 format!("{:.1e}", a.tolerance_rel_l2),
@@ -139,6 +145,7 @@ pub fn render(rows: &[CheckRow]) -> String {
             r.config.clone(),
             r.implementation.clone(),
             l2,
+            row,
             ma,
             mr,
             tol,

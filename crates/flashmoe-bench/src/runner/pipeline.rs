@@ -3,10 +3,10 @@
 
 use super::calibration::Calibration;
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
-use crate::measure::{measure_interleaved, Sampled, StopReason};
+use crate::measure::{measure_interleaved_until, ResolveRule, Sampled, StopReason};
 use crate::results::{
     AccuracyResult, CalibrationResult, Ceilings, ConfigResult, ImplResult, MeasureSettings,
-    PairResult, ProblemSpec, RoutingSummary, CEILING_ONLY_FLAG,
+    PairResult, ProblemSpec, RoutingSummary, SamplingRecord, CEILING_ONLY_FLAG, OLD_PREFIX,
 };
 use crate::stats::{self, VerdictOptions};
 use flashmoe::accuracy;
@@ -130,6 +130,9 @@ fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> Accu
         rel_l2: c.metrics.rel_l2,
         non_finite: c.metrics.non_finite,
         tolerance_rel_l2: c.tolerance.rel_l2,
+        max_row_rel_l2: (c.metrics.rows > 0).then_some(c.metrics.max_row_rel_l2),
+        worst_row: c.metrics.worst_row,
+        tolerance_row_rel_l2: (c.metrics.rows > 0).then_some(c.tolerance.row_rel_l2),
         passed: c.passed,
         reference: reference.to_string(),
         note,
@@ -139,7 +142,20 @@ fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> Accu
 /// Relative tolerance of the MoE auxiliary losses against the reference (issue 5).
 pub const LOSS_REL_TOL: f64 = 1e-4;
 
-/// Compare an implementation's outputs with the reference.
+/// Elements per output row of the per-row gate (`flashmoe::accuracy::check_rows`): the
+/// last dim of the output — the head dim for attention, decode and varlen (one query row
+/// of one head), the hidden dim for MoE (one token).
+pub fn gate_row_len(problem: &ProblemSpec) -> usize {
+    match problem {
+        ProblemSpec::Attention(p) => p.head_dim,
+        ProblemSpec::Decode(p) => p.head_dim,
+        ProblemSpec::Varlen(p) => p.head_dim,
+        ProblemSpec::Moe(p) => p.hidden,
+    }
+}
+
+/// Compare an implementation's outputs with the reference: the global relative L2,
+/// max abs and the per-row bound (`accuracy::check_rows`), LSE, MoE losses and routing.
 pub fn gate(
     problem: &ProblemSpec,
     outputs: &Outputs,
@@ -147,9 +163,10 @@ pub fn gate(
     reference_name: &str,
 ) -> AccuracyResult {
     let dtype = dtype_of(problem);
+    let row_len = gate_row_len(problem);
     match (outputs, reference) {
         (Outputs::Attention { o, lse }, ReferenceOutputs::Attention(r)) => {
-            let co = accuracy::check(o, &r.o, dtype);
+            let co = accuracy::check_rows(o, &r.o, dtype, row_len);
             // An empty LSE means "not provided" (e.g. the public SDPA API returns none):
             // O is checked alone.
             let cl =
@@ -177,7 +194,7 @@ pub fn gate(
             },
             ReferenceOutputs::Moe(r),
         ) => {
-            let c = accuracy::check(out, &r.out, dtype);
+            let c = accuracy::check_rows(out, &r.out, dtype, row_len);
             let mut res = to_result(&c, reference_name, c.reason.clone());
             if let Some((aux, z)) = losses {
                 for (name, got, want) in [
@@ -242,6 +259,9 @@ pub fn gate(
             rel_l2: f64::NAN,
             non_finite: 0,
             tolerance_rel_l2: 0.0,
+            max_row_rel_l2: None,
+            worst_row: None,
+            tolerance_row_rel_l2: None,
             passed: false,
             reference: reference_name.to_string(),
             note: Some("output kind does not match the problem".into()),
@@ -301,6 +321,7 @@ impl Pipeline<'_> {
             error: None,
             routing: None,
             calibration: None,
+            sampling: None,
         };
         let valid = match problem {
             ProblemSpec::Attention(p) => p.validate(),
@@ -383,6 +404,25 @@ impl Pipeline<'_> {
             (Some(c), false) => Some((c.workload(), c.prepare())),
             _ => None,
         };
+        // `bench --against`: every timed X with its timed old:X is a pair whose speedup CI
+        // must resolve the threshold band before sampling stops (measure::ResolveRule).
+        let resolve = self.settings.against_max_time_ms.map(|max_time_ms| {
+            let name = |i: usize| rows[timed[i].0].name.as_str();
+            let pairs = (0..timed.len())
+                .filter_map(|new| {
+                    let old_name = format!("{OLD_PREFIX}{}", name(new));
+                    (0..timed.len())
+                        .find(|&old| name(old) == old_name)
+                        .map(|old| (old, new))
+                })
+                .collect();
+            ResolveRule {
+                pairs,
+                threshold: self.settings.threshold,
+                alpha: 1.0 - self.settings.confidence,
+                max_time_ms,
+            }
+        });
         let mut measurement = {
             let mut handles: Vec<&mut dyn Sampled> = timed
                 .iter_mut()
@@ -391,11 +431,22 @@ impl Pipeline<'_> {
             if let Some((_, Ok(c))) = calibration.as_mut() {
                 handles.push(c.as_mut());
             }
-            measure_interleaved(&mut handles, &self.settings, cancel, on_round)
+            measure_interleaved_until(
+                &mut handles,
+                &self.settings,
+                resolve.as_ref(),
+                cancel,
+                on_round,
+            )
         };
         if measurement.stop == StopReason::Cancelled {
             return None;
         }
+        result.sampling = Some(SamplingRecord {
+            stop: measurement.stop,
+            rounds: measurement.rounds,
+            sampling_ms: measurement.sampling_ms,
+        });
         if let Some((workload, prepared)) = calibration {
             result.calibration = Some(match prepared {
                 Ok(_) => {

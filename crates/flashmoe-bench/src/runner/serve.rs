@@ -187,7 +187,10 @@ fn serve_problem<L: Iterator<Item = std::io::Result<String>>>(
                     )?,
                     Some(imp) => match imp.supports(problem) {
                         Err(why) => reply_error(output, &req.id, "na", &why)?,
-                        Ok(()) => match imp.prepare(problem, inputs) {
+                        Ok(()) => match imp
+                            .prepare(problem, inputs)
+                            .and_then(|p| scaled_for_test(imp.as_ref(), p))
+                        {
                             Err(e) => reply_error(output, &req.id, "error", &format!("{e:#}"))?,
                             Ok(p) => {
                                 let h = *next_handle;
@@ -254,6 +257,66 @@ fn serve_problem<L: Iterator<Item = std::io::Result<String>>>(
                 },
             }
         };
+    }
+}
+
+/// The test-only slowdown knob ([`crate::measure::TEST_SLOWDOWN_ENV`]) for an
+/// implementation whose timer the host cannot lengthen (CUDA events time the GPU, not the
+/// host): its reported times are multiplied by 1 + FRACTION, a slowdown of exactly that
+/// fraction in every sample, median included. CPU implementations spin inside their own
+/// timed region instead (runner/cpu.rs) and are returned as they are. This is what lets
+/// `scripts/aa-calibration.py --gpu` inject a slowdown into a GPU `bench --against` run
+/// (the knob reaches only this build's `serve` child, never the old build's).
+fn scaled_for_test<'a>(
+    imp: &dyn Implementation,
+    p: Box<dyn Prepared + 'a>,
+) -> anyhow::Result<Box<dyn Prepared + 'a>> {
+    if imp.backend() == "cpu" {
+        return Ok(p);
+    }
+    Ok(match crate::measure::test_slowdown(imp.name())? {
+        Some(f) => Box::new(ScaledForTest {
+            inner: p,
+            factor: f,
+        }),
+        None => p,
+    })
+}
+
+/// See [`scaled_for_test`].
+struct ScaledForTest<'a> {
+    inner: Box<dyn Prepared + 'a>,
+    factor: f64,
+}
+
+impl crate::measure::Sampled for ScaledForTest<'_> {
+    fn sample(&mut self) -> anyhow::Result<f64> {
+        Ok(self.inner.sample()? * (1.0 + self.factor))
+    }
+}
+
+impl Prepared for ScaledForTest<'_> {
+    fn run_for_check(&mut self) -> anyhow::Result<Outputs> {
+        self.inner.run_for_check()
+    }
+    fn peak_extra_bytes(&self) -> Option<u64> {
+        self.inner.peak_extra_bytes()
+    }
+    fn ceiling_only(&self) -> bool {
+        self.inner.ceiling_only()
+    }
+    fn router_ms(&self) -> Option<f64> {
+        self.inner.router_ms()
+    }
+    fn notes(&self) -> Vec<String> {
+        let mut n = self.inner.notes();
+        n.push(format!(
+            "TEST KNOB: {} scaled this implementation's reported times by {:.2} (its timer is \
+             not the host clock)",
+            crate::measure::TEST_SLOWDOWN_ENV,
+            1.0 + self.factor
+        ));
+        n
     }
 }
 
