@@ -19,6 +19,7 @@ pub mod results;
 pub mod runner;
 pub mod stats;
 pub mod varlen;
+pub mod workload;
 
 // What an out-of-tree implementation needs (docs/plugins.md,
 // examples/plugin_implementation.rs).

@@ -88,76 +88,22 @@ pub enum ProblemSpec {
 
 impl ProblemSpec {
     pub fn id(&self) -> String {
-        match self {
-            ProblemSpec::Attention(p) => p.id(),
-            ProblemSpec::Moe(p) => p.id(),
-            ProblemSpec::Decode(p) => p.id(),
-            ProblemSpec::Varlen(p) => p.id(),
-        }
+        self.workload().id()
     }
     pub fn label(&self) -> String {
-        match self {
-            ProblemSpec::Attention(p) => p.to_string(),
-            ProblemSpec::Moe(p) => p.to_string(),
-            ProblemSpec::Decode(p) => p.to_string(),
-            ProblemSpec::Varlen(p) => p.to_string(),
-        }
+        self.workload().label()
     }
     /// The sweep axis used by plots: sequence length for attention, tokens for MoE, packed
     /// query tokens for varlen.
     pub fn x_value(&self) -> f64 {
-        match self {
-            ProblemSpec::Attention(p) => p.seqlen_k as f64,
-            ProblemSpec::Moe(p) => p.tokens as f64,
-            ProblemSpec::Decode(p) => p.seqlen_k as f64,
-            ProblemSpec::Varlen(p) => p.total_q() as f64,
-        }
+        self.workload().x_value()
     }
     pub fn x_label(&self) -> &'static str {
-        match self {
-            ProblemSpec::Attention(_) => "sequence length",
-            ProblemSpec::Moe(_) => "tokens",
-            ProblemSpec::Decode(_) => "cached keys per sequence",
-            ProblemSpec::Varlen(_) => "query tokens (packed)",
-        }
+        self.workload().x_label()
     }
     /// Plot series key: configs sharing it form one panel (e.g. head dim × causal).
     pub fn panel(&self) -> String {
-        match self {
-            ProblemSpec::Attention(p) => format!(
-                "D={} {} {}",
-                p.head_dim,
-                if p.causal { "causal" } else { "non-causal" },
-                p.dtype
-            ),
-            ProblemSpec::Moe(p) => format!(
-                "H={} I={} E={} k={} {}",
-                p.hidden, p.intermediate, p.experts, p.top_k, p.dtype
-            ),
-            ProblemSpec::Decode(p) => format!(
-                "decode D={} Sq={} Hq/Hkv={} page={} {}",
-                p.head_dim,
-                p.seqlen_q,
-                p.heads_q / p.heads_kv.max(1),
-                p.page_size,
-                p.dtype
-            ),
-            // One panel per shape family (sequence count) and class: the neighbours of a
-            // config along the token axis are configs of the same kind of batch.
-            ProblemSpec::Varlen(p) => format!(
-                "varlen D={} Hq/Hkv={} {} {} {} seqs{}",
-                p.head_dim,
-                p.heads_q / p.heads_kv.max(1),
-                if p.causal { "causal" } else { "non-causal" },
-                p.dtype,
-                p.batch(),
-                if p.is_self_attention() {
-                    ""
-                } else {
-                    " (Sk != Sq)"
-                }
-            ),
-        }
+        self.workload().panel()
     }
 }
 

@@ -141,12 +141,7 @@ pub fn run(args: &ProfileArgs) -> anyhow::Result<ExitCode> {
                     problem.id(),
                     problem.label(),
                     name.clone(),
-                    match problem {
-                        ProblemSpec::Attention(p) => p.flops(),
-                        ProblemSpec::Moe(p) => p.flops(),
-                        ProblemSpec::Decode(p) => p.flops(),
-                        ProblemSpec::Varlen(p) => p.flops(),
-                    },
+                    problem.workload().flops(),
                     kernels,
                 ),
                 Err(e) => ProfileRow {

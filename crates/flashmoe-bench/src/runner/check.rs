@@ -43,13 +43,11 @@ pub fn run_checks(
             accuracy,
             error,
         };
-        let valid = match problem {
-            ProblemSpec::Attention(p) => p.validate().map_err(|e| e.to_string()),
-            ProblemSpec::Moe(p) => p.validate().map_err(|e| e.to_string()),
-            ProblemSpec::Decode(p) => p.validate().map_err(|e| e.to_string()),
-            ProblemSpec::Varlen(p) => p.validate().map_err(|e| e.to_string()),
-        }
-        .and_then(|()| super::check_host_memory(problem));
+        let valid = problem
+            .workload()
+            .validate()
+            .map_err(|e| e.to_string())
+            .and_then(|()| super::check_host_memory(problem));
         if let Err(e) = valid {
             rows.push(row("(problem)", None, Some(e)));
             on_case(&rows[first..]);

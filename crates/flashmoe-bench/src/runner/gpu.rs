@@ -289,13 +289,9 @@ pub struct GpuReferenceProvider {
 
 impl GpuReferenceProvider {
     fn use_cpu(&self, problem: &ProblemSpec) -> bool {
-        match problem {
-            ProblemSpec::Attention(p) => p.flops() <= self.cpu_max_flops,
-            ProblemSpec::Moe(p) => p.flops() <= self.cpu_max_flops,
-            // The GPU reference is dense attention: only the plain causal step.
-            ProblemSpec::Decode(p) => !p.is_plain() || p.flops() <= self.cpu_max_flops,
-            ProblemSpec::Varlen(p) => p.flops() <= self.cpu_max_flops,
-        }
+        // The GPU reference of decode is dense attention: only the plain causal step.
+        let cpu_only = matches!(problem, ProblemSpec::Decode(p) if !p.is_plain());
+        cpu_only || problem.workload().flops() <= self.cpu_max_flops
     }
 }
 

@@ -29,12 +29,7 @@ pub struct Pipeline<'a> {
 }
 
 fn dtype_of(problem: &ProblemSpec) -> DType {
-    match problem {
-        ProblemSpec::Attention(p) => p.dtype,
-        ProblemSpec::Moe(p) => p.dtype,
-        ProblemSpec::Decode(p) => p.dtype,
-        ProblemSpec::Varlen(p) => p.dtype,
-    }
+    problem.workload().dtype()
 }
 
 /// Checksum over every input tensor, as `dtype`-encoded bytes.
@@ -146,12 +141,7 @@ pub const LOSS_REL_TOL: f64 = 1e-4;
 /// last dim of the output — the head dim for attention, decode and varlen (one query row
 /// of one head), the hidden dim for MoE (one token).
 pub fn gate_row_len(problem: &ProblemSpec) -> usize {
-    match problem {
-        ProblemSpec::Attention(p) => p.head_dim,
-        ProblemSpec::Decode(p) => p.head_dim,
-        ProblemSpec::Varlen(p) => p.head_dim,
-        ProblemSpec::Moe(p) => p.hidden,
-    }
+    problem.workload().gate_row_len()
 }
 
 /// Compare an implementation's outputs with the reference: the global relative L2,
@@ -309,12 +299,7 @@ impl Pipeline<'_> {
             id: problem.id(),
             label: problem.label(),
             problem: problem.clone(),
-            flops: match problem {
-                ProblemSpec::Attention(p) => p.flops(),
-                ProblemSpec::Moe(p) => p.flops(),
-                ProblemSpec::Decode(p) => p.flops(),
-                ProblemSpec::Varlen(p) => p.flops(),
-            },
+            flops: problem.workload().flops(),
             min_bytes: min_bytes(problem, None),
             implementations: Vec::new(),
             comparisons: Vec::new(),
@@ -323,12 +308,7 @@ impl Pipeline<'_> {
             calibration: None,
             sampling: None,
         };
-        let valid = match problem {
-            ProblemSpec::Attention(p) => p.validate(),
-            ProblemSpec::Moe(p) => p.validate(),
-            ProblemSpec::Decode(p) => p.validate(),
-            ProblemSpec::Varlen(p) => p.validate(),
-        };
+        let valid = problem.workload().validate();
         if let Err(e) = valid {
             result.error = Some(e.to_string());
             return Some(result);
