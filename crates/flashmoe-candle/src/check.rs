@@ -1,127 +1,33 @@
-//! Up-front checks of a flash-attention call: tensor ranks, layouts, dtypes, head counts,
-//! the window the window sizes describe, and the plan (and its cache key) the call goes to:
-//! dense prefill ([`PlanKey::Dense`]), varlen prefill ([`PlanKey::Varlen`]) or paged / decode
-//! ([`PlanKey::Decode`]). Pure functions of candle `Layout`s, values and the device's
-//! compute capability, so they run (and are tested) without a GPU; the CUDA path
-//! (`cuda_fwd.rs`) calls [`check_call`], [`check_varlen`] or [`check_paged`] before touching
-//! any device memory.
+//! Up-front checks of a flash-attention call: tensor ranks, layouts, dtypes, head counts —
+//! what candle's `Layout`s and `DType`s say — then the library's router
+//! (`flashmoe::attention::route`) for the window, the softcap and the plan (and its cache
+//! key) the call goes to: dense prefill ([`PlanKey::Dense`]), varlen prefill
+//! ([`PlanKey::Varlen`]) or paged / decode ([`PlanKey::Decode`]). Pure functions of candle
+//! `Layout`s, values and the device's compute capability, so they run (and are tested)
+//! without a GPU; the CUDA path (`cuda_fwd.rs`) calls [`check_call`], [`check_varlen`] or
+//! [`check_paged`] before touching any device memory.
 //!
-//! Routing of a dense call ([`check_call`]):
-//! - no mask / causal without softcap: the prefill plan (`AttentionPlan`: the sm_90a kernel
-//!   on Hopper for head dims 64 and 128, the portable kernel otherwise);
-//! - a sliding window or a softcap where the sm_90a kernel serves it ([`prefill_masks`]:
-//!   compute capability 9.0, head dims 64 and 128): the prefill plan, whatever the rows;
-//! - otherwise, decode-shaped calls ([`decode_shaped`]: at most [`MAX_Q_PER_SEQ`] query
-//!   rows, head dims 64/128/256): the decode plan over the dense cache;
-//! - otherwise an error naming the feature, the call's rows, head dim and device, and the
-//!   kernels that would serve it.
-//!
-//! Varlen calls ([`check_varlen`]) have one plan, `VarlenPlan` (sm_90a, head dims 64/128),
-//! windows and softcap included; paged calls ([`check_paged`]) the decode plan.
+//! The routing itself (dense → prefill plan, or the decode plan for decode-shaped calls with
+//! a window or softcap; the errors naming what each kernel takes) is
+//! [`flashmoe::attention::route::route_dense`]; its types are re-exported here under their
+//! old names. Library errors become candle errors with this crate's prefixes ([`candle_err`]).
 
 use candle_core::{bail, DType, Layout, Result};
-use flashmoe::attention::config::SM90_HEAD_DIMS;
-use flashmoe::attention::decode::{HEAD_DIMS as DECODE_HEAD_DIMS, MAX_Q_PER_SEQ};
+use flashmoe::attention::route::{self, AttnCall, WindowSize};
+pub use flashmoe::attention::route::{
+    decode_shaped, is_sliding, prefill_masks, AttnShape, ClassKey, DecodeKey, Elem, PlanKey,
+    Window, CAUSAL, NO_MASK, SM90_ARCH,
+};
 
-/// The shape of one attention call, read from q (b, seq_q, heads_q, d) and k/v
-/// (b, seq_k, heads_kv, d).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttnShape {
-    pub batch: usize,
-    pub seq_q: usize,
-    pub seq_k: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub head_dim: usize,
-}
-
-/// The mask of a call: `(left, right)` keys around each query row's bottom-right diagonal
-/// d = i + seq_k - seq_q (row i sees keys d - left ..= d + right), -1 = unbounded:
-/// FlashAttention's `window_size`, as the plans take it. [`resolve_window`] normalises it
-/// per call, so a side that hides no key is -1: [`NO_MASK`], [`CAUSAL`] or a sliding window
-/// ([`is_sliding`]).
-pub type Window = (i32, i32);
-
-/// Every key visible.
-pub const NO_MASK: Window = (-1, -1);
-/// Bottom-right causal: row i sees keys j <= i + seq_k - seq_q (FlashAttention 2's and
-/// candle-flash-attn's convention).
-pub const CAUSAL: Window = (-1, 0);
-
-/// Whether a normalised window hides keys other than the causal ones: a bounded left side
-/// or a right side past the diagonal (the kernels' sliding-window path).
-pub fn is_sliding(w: Window) -> bool {
-    w.0 >= 0 || w.1 > 0
-}
-
-/// Element types the kernels take.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Elem {
-    Bf16,
-    F16,
-}
-
-/// Everything that selects a compiled prefill kernel and its constants: one plan per key and
-/// device. The scale and softcap are kept as bit patterns so the key is `Eq + Hash`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ClassKey {
-    pub elem: Elem,
-    pub head_dim: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    /// The call's normalised window ([`resolve_window`]): [`NO_MASK`], [`CAUSAL`] or a
-    /// sliding window.
-    pub window: Window,
-    /// The softcap's bits; 0 (`0.0f32`) is off.
-    pub softcap_bits: u32,
-    pub scale_bits: u32,
-}
-
-impl ClassKey {
-    /// `window` normalised ([`resolve_window`]), `softcap` checked ([`check_softcap`]).
-    pub fn new(
-        elem: Elem,
-        shape: &AttnShape,
-        window: Window,
-        softcap: Option<f32>,
-        softmax_scale: f32,
-    ) -> ClassKey {
-        ClassKey {
-            elem,
-            head_dim: shape.head_dim,
-            heads_q: shape.heads_q,
-            heads_kv: shape.heads_kv,
-            window,
-            softcap_bits: softcap.unwrap_or(0.0).to_bits(),
-            scale_bits: softmax_scale.to_bits(),
-        }
-    }
-
-    pub fn softmax_scale(&self) -> f32 {
-        f32::from_bits(self.scale_bits)
-    }
-    /// 0 is off.
-    pub fn softcap(&self) -> f32 {
-        f32::from_bits(self.softcap_bits)
-    }
-    /// The right side is the diagonal (with or without a left bound).
-    pub fn causal(&self) -> bool {
-        self.window.1 == 0
-    }
-    /// Whether the class needs the sm_90a kernel: a sliding window or a softcap.
-    pub fn needs_sm90(&self) -> bool {
-        is_sliding(self.window) || self.softcap_bits != 0
-    }
-}
-
-/// Compute capability × 10 of the devices the sm_90a kernel runs on (Hopper).
-pub const SM90_ARCH: u32 = 90;
-
-/// Whether flashmoe's prefill plans run sliding windows and softcapping for this head dim on
-/// a device of compute capability `arch` (× 10): the sm_90a kernel's (9.0, head dims 64 and
-/// 128); the portable kernel has neither.
-pub fn prefill_masks(arch: u32, head_dim: usize) -> bool {
-    arch == SM90_ARCH && SM90_HEAD_DIMS.contains(&head_dim)
+/// A library error as candle's: invalid values behind candle-flash-attn's `flash-attn: `
+/// prefix, features no kernel serves behind this crate's name.
+pub fn candle_err(e: flashmoe::Error) -> candle_core::Error {
+    let msg = match e {
+        flashmoe::Error::InvalidProblem(m) => format!("flash-attn: {m}"),
+        flashmoe::Error::Unsupported { reason, .. } => format!("flashmoe-candle: {reason}"),
+        other => format!("flashmoe-candle: {other}"),
+    };
+    candle_core::Error::Msg(msg).bt()
 }
 
 /// Largest head dimension accepted before asking the plan (which knows the exact list its
@@ -189,72 +95,18 @@ pub fn check_layouts(q: &Layout, k: &Layout, v: &Layout) -> Result<AttnShape> {
 }
 
 /// The window that candle-flash-attn's window sizes describe for a call of `seq_q` query and
-/// `seq_k` key rows (per sequence: the longest ones for varlen calls), normalised: a side
-/// that hides no key for any row is -1 (unbounded). So `(None, None)` and over-long windows
-/// are [`NO_MASK`], `(None, Some(0))` (what `flash_attn(.., causal)` passes) and
-/// `(Some(w >= seq_k - 1), Some(0))` are [`CAUSAL`], and a single query row is never causal
-/// (it sees every key under a bottom-right diagonal).
+/// `seq_k` key rows, normalised ([`WindowSize::resolve`]): `(None, None)` and over-long
+/// windows are [`NO_MASK`], `(None, Some(0))` (what `flash_attn(.., causal)` passes) and
+/// `(Some(w >= seq_k - 1), Some(0))` are [`CAUSAL`], and a single query row is never causal.
 pub fn resolve_window(
     left: Option<usize>,
     right: Option<usize>,
     seq_q: usize,
     seq_k: usize,
 ) -> Result<Window> {
-    // Row i sits at key position d = i + seq_k - seq_q and sees keys d - left ..= d + right:
-    // the left side hides a key of some row iff left < seq_k - 1 (the last row's d is
-    // seq_k - 1), the right side iff right < seq_q - 1 (the first row's d is seq_k - seq_q).
-    let side = |name: &str, w: Option<usize>, rows: usize| -> Result<i32> {
-        match w {
-            Some(w) if w.saturating_add(1) < rows => i32::try_from(w).map_err(|_| {
-                candle_core::Error::Msg(format!("flash-attn: {name} = {w} exceeds i32")).bt()
-            }),
-            _ => Ok(-1),
-        }
-    };
-    Ok((
-        side("window_size_left", left, seq_k)?,
-        side("window_size_right", right, seq_q)?,
-    ))
-}
-
-/// What selects a compiled decode kernel and its constants (`flashmoe::attention::decode`):
-/// the paged entry point, and decode-shaped calls of the dense one with a softcap or a
-/// sliding window that the prefill plan cannot run ([`prefill_masks`]: head dim 256, or a
-/// device other than Hopper). `max_q_per_seq` is the call's rows per sequence
-/// rounded up to a power of two, so one plan serves neighbouring sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct DecodeKey {
-    pub elem: Elem,
-    pub head_dim: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub max_q_per_seq: usize,
-    /// (left, right) around each row's bottom-right diagonal; -1 = unbounded.
-    pub window: (i32, i32),
-    pub softcap_bits: u32,
-    pub scale_bits: u32,
-}
-
-impl DecodeKey {
-    pub fn softmax_scale(&self) -> f32 {
-        f32::from_bits(self.scale_bits)
-    }
-    pub fn softcap(&self) -> f32 {
-        f32::from_bits(self.softcap_bits)
-    }
-}
-
-/// The plan a call runs on (and its cache key).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum PlanKey {
-    /// `AttentionPlan`: padded batch; no mask or causal on any kernel, sliding windows and
-    /// softcap on the sm_90a one ([`prefill_masks`]).
-    Dense(ClassKey),
-    /// `VarlenPlan`: packed sequences with int32 offsets, windows and softcap per sequence
-    /// (sm_90a, head dims 64/128).
-    Varlen(ClassKey),
-    /// `DecodePlan`: at most [`MAX_Q_PER_SEQ`] rows per sequence against a (paged) cache.
-    Decode(DecodeKey),
+    WindowSize::from_options(left, right)
+        .resolve(seq_q, seq_k)
+        .map_err(candle_err)
 }
 
 /// What the CUDA path needs to know about one dense call, after every check.
@@ -265,65 +117,47 @@ pub struct Call {
 }
 
 /// The softcap of a call: `None` and 0 are off (FlashAttention's convention); otherwise it
-/// must be finite and positive.
+/// must be finite and positive ([`route::check_softcap`]).
 pub fn check_softcap(softcap: Option<f32>) -> Result<Option<f32>> {
-    match softcap {
-        None => Ok(None),
-        Some(0.0) => Ok(None),
-        Some(s) if s.is_finite() && s > 0.0 => Ok(Some(s)),
-        Some(s) => bail!("flash-attn: softcap must be finite and >= 0 (got {s})"),
-    }
+    route::check_softcap(softcap).map_err(candle_err)
 }
 
 /// candle-flash-attn's window sizes as the decode kernel's `(left, right)`: `None` and sizes
-/// beyond `max_seqlen_k` are unbounded (-1), as candle-flash-attn maps them for FA2.
+/// beyond `max_seqlen_k` are unbounded (-1), as candle-flash-attn maps them for FA2
+/// ([`WindowSize::decode`]).
 pub fn decode_window(
     left: Option<usize>,
     right: Option<usize>,
     max_seqlen_k: usize,
 ) -> Result<(i32, i32)> {
-    let side = |w: Option<usize>| -> Result<i32> {
-        match w {
-            Some(w) if w <= max_seqlen_k => i32::try_from(w).map_err(|_| {
-                candle_core::Error::Msg(format!("flash-attn: window size {w} exceeds i32")).bt()
-            }),
-            _ => Ok(-1),
-        }
-    };
-    Ok((side(left)?, side(right)?))
+    WindowSize::from_options(left, right)
+        .decode(max_seqlen_k)
+        .map_err(candle_err)
 }
 
-/// Whether a call with `rows` query rows per sequence and this head dim fits the decode
-/// kernels.
-pub fn decode_shaped(rows: usize, head_dim: usize) -> bool {
-    rows <= MAX_Q_PER_SEQ && DECODE_HEAD_DIMS.contains(&head_dim)
-}
-
-fn decode_key(
+/// The router's view of a call.
+fn attn_call(
     elem: Elem,
-    shape: &AttnShape,
-    rows: usize,
-    window: (i32, i32),
-    softcap: Option<f32>,
+    shape: AttnShape,
     softmax_scale: f32,
-) -> DecodeKey {
-    DecodeKey {
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+) -> AttnCall {
+    AttnCall {
         elem,
-        head_dim: shape.head_dim,
-        heads_q: shape.heads_q,
-        heads_kv: shape.heads_kv,
-        max_q_per_seq: rows.max(1).next_power_of_two(),
-        window,
-        softcap_bits: softcap.unwrap_or(0.0).to_bits(),
-        scale_bits: softmax_scale.to_bits(),
+        shape,
+        softmax_scale,
+        window: WindowSize::from_options(window.0, window.1),
+        softcap,
     }
 }
 
 /// All checks of one dense call, in the order candle-flash-attn reports them, and its
-/// route on a device of compute capability `arch` (× 10; the module docs): the prefill plan
-/// for no mask / causal without softcap, and for sliding windows and softcap where the
-/// sm_90a kernel serves them; otherwise the decode plan when the call is decode-shaped (at
-/// most 16 query rows, head dim 64/128/256); otherwise an error naming the feature.
+/// route on a device of compute capability `arch` (× 10): [`route::route_dense`] — the
+/// prefill plan for no mask / causal without softcap; with a sliding window or softcap the
+/// decode plan when the call is decode-shaped (at most 16 query rows, head dim 64/128/256),
+/// else the prefill plan where the sm_90a kernel serves it; otherwise an error naming the
+/// feature.
 #[allow(clippy::too_many_arguments)]
 pub fn check_call(
     dtypes: (DType, DType, DType),
@@ -337,81 +171,12 @@ pub fn check_call(
 ) -> Result<Call> {
     let shape = check_layouts(q, k, v)?;
     let elem = check_dtypes(dtypes.0, dtypes.1, dtypes.2)?;
-    if !softmax_scale.is_finite() {
-        bail!("flash-attn: softmax_scale must be finite (got {softmax_scale})")
-    }
-    let softcap = check_softcap(softcap)?;
-    let w = resolve_window(window.0, window.1, shape.seq_q, shape.seq_k)?;
-    let key = ClassKey::new(elem, &shape, w, softcap, softmax_scale);
-    if !key.needs_sm90() {
-        return Ok(Call {
-            shape,
-            plan: PlanKey::Dense(key),
-        });
-    }
-    // A window or softcap: decode-shaped calls on the decode kernels (built for few rows
-    // over a long cache: GQA packing, KV splits), the others on the sm_90a prefill kernel.
-    if decode_shaped(shape.seq_q, shape.head_dim) {
-        let w = decode_window(window.0, window.1, shape.seq_k)?;
-        let key = decode_key(elem, &shape, shape.seq_q, w, softcap, softmax_scale);
-        return Ok(Call {
-            shape,
-            plan: PlanKey::Decode(key),
-        });
-    }
-    if prefill_masks(arch, shape.head_dim) {
-        return Ok(Call {
-            shape,
-            plan: PlanKey::Dense(key),
-        });
-    }
-    Err(no_masking_kernel(&shape, w, window, softcap, arch))
-}
-
-/// The features of a call that need the sm_90a kernel, in words.
-fn masking_features(
-    w: Window,
-    window: (Option<usize>, Option<usize>),
-    softcap: Option<f32>,
-) -> String {
-    let mut what = Vec::new();
-    if is_sliding(w) {
-        let side = |s: Option<usize>| s.map_or("None".to_string(), |s| format!("Some({s})"));
-        what.push(format!(
-            "sliding-window attention (window_size_left = {}, window_size_right = {})",
-            side(window.0),
-            side(window.1)
-        ));
-    }
-    if let Some(c) = softcap {
-        what.push(format!("softcapping (softcap = {c})"));
-    }
-    what.join(" and ")
-}
-
-/// The error of a dense call with a sliding window or softcap that no flashmoe kernel serves:
-/// neither the sm_90a prefill kernel (device, head dim) nor the decode kernels (rows, head
-/// dim). Names the call's rows, head dim and device and what each kernel takes.
-fn no_masking_kernel(
-    shape: &AttnShape,
-    w: Window,
-    window: (Option<usize>, Option<usize>),
-    softcap: Option<f32>,
-    arch: u32,
-) -> candle_core::Error {
-    candle_core::Error::Msg(format!(
-        "flashmoe-candle: {} with {} query rows per sequence and head dim {} on a GPU of \
-         compute capability {}.{} is not supported: flashmoe runs sliding windows and \
-         softcapping on its sm_90a prefill kernel (compute capability 9.0, head dims \
-         {SM90_HEAD_DIMS:?}, any number of rows) and on its decode kernels (at most \
-         {MAX_Q_PER_SEQ} query rows per sequence, head dims {DECODE_HEAD_DIMS:?})",
-        masking_features(w, window, softcap),
-        shape.seq_q,
-        shape.head_dim,
-        arch / 10,
-        arch % 10,
-    ))
-    .bt()
+    let call = attn_call(elem, shape, softmax_scale, window, softcap);
+    let route = route::route_dense(&call, arch).map_err(candle_err)?;
+    Ok(Call {
+        shape,
+        plan: route.into(),
+    })
 }
 
 /// The cumulative sequence offsets (`batch + 1` elements) candle-flash-attn takes: u32,
@@ -567,24 +332,6 @@ pub fn check_varlen(
             bail!("flash-attn: {what} = {value} must be in 1..={total} (the packed row count)")
         }
     }
-    if !softmax_scale.is_finite() {
-        bail!("flash-attn: softmax_scale must be finite (got {softmax_scale})")
-    }
-    let softcap = check_softcap(softcap)?;
-    let w = resolve_window(window.0, window.1, max_q, max_k)?;
-    if !SM90_HEAD_DIMS.contains(&head_dim) {
-        let what = match masking_features(w, window, softcap) {
-            f if f.is_empty() => String::new(),
-            f => format!(" with {f}"),
-        };
-        bail!(
-            "flashmoe-candle: variable-length batches{what} with head dim {head_dim} are not \
-             supported: flashmoe's varlen kernel is the sm_90a one (compute capability 9.0, \
-             head dims {SM90_HEAD_DIMS:?}); decode-shaped calls (at most {MAX_Q_PER_SEQ} \
-             query rows per sequence, head dims {DECODE_HEAD_DIMS:?}) run on a paged cache \
-             through flash_attn_varlen_paged_windowed"
-        )
-    }
     let shape = AttnShape {
         batch: nq - 1,
         seq_q: max_q,
@@ -593,12 +340,14 @@ pub fn check_varlen(
         heads_kv,
         head_dim,
     };
+    let call = attn_call(elem, shape, softmax_scale, window, softcap);
+    let key = route::route_varlen(&call).map_err(candle_err)?;
     Ok(VarlenCall {
         batch: nq - 1,
         total_q,
         total_k,
         heads_q,
-        plan: PlanKey::Varlen(ClassKey::new(elem, &shape, w, softcap, softmax_scale)),
+        plan: PlanKey::Varlen(key),
     })
 }
 
@@ -622,8 +371,9 @@ pub struct PagedIndexes<'a> {
 }
 
 /// All checks of a `flash_attn_varlen_paged_windowed` call. It runs on the decode kernels:
-/// at most [`MAX_Q_PER_SEQ`] query rows per sequence (`max_seqlen_q`), head dims 64/128/256;
-/// longer query sequences (chunked prefill on a paged cache) are an error naming that.
+/// at most 16 query rows per sequence (`max_seqlen_q`), head dims 64/128/256;
+/// longer query sequences (chunked prefill on a paged cache) are an error naming that
+/// ([`route::route_paged`]).
 #[allow(clippy::too_many_arguments)]
 pub fn check_paged(
     dtypes: (DType, DType, DType),
@@ -691,21 +441,6 @@ pub fn check_paged(
     if max_q == 0 || max_q > total_q || max_k == 0 {
         bail!("flash-attn: max_seqlen_q = {max_q} must be in 1..={total_q} and max_seqlen_k = {max_k} >= 1")
     }
-    if !softmax_scale.is_finite() {
-        bail!("flash-attn: softmax_scale must be finite (got {softmax_scale})")
-    }
-    let softcap = check_softcap(softcap)?;
-    if !DECODE_HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported(&format!(
-            "paged KV with head dim {head_dim} (the paged kernels take {DECODE_HEAD_DIMS:?})"
-        )));
-    }
-    if max_q > MAX_Q_PER_SEQ {
-        return Err(unsupported(&format!(
-            "paged KV with {max_q} query rows per sequence (max_seqlen_q; the paged kernels \
-             take at most {MAX_Q_PER_SEQ}: decode and speculative steps, not chunked prefill)"
-        )));
-    }
     let shape = AttnShape {
         batch: nq - 1,
         seq_q: max_q,
@@ -714,27 +449,22 @@ pub fn check_paged(
         heads_kv,
         head_dim,
     };
-    let w = decode_window(window.0, window.1, max_k)?;
+    let call = attn_call(elem, shape, softmax_scale, window, softcap);
+    let key = route::route_paged(&call).map_err(candle_err)?;
     Ok(PagedCall {
         batch: nq - 1,
         total_q,
         heads_q,
         max_blocks,
         max_seqlen_k: max_k,
-        key: decode_key(elem, &shape, max_q, w, softcap, softmax_scale),
+        key,
     })
 }
 
-/// The error every entry point with a feature we lack returns, naming the feature.
+/// The error every entry point with a feature we lack returns, naming the feature
+/// ([`route::unsupported_feature`]).
 pub fn unsupported(what: &str) -> candle_core::Error {
-    candle_core::Error::Msg(format!(
-        "flashmoe-candle: {what} is not supported yet (flashmoe implements no mask, causal and \
-         sliding-window attention with optional softcapping for padded and variable-length \
-         batches: windows and softcapping on the sm_90a kernel, compute capability 9.0 and \
-         head dims {SM90_HEAD_DIMS:?}, or on the decode kernels for calls of at most \
-         {MAX_Q_PER_SEQ} query rows per sequence)"
-    ))
-    .bt()
+    candle_err(route::unsupported_feature(what))
 }
 
 #[cfg(test)]
@@ -810,89 +540,6 @@ mod tests {
         assert!(err(check_dtypes(DType::F16, DType::BF16, DType::F16)).contains("same dtype"));
     }
 
-    #[test]
-    fn windows() {
-        let r = |l, rr, sq, sk| resolve_window(l, rr, sq, sk).unwrap();
-        assert_eq!(r(None, None, 8, 8), NO_MASK);
-        assert_eq!(r(None, Some(0), 8, 8), CAUSAL);
-        assert_eq!(r(None, Some(0), 8, 32), CAUSAL);
-        // One query row sees every key under a bottom-right causal mask.
-        assert_eq!(r(None, Some(0), 1, 32), NO_MASK);
-        // Windows wider than the sequence mask nothing.
-        assert_eq!(r(Some(31), Some(7), 8, 32), NO_MASK);
-        assert_eq!(r(Some(1000), Some(0), 8, 32), CAUSAL);
-        // A side that hides a key of some row stays: left < seq_k - 1, right < seq_q - 1.
-        assert_eq!(r(Some(4), Some(0), 8, 32), (4, 0));
-        assert_eq!(r(Some(30), Some(0), 8, 32), (30, 0));
-        assert_eq!(r(None, Some(2), 8, 32), (-1, 2));
-        assert_eq!(r(Some(6), None, 8, 32), (6, -1));
-        assert_eq!(r(Some(0), Some(6), 8, 32), (0, 6));
-        assert_eq!(r(Some(0), Some(7), 8, 32), (0, -1));
-        // Mistral's window on a prompt shorter than it is plain causal; on a longer one not.
-        assert_eq!(r(Some(4096), Some(0), 1000, 1000), CAUSAL);
-        assert_eq!(r(Some(4096), Some(0), 5000, 5000), (4096, 0));
-        assert_eq!(r(Some(usize::MAX), Some(usize::MAX), 8, 32), NO_MASK);
-        assert!(is_sliding((4, 0)) && is_sliding((-1, 2)) && is_sliding((0, -1)));
-        assert!(!is_sliding(NO_MASK) && !is_sliding(CAUSAL));
-    }
-
-    #[test]
-    fn class_key_separates_what_selects_a_kernel() {
-        let s = AttnShape {
-            batch: 2,
-            seq_q: 9,
-            seq_k: 9,
-            heads_q: 8,
-            heads_kv: 2,
-            head_dim: 128,
-        };
-        let key = |e, s: &AttnShape, w, cap, scale| ClassKey::new(e, s, w, cap, scale);
-        let base = key(Elem::Bf16, &s, CAUSAL, None, 0.125);
-        assert_eq!(base.softmax_scale(), 0.125);
-        assert_eq!(base.softcap(), 0.0);
-        assert!(base.causal() && !base.needs_sm90());
-        // Batch and sequence lengths do not select a plan.
-        let other_len = AttnShape {
-            batch: 7,
-            seq_q: 100,
-            seq_k: 3000,
-            ..s
-        };
-        assert_eq!(base, key(Elem::Bf16, &other_len, CAUSAL, None, 0.125));
-        // Everything else does.
-        for other in [
-            key(Elem::F16, &s, CAUSAL, None, 0.125),
-            key(Elem::Bf16, &s, NO_MASK, None, 0.125),
-            key(Elem::Bf16, &s, (64, 0), None, 0.125),
-            key(Elem::Bf16, &s, (64, -1), None, 0.125),
-            key(Elem::Bf16, &s, CAUSAL, Some(50.0), 0.125),
-            key(Elem::Bf16, &s, CAUSAL, None, 0.126),
-            key(
-                Elem::Bf16,
-                &AttnShape { heads_kv: 8, ..s },
-                CAUSAL,
-                None,
-                0.125,
-            ),
-            key(
-                Elem::Bf16,
-                &AttnShape { head_dim: 64, ..s },
-                CAUSAL,
-                None,
-                0.125,
-            ),
-        ] {
-            assert_ne!(base, other);
-        }
-        let w = key(Elem::Bf16, &s, (64, 0), None, 0.125);
-        assert!(w.causal() && w.needs_sm90());
-        let c = key(Elem::Bf16, &s, NO_MASK, Some(50.0), 0.125);
-        assert!(!c.causal() && c.needs_sm90() && c.softcap() == 50.0);
-        let mut set = std::collections::HashSet::new();
-        set.insert(base);
-        assert!(set.contains(&key(Elem::Bf16, &other_len, CAUSAL, None, 0.125)));
-    }
-
     const BF: (DType, DType, DType) = (DType::BF16, DType::BF16, DType::BF16);
     const H100: u32 = 90;
     const A100: u32 = 80;
@@ -919,150 +566,65 @@ mod tests {
             })
         ));
         let neg = check_call(BF, &q, &kv, &kv, 0.1, (None, None), Some(-1.0), H100);
-        assert!(err(neg).contains("softcap"));
+        assert!(err(neg).contains("flash-attn: softcap must be finite and >= 0 (got -1)"));
     }
 
-    /// The route of a dense call: (seq_q, seq_k, head dim, window, softcap, arch).
-    fn route(
-        (sq, sk, d): (usize, usize, usize),
-        window: (Option<usize>, Option<usize>),
-        softcap: Option<f32>,
-        arch: u32,
-    ) -> Result<PlanKey> {
-        let (q, kv) = (bshd(2, sq, 8, d), bshd(2, sk, 2, d));
-        check_call(BF, &q, &kv, &kv, 0.1, window, softcap, arch).map(|c| c.plan)
-    }
-
+    /// The library's router decides (its own tests cover the routing); here, that the
+    /// adapter passes candle's arguments through and keeps candle's error texts.
     #[test]
-    fn prefill_windows_and_softcap_route_to_the_prefill_plan_on_hopper() {
-        // Mistral: a 4096-key sliding window, causal, head dim 128, an 8k prompt.
-        let mistral = (8192, 8192, 128);
-        let PlanKey::Dense(key) = route(mistral, (Some(4096), Some(0)), None, H100).unwrap() else {
-            panic!("a prefill window on Hopper is the prefill plan")
+    fn check_call_routes_through_the_library() {
+        let call = |sq, sk, d, window, softcap, arch| {
+            let (q, kv) = (bshd(2, sq, 8, d), bshd(2, sk, 2, d));
+            check_call(BF, &q, &kv, &kv, 0.1, window, softcap, arch).map(|c| c.plan)
         };
-        assert_eq!((key.window, key.softcap_bits), ((4096, 0), 0));
-        assert!(key.causal() && key.needs_sm90());
-        // The same window on a prompt it covers is plain causal: any GPU, no window kernel.
-        for arch in [H100, A100] {
-            let short = route((1000, 1000, 128), (Some(4096), Some(0)), None, arch).unwrap();
-            assert!(matches!(
-                short,
-                PlanKey::Dense(ClassKey { window: CAUSAL, .. })
-            ));
-        }
-        // Gemma-2 27B (head dim 128): softcap 50, alone and with its sliding window.
-        let PlanKey::Dense(key) =
-            route((600, 600, 128), (None, Some(0)), Some(50.0), H100).unwrap()
-        else {
-            panic!("a prefill softcap on Hopper is the prefill plan")
+        let p = call(8192, 8192, 128, (Some(4096), Some(0)), None, H100).unwrap();
+        assert!(matches!(
+            p,
+            PlanKey::Dense(ClassKey {
+                window: (4096, 0),
+                ..
+            })
+        ));
+        let p = call(3, 300, 256, (None, Some(0)), Some(30.0), A100).unwrap();
+        let PlanKey::Decode(key) = p else {
+            panic!("a decode-shaped softcap is the decode plan: {p:?}")
         };
-        assert_eq!((key.window, key.softcap()), (CAUSAL, 50.0));
-        let p = route((600, 600, 128), (Some(256), Some(0)), Some(50.0), H100).unwrap();
-        assert!(matches!(
-            p,
-            PlanKey::Dense(ClassKey {
-                window: (256, 0),
-                ..
-            })
-        ));
-        // Local (non-causal) windows and head dim 64.
-        let p = route((300, 500, 64), (Some(16), Some(16)), None, H100).unwrap();
-        assert!(matches!(
-            p,
-            PlanKey::Dense(ClassKey {
-                window: (16, 16),
-                ..
-            })
-        ));
-        let p = route((300, 500, 64), (Some(16), None), None, H100).unwrap();
-        assert!(matches!(
-            p,
-            PlanKey::Dense(ClassKey {
-                window: (16, -1),
-                ..
-            })
-        ));
-        // Decode-shaped calls stay on the decode kernels, built for few rows over long caches.
-        let p = route((3, 300, 128), (Some(64), Some(0)), Some(30.0), H100).unwrap();
-        assert!(matches!(
-            p,
-            PlanKey::Decode(DecodeKey {
-                window: (64, 0),
-                ..
-            })
-        ));
-    }
-
-    #[test]
-    fn decode_shaped_windows_and_softcap_route_to_the_decode_plan() {
-        // Head dim 256 (Gemma-2 2B/9B) on Hopper, head dim 128 on an A100 and on Hopper.
-        for (d, arch) in [(256, H100), (128, A100), (128, H100)] {
-            let sd = (3, 300, d);
-            let PlanKey::Decode(key) = route(sd, (None, Some(0)), Some(30.0), arch).unwrap() else {
-                panic!("softcap goes to the decode plan (d {d}, arch {arch})")
-            };
-            assert_eq!(key.window, (-1, 0));
-            assert_eq!(key.softcap(), 30.0);
-            assert_eq!(key.softmax_scale(), 0.1);
-            assert_eq!(key.max_q_per_seq, 4, "3 rows round up to a power of two");
-            // A sliding window, and a window wider than seq_k (unbounded).
-            let p = route(sd, (Some(64), Some(0)), None, arch).unwrap();
-            assert!(matches!(
-                p,
-                PlanKey::Decode(DecodeKey {
-                    window: (64, 0),
-                    ..
-                })
-            ));
-            let p = route(sd, (Some(500), Some(3)), Some(5.0), arch).unwrap();
-            assert!(matches!(
-                p,
-                PlanKey::Decode(DecodeKey {
-                    window: (-1, 3),
-                    ..
-                })
-            ));
-            // No window and no softcap: the prefill plan, as always.
-            let p = route(sd, (Some(500), Some(0)), None, arch).unwrap();
-            assert!(matches!(p, PlanKey::Dense(ClassKey { window: CAUSAL, .. })));
-        }
-    }
-
-    #[test]
-    fn windows_and_softcap_no_kernel_serves_name_the_limits() {
-        // Gemma-2 9B prefill: head dim 256, softcap 50, window 4096.
-        let e = err(route(
-            (5000, 5000, 256),
+        assert_eq!(
+            (key.window, key.max_q_per_seq, key.softcap()),
+            ((-1, 0), 4, 30.0)
+        );
+        let e = err(call(
+            5000,
+            5000,
+            256,
             (Some(4096), Some(0)),
             Some(50.0),
             H100,
         ));
-        for part in [
-            "sliding-window attention (window_size_left = Some(4096), window_size_right = Some(0))",
-            "softcapping (softcap = 50)",
-            "5000 query rows",
-            "head dim 256",
-            "compute capability 9.0",
-            "sm_90a prefill kernel (compute capability 9.0, head dims [64, 128]",
-            "decode kernels (at most 16 query rows per sequence, head dims [64, 128, 256])",
-        ] {
-            assert!(e.contains(part), "{part:?} missing from: {e}");
-        }
-        // Prefill-sized softcap / window off Hopper.
-        let e = err(route((64, 64, 128), (None, None), Some(30.0), A100));
         assert!(
-            e.contains("softcapping") && e.contains("compute capability 8.0"),
+            e.starts_with(
+                "flashmoe-candle: sliding-window attention (window_size_left = Some(4096), \
+                 window_size_right = Some(0)) and softcapping (softcap = 50) with 5000 query rows \
+                 per sequence and head dim 256 on a GPU of compute capability 9.0 is not \
+                 supported: flashmoe runs sliding windows and softcapping on its sm_90a prefill \
+                 kernel (compute capability 9.0, head dims [64, 128], any number of rows) and on \
+                 its decode kernels (at most 16 query rows per sequence, head dims [64, 128, 256])"
+            ),
             "{e}"
         );
-        assert!(!e.contains("sliding-window attention ("), "{e}");
-        let e = err(route((64, 64, 128), (Some(8), Some(0)), None, A100));
-        assert!(
-            e.contains("sliding-window") && !e.contains("softcapping ("),
-            "{e}"
-        );
-        // Head dim without a decode kernel nor an sm_90a one.
-        let e = err(route((1, 64, 96), (None, None), Some(30.0), H100));
-        assert!(e.contains("head dim 96"), "{e}");
+        assert!(unsupported("ALiBi (flash_attn_alibi)")
+            .to_string()
+            .starts_with("flashmoe-candle: ALiBi (flash_attn_alibi) is not supported yet"),);
+        // The wrappers keep candle's names and texts.
+        assert_eq!(resolve_window(None, Some(0), 1, 32).unwrap(), NO_MASK);
+        assert_eq!(decode_window(Some(500), Some(3), 300).unwrap(), (-1, 3));
+        assert_eq!(check_softcap(Some(0.0)).unwrap(), None);
+        let big = i32::MAX as usize + 1;
+        assert!(err(resolve_window(Some(big), None, 8, usize::MAX))
+            .starts_with("flash-attn: window_size_left = 2147483648 exceeds i32"));
+        assert!(decode_shaped(16, 256) && !decode_shaped(17, 128) && !decode_shaped(1, 96));
+        assert!(prefill_masks(SM90_ARCH, 64) && !prefill_masks(80, 64));
+        assert!(is_sliding((4, 0)) && !is_sliding(CAUSAL));
     }
 
     fn packed(t: usize, h: usize, d: usize) -> Layout {

@@ -29,13 +29,6 @@ fn dims(l: &Layout) -> Dims {
     out
 }
 
-fn elem_of(plan: &PlanKey) -> Elem {
-    match plan {
-        PlanKey::Dense(k) | PlanKey::Varlen(k) => k.elem,
-        PlanKey::Decode(k) => k.elem,
-    }
-}
-
 /// The plan a checked call named, or an error if the cache holds another kind under it
 /// (cannot happen: the key's variant selects the plan's).
 fn mismatch() -> candle_core::Error {
@@ -110,7 +103,7 @@ pub(crate) fn forward(
         op.softcap,
         arch,
     )?;
-    match elem_of(&call.plan) {
+    match call.plan.elem() {
         Elem::Bf16 => forward_t::<half::bf16>(&call, q, q_l, k, k_l, v, v_l),
         Elem::F16 => forward_t::<half::f16>(&call, q, q_l, k, k_l, v, v_l),
     }
@@ -247,7 +240,7 @@ pub(crate) fn varlen(
             Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), out_shape))
         }};
     }
-    match elem_of(&call.plan) {
+    match call.plan.elem() {
         Elem::Bf16 => run!(half::bf16),
         Elem::F16 => run!(half::f16),
     }

@@ -2,7 +2,7 @@
 //! API change touches this file alone. Callers: `plans.rs` (plan and workspace creation)
 //! and `cuda_fwd.rs` (the launches).
 
-use crate::check::{ClassKey, DecodeKey, Elem, PlanKey};
+use crate::check::PlanKey;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaContext, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 };
@@ -24,8 +24,8 @@ fn wrap(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
 
 mod api {
     use super::*;
-    use flashmoe::attention::decode::{DecodeArgs, DecodeClass, DecodePlan, RawIndex};
-    use flashmoe::attention::{AttentionClass, AttentionPlan, Bshd, VarlenArgs, VarlenPlan};
+    use flashmoe::attention::decode::{DecodeArgs, DecodePlan, RawIndex};
+    use flashmoe::attention::{AttentionPlan, Bshd, VarlenArgs, VarlenPlan};
     use flashmoe::gpu::raw::RawTensor;
 
     pub(crate) type Device = flashmoe::gpu::Device;
@@ -52,59 +52,19 @@ mod api {
     {
     }
 
-    fn dtype(e: Elem) -> flashmoe::DType {
-        match e {
-            Elem::Bf16 => flashmoe::DType::Bf16,
-            Elem::F16 => flashmoe::DType::F16,
-        }
-    }
-
     pub(crate) fn device(ctx: &Arc<CudaContext>) -> Result<Device> {
         Device::from_context(ctx.clone()).map_err(|e| wrap("device", e))
     }
 
-    /// The key's normalised window as flashmoe's class: a right side of 0 is `causal` (which
-    /// bounds the right side), the left side stays the window's; plain causal and no mask
-    /// carry `NO_WINDOW`.
-    fn attention_class(key: &ClassKey) -> AttentionClass {
-        let causal = key.causal();
-        let (left, right) = key.window;
-        AttentionClass {
-            dtype: dtype(key.elem),
-            head_dim: key.head_dim,
-            heads_q: key.heads_q,
-            heads_kv: key.heads_kv,
-            causal,
-            softmax_scale: Some(key.softmax_scale()),
-            window: (left, if causal { -1 } else { right }),
-            softcap: key.softcap(),
-        }
-    }
-
-    fn decode_class(key: &DecodeKey) -> DecodeClass {
-        DecodeClass {
-            dtype: dtype(key.elem),
-            head_dim: key.head_dim,
-            heads_q: key.heads_q,
-            heads_kv: key.heads_kv,
-            // Any page size (taken from the cache per call): one plan for every cache.
-            page_size: 0,
-            max_q_per_seq: key.max_q_per_seq,
-            window: key.window,
-            softcap: key.softcap(),
-            softmax_scale: Some(key.softmax_scale()),
-        }
-    }
-
     pub(crate) fn new_plan(dev: &Device, key: &PlanKey) -> Result<Plan> {
         match key {
-            PlanKey::Dense(k) => AttentionPlan::new(dev, attention_class(k))
+            PlanKey::Dense(k) => AttentionPlan::new(dev, k.attention_class())
                 .map(Plan::Dense)
                 .map_err(|e| wrap("attention plan", e)),
-            PlanKey::Varlen(k) => VarlenPlan::new(dev, attention_class(k))
+            PlanKey::Varlen(k) => VarlenPlan::new(dev, k.attention_class())
                 .map(Plan::Varlen)
                 .map_err(|e| wrap("varlen plan", e)),
-            PlanKey::Decode(k) => DecodePlan::new(dev, decode_class(k))
+            PlanKey::Decode(k) => DecodePlan::new(dev, k.decode_class())
                 .map(Plan::Decode)
                 .map_err(|e| wrap("decode plan", e)),
         }

@@ -30,7 +30,8 @@
 //! does not serve, chunked prefill on a paged cache, `mm_prefix_ranges`) returns an error
 //! that names the feature and the kernels' limits.
 //!
-//! Modules: `check` (shape/dtype/window checks and the plan-cache key, GPU-free),
+//! Modules: `check` (candle's shape/dtype checks, then the library's call router
+//! `flashmoe::attention::route` for the window, softcap and plan-cache key; GPU-free),
 //! `cuda_fwd` (the `CustomOp3::cuda_fwd` body: candle storage → cudarc views),
 //! `plans` (plans and workspaces cached per device/stream), `flashmoe_api` (the only
 //! code that names flashmoe's attention API).
