@@ -428,9 +428,10 @@ def attention(
     diagonal d = i + seqlen_k - seqlen_q: row i sees keys d - left ..= d + right, -1 leaves a side
     unbounded, and ``causal`` sets the right side to 0. ``softcap`` > 0 turns the scores s
     (scaled) into softcap·tanh(s / softcap) before the softmax (Gemma-2); 0 is off. Windows and
-    softcap run on the sm_90a kernel only (H100/H200, head dims 64 and 128; elsewhere
-    NotImplementedError); a window side below -1 or a negative or non-finite softcap is a
-    ValueError. A query row that sees no key gives o = 0 and lse = -inf.
+    softcap run on the sm_90a kernel (H100/H200, head dims 64 and 128) and, for calls of at most
+    16 query rows, on the decode kernels on any GPU (head dims 64, 128, 256; the library's call
+    router, ``flashmoe.route_attention``, decides); other calls raise NotImplementedError. A
+    window side below -1 or a negative or non-finite softcap is a ValueError. A query row that sees no key gives o = 0 and lse = -inf.
     q, k, v may be strided views (e.g. of one packed QKV tensor) on the sm_90a kernel (head dims
     64 and 128 on H100/H200) when the last dimension is contiguous and every other stride is a
     multiple of 8 elements; other kernels take them contiguous (call ``.contiguous()``).
