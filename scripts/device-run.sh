@@ -69,7 +69,7 @@ for s in "$@"; do
     # (the stripped test executable, xz'd). Links libcuda, libcublas.so.13, libcurand.so.10,
     # libcudart.so.13 (cudarc's dynamic-linking): the toolkit's lib64 is put first.
     candle)       c=crates/flashmoe-candle/target/candle-gpu-tests
-                  [ -x $c ] || xz -dkf $c.xz >>"$LOG" 2>&1
+                  [ -x $c ] || { xz -dkf $c.xz >>"$LOG" 2>&1; chmod +x $c; }
                   stage candle 300 env LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                     $c --test-threads=1 --nocapture ;;
     env)          stage env 60 $BIN env ;;
@@ -153,7 +153,7 @@ for s in "$@"; do
                              "decode decode flashmoe-decode" "varlen varlen flashmoe-sm90" "attention sweep flashmoe-sm90"; do
                     set -- $run
                     stage "against-$1-$2" 300 $BIN bench "$1" --preset "$2" --impl "$3" --no-baselines \
-                      --against ./target/release/flashmoe-base --max-time 0.5 --out "/tmp/against/$1-$2"
+                      --against ./target/release/flashmoe-base --max-time ${AGAINST_MAX_TIME:-0.5} --out "/tmp/against/$1-$2"
                   done
                   tar -C /tmp -czf "$OUT/against.tgz" against 2>>"$LOG" ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
