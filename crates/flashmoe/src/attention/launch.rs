@@ -95,11 +95,12 @@ pub(crate) unsafe fn launch_with_logits(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dtype::DType;
 
-    fn problem() -> AttentionProblem {
+    /// A GQA causal problem with Sq != Sk (also the runner's tests' fixture).
+    pub(crate) fn problem() -> AttentionProblem {
         AttentionProblem {
             batch: 2,
             heads_q: 8,

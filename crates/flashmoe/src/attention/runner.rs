@@ -354,22 +354,7 @@ impl AttentionRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn problem() -> AttentionProblem {
-        AttentionProblem {
-            batch: 2,
-            heads_q: 8,
-            heads_kv: 2,
-            seqlen_q: 100,
-            seqlen_k: 300,
-            head_dim: 64,
-            causal: true,
-            dtype: DType::Bf16,
-            softmax_scale: None,
-            window: crate::problem::NO_WINDOW,
-            softcap: 0.0,
-        }
-    }
+    use crate::attention::launch::tests::problem;
 
     #[test]
     fn buffer_lengths_name_the_wrong_buffer() {

@@ -111,12 +111,13 @@ pub(crate) fn pipeline_configs(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::dtype::DType;
     use crate::problem::Scoring;
 
-    fn problem() -> MoeProblem {
+    /// A softmax top-2 problem over 40 experts (also the runner's tests' fixture).
+    pub(crate) fn problem() -> MoeProblem {
         MoeProblem {
             tokens: 100,
             hidden: 256,

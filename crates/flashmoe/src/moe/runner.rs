@@ -477,21 +477,7 @@ impl MoeRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::problem::Scoring;
-
-    fn problem() -> MoeProblem {
-        MoeProblem {
-            tokens: 100,
-            hidden: 256,
-            intermediate: 128,
-            experts: 40,
-            top_k: 2,
-            scoring: Scoring::Softmax,
-            renormalize: true,
-            dtype: DType::Bf16,
-            shared_expert: false,
-        }
-    }
+    use crate::moe::launch::tests::problem;
 
     #[test]
     fn input_lengths_name_the_tensor() {
