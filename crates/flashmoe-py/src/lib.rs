@@ -194,6 +194,27 @@ struct Logits {
     softcap: f32,
 }
 
+/// The class of a dense attention plan (forward or backward) from the binding's arguments:
+/// `dtype` must name bf16 or f16 (TypeError naming `what` otherwise).
+fn plan_class(
+    what: &str,
+    dtype: &str,
+    head_dim: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    logits: Logits,
+) -> PyResult<AttentionClass> {
+    let dtype = match elem("dtype", dtype)? {
+        Elem::Float(d) if d != DType::F32 => d,
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "dtype {dtype}: {what} takes bf16 or f16"
+            )))
+        }
+    };
+    logits.class(dtype, head_dim, heads_q, heads_kv)
+}
+
 impl Logits {
     /// The class of these scalars and the tensors' dtype, head dim and head counts,
     /// validated (a bad scale, window side or softcap is a `ValueError`).
@@ -954,21 +975,20 @@ impl AttentionPlan {
         window: (i32, i32),
         softcap: f32,
     ) -> PyResult<Self> {
-        let dtype = match elem("dtype", dtype)? {
-            Elem::Float(d) if d != DType::F32 => d,
-            _ => {
-                return Err(PyTypeError::new_err(format!(
-                    "dtype {dtype}: an attention plan takes bf16 or f16"
-                )))
-            }
-        };
         let logits = Logits {
             causal,
             softmax_scale,
             window,
             softcap,
         };
-        let class = logits.class(dtype, head_dim, heads_q, heads_kv)?;
+        let class = plan_class(
+            "an attention plan",
+            dtype,
+            head_dim,
+            heads_q,
+            heads_kv,
+            logits,
+        )?;
         check_window_head_dim(&class)?;
         let dev = self::device(device)?;
         Ok(AttentionPlan {
@@ -1066,21 +1086,20 @@ impl AttentionBackwardPlan {
         window: (i32, i32),
         softcap: f32,
     ) -> PyResult<Self> {
-        let dtype = match elem("dtype", dtype)? {
-            Elem::Float(d) if d != DType::F32 => d,
-            _ => {
-                return Err(PyTypeError::new_err(format!(
-                    "dtype {dtype}: an attention backward plan takes bf16 or f16"
-                )))
-            }
-        };
         let logits = Logits {
             causal,
             softmax_scale,
             window,
             softcap,
         };
-        let class = logits.class(dtype, head_dim, heads_q, heads_kv)?;
+        let class = plan_class(
+            "an attention backward plan",
+            dtype,
+            head_dim,
+            heads_q,
+            heads_kv,
+            logits,
+        )?;
         let dev = self::device(device)?;
         Ok(AttentionBackwardPlan {
             plan: BPlan::new(&dev, class).map_err(py_err)?,
