@@ -6,6 +6,8 @@
 //! - [`decode`]: the f64 ground truth for paged-KV decode attention.
 //! - [`moe`]: the f64 ground truth for the MoE layer (router, top-k, SwiGLU experts,
 //!   weighted combine, auxiliary losses).
+//! - [`moe_backward`]: the f64 ground truth for the MoE layer's backward (gradients of x,
+//!   router and expert weights, stage by stage), checked against finite differences.
 //!
 //! All entry points validate the problem and the buffer lengths and return an
 //! [`Error`] instead of panicking on bad input.
@@ -17,6 +19,7 @@ pub mod attention_tiled;
 /// Paged-KV decode attention in f64 (block tables, windows, softcap).
 pub mod decode;
 pub mod moe;
+pub mod moe_backward;
 /// The dropless-permutation MoE in f32 (the CPU analogue of the GPU algorithm).
 pub mod moe_grouped;
 
