@@ -7,6 +7,7 @@
 //!   stream over the caller's memory);
 //! - varlen: [`varlen`] ([`VarlenPlan`], packed sequences on the sm_90a kernel);
 //! - decode: [`decode`] ([`decode::DecodePlan`], the paged KV cache);
+//! - MLA decode: [`mla`] ([`mla::MlaDecodePlan`], DeepSeek's latent paged cache);
 //! - [`launch`]: launch helpers the plans share;
 //! - [`route`]: which plan serves a call (window normalisation, softcap checks, the
 //!   dense → prefill / decode routing and the plan keys the front ends cache plans by).
@@ -22,6 +23,9 @@ pub mod decode;
 #[cfg(all(test, feature = "lab"))]
 mod decode_gpu_tests;
 pub mod launch;
+pub mod mla;
+#[cfg(all(test, feature = "lab"))]
+mod mla_gpu_tests;
 pub mod plan;
 #[cfg(all(test, feature = "lab"))]
 mod plan_gpu_tests;

@@ -18,6 +18,8 @@ pub mod attention_backward;
 pub mod attention_tiled;
 /// Paged-KV decode attention in f64 (block tables, windows, softcap).
 pub mod decode;
+/// MLA paged decode (one latent KV head, value = a row's first columns) in f64.
+pub mod mla;
 pub mod moe;
 pub mod moe_backward;
 /// The dropless-permutation MoE in f32 (the CPU analogue of the GPU algorithm).
