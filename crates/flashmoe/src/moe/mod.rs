@@ -15,6 +15,7 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod backward;
 pub mod config;
 pub mod ep;
 pub mod gemm_config;
