@@ -6,12 +6,12 @@
 //! `seqused_k` and unused blocks hold NaN, and outputs start poisoned (NaN), so a read of
 //! an unused row or an unwritten output fails the check.
 
-use super::decode::{
+use super::{
     identity_block_table, AppendArgs, DecodeArgs, DecodeClass, DecodePlan, RawIndex,
     MAX_SPLIT_GROUPS,
 };
-use super::plan::Bshd;
 use crate::accuracy::{check, check_lse};
+use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
@@ -823,7 +823,7 @@ fn decode_cudarc_path_and_bad_input() {
         bad(plan.check(&a).map(|_| ()), "capacity");
         // A workspace too small for the splits.
         let forced = DecodePlan::new(dev, c).unwrap().with_splits(Some(8));
-        let small = super::decode::RawWorkspace {
+        let small = super::RawWorkspace {
             ptr: ws_raw.raw().ptr,
             bytes: 16,
         };
