@@ -20,8 +20,6 @@ pub mod backward;
 mod backward_gpu_tests;
 pub mod config;
 pub mod decode;
-#[cfg(all(test, feature = "lab"))]
-mod decode_gpu_tests;
 pub mod launch;
 pub mod mla;
 #[cfg(all(test, feature = "lab"))]
