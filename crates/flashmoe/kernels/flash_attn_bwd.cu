@@ -17,6 +17,8 @@
 //   FM_KV_BLOCK_M   query rows per step of the dK/dV kernel (multiple of 16)
 //   FM_Q_WARPS      warps of the dQ kernel; its query block is 16 * FM_Q_WARPS rows
 //   FM_Q_BLOCK_N    keys per step of the dQ kernel (multiple of 16)
+//   FM_VARLEN       1: packed variable-length sequences (FlashAttention's varlen layout,
+//                   see "Varlen" below); 0: dense (batch, seq, heads, D)
 //
 // Math (FlashAttention-2 backward; s = q.k, P = exp(logit(s) - LSE) recomputed from the
 // forward's LSE, Delta_i = sum_d dO_id O_id):
@@ -46,6 +48,17 @@
 //     One CTA per query block: Q and dO stay, K and V blocks stream (double-buffered).
 //   scale_log2 = scale * log2(e), or with a softcap scale / softcap (the tanh argument);
 //   softcap_log2 = softcap * log2(e); window sides >= 0 (1 << 30 = unbounded).
+//
+// Varlen (FM_VARLEN = 1): q, o, dO, dq are (total_q, heads_q, D), k, v, dk, dv (total_k,
+// heads_kv, D), lse, lse2, delta (heads_q, total_q); the dK/dV and dQ kernels take two more
+// parameters, `const int* cu_seqlens_q, const int* cu_seqlens_k` ([batch + 1] each, on the
+// device), and their seqlen_q / seqlen_k parameters are total_q / total_k. blockIdx.z is
+// the sequence; grid.x covers the longest sequence and the CTAs past their own sequence's
+// end return at once. Causal and windows are bottom-right per sequence. Offsets are
+// clamped into [0, total] (end >= start), so malformed offsets give wrong numbers, never
+// out-of-bounds accesses. The preprocess kernel is the dense one run with batch = 1 and
+// seqlen_q = total_q: its (1, total_q, heads_q, D) / (1, heads_q, total_q) indexing is the
+// varlen layout.
 //
 // Shared memory (dynamic; mirrored by backward.rs):
 //   PITCH = 64 if D <= 64 else 128 (elements per smem row, XOR swizzle of 16-byte chunks:
@@ -89,6 +102,14 @@
 #endif
 #ifndef FM_Q_BLOCK_N
 #define FM_Q_BLOCK_N 64
+#endif
+#ifndef FM_VARLEN
+#define FM_VARLEN 0
+#endif
+#if FM_VARLEN
+#define FM_CU_PARAMS , const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
+#else
+#define FM_CU_PARAMS
 #endif
 
 namespace fmb {
@@ -274,6 +295,43 @@ __device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
     return x < lo ? lo : (x > hi ? hi : x);
 }
 
+// The rows of one sequence: query rows q0 .. q0 + sq of the packed (or batched) q, key rows
+// k0 .. k0 + sk; the lse/delta index of (head h, row i) is l0 + h * lh + i.
+struct Span {
+    i64 q0, k0, l0, lh;
+    int sq, sk;
+};
+
+// Dense: sequence `b` of a (batch, seq, heads, D) batch.
+__device__ __forceinline__ Span dense_span(int b, int seqlen_q, int seqlen_k, int heads_q) {
+    Span s;
+    s.q0 = (i64)b * seqlen_q;
+    s.k0 = (i64)b * seqlen_k;
+    s.l0 = (i64)b * heads_q * seqlen_q;
+    s.lh = seqlen_q;
+    s.sq = seqlen_q;
+    s.sk = seqlen_k;
+    return s;
+}
+
+// Varlen: sequence `b` from the offsets, clamped into [0, total] with end >= start.
+__device__ __forceinline__ Span varlen_span(const int* __restrict__ cu_q,
+                                            const int* __restrict__ cu_k, int b, int total_q,
+                                            int total_k) {
+    const int q0 = min(max(cu_q[b], 0), total_q);
+    const int q1 = min(max(cu_q[b + 1], q0), total_q);
+    const int k0 = min(max(cu_k[b], 0), total_k);
+    const int k1 = min(max(cu_k[b + 1], k0), total_k);
+    Span s;
+    s.q0 = q0;
+    s.k0 = k0;
+    s.l0 = q0;
+    s.lh = total_q;
+    s.sq = q1 - q0;
+    s.sk = k1 - k0;
+    return s;
+}
+
 }  // namespace fmb
 
 // ----------------------------------------------------------------------------------------
@@ -320,15 +378,24 @@ extern "C" __global__ void __launch_bounds__(fmb::KV_THREADS, 1)
                         u16* __restrict__ dk, u16* __restrict__ dv, int seqlen_q,
                         int seqlen_k, int heads_q, int heads_kv, float scale,
                         float scale_log2, float softcap_log2, int window_left,
-                        int window_right) {
+                        int window_right FM_CU_PARAMS) {
     using namespace fmb;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = blockIdx.x * BN_KV;
     const int kvh = blockIdx.y, batch = blockIdx.z;
+#if FM_VARLEN
+    const Span sp = varlen_span(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, seqlen_k);
+#else
+    const Span sp = dense_span(batch, seqlen_q, seqlen_k, heads_q);
+#endif
+    // From here on seqlen_q / seqlen_k are this sequence's lengths.
+    seqlen_q = sp.sq;
+    seqlen_k = sp.sk;
+    if (n0 >= seqlen_k) return;  // varlen: past this sequence's keys (whole CTA)
     const int group = heads_q / heads_kv;
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
-    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 kv_off = (sp.k0 * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;  // row i's diagonal key: i + diag
 
     const u32 sK = smem_addr(smem_raw);
@@ -365,12 +432,12 @@ extern "C" __global__ void __launch_bounds__(fmb::KV_THREADS, 1)
     auto load_step = [&](int step, int buf) {
         const int h = kvh * group + step / n_mb;
         const int m0 = (mb_lo + step % n_mb) * BM_KV;
-        const i64 q_off = ((i64)batch * seqlen_q * heads_q + h) * D;
+        const i64 q_off = (sp.q0 * heads_q + h) * D;
         load_rows<BM_KV, KV_THREADS>(sQ0 + buf * BM_KV * PITCH_B, q, q_off, q_stride, m0,
                                      seqlen_q, tid);
         load_rows<BM_KV, KV_THREADS>(sO0 + buf * BM_KV * PITCH_B, dout, q_off, q_stride, m0,
                                      seqlen_q, tid);
-        const i64 l_off = ((i64)batch * heads_q + h) * seqlen_q;
+        const i64 l_off = sp.l0 + (i64)h * sp.lh;
         for (int c = tid; c < 2 * BM_KV; c += KV_THREADS) {
             const int r = c % BM_KV;
             const bool ok = m0 + r < seqlen_q;
@@ -483,16 +550,25 @@ extern "C" __global__ void __launch_bounds__(fmb::Q_THREADS, 1)
                       const float* __restrict__ lse2, const float* __restrict__ delta,
                       u16* __restrict__ dq, int seqlen_q, int seqlen_k, int heads_q,
                       int heads_kv, float scale, float scale_log2, float softcap_log2,
-                      int window_left, int window_right) {
+                      int window_left, int window_right FM_CU_PARAMS) {
     using namespace fmb;
     extern __shared__ __align__(128) unsigned char smem_raw[];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int m0 = blockIdx.x * BM_Q;
     const int head = blockIdx.y, batch = blockIdx.z;
+#if FM_VARLEN
+    const Span sp = varlen_span(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, seqlen_k);
+#else
+    const Span sp = dense_span(batch, seqlen_q, seqlen_k, heads_q);
+#endif
+    // From here on seqlen_q / seqlen_k are this sequence's lengths.
+    seqlen_q = sp.sq;
+    seqlen_k = sp.sk;
+    if (m0 >= seqlen_q) return;  // varlen: past this sequence's queries (whole CTA)
     const int kvh = head / (heads_q / heads_kv);
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
-    const i64 q_off = ((i64)batch * seqlen_q * heads_q + head) * D;
-    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 q_off = (sp.q0 * heads_q + head) * D;
+    const i64 kv_off = (sp.k0 * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
 
     const u32 sQ = smem_addr(smem_raw);
@@ -511,7 +587,7 @@ extern "C" __global__ void __launch_bounds__(fmb::Q_THREADS, 1)
     // This thread's two query rows: lse2, delta and visible keys klo <= j <= khi.
     float lr2[2], dl[2];
     int klo[2], khi[2];
-    const i64 l_off = ((i64)batch * heads_q + head) * seqlen_q;
+    const i64 l_off = sp.l0 + (i64)head * sp.lh;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m0 + warp * 16 + (lane >> 2) + h * 8;

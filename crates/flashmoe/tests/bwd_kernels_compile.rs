@@ -43,3 +43,39 @@ fn every_backward_variant_compiles_without_spills() {
         }
     }
 }
+
+/// The varlen (`FM_VARLEN`) dK/dV + dQ module: every head dim and dtype, unmasked and with
+/// every mask at once (causal, window, softcap: the most registers), for sm_80 and sm_90a.
+#[test]
+fn varlen_backward_variants_compile_without_spills() {
+    use flashmoe::attention::varlen_backward::varlen_bwd_defines;
+    nvrtc();
+    let src = kernels::source(BWD_SOURCE).unwrap();
+    let dir = std::env::var_os("FLASHMOE_BWD_PRECOMPILE_DIR").map(std::path::PathBuf::from);
+    let cache = KernelCache::offline(dir);
+    let classes = all_bwd_classes()
+        .into_iter()
+        .filter(|c| (!c.causal && c.softcap == 0.0) || (c.window.0 >= 0 && c.softcap > 0.0));
+    for class in classes {
+        let tile = BwdTile::for_head_dim(class.head_dim).unwrap();
+        let defs = varlen_bwd_defines(&class, &tile);
+        for arch in ARCHS {
+            let k = cache
+                .compile(BWD_SOURCE, src, BWD_DKDV_ENTRY, &defs, arch)
+                .unwrap_or_else(|e| panic!("varlen {class:?} {arch}: {e}"))
+                .compiled;
+            for f in &k.all_functions {
+                eprintln!(
+                    "varlen D={} {:?} causal={} window={:?} softcap={} {arch} {}: {f}",
+                    class.head_dim, class.dtype, class.causal, class.window, class.softcap, f.name
+                );
+            }
+            assert!(
+                k.all_functions.iter().any(|f| f.name == BWD_DQ_ENTRY),
+                "{}",
+                k.log
+            );
+            assert!(!k.spills(), "varlen {class:?} {arch} spills: {}", k.log);
+        }
+    }
+}

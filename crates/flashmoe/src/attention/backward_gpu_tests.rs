@@ -19,7 +19,7 @@ use crate::reference::attention_backward::attention_backward_f64;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
-fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+pub(super) fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     n: usize,
 ) -> CudaSlice<T> {
@@ -34,7 +34,7 @@ fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     s
 }
 
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+pub(super) fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
     s.device_ptr(stream).0
 }
 
@@ -149,7 +149,7 @@ impl Bufs {
 /// Relative L2 over everything, and the worst row's ‖out_r − ref_r‖ / max(‖ref_r‖, the
 /// rms row norm / 4) (a floor so that rows of near-zero gradient are judged at the
 /// tensor's scale). Also the count of non-finite outputs.
-fn errors(out: &[f32], reference: &[f64], row: usize) -> (f64, f64, usize) {
+pub(super) fn errors(out: &[f32], reference: &[f64], row: usize) -> (f64, f64, usize) {
     let (mut num, mut den) = (0f64, 0f64);
     let mut bad = 0usize;
     for (&a, &r) in out.iter().zip(reference) {

@@ -6,6 +6,7 @@
 //!   [`plan`] ([`AttentionPlan`], built once per shape class, enqueued on the caller's
 //!   stream over the caller's memory);
 //! - varlen: [`varlen`] ([`VarlenPlan`], packed sequences on the sm_90a kernel);
+//!   [`varlen_backward`] (its backward on the portable kernels);
 //! - decode: [`decode`] ([`decode::DecodePlan`], the paged KV cache);
 //! - MLA decode: [`mla`] ([`mla::MlaDecodePlan`], DeepSeek's latent paged cache);
 //! - [`launch`]: launch helpers the plans share;
@@ -32,6 +33,9 @@ pub mod route;
 pub mod runner;
 pub mod tma;
 pub mod varlen;
+pub mod varlen_backward;
+#[cfg(all(test, feature = "lab"))]
+mod varlen_backward_gpu_tests;
 #[cfg(all(test, feature = "lab"))]
 mod varlen_gpu_tests;
 

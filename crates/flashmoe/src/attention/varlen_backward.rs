@@ -1,0 +1,500 @@
+//! Variable-length (packed) attention backward: [`VarlenBackwardPlan`], the portable
+//! deterministic kernels of [`super::backward`] compiled with `FM_VARLEN`.
+//!
+//! Layouts are the varlen forward's ([`super::varlen`], FlashAttention's
+//! `flash_attn_varlen_func`): q, o, d_o and dq `(total_q, heads_q, head_dim)`; k, v, dk
+//! and dv `(total_k, heads_kv, head_dim)`; lse `(heads_q, total_q)` f32, natural log;
+//! int32 `cu_seqlens_q` / `cu_seqlens_k` `[batch + 1]` on the device. Masks are per
+//! sequence: causal bottom-right (query i of a sequence of lengths (sq, sk) sees keys
+//! j ≤ i + sk − sq), sliding windows around that diagonal, softcap, GQA/MQA.
+//!
+//! Three launches, as the dense plan: the preprocess over all `total_q` rows (the dense
+//! kernel: its batch-1 indexing is the packed layout), then the dK/dV and dQ kernels with
+//! one grid z index per sequence and grid x sized by `max_seqlen_k` / `max_seqlen_q`; CTAs
+//! past their sequence's end return at once. The offsets stay on the device and the
+//! kernels clamp them into the tensors, so malformed offsets (or a sequence longer than
+//! the max given) give wrong gradients, never out-of-bounds accesses. Deterministic (no
+//! atomics), graph-capturable (no allocation, no synchronisation).
+//!
+//! Unlike the varlen forward (sm_90a, head dims 64 and 128), this runs on compute
+//! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`].
+
+// `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
+#![allow(clippy::manual_is_multiple_of)]
+
+use super::backward::{
+    bwd_defines, BwdTile, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_HEAD_DIMS, BWD_PREPROCESS_ENTRY,
+    BWD_SOURCE,
+};
+use super::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
+use super::plan::AttentionClass;
+use super::varlen::VarlenShape;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::gpu::raw::{launch, param, RawIndex, RawStream, RawTensor, RawWorkspace};
+use crate::gpu::Device;
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
+use std::sync::Arc;
+
+/// Rows per block of the preprocess kernel (one warp each; the kernel's block is 128).
+const PREPROCESS_ROWS: u32 = 4;
+const BACKEND: &str = "varlen attention backward";
+
+/// The NVRTC defines of the varlen backward module: the dense module's plus `FM_VARLEN`.
+pub fn varlen_bwd_defines(class: &AttentionClass, tile: &BwdTile) -> Vec<(String, String)> {
+    let mut d = bwd_defines(class, tile);
+    d.push(("FM_VARLEN".into(), "1".into()));
+    d
+}
+
+/// The tensors of one varlen backward call, raw (layouts in the module docs), all
+/// contiguous. o and lse are what the varlen forward wrote for these q, k, v and offsets.
+/// dq, dk and dv must not overlap the inputs or each other; every row inside a sequence is
+/// written (zeros where no gradient flows: a query row that sees no key, a key no query
+/// sees); rows outside every sequence (`cu_seqlens_q[batch] < total_q`) are not written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VarlenBackwardArgs {
+    pub q: RawTensor,
+    pub k: RawTensor,
+    pub v: RawTensor,
+    pub o: RawTensor,
+    pub d_o: RawTensor,
+    pub lse: RawTensor,
+    pub dq: RawTensor,
+    pub dk: RawTensor,
+    pub dv: RawTensor,
+    /// int32 `[batch + 1]`, non-decreasing, from 0 to at most total_q.
+    pub cu_seqlens_q: RawIndex,
+    /// int32 `[batch + 1]`, non-decreasing, from 0 to at most total_k.
+    pub cu_seqlens_k: RawIndex,
+    /// The longest query sequence (>= 1): sizes the dQ grid.
+    pub max_seqlen_q: usize,
+    /// The longest key sequence (>= 1): sizes the dK/dV grid.
+    pub max_seqlen_k: usize,
+}
+
+/// The checks of [`VarlenBackwardPlan::check`] without a device: shapes, dtypes,
+/// contiguity, alignment, sizes and aliasing of a varlen backward call, O(1) (the offsets
+/// live on the device and are not read).
+pub fn check_varlen_backward(c: &AttentionClass, a: &VarlenBackwardArgs) -> Result<VarlenShape> {
+    let (hq, hkv, d, dt) = (c.heads_q, c.heads_kv, c.head_dim, c.dtype);
+    let named = [
+        ("q", &a.q),
+        ("k", &a.k),
+        ("v", &a.v),
+        ("o", &a.o),
+        ("d_o", &a.d_o),
+        ("dq", &a.dq),
+        ("dk", &a.dk),
+        ("dv", &a.dv),
+    ];
+    for (name, t) in named {
+        if t.rank != 3 {
+            return Err(Error::invalid(format!(
+                "{name} must be 3-D (total_tokens, heads, head_dim) for a varlen call but has \
+                 shape {:?}",
+                t.shape()
+            )));
+        }
+    }
+    let (tq, tk) = (a.q.shape[0], a.k.shape[0]);
+    for (name, t) in named {
+        let shape = if matches!(name, "k" | "v" | "dk" | "dv") {
+            [tk, hkv, d]
+        } else {
+            [tq, hq, d]
+        };
+        t.expect_contiguous(name, dt, &shape, 16)?;
+    }
+    a.lse.expect_contiguous("lse", DType::F32, &[hq, tq], 4)?;
+    if tq == 0 || tk == 0 {
+        return Err(Error::invalid(format!(
+            "empty varlen call: total_q {tq}, total_k {tk} (each must be >= 1)"
+        )));
+    }
+    let rows = a.cu_seqlens_q.rows;
+    if rows < 2 {
+        return Err(Error::invalid(format!(
+            "cu_seqlens_q has {rows} elements but batch + 1 >= 2 are required"
+        )));
+    }
+    a.cu_seqlens_q.expect_vector("cu_seqlens_q", rows)?;
+    a.cu_seqlens_k.expect_vector("cu_seqlens_k", rows)?;
+    for (what, value, total) in [
+        ("max_seqlen_q", a.max_seqlen_q, tq),
+        ("max_seqlen_k", a.max_seqlen_k, tk),
+    ] {
+        if value == 0 || value > total {
+            return Err(Error::invalid(format!(
+                "{what} = {value} must be in 1..={total} (the packed row count)"
+            )));
+        }
+    }
+    for (what, value) in [("total_q", tq), ("total_k", tk)] {
+        if value > MAX_SEQLEN {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!("{what} = {value} exceeds {MAX_SEQLEN}"),
+            ));
+        }
+    }
+    let batch = rows - 1;
+    if batch > MAX_GRID_YZ {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!("batch = {batch} exceeds the grid limit {MAX_GRID_YZ}"),
+        ));
+    }
+    for (name, t) in [("dq", &a.dq), ("dk", &a.dk), ("dv", &a.dv)] {
+        for (iname, i) in named {
+            if iname != name && t.ptr == i.ptr {
+                return Err(Error::invalid(format!(
+                    "{name} and {iname} are the same buffer; gradients need their own"
+                )));
+            }
+        }
+    }
+    Ok(VarlenShape {
+        batch,
+        total_q: tq,
+        total_k: tk,
+    })
+}
+
+/// The varlen backward kernels resolved for one shape class on one device.
+pub struct VarlenBackwardPlan {
+    class: AttentionClass,
+    tile: BwdTile,
+    logits: LogitParams,
+    scale: f32,
+    preprocess: CudaFunction,
+    dkdv: CudaFunction,
+    dq: CudaFunction,
+    ctx: Arc<CudaContext>,
+}
+
+impl std::fmt::Debug for VarlenBackwardPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VarlenBackwardPlan")
+            .field("class", &self.class)
+            .field("tile", &self.tile)
+            .finish()
+    }
+}
+
+/// Bytes of one f32 (heads_q, total_q) region of the workspace, 256-byte aligned.
+fn region_bytes(heads_q: usize, total_q: usize) -> usize {
+    (heads_q * total_q * 4).div_ceil(256) * 256
+}
+
+impl VarlenBackwardPlan {
+    /// Check that the backward serves `class` (bf16 or f16, a head dim of
+    /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its varlen kernels for `dev`
+    /// (compute capability 8.0 or newer) and set their shared-memory limits.
+    pub fn new(dev: &Device, class: AttentionClass) -> Result<VarlenBackwardPlan> {
+        let problem = class.problem(1, 1, 1);
+        problem.validate()?;
+        if !matches!(class.dtype, DType::Bf16 | DType::F16) {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!("dtype {} (bf16 and f16 only)", class.dtype),
+            ));
+        }
+        let tile = BwdTile::for_head_dim(class.head_dim).ok_or_else(|| {
+            Error::unsupported(
+                BACKEND,
+                format!("head dim {} (served: {:?})", class.head_dim, BWD_HEAD_DIMS),
+            )
+        })?;
+        if class.heads_q > MAX_GRID_YZ {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!(
+                    "heads_q = {} exceeds the grid limit {MAX_GRID_YZ}",
+                    class.heads_q
+                ),
+            ));
+        }
+        if dev.arch() < 80 {
+            let (major, minor) = dev.info().compute_capability;
+            return Err(Error::unsupported(
+                BACKEND,
+                format!(
+                    "needs compute capability 8.0 or newer (mma.sync bf16), but {} is \
+                     {major}.{minor}",
+                    dev.info().name
+                ),
+            ));
+        }
+        // The preprocess kernel is the dense module's (same code under both defines).
+        let preprocess = dev.load_kernel(
+            BWD_SOURCE,
+            BWD_PREPROCESS_ENTRY,
+            &bwd_defines(&class, &tile),
+        )?;
+        let defines = varlen_bwd_defines(&class, &tile);
+        let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
+        let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
+        dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
+        dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+        Ok(VarlenBackwardPlan {
+            class,
+            tile,
+            logits: LogitParams::of(&problem),
+            scale: problem.scale(),
+            preprocess,
+            dkdv,
+            dq,
+            ctx: dev.context().clone(),
+        })
+    }
+
+    pub fn class(&self) -> &AttentionClass {
+        &self.class
+    }
+    pub fn tile(&self) -> &BwdTile {
+        &self.tile
+    }
+
+    /// Bytes of the workspace a call of `total_q` packed query rows needs: the f32 Delta
+    /// and log2-LSE of every row (2 × heads_q · total_q · 4, each rounded up to 256
+    /// bytes). Any contents: every launch writes it before reading. Launches that may run
+    /// at the same time need one each.
+    pub fn workspace_bytes(&self, total_q: usize) -> usize {
+        2 * region_bytes(self.class.heads_q, total_q)
+    }
+
+    /// Check a call against the class and the kernels' rules, O(1)
+    /// ([`check_varlen_backward`]).
+    pub fn check(&self, a: &VarlenBackwardArgs) -> Result<VarlenShape> {
+        check_varlen_backward(&self.class, a)
+    }
+
+    /// Enqueue the varlen backward on `stream`: dq, dk and dv of the varlen forward that
+    /// produced `a.o` and `a.lse` from `a.q`, `a.k`, `a.v` and the offsets, given `a.d_o`.
+    /// Asynchronous; O(1) checks, no allocation; three launches.
+    ///
+    /// # Safety
+    /// The contract of [`crate::gpu::raw`]: every address in `a` and `workspace ..
+    /// workspace + workspace_bytes(total_q)` is live device memory of this plan's context
+    /// covering its tensor's span (the offsets `batch + 1` int32 each), the workspace is
+    /// not used by a launch that may run at the same time, and `stream` belongs to the
+    /// context. The workspace is checked for size and alignment.
+    pub unsafe fn backward_raw(
+        &self,
+        stream: RawStream,
+        a: &VarlenBackwardArgs,
+        workspace: RawWorkspace,
+    ) -> Result<()> {
+        let shape = self.check(a)?;
+        let (b, tq, tk) = (shape.batch, shape.total_q, shape.total_k);
+        let hq = self.class.heads_q;
+        workspace.check(self.workspace_bytes(tq), 16, "VarlenBackwardPlan")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let lse2 = workspace.ptr;
+        let delta = workspace.ptr + region_bytes(hq, tq) as u64;
+        let (tq_i, tk_i, hq_i, hkv_i) =
+            (tq as i32, tk as i32, hq as i32, self.class.heads_kv as i32);
+        let (o, d_o, lse) = (a.o.ptr, a.d_o.ptr, a.lse.ptr);
+        // All packed rows as one (1, total_q, heads_q, D) batch.
+        let pre = LaunchConfig {
+            grid_dim: ((tq as u32).div_ceil(PREPROCESS_ROWS), hq as u32, 1),
+            block_dim: (32 * PREPROCESS_ROWS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut params = [
+            param(&o),
+            param(&d_o),
+            param(&lse),
+            param(&lse2),
+            param(&delta),
+            param(&tq_i),
+            param(&hq_i),
+        ];
+        launch(
+            BWD_PREPROCESS_ENTRY,
+            &self.preprocess,
+            pre,
+            stream,
+            &mut params,
+        )?;
+
+        let lp = &self.logits;
+        let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
+        let (cu_q, cu_k) = (a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr);
+        let t = &self.tile;
+        let kv = LaunchConfig {
+            grid_dim: (
+                (a.max_seqlen_k as u32).div_ceil(t.kv_block_n()),
+                self.class.heads_kv as u32,
+                b as u32,
+            ),
+            block_dim: (32 * t.kv_warps, 1, 1),
+            shared_mem_bytes: t.kv_smem_bytes(),
+        };
+        let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dk),
+            param(&dv),
+            param(&tq_i),
+            param(&tk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&lp.scale_log2),
+            param(&lp.softcap_log2),
+            param(&lp.window_left),
+            param(&lp.window_right),
+            param(&cu_q),
+            param(&cu_k),
+        ];
+        launch(BWD_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+
+        let qc = LaunchConfig {
+            grid_dim: (
+                (a.max_seqlen_q as u32).div_ceil(t.q_block_m()),
+                hq as u32,
+                b as u32,
+            ),
+            block_dim: (32 * t.q_warps, 1, 1),
+            shared_mem_bytes: t.q_smem_bytes(),
+        };
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dq),
+            param(&tq_i),
+            param(&tk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&lp.scale_log2),
+            param(&lp.softcap_log2),
+            param(&lp.window_left),
+            param(&lp.window_right),
+            param(&cu_q),
+            param(&cu_k),
+        ];
+        launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<VarlenBackwardPlan>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn class() -> AttentionClass {
+        AttentionClass {
+            dtype: DType::Bf16,
+            head_dim: 64,
+            heads_q: 4,
+            heads_kv: 2,
+            causal: true,
+            softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap: 0.0,
+        }
+    }
+
+    fn args(tq: usize, tk: usize, batch: usize) -> VarlenBackwardArgs {
+        let mut next = 0x1000u64;
+        let mut t = |dt: DType, shape: &[usize]| {
+            next += 0x100_0000;
+            RawTensor::contiguous(next, dt, shape).unwrap()
+        };
+        let (q, kk) = ([tq, 4, 64], [tk, 2, 64]);
+        VarlenBackwardArgs {
+            q: t(DType::Bf16, &q),
+            k: t(DType::Bf16, &kk),
+            v: t(DType::Bf16, &kk),
+            o: t(DType::Bf16, &q),
+            d_o: t(DType::Bf16, &q),
+            lse: t(DType::F32, &[4, tq]),
+            dq: t(DType::Bf16, &q),
+            dk: t(DType::Bf16, &kk),
+            dv: t(DType::Bf16, &kk),
+            cu_seqlens_q: RawIndex::vector(0x10, batch + 1),
+            cu_seqlens_k: RawIndex::vector(0x20, batch + 1),
+            max_seqlen_q: tq.min(7),
+            max_seqlen_k: tk.min(7),
+        }
+    }
+
+    #[test]
+    fn varlen_defines_add_fm_varlen_only() {
+        let c = class();
+        let t = BwdTile::for_head_dim(64).unwrap();
+        let dense = bwd_defines(&c, &t);
+        let var = varlen_bwd_defines(&c, &t);
+        assert_eq!(&var[..dense.len()], &dense[..]);
+        assert_eq!(var.len(), dense.len() + 1);
+        assert_eq!(var.last().unwrap(), &("FM_VARLEN".into(), "1".into()));
+    }
+
+    #[test]
+    fn check_names_the_bad_tensor() {
+        let c = class();
+        let good = args(10, 12, 3);
+        assert_eq!(
+            check_varlen_backward(&c, &good).unwrap(),
+            VarlenShape {
+                batch: 3,
+                total_q: 10,
+                total_k: 12
+            }
+        );
+        let err = |a: VarlenBackwardArgs| check_varlen_backward(&c, &a).unwrap_err().to_string();
+        let mut a = good;
+        a.dk.shape[0] = 11;
+        assert!(err(a).contains("dk"), "{}", err(a));
+        let mut a = good;
+        a.d_o.dtype = DType::F16;
+        assert!(err(a).contains("d_o"), "{}", err(a));
+        let mut a = good;
+        a.lse.shape[1] = 9;
+        assert!(err(a).contains("lse"), "{}", err(a));
+        let mut a = good;
+        a.cu_seqlens_k = RawIndex::vector(0x20, 3);
+        assert!(err(a).contains("cu_seqlens_k"), "{}", err(a));
+        let mut a = good;
+        a.cu_seqlens_q = RawIndex::vector(0x10, 1);
+        assert!(err(a).contains("batch + 1"), "{}", err(a));
+        let mut a = good;
+        a.max_seqlen_q = 0;
+        assert!(err(a).contains("max_seqlen_q"), "{}", err(a));
+        let mut a = good;
+        a.max_seqlen_k = 13;
+        assert!(err(a).contains("max_seqlen_k"), "{}", err(a));
+        let mut a = good;
+        a.dv = a.v;
+        assert!(err(a).contains("same buffer"), "{}", err(a));
+        let mut a = good;
+        a.q = RawTensor::new(a.q.ptr, DType::Bf16, &[10, 4, 64], &[512, 64, 1]).unwrap();
+        assert!(err(a).contains("contiguous"), "{}", err(a));
+        let mut a = good;
+        a.q = RawTensor::contiguous(a.q.ptr, DType::Bf16, &[1, 10, 4, 64]).unwrap();
+        assert!(err(a).contains("3-D"), "{}", err(a));
+        let e = check_varlen_backward(&c, &args(0, 12, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("empty"), "{e}");
+    }
+}
