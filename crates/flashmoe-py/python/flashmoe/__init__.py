@@ -33,6 +33,7 @@ except ImportError:  # the core binding stays usable; the torch ops say what the
 
 if _torch is not None:
     from ._torch import MoeOutput, attention, attention_varlen, attention_with_kvcache, moe  # noqa: F401
+    from ._mla import mla_decode  # noqa: F401
 else:
 
     def _needs_torch(*_args, **_kwargs):
@@ -42,13 +43,14 @@ else:
             "flashmoe._core works without it"
         )
 
-    attention = attention_varlen = attention_with_kvcache = moe = _needs_torch
+    attention = attention_varlen = attention_with_kvcache = moe = mla_decode = _needs_torch
 
 __all__ = [
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
     "moe",
+    "mla_decode",
     "MoeOutput",
     "AttentionPlan",
     "VarlenPlan",

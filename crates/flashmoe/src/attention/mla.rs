@@ -151,12 +151,11 @@ impl MlaDecodeClass {
                 self.max_seqlen_k
             )));
         }
+        // Output rows (token, head) are 32-bit in the kernels.
         let rows = self.max_batch * self.max_q_per_seq * self.heads_q;
-        if rows.saturating_mul(D_V * MAX_SPLITS) > i32::MAX as usize * 64
-            || rows > i32::MAX as usize
-        {
+        if rows > i32::MAX as usize {
             return Err(Error::invalid(format!(
-                "max_batch {} × max_q_per_seq {} × heads_q {} rows is too large",
+                "max_batch {} × max_q_per_seq {} × heads_q {} = {rows} output rows exceeds 2^31-1",
                 self.max_batch, self.max_q_per_seq, self.heads_q
             )));
         }
