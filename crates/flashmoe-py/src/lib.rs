@@ -28,7 +28,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 mod mla;
-mod varlen_backward;
 
 /// The library's error as the Python exception its kind calls for.
 fn py_err(e: Error) -> PyErr {
@@ -1518,7 +1517,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<VarlenPlan>()?;
     m.add_class::<DecodePlan>()?;
     mla::register(m)?;
-    varlen_backward::register(m)?;
     m.add("MAX_Q_PER_SEQ", MAX_Q_PER_SEQ)?;
     Ok(())
 }
