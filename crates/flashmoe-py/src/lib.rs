@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 mod mla;
+mod moe_bwd;
 
 /// The library's error as the Python exception its kind calls for.
 fn py_err(e: Error) -> PyErr {
@@ -1517,6 +1518,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<VarlenPlan>()?;
     m.add_class::<DecodePlan>()?;
     mla::register(m)?;
+    moe_bwd::register(m)?;
     m.add("MAX_Q_PER_SEQ", MAX_Q_PER_SEQ)?;
     Ok(())
 }
