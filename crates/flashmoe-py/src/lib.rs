@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 mod mla;
 mod moe_bwd;
+mod varlen_backward;
 
 /// The library's error as the Python exception its kind calls for.
 fn py_err(e: Error) -> PyErr {
@@ -1519,6 +1520,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<DecodePlan>()?;
     mla::register(m)?;
     moe_bwd::register(m)?;
+    varlen_backward::register(m)?;
     m.add("MAX_Q_PER_SEQ", MAX_Q_PER_SEQ)?;
     Ok(())
 }

@@ -958,3 +958,132 @@ def test_attention_forward_backward_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b_) for a, b_ in zip(want, grads))
+
+
+# --------------------------------------------------------------------------- autograd (varlen)
+# flashmoe.attention_varlen's gradients (the library's deterministic varlen backward) against
+# float64 autograd of masked_attention_ref per sequence, under torch.compile and in a CUDA graph.
+
+VARLEN_GRAD_CASES = [
+    # dtype, d, hq, hkv, causal, q lengths, k lengths (None: the q lengths), window, softcap
+    (torch.bfloat16, 128, 8, 2, True, [1, 7, 130, 61, 257, 3], None, (-1, -1), 0.0),
+    (torch.bfloat16, 128, 8, 2, True, [1, 13, 0, 97], [5, 13, 11, 300], (-1, -1), 0.0),  # an empty q
+    (torch.bfloat16, 64, 6, 1, False, [2, 31, 1, 200], [0, 31, 17, 389], (-1, -1), 0.0),  # MQA, an empty k
+    (torch.float16, 128, 4, 4, True, [127, 1, 129], None, (-1, -1), 0.0),
+    (torch.bfloat16, 64, 4, 2, True, [100, 1, 250], [120, 9, 250], (32, -1), 20.0),  # window + softcap
+    (torch.float16, 64, 4, 4, False, [65, 130], None, (16, 8), 0.0),  # two-sided window
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_GRAD_CASES)
+def test_attention_varlen_grads_match_f64(case):
+    dtype, d, hq, hkv, causal, lq, lk, window, softcap = case
+    lk = lk or lq
+    cu_q, cu_q_t = offsets(lq)
+    cu_k, cu_k_t = offsets(lk)
+    q = torch.randn(cu_q[-1], hq, d, dtype=dtype, device=DEV, requires_grad=True)
+    k = torch.randn(cu_k[-1], hkv, d, dtype=dtype, device=DEV, requires_grad=True)
+    v = torch.randn(cu_k[-1], hkv, d, dtype=dtype, device=DEV, requires_grad=True)
+    do = torch.randn(cu_q[-1], hq, d, dtype=dtype, device=DEV)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o = flashmoe.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lq), max(lk), causal=causal, window_size=window,
+                                  softcap=softcap)
+    assert o.requires_grad and o.grad_fn is not None
+    o.backward(do)
+    refs = [torch.zeros(t.shape, dtype=torch.float64, device=DEV) for t in (q, k, v)]
+    for b in range(len(lq)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lq[b] == 0 or lk[b] == 0:
+            continue  # no gradient flows: the reference stays 0
+        q64, k64, v64 = (t[s].detach().double().requires_grad_() for t, s in ((q, qs), (k, ks), (v, ks)))
+        ro, _ = masked_attention_ref(q64, k64, v64, scale, causal, window, softcap)
+        gq, gk, gv = torch.autograd.grad(ro, (q64, k64, v64), do[qs].double())
+        refs[0][qs], refs[1][ks], refs[2][ks] = gq.nan_to_num(0.0), gk.nan_to_num(0.0), gv.nan_to_num(0.0)
+    for name, t, ref in zip("qkv", (q, k, v), refs):
+        g = t.grad
+        assert g.shape == t.shape and g.dtype == dtype and torch.isfinite(g).all(), name
+        err = rel_l2(g, ref)
+        print(f"d{name}: rel L2 {err:.2e}")
+        assert err <= TOL[dtype][0], f"d{name}: rel L2 {err:.3e}"
+    # deterministic: the same gradients, bit for bit
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flashmoe.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lq), max(lk), causal=causal, window_size=window,
+                              softcap=softcap).backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_attention_varlen_grads_equal_dense_on_equal_lengths():
+    # equal lengths packed are a dense batch: the same kernels, the same bits
+    b, s, hq, hkv, d = 3, 150, 8, 2, 128
+    q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    do = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV)
+    flashmoe.attention(q, k, v, causal=True).backward(do)
+    dense = [t.grad.clone() for t in (q, k, v)]
+    _, cu = offsets([s] * b)
+    qp, kp, vp = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
+    flashmoe.attention_varlen(qp, kp, vp, cu, cu, s, s, causal=True).backward(do.flatten(0, 1))
+    for name, a, t in zip("qkv", dense, (qp, kp, vp)):
+        assert torch.equal(a.flatten(0, 1), t.grad), f"d{name}: varlen differs from dense"
+
+
+def test_attention_varlen_grads_under_compile_match_eager():
+    _, cu = offsets([40, 1, 96])
+    q = torch.randn(137, 8, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(137, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(137, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+
+    def loss(q, k, v):
+        return flashmoe.attention_varlen(q, k, v, cu, cu, 96, 96, causal=True).float().square().sum()
+
+    torch.compile(loss, fullgraph=True)(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    loss(q, k, v).backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_attention_varlen_forward_backward_in_cuda_graph():
+    _, cu = offsets([100, 3, 57])
+    q = torch.randn(160, 8, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(160, 2, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(160, 2, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    do = torch.randn(160, 8, 64, dtype=torch.bfloat16, device=DEV)
+
+    def step():
+        flashmoe.attention_varlen(q, k, v, cu, cu, 100, 100, causal=True).backward(do)
+
+    step()
+    want = [t.grad.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as capture requires
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    grads = [t.grad for t in (q, k, v)]
+    for g in grads:
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b_) for a, b_ in zip(want, grads))
+
+
+def test_attention_with_kvcache_still_refuses_grad():
+    q = torch.randn(1, 1, 4, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    cache = torch.randn(2, 16, 2, 64, dtype=torch.bfloat16, device=DEV)
+    bt, lens = torch.zeros(1, 2, dtype=torch.int32, device=DEV), torch.tensor([8], dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="has no backward pass yet, but q requires grad"):
+        flashmoe.attention_with_kvcache(q, cache, cache, block_table=bt, cache_seqlens=lens)

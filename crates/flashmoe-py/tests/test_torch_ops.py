@@ -95,7 +95,7 @@ def test_window_size_must_be_a_pair_of_ints(window_size):
 
 
 # --------------------------------------------------------------------------- no silent detach
-# The ops without a backward (all but dense attention): with grad mode on, an input that requires
+# The ops without a backward (all but dense and varlen attention): with grad mode on, an input that requires
 # grad must raise rather than give outputs without a grad_fn (everything upstream would stop
 # training unnoticed). The check runs before the device check, so CPU tensors show it without a GPU.
 
@@ -116,7 +116,7 @@ def attention_calls():
     }
 
 
-@pytest.mark.parametrize("fn", ["attention_varlen", "attention_with_kvcache"])
+@pytest.mark.parametrize("fn", ["attention_with_kvcache"])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_attention_refuses_inputs_that_require_grad(fn, which):
     call, tensors = attention_calls()[fn]
@@ -162,8 +162,8 @@ def test_op_path_refuses_inputs_that_require_grad():
     q = meta(1, 8, 4, 64).requires_grad_()
     k = meta(1, 8, 2, 64)
     cu = torch.empty(2, dtype=torch.int32, device="meta")
-    with pytest.raises(RuntimeError, match=NO_BACKWARD.format("q")):
-        torch.ops.flashmoe.attention_varlen.default(q[0], k[0], k[0], cu, cu, 8, 8, True, None)
+    o, _ = torch.ops.flashmoe.attention_varlen.default(q[0], k[0], k[0], cu, cu, 8, 8, True, None)
+    assert o.grad_fn is not None  # differentiable (the fake kernel runs)
     o, lse = torch.ops.flashmoe.attention.default(q.detach(), k, k, True, None)  # the fake kernel runs
     assert o.shape == (1, 8, 4, 64) and o.grad_fn is None
     x, rw, w13, w2 = (t.to("meta") for t in moe_args())
@@ -172,12 +172,10 @@ def test_op_path_refuses_inputs_that_require_grad():
 
 
 def test_compile_refuses_inputs_that_require_grad():
-    q = torch.randn(8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    fn = torch.compile(lambda q: flashmoe.attention_varlen(q, q, q, cu, cu, 8, 8), fullgraph=True,
-                       backend="eager")
-    with pytest.raises(Exception, match=NO_BACKWARD.format("q")):
-        fn(q)
+    x, rw, w13, w2 = moe_args()
+    fn = torch.compile(lambda x: flashmoe.moe(x, rw, w13, w2, top_k=2), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=NO_BACKWARD.format("x")):
+        fn(x.requires_grad_())
 
 
 # --------------------------------------------------------------------------- autograd (dense attention)
@@ -234,3 +232,63 @@ def test_attention_head_dim_without_backward_raises():
     # inference is unaffected: the eager call gets as far as the device check
     with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
         flashmoe.attention(q, q, q)
+
+
+# --------------------------------------------------------------------------- autograd (varlen attention)
+# flashmoe.attention_varlen is differentiable (register_autograd on flashmoe::attention_varlen,
+# backward through flashmoe::attention_varlen_backward); checked on meta tensors as above.
+
+
+def test_attention_varlen_backward_fake_kernel_shapes():
+    q, k = meta(300, 8, 128), meta(400, 2, 128)
+    lse = meta(8, 300, dtype=torch.float32)
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    dq, dk, dv = torch.ops.flashmoe.attention_varlen_backward.default(q, q, k, k, q, lse, cu, cu, 200, 300, True,
+                                                                      None, 16, 0, 30.0)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert dq.dtype == dk.dtype == torch.bfloat16
+
+
+def test_attention_varlen_backward_schema():
+    schema = torch.ops.flashmoe.attention_varlen_backward.default._schema
+    names = [a.name for a in schema.arguments]
+    assert names[:8] == ["dout", "q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k"], names
+    assert names[-3:] == list(NEW_ARGS)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"causal": True}, {"window_size": (8, 0), "softcap": 5.0}])
+def test_attention_varlen_is_differentiable(kwargs):
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    q = meta(33, 8, 64).requires_grad_()
+    k, v = meta(40, 2, 64).requires_grad_(), meta(40, 2, 64).requires_grad_()
+    o = flashmoe.attention_varlen(q, k, v, cu, cu, 20, 25, **kwargs)
+    assert o.requires_grad and o.grad_fn is not None
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    o, lse = flashmoe.attention_varlen(q.detach(), k, v.detach(), cu, cu, 20, 25, return_lse=True, **kwargs)
+    (dk,) = torch.autograd.grad(o, (k,), torch.ones_like(o))
+    assert dk.shape == k.shape
+
+
+def test_attention_varlen_backward_traces_into_the_backward_op():
+    cu = torch.tensor([0, 10, 16], dtype=torch.int32)
+
+    def step(q, k, v):
+        o = flashmoe.attention_varlen(q, k, v, cu, cu, 10, 10, causal=True)
+        return torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+
+    q, k = torch.randn(16, 4, 64, dtype=torch.bfloat16), torch.randn(16, 2, 64, dtype=torch.bfloat16)
+    gm = make_fx(lambda q, k, v: step(q.requires_grad_(), k.requires_grad_(), v.requires_grad_()),
+                 tracing_mode="fake")(q, k, k.clone())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("flashmoe.attention_varlen.default" in t for t in targets), targets
+    assert any("flashmoe.attention_varlen_backward.default" in t for t in targets), targets
+
+
+def test_attention_varlen_head_dim_without_backward_raises():
+    cu = torch.empty(2, dtype=torch.int32, device="meta")
+    q = meta(8, 4, 256).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"no backward pass for head_dim 256 \(.*\), but q requires grad"):
+        flashmoe.attention_varlen(q, q.detach(), q.detach(), cu, cu, 8, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        flashmoe.attention_varlen(q, q, q, cu, cu, 8, 8)

@@ -255,6 +255,12 @@ _lib.define(
     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
 )
 _lib.define(
+    "attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
+    "float? softmax_scale, int window_left=-1, int window_right=-1, float softcap=0.0) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+_lib.define(
     "attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seqused_k, "
     "Tensor? cu_seqlens_q, int max_q_per_seq, int window_left, int window_right, float softcap, "
     "float? softmax_scale) -> (Tensor, Tensor)"
@@ -508,8 +514,82 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 _register("attention_varlen", _attention_varlen_impl, _attention_varlen_fake)
-_forward_only("attention_varlen", ("q", "k", "v"))
 _attention_varlen_op = torch.ops.flashmoe.attention_varlen.default
+
+# The varlen backward plans, keyed as _backward_plans -> _core.VarlenBackwardPlan.
+_varlen_backward_plans = {}
+
+
+def _attention_varlen_backward_impl(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, window_left=-1, window_right=-1,
+                                    softcap=0.0):
+    named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o))
+    index = _device_index(named + (("lse", lse), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    _same_dtype(named)
+    # The kernels take contiguous tensors (copies only where needed, as in attention_backward).
+    dout, q, k, v, o, lse = (t.contiguous() for t in (dout, q, k, v, o, lse))
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(
+            f"q and k must be 3-D (total_tokens, heads, head_dim), got {list(q.shape)} and {list(k.shape)}")
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap)
+    plan = _varlen_backward_plans.get(key)
+    if plan is None:
+        plan = _core.VarlenBackwardPlan(index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale,
+                                        (window_left, window_right), softcap)
+        _varlen_backward_plans[key] = plan
+    # Zeroed: the kernels write the rows inside a sequence only, and rows past cu_seqlens[-1]
+    # (padding the caller packed) then get a zero gradient instead of stale memory.
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    ws = torch.empty(plan.workspace_bytes(tq), dtype=torch.uint8, device=q.device)
+    plan.backward(_raw_stream(index), _desc(q, "q"), _desc(k, "k"), _desc(v, "v"), _desc(o, "o"),
+                  _desc(dout, "dout"), _desc(lse, "lse"), _desc(dq, "dq"), _desc(dk, "dk"), _desc(dv, "dv"),
+                  _idesc(cu_seqlens_q, "cu_seqlens_q"), _idesc(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
+                  max_seqlen_k, ws.data_ptr(), ws.numel())
+    return dq, dk, dv
+
+
+def _attention_varlen_backward_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_register("attention_varlen_backward", _attention_varlen_backward_impl, _attention_varlen_backward_fake)
+_forward_only("attention_varlen_backward", ("dout", "q", "k", "v", "o", "lse"))
+_attention_varlen_backward_op = torch.ops.flashmoe.attention_varlen_backward.default
+
+
+def _attention_varlen_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    d = q.shape[-1]
+    if d not in _BWD_HEAD_DIMS:
+        name = next((n for n, t in zip("qkv", (q, k, v)) if t.requires_grad), "q")
+        raise RuntimeError(
+            f"flashmoe.attention_varlen has no backward pass for head_dim {d} (head dims with a backward: "
+            f"{', '.join(map(str, _BWD_HEAD_DIMS))}), but {name} requires grad: its outputs would carry no "
+            "gradient to the tensors upstream. Call it under torch.no_grad() or torch.inference_mode() (or "
+            "on detached tensors) for inference."
+        )
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, inputs[3], inputs[4])
+    # max_seqlen_q, max_seqlen_k, causal, softmax_scale, then the trailing defaults the dispatcher
+    # may have dropped (window_left, window_right, softcap).
+    ctx.scalars = tuple(inputs[5:]) + _ATTENTION_SCALARS[2:][len(inputs) - 9:]
+    ctx.n_inputs = len(inputs)
+
+
+def _attention_varlen_backward(ctx, do, dlse):
+    # As for attention: lse is not differentiated through; no gradient for the offsets.
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = _attention_varlen_backward_op(do, q, k, v, o, lse, cu_q, cu_k, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+
+torch.library.register_autograd("flashmoe::attention_varlen", _attention_varlen_backward,
+                                setup_context=_attention_varlen_setup_context, lib=_lib)
 
 
 def attention_varlen(
@@ -539,12 +619,18 @@ def attention_varlen(
     as in ``attention``: in a sequence of lengths (sq, sk), row i sees keys d - left ..= d + right
     of d = i + sk - sq. sm_90a (H100/H200) only, head dims 64 and 128; q, k, v may be strided views
     as in ``attention``. Rows of o outside every sequence are not written.
+
+    Differentiable as ``attention`` is: with grad mode on and q, k or v requiring grad, the call
+    goes through the op, whose autograd formula saves q, k, v, o, lse and the offsets and computes
+    dq, dk, dv with the library's deterministic varlen backward
+    (``torch.ops.flashmoe.attention_varlen_backward``: head dims 32, 64, 96, 128, every mask above,
+    any GPU of compute capability 8.0 or newer; rows outside every sequence get zero gradients).
     """
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
             float(softcap))
-    if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        _refuse_grad("attention_varlen", (("q", q), ("k", k), ("v", v)))
+    if _plain(q, k, v, cu_seqlens_q, cu_seqlens_k) and not (
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         o, lse = _attention_varlen_impl(*args, return_lse)
     else:
         o, lse = _attention_varlen_op(*args)
