@@ -143,18 +143,50 @@ def moe_args(h=64, i=32, e=4):
 
 
 @pytest.mark.parametrize("which", ["x", "router_w", "w13", "w2", "shared_w2"])
-def test_moe_refuses_inputs_that_require_grad(which):
+def test_moe_with_grad_takes_the_training_op(which):
+    # flashmoe.moe is differentiable (flashmoe::moe_train, _moe_autograd.py): a CPU tensor that
+    # requires grad meets the device check, with grad mode on or off
     x, rw, w13, w2 = moe_args()
     args = {"x": x, "router_w": rw, "w13": w13, "w2": w2}
     shared = [torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)]
     if which == "shared_w2":
-        shared[1] = torch.nn.Parameter(shared[1])  # a module's weight: takes the dispatcher path
+        shared[1] = torch.nn.Parameter(shared[1])
     else:
         args[which] = torch.nn.Parameter(args[which]) if which != "x" else x.requires_grad_()
-    with pytest.raises(RuntimeError, match=NO_BACKWARD.format(which)):
+    with pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
         flashmoe.moe(*args.values(), top_k=2, shared=tuple(shared))
     with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
         flashmoe.moe(*args.values(), top_k=2, shared=tuple(shared))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_is_differentiable_on_meta(shared):
+    # the fake kernels of moe_train and moe_backward: autograd wiring, shapes and dtypes
+    x, rw, w13, w2 = (t.to("meta").requires_grad_() for t in moe_args())
+    sh = (meta(64, 64).requires_grad_(), meta(32, 64).requires_grad_()) if shared else None
+    r = flashmoe.moe(x, rw, w13, w2, top_k=2, shared=sh)
+    assert r.out.grad_fn is not None and r.aux_loss.grad_fn is not None
+    leaves = (x, rw, w13, w2) + (sh if shared else ())
+    grads = torch.autograd.grad((r.out, r.aux_loss, r.z_loss), leaves,
+                                (torch.ones_like(r.out), torch.ones_like(r.aux_loss), torch.ones_like(r.z_loss)))
+    for g, t in zip(grads, leaves):
+        assert g.shape == t.shape and g.dtype == t.dtype
+    # only w2 requires grad: the others get none
+    r = flashmoe.moe(x.detach(), rw.detach(), w13.detach(), w2, top_k=2)
+    (dw2,) = torch.autograd.grad(r.out, (w2,), torch.ones_like(r.out))
+    assert dw2.shape == w2.shape
+
+
+def test_moe_backward_traces_into_the_backward_op():
+    def step(x, rw, w13, w2):
+        r = flashmoe.moe(x, rw, w13, w2, top_k=2, scoring="sigmoid")
+        return torch.autograd.grad((r.out, r.z_loss), (x, rw, w13, w2),
+                                   (torch.ones_like(r.out), torch.ones_like(r.z_loss)))
+
+    gm = make_fx(lambda *a: step(*(t.requires_grad_() for t in a)), tracing_mode="fake")(*moe_args())
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert any("flashmoe.moe_train.default" in t for t in targets), targets
+    assert any("flashmoe.moe_backward.default" in t for t in targets), targets
 
 
 def test_op_path_refuses_inputs_that_require_grad():
@@ -171,10 +203,12 @@ def test_op_path_refuses_inputs_that_require_grad():
         torch.ops.flashmoe.moe.default(x, rw, w13.requires_grad_(), w2, None, None, 2, "softmax", True)
 
 
-def test_compile_refuses_inputs_that_require_grad():
+def test_compile_with_grad_reaches_the_training_op():
+    # under torch.compile a call that needs grad traces flashmoe::moe_train (one graph): a CPU
+    # tensor meets its device check
     x, rw, w13, w2 = moe_args()
     fn = torch.compile(lambda x: flashmoe.moe(x, rw, w13, w2, top_k=2), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match=NO_BACKWARD.format("x")):
+    with pytest.raises(Exception, match="flashmoe takes CUDA tensors"):
         fn(x.requires_grad_())
 
 

@@ -919,10 +919,17 @@ def moe(
     [I, H]), a dense SwiGLU expert added to every token with weight 1. All contiguous, one dtype
     (bf16 or f16), one CUDA device. ``scoring`` "softmax" or "sigmoid"; ``renormalize`` makes the
     k weights sum to 1. PyTorch Linear weights ([out, in]) are the transposes of these.
-    Eager calls skip the dispatcher as ``attention`` does. Forward only: with grad mode on, any
-    input requiring grad is a RuntimeError (never a silent detach).
+    Eager calls skip the dispatcher as ``attention`` does. Differentiable: with grad mode on and
+    an input requiring grad, the call runs ``torch.ops.flashmoe.moe_train`` (``_moe_autograd.py``),
+    whose backward gives x, router_w, w13, w2 and the shared weights their gradients from ``out``
+    and the two losses (deterministic; the top-k ids are constants).
     """
     s13, s2 = shared if shared is not None else (None, None)
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, router_w, w13, w2, s13, s2)
+    ):
+        out, ids, weights, counts, losses = _moe_train(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
+        return MoeOutput(out, ids, weights, counts, losses[0], losses[1])
     if _plain(x, router_w, w13, w2):
         _refuse_grad("moe", (("x", x), ("router_w", router_w), ("w13", w13), ("w2", w2), ("shared_w13", s13),
                              ("shared_w2", s2)))
@@ -931,3 +938,8 @@ def moe(
         run = _moe_op
     out, ids, weights, counts, losses = run(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
     return MoeOutput(out, ids, weights, counts, losses[0], losses[1])
+
+
+# The differentiable MoE path (flashmoe::moe_train and its backward op); imported last: it builds
+# on the helpers above.
+from ._moe_autograd import moe_train as _moe_train  # noqa: E402
