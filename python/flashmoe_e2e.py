@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""End-to-end inference benchmark of decoder-only models (issue 23, part 3).
+"""End-to-end benchmark of decoder-only models: inference forward, or training steps (--train).
 
 The models are built here with random weights (no downloads): seed 003's small, medium and
 large dense models and two MoE models (Mixtral-style blocks, Qwen3-30B-A3B shapes). One
@@ -14,6 +14,9 @@ pass a correctness gate against an fp32 forward of the same weights (attention b
 softmax, MoE by a per-expert loop, routing in fp32), within 1.5x the error of PyTorch's own
 bf16 forward of the model (GATE_FACTOR below). Peak memory is the growth of
 `torch.cuda.max_memory_allocated` over one forward, above the weights.
+
+With --train, flashmoe_e2e_train.py times training steps (forward, backward, AdamW) of the
+same models and implementations and checks their loss curves against each other.
 
 `flashmoe bench e2e` runs this script; it can also be run directly:
     python3 python/flashmoe_e2e.py --preset seed003 --out out/e2e
@@ -71,6 +74,9 @@ IMPLS = {
     "sdpa-flash": ("sdpa-flash", "grouped-mm", False),
     "sdpa-cudnn": ("sdpa-cudnn", "grouped-mm", False),
     "flashmoe": ("flashmoe", "flashmoe", False),
+    # flashmoe's attention with the PyTorch MoE: the training comparison while an MoE op
+    # has no backward, and the attention op's share of a step.
+    "flashmoe-attn": ("flashmoe", "grouped-mm", False),
     "sdpa-cudnn+compile": ("sdpa-cudnn", "grouped-mm", True),
     "flashmoe+compile": ("flashmoe", "flashmoe", True),
 }
@@ -504,11 +510,11 @@ def markdown(result):
     return "\n".join(out)
 
 
-def html(result):
-    """The Markdown report as one self-contained HTML page (tables only)."""
+def html(result, md):
+    """A Markdown report `md` of `result` as one self-contained HTML page (tables only)."""
     import html as h
     body, table = [], None
-    for line in markdown(result).split("\n"):
+    for line in md.split("\n"):
         if line.startswith("|"):
             cells = [c.strip() for c in line.strip("|").split("|")]
             if all(set(c) <= set("-: ") for c in cells):
@@ -537,13 +543,26 @@ def html(result):
             + "\n".join(body) + "</body></html>\n")
 
 
-def write_reports(result, out):
+def write_reports(result, out, to_markdown=markdown):
+    md = to_markdown(result)
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(markdown(result) + "\n")
+        f.write(md + "\n")
     with open(os.path.join(out, "report.html"), "w") as f:
-        f.write(html(result))
+        f.write(html(result, md))
+
+
+def device_name(device):
+    return torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def report_renderer(result):
+    """The Markdown renderer of a results.json: inference or training steps."""
+    if result.get("mode") == "train":
+        import flashmoe_e2e_train
+        return flashmoe_e2e_train.markdown
+    return markdown
 
 
 def main(argv):
@@ -553,10 +572,11 @@ def main(argv):
             with open(path) as f:
                 result = json.load(f)
             stem = path[:-5] if path.endswith(".json") else path
+            md = report_renderer(result)(result)
             with open(stem + ".md", "w") as f:
-                f.write(markdown(result) + "\n")
+                f.write(md + "\n")
             with open(stem + ".html", "w") as f:
-                f.write(html(result))
+                f.write(html(result, md))
             log(f"wrote {stem}.md, {stem}.html")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -572,6 +592,11 @@ def main(argv):
     ap.add_argument("--max-rounds", type=int, default=30)
     ap.add_argument("--max-time", type=float, default=3.0, help="seconds of timed rounds per config")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (smoke runs)")
+    ap.add_argument("--train", action="store_true",
+                    help="time training steps (forward, backward, AdamW) and check the loss "
+                         "curves (flashmoe_e2e_train.py) instead of the inference forward")
+    ap.add_argument("--steps", type=int, default=100,
+                    help="--train: steps per implementation (the loss curve's length)")
     args = ap.parse_args(argv)
     impls = [s for s in args.impl.split(",") if s]
     for n in impls:
@@ -590,12 +615,17 @@ def main(argv):
         configs = [c for c in configs if f"{c[0]}:{c[1]}x{c[2]}" in keep]
     if not configs:
         ap.error("no config of the preset matches --models/--only")
+    os.makedirs(args.out, exist_ok=True)
+    if args.train:
+        if args.steps <= args.warmup:
+            ap.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
+        import flashmoe_e2e_train
+        return flashmoe_e2e_train.run(args, configs, device, dtype, impls, args.out)
     rng = np.random.default_rng(args.seed)
     result = dict(schema="flashmoe-e2e/1", preset=args.preset,
-                  device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+                  device=device_name(device),
                   torch=torch.__version__, dtype=str(dtype).replace("torch.", ""),
                   gate_factor=GATE_FACTOR, gate_cap=GATE_CAP, configs=[])
-    os.makedirs(args.out, exist_ok=True)
     model = None
     for name, batch, seq in configs:
         if model is None or model.name != name:

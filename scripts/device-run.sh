@@ -111,13 +111,17 @@ for s in "$@"; do
     python)       stage python 420 bash scripts/device-python.sh target/py-device ;;
     # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device
     # (scripts/device-python.sh --pack): seed 003's dense models, the MoE stacks, and the
-    # large / Qwen3 models under torch.compile.
-    e2e|e2e-moe|e2e-compile)
+    # large / Qwen3 models under torch.compile; e2e-train: training steps (forward, backward,
+    # AdamW) and the loss-curve check on the small and medium models and a Qwen3-shaped stack.
+    e2e|e2e-moe|e2e-compile|e2e-train)
                   python3 -m pip install -q --no-deps --no-index --target /tmp/flashmoe-site \
                     target/py-device/flashmoe-*.whl >>"$LOG" 2>&1
                   case $s in
                     e2e)     stage e2e 300 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset seed003 --out /tmp/$s ;;
                     e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
+                    e2e-train) stage e2e-train 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --train --steps 100 \
+                               --preset all --only small:4x512,medium:4x512,qwen3-30b-a3b:4x512 \
+                               --impl eager,sdpa-cudnn,sdpa-cudnn+compile,flashmoe-attn,flashmoe,flashmoe+compile --out /tmp/$s ;;
                     *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
                                --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
                   esac

@@ -48,6 +48,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     if matches!(args.suite, crate::SuiteArg::E2e) {
         return crate::e2e::run(args);
     }
+    if args.train {
+        anyhow::bail!("--train is for `bench e2e --train` (training steps of the e2e models)");
+    }
     if let Some(gpus) = args.gpus {
         return crate::ep::run(args, gpus);
     }

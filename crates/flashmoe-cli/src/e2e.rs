@@ -1,6 +1,7 @@
 //! `flashmoe bench e2e`: end-to-end decoder models in PyTorch, run by
 //! `python/flashmoe_e2e.py` (the models, the implementations, the gate, the timing and the
-//! report live there; this module passes the options on and records the manifest).
+//! report live there; `--train`'s training steps in `python/flashmoe_e2e_train.py`); this
+//! module passes the options on and records the manifest.
 
 use crate::backend;
 use crate::BenchArgs;
@@ -44,6 +45,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     }
     if args.cpu {
         cmd.arg("--cpu");
+    }
+    if args.train {
+        cmd.arg("--train");
+    }
+    if let Some(n) = args.steps {
+        cmd.arg("--steps").arg(n.to_string());
     }
     let status = cmd.status().with_context(|| {
         format!(

@@ -175,6 +175,13 @@ pub struct BenchArgs {
     /// File name (no extension) of the --gpus report (default ep-PRESET-NGPUgpu).
     #[arg(long)]
     name: Option<String>,
+    /// e2e only: time training steps (forward, backward, AdamW) and check that every
+    /// implementation's loss curve follows the reference's, instead of the inference forward.
+    #[arg(long)]
+    train: bool,
+    /// Steps per implementation for `bench e2e --train` (the length of the loss curve).
+    #[arg(long, value_name = "N", requires = "train")]
+    steps: Option<usize>,
 }
 
 #[derive(Args)]
@@ -420,5 +427,13 @@ mod tests {
             panic!()
         };
         assert_eq!((b.tokens.clone(), b.chunks), (vec![4096, 8192, 16384], 2));
+    }
+
+    /// `--train` belongs to the e2e suite: elsewhere it is an error, not ignored.
+    #[test]
+    fn train_flag_is_e2e_only() {
+        let e = bench_err(&["flashmoe", "bench", "attention", "--train"]);
+        assert!(e.contains("bench e2e --train"), "{e}");
+        assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--steps", "5"]).is_err());
     }
 }
