@@ -1164,3 +1164,107 @@ def test_moe_backward_under_compile_matches_eager():
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- FlashAttention conventions
+# flashmoe.flash_attn_interface: FA2's call conventions over the ops above give the ops' results
+# (bit for bit), SDPA's within tolerance, and the ops' gradients.
+
+import flashmoe.flash_attn_interface as flash_attn_interface  # noqa: E402
+
+
+def test_flash_attn_func_is_attention():
+    q = torch.randn(2, 200, 8, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 260, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(2, 260, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    do = torch.randn(2, 200, 8, 128, dtype=torch.bfloat16, device=DEV)
+    # FA2's positional order: q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
+    o = flash_attn_interface.flash_attn_func(q, k, v, 0.0, None, True)
+    want = flashmoe.attention(q, k, v, causal=True)
+    assert torch.equal(o, want)
+    o.backward(do)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want.backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+    # against SDPA (fp32), causal bottom-right = top-left here only when Sq == Sk: use Sq == Sk
+    qs, ks, vs = (t.detach()[:, :200] for t in (q, k, v))
+    o = flash_attn_interface.flash_attn_func(qs, ks, vs, causal=True, deterministic=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qs.float().transpose(1, 2), ks.float().repeat_interleave(4, 2).transpose(1, 2),
+        vs.float().repeat_interleave(4, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+    gate(o, ref.double(), torch.bfloat16, "flash_attn_func vs SDPA")
+
+
+def test_flash_attn_func_window_and_softcap_are_attention():
+    q = torch.randn(1, 256, 4, 64, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16, device=DEV)
+    o = flash_attn_interface.flash_attn_func(q, k, k, 0.0, 0.1, True, (64, -1), 20.0)
+    assert torch.equal(o, flashmoe.attention(q, k, k, causal=True, softmax_scale=0.1, window_size=(64, -1),
+                                             softcap=20.0))
+
+
+def test_flash_attn_varlen_func_is_attention_varlen():
+    lens = [1, 77, 130]
+    cu, cu_t = offsets(lens)
+    q = torch.randn(cu[-1], 8, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(cu[-1], 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(cu[-1], 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    o = flash_attn_interface.flash_attn_varlen_func(q, k, v, cu_t, cu_t, max(lens), max(lens), 0.0, None, True)
+    want = flashmoe.attention_varlen(q, k, v, cu_t, cu_t, max(lens), max(lens), causal=True)
+    assert torch.equal(o, want)
+    do = torch.randn_like(o)
+    o.backward(do)
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want.backward(do)
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+
+
+def test_flash_attn_with_kvcache_contiguous_cache():
+    b, s_cache, hq, hkv, d = 3, 300, 8, 2, 128
+    k_cache = torch.randn(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_cache = torch.randn(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(b, 1, hq, d, dtype=torch.bfloat16, device=DEV)
+    lens = [17, 300, 120]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    o, lse = flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                          return_softmax_lse=True)
+    assert o.shape == q.shape and lse.shape == (b, hq, 1)
+    scale = 1.0 / math.sqrt(d)
+    for i, n in enumerate(lens):
+        ro, rlse = masked_attention_ref(q[i], k_cache[i, :n], v_cache[i, :n], scale)
+        gate(o[i], ro, torch.bfloat16, f"kvcache sequence {i}")
+        check_lse(lse[i], rlse, f"kvcache sequence {i} lse")
+    # an int cache_seqlens, and cache_batch_idx choosing the cache rows (reversed)
+    idx = torch.tensor([2, 1, 0], dtype=torch.int32, device=DEV)
+    o = flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=100, cache_batch_idx=idx)
+    for i in range(b):
+        ro, _ = masked_attention_ref(q[i], k_cache[2 - i, :100], v_cache[2 - i, :100], scale)
+        gate(o[i], ro, torch.bfloat16, f"kvcache row {2 - i}")
+
+
+def test_flash_attn_with_kvcache_appends_in_place():
+    b, s_cache, hkv, d = 2, 64, 2, 64
+    k_cache = torch.zeros(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_cache = torch.zeros(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    k_cache[:, :10] = torch.randn(b, 10, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_cache[:, :10] = torch.randn(b, 10, hkv, d, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(b, 2, 4, d, dtype=torch.bfloat16, device=DEV)
+    k_new = torch.randn(b, 2, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_new = torch.randn(b, 2, hkv, d, dtype=torch.bfloat16, device=DEV)
+    o = flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=10,
+                                                     causal=True)
+    assert torch.equal(k_cache[:, 10:12], k_new) and torch.equal(v_cache[:, 10:12], v_new)
+    scale = 1.0 / math.sqrt(d)
+    for i in range(b):
+        ro, _ = masked_attention_ref(q[i], k_cache[i, :12], v_cache[i, :12], scale, causal=True)
+        gate(o[i], ro, torch.bfloat16, f"appended sequence {i}")
+
+
+def test_flash_attn_interface_refuses_dropout_on_gpu():
+    q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="no attention dropout"):
+        flash_attn_interface.flash_attn_func(q, q, q, 0.1)
