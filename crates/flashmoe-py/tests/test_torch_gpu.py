@@ -1015,20 +1015,23 @@ def test_attention_varlen_grads_match_f64(case):
     assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
 
 
-def test_attention_varlen_grads_equal_dense_on_equal_lengths():
-    # equal lengths packed are a dense batch: the same kernels, the same bits
+def test_attention_varlen_backward_equals_dense_on_equal_lengths():
+    # equal lengths packed are a dense batch: given the same o and lse, the same kernels give the
+    # same bits (the forward kernels differ, so both backward ops get the dense forward's o, lse)
     b, s, hq, hkv, d = 3, 150, 8, 2, 128
-    q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
-    k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
-    v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV)
     do = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV)
-    flashmoe.attention(q, k, v, causal=True).backward(do)
-    dense = [t.grad.clone() for t in (q, k, v)]
+    o, lse = flashmoe.attention(q, k, v, causal=True, return_lse=True)
+    dense = torch.ops.flashmoe.attention_backward(do, q, k, v, o, lse, True, None)
     _, cu = offsets([s] * b)
-    qp, kp, vp = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
-    flashmoe.attention_varlen(qp, kp, vp, cu, cu, s, s, causal=True).backward(do.flatten(0, 1))
-    for name, a, t in zip("qkv", dense, (qp, kp, vp)):
-        assert torch.equal(a.flatten(0, 1), t.grad), f"d{name}: varlen differs from dense"
+    flat = [t.flatten(0, 1) for t in (do, q, k, v, o)]
+    lse_packed = lse.permute(1, 0, 2).reshape(hq, b * s)  # (b, hq, s) -> (hq, b * s)
+    poison_pool()
+    packed = torch.ops.flashmoe.attention_varlen_backward(*flat, lse_packed, cu, cu, s, s, True, None)
+    for name, a, p in zip("qkv", dense, packed):
+        assert torch.equal(a.flatten(0, 1), p), f"d{name}: varlen differs from dense"
 
 
 def test_attention_varlen_grads_under_compile_match_eager():
