@@ -5,8 +5,9 @@ kernel) rather than the ``@torch.library.custom_op`` decorator: same tracing and
 behaviour, but the decorator's Python wrappers cost several µs more per call
 (tools/overhead.py measures both; docs/python.md). ``attention`` (dense) is differentiable: its
 autograd formula (``torch.library.register_autograd``) saves q, k, v, o and lse and calls the op
-``attention_backward`` (the library's deterministic backward plan). The other ops are
-forward-only (inference): a call whose tensors require grad while grad mode is on raises
+``attention_backward`` (the library's deterministic backward plan); ``attention_varlen`` likewise
+through ``attention_varlen_backward`` (its autograd formula also saves the offsets). The
+attention ops without a backward (the KV-cache ones) are forward-only (inference): a call whose tensors require grad while grad mode is on raises
 (``_refuse_grad``) instead of returning outputs silently cut off from the autograd graph.
 
 A call reads each tensor's address, dtype, shape and strides, allocates its outputs with
