@@ -4,9 +4,9 @@
 //! relative L2 and a per-row bound; softmax and sigmoid, renormalised or not, top_k = 1,
 //! top_k = experts, one expert, skewed routing (one expert with more rows than a tile,
 //! empty experts), a shared expert, bf16 and fp16, odd token counts, the aux and z-loss
-//! gradients; bit-identical reruns; bad input. Inputs are fresh random values (seed
-//! printed); outputs and the workspace are poisoned (NaN) before every run and every
-//! compared value must be finite. Each test prints "skipped: no GPU" without one.
+//! gradients; bit-identical reruns; CUDA-graph replay; bad input. Inputs are fresh random
+//! values (seed printed); outputs and the workspace are poisoned (NaN) before every run and
+//! every compared value must be finite. Each test prints "skipped: no GPU" without one.
 //!
 //! On the GPU machine: `flashmoe-gpu-tests moe::backward --test-threads=1 --nocapture`.
 
@@ -264,18 +264,16 @@ impl Setup {
         }
     }
 
-    /// Poison the outputs and the workspace, run the backward, return the gradients.
-    fn run(&mut self, s: &Arc<CudaStream>) -> Grads {
+    /// Poison (NaN) the outputs and the workspace.
+    fn poison_all(&mut self, s: &Arc<CudaStream>) {
         for o in &mut self.outs {
             poison(s, o);
         }
         poison(s, self.bwd_ws.buffer_mut());
-        let args = self.args(s);
-        unsafe {
-            self.plan
-                .backward_raw(s.cu_stream(), &args, self.bwd_ws.raw())
-                .unwrap()
-        };
+    }
+
+    /// The gradients, after the stream drains.
+    fn download(&self, s: &Arc<CudaStream>) -> Grads {
         let get = |b: &CudaSlice<u16>| s.clone_dtoh(b).unwrap();
         let g = Grads {
             dx: get(&self.outs[0]),
@@ -289,6 +287,34 @@ impl Setup {
         };
         s.synchronize().unwrap();
         g
+    }
+
+    /// Poison the outputs and the workspace, run the backward, return the gradients.
+    fn run(&mut self, s: &Arc<CudaStream>) -> Grads {
+        self.poison_all(s);
+        let args = self.args(s);
+        unsafe {
+            self.plan
+                .backward_raw(s.cu_stream(), &args, self.bwd_ws.raw())
+                .unwrap()
+        };
+        self.download(s)
+    }
+}
+
+impl Grads {
+    /// Every gradient finite.
+    fn assert_finite(&self, tag: &str, dt: DType) {
+        let mut all = vec![&self.dx, &self.d_router, &self.dw13, &self.dw2];
+        if let Some((a, b)) = &self.shared {
+            all.extend([a, b]);
+        }
+        for v in all {
+            assert!(
+                dt.decode_u16(v).iter().all(|x| x.is_finite()),
+                "{tag}: non-finite gradient"
+            );
+        }
     }
 }
 
@@ -487,12 +513,7 @@ fn backward_is_bit_identical_run_to_run() {
             let mut st = Setup::new(dev, &c, seed);
             let a = st.run(&s);
             let b = st.run(&s);
-            for v in [&a.dx, &a.d_router, &a.dw13, &a.dw2] {
-                assert!(
-                    c.dtype.decode_u16(v).iter().all(|x| x.is_finite()),
-                    "{c:?}: non-finite gradient (seed {seed})"
-                );
-            }
+            a.assert_finite(&format!("{c:?} (seed {seed})"), c.dtype);
             assert!(
                 a == b,
                 "{c:?}: gradients differ between two runs (seed {seed})"
@@ -550,5 +571,57 @@ fn backward_rejects_bad_input() {
         unsafe { st.plan.backward_raw(s.cu_stream(), &good, ws) }.unwrap();
         s.synchronize().unwrap();
         println!("bad input: every case rejected with a named error");
+    });
+}
+
+/// The backward captured in a CUDA graph, replayed with a new d_out each time (outputs and
+/// workspace poisoned before every replay), equals the eager call bit for bit.
+#[test]
+fn backward_graph_replay_matches_eager() {
+    with_gpu("moe-bwd-graph", |dev| {
+        let seed = fresh_seed("moe-bwd-graph");
+        let s = dev.stream().clone();
+        let c = Case {
+            shared: true,
+            skew: true,
+            tokens: 97,
+            ..base()
+        };
+        let mut st = Setup::new(dev, &c, seed);
+        let args = st.args(&s);
+        let ws = st.bwd_ws.raw();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws).unwrap() };
+        let graph = s
+            .end_capture(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .unwrap()
+            .expect("a captured graph");
+        let mut prev: Option<Grads> = None;
+        for replay in 0..3u64 {
+            let d = generate(
+                seed.wrapping_add(100 + replay),
+                TensorId::MoeX,
+                c.tokens * c.hidden,
+                1.0,
+                c.dtype,
+            );
+            s.memcpy_htod(&c.dtype.encode_u16(&d), &mut st.bufs[D_OUT])
+                .unwrap();
+            st.poison_all(&s);
+            graph.launch().unwrap();
+            let g = st.download(&s);
+            let tag = format!("replay {replay} (seed {seed})");
+            g.assert_finite(&tag, c.dtype);
+            let e = st.run(&s);
+            assert!(g == e, "{tag}: graph replay differs from the eager call");
+            if let Some(p) = &prev {
+                assert!(p.dx != g.dx, "{tag}: a new d_out left dx unchanged");
+            }
+            prev = Some(g);
+        }
+        println!("graph replay: 3 replays bit-identical to eager (seed {seed})");
     });
 }
