@@ -14,7 +14,16 @@ import flashmoe.flash_attn_interface as fai
 # FlashAttention-2's public signatures (flash_attn/flash_attn_interface.py): (name, default), in
 # order; REQUIRED marks a parameter without a default.
 REQUIRED = object()
+TAIL = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False), ("return_attn_probs", False)]
 FA2 = {
+    "flash_attn_qkvpacked_func": [("qkv", REQUIRED)] + TAIL,
+    "flash_attn_kvpacked_func": [("q", REQUIRED), ("kv", REQUIRED)] + TAIL,
+    "flash_attn_varlen_qkvpacked_func": [("qkv", REQUIRED), ("cu_seqlens", REQUIRED), ("max_seqlen", REQUIRED)]
+    + TAIL,
+    "flash_attn_varlen_kvpacked_func": [("q", REQUIRED), ("kv", REQUIRED), ("cu_seqlens_q", REQUIRED),
+                                        ("cu_seqlens_k", REQUIRED), ("max_seqlen_q", REQUIRED),
+                                        ("max_seqlen_k", REQUIRED)] + TAIL,
     "flash_attn_func": [
         ("q", REQUIRED), ("k", REQUIRED), ("v", REQUIRED), ("dropout_p", 0.0), ("softmax_scale", None),
         ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
@@ -94,6 +103,38 @@ def test_flash_attn_varlen_func_positional_call_reaches_attention_varlen(ops):
     fai.flash_attn_varlen_func("q", "k", "v", "cq", "ck", 100, 200, 0.0, None, True, (-1, 4), 5.0)
     assert ops.calls == [("attention_varlen", ("q", "k", "v", "cq", "ck", 100, 200),
                           {"causal": True, "softmax_scale": None, "window_size": (-1, 4), "softcap": 5.0})]
+
+
+class Packed:
+    """A stand-in for a packed tensor: its shape and the views unbind(-3) gives."""
+
+    def __init__(self, name, n):
+        self.name, self.shape = name, (7, n, 4, 64)
+
+    def dim(self):
+        return len(self.shape)
+
+    def unbind(self, dim):
+        assert dim == -3
+        return tuple(f"{self.name}[{i}]" for i in range(self.shape[-3]))
+
+
+def test_packed_forms_call_the_functions_on_views(ops):
+    fai.flash_attn_qkvpacked_func(Packed("qkv", 3), 0.0, 0.25, True, (16, 0), 3.0)
+    fai.flash_attn_kvpacked_func("q", Packed("kv", 2), causal=True)
+    fai.flash_attn_varlen_qkvpacked_func(Packed("qkv", 3), "cu", 9, 0.0, None, False, (-1, 2))
+    fai.flash_attn_varlen_kvpacked_func("q", Packed("kv", 2), "cq", "ck", 5, 7, softcap=1.0)
+    full = {"causal": True, "softmax_scale": 0.25, "window_size": (16, 0), "softcap": 3.0}
+    assert ops.calls[0] == ("attention", ("qkv[0]", "qkv[1]", "qkv[2]"), full)
+    assert ops.calls[1][:2] == ("attention", ("q", "kv[0]", "kv[1]")) and ops.calls[1][2]["causal"] is True
+    assert ops.calls[2] == ("attention_varlen", ("qkv[0]", "qkv[1]", "qkv[2]", "cu", "cu", 9, 9),
+                            {"causal": False, "softmax_scale": None, "window_size": (-1, 2), "softcap": 0.0})
+    assert ops.calls[3][:2] == ("attention_varlen", ("q", "kv[0]", "kv[1]", "cq", "ck", 5, 7))
+    assert ops.calls[3][2]["softcap"] == 1.0
+    with pytest.raises(ValueError, match=r"qkv must have 3 packed tensors in dim -3"):
+        fai.flash_attn_qkvpacked_func(Packed("qkv", 2))
+    with pytest.raises(ValueError, match="no attention dropout"):
+        fai.flash_attn_kvpacked_func("q", Packed("kv", 2), 0.1)
 
 
 @pytest.mark.parametrize("dropout_p", [0.1, 1, 0.5])

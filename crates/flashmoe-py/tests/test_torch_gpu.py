@@ -1271,3 +1271,28 @@ def test_flash_attn_interface_refuses_dropout_on_gpu():
     q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="no attention dropout"):
         flash_attn_interface.flash_attn_func(q, q, q, 0.1)
+
+
+def test_flash_attn_packed_forms_are_the_functions_on_views():
+    # qkv (b, s, 3, h, d): views on the sm_90a kernel (D 128), gradients flow back into qkv
+    qkv = torch.randn(2, 150, 3, 4, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    do = torch.randn(2, 150, 4, 128, dtype=torch.bfloat16, device=DEV)
+    o = flash_attn_interface.flash_attn_qkvpacked_func(qkv, 0.0, None, True)
+    o.backward(do)
+    q, k, v = (t.detach().contiguous().requires_grad_() for t in qkv.unbind(2))
+    want = flashmoe.attention(q, k, v, causal=True)
+    want.backward(do)
+    assert torch.equal(o, want)
+    assert torch.equal(qkv.grad, torch.stack([q.grad, k.grad, v.grad], dim=2))
+    # varlen qkv (total, 3, h, d) and kv (total, 2, h, d)
+    lens = [33, 1, 100]
+    cu, cu_t = offsets(lens)
+    qkv = torch.randn(cu[-1], 3, 4, 64, dtype=torch.bfloat16, device=DEV)
+    o = flash_attn_interface.flash_attn_varlen_qkvpacked_func(qkv, cu_t, max(lens), causal=True)
+    want = flashmoe.attention_varlen(qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2].contiguous(), cu_t,
+                                     cu_t, max(lens), max(lens), causal=True)
+    assert torch.equal(o, want)
+    o = flash_attn_interface.flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu_t, cu_t, max(lens), max(lens))
+    want = flashmoe.attention_varlen(qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2].contiguous(), cu_t,
+                                     cu_t, max(lens), max(lens))
+    assert torch.equal(o, want)

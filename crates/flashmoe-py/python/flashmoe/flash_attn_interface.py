@@ -5,7 +5,11 @@ flashmoe.flash_attn_interface import flash_attn_func, ...``) in place of FlashAt
 ``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` take FA2's
 positional order, defaults and return values, and run ``flashmoe.attention``,
 ``flashmoe.attention_varlen`` and ``flashmoe.attention_with_kvcache`` (layouts, masks, GQA,
-gradients and graph/compile behaviour are those functions').
+gradients and graph/compile behaviour are those functions'). The packed forms
+(``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` and their varlen versions) split
+the packed tensor into views (no copy; gradients flow back into it) and call the functions
+above, so they run where those take strided views (see ``flashmoe.attention``; elsewhere the
+op's error asks for contiguous tensors).
 
 Every FA argument is accepted; one flashmoe does not implement raises instead of being ignored:
 ``dropout_p`` other than 0 is a ValueError (flashmoe has no attention dropout); rotary embedding
@@ -23,7 +27,15 @@ import importlib
 import inspect
 import numbers
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
 
 
 def _torch_ops():
@@ -235,3 +247,92 @@ def flash_attn_with_kvcache(
                                      causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse), **extra)
     return out
+
+
+def _split(name, packed, n):
+    """The `n` views of a tensor packed along dim -3 (FA's (…, n, heads, headdim) layout)."""
+    if packed.dim() < 3 or packed.shape[-3] != n:
+        raise ValueError(f"{name} must have {n} packed tensors in dim -3 (…, {n}, nheads, headdim) but has shape "
+                         f"{list(packed.shape)}")
+    return packed.unbind(dim=-3)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn.flash_attn_qkvpacked_func``: qkv (batch, seqlen, 3, nheads, headdim) as
+    ``flash_attn_func(q, k, v, …)`` on its views."""
+    q, k, v = _split("qkv", qkv, 3)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn.flash_attn_kvpacked_func``: kv (batch, seqlen_k, 2, nheads_k, headdim) as
+    ``flash_attn_func(q, k, v, …)`` on its views."""
+    k, v = _split("kv", kv, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn.flash_attn_varlen_qkvpacked_func``: qkv (total, 3, nheads, headdim) as
+    ``flash_attn_varlen_func`` with the same offsets for queries and keys."""
+    q, k, v = _split("qkv", qkv, 3)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """``flash_attn.flash_attn_varlen_kvpacked_func``: kv (total_k, 2, nheads_k, headdim) as
+    ``flash_attn_varlen_func(q, k, v, …)`` on its views."""
+    k, v = _split("kv", kv, 2)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
