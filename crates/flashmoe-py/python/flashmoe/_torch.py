@@ -926,8 +926,10 @@ def moe(
     and the two losses (deterministic; the top-k ids are constants).
     """
     s13, s2 = shared if shared is not None else (None, None)
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, router_w, w13, w2, s13, s2)
+    # (plain boolean expressions: torch.compile(fullgraph=True) traces this branch)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or router_w.requires_grad or w13.requires_grad or w2.requires_grad
+        or (s13 is not None and s13.requires_grad) or (s2 is not None and s2.requires_grad)
     ):
         out, ids, weights, counts, losses = _moe_train(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
         return MoeOutput(out, ids, weights, counts, losses[0], losses[1])
