@@ -1296,3 +1296,15 @@ def test_flash_attn_packed_forms_are_the_functions_on_views():
     want = flashmoe.attention_varlen(qkv[:, 0].contiguous(), qkv[:, 1].contiguous(), qkv[:, 2].contiguous(), cu_t,
                                      cu_t, max(lens), max(lens))
     assert torch.equal(o, want)
+
+
+def test_flash_attn_func_compiles_fullgraph():
+    q = torch.randn(2, 96, 8, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    fn = torch.compile(lambda q, k: flash_attn_interface.flash_attn_func(q, k, k, 0.0, None, True).float().sum(),
+                       fullgraph=True)
+    fn(q, k).backward()
+    grads = [q.grad.clone(), k.grad.clone()]
+    q.grad = k.grad = None
+    flashmoe.attention(q, k, k, causal=True).float().sum().backward()
+    assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], k.grad)

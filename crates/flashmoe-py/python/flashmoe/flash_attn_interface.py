@@ -20,7 +20,8 @@ NotImplementedError naming the argument. ``deterministic`` is accepted either wa
 backward is always deterministic. ``num_splits`` is a scheduling hint and is not needed (the
 decode plan picks its own split).
 
-Nothing here imports torch until a function runs, so the signatures can be inspected without it.
+The module imports without torch (the signatures can be inspected; a call then raises
+ImportError).
 """
 
 import importlib
@@ -38,20 +39,25 @@ __all__ = [
 ]
 
 
+# The torch layer, resolved once at import (flashmoe's __init__ has already imported torch when it
+# is installed), so that the functions look up a module global: torch.compile traces them without
+# an import inside the graph. None without torch.
+try:
+    _OPS = importlib.import_module(__package__ + "._torch")
+except ImportError as _e:  # torch missing: the signatures stay usable, calls say what they need
+    if "torch" not in str(_e):
+        raise
+    _OPS = None
+
+
 def _torch_ops():
     """The torch layer (``flashmoe._torch``), or the ImportError flashmoe's torch ops give without
     PyTorch."""
-    try:
-        # by module name: the package's own `_torch` attribute is the torch module alias (None
-        # without torch) until the submodule is imported
-        _torch = importlib.import_module(__package__ + "._torch")
-    except ImportError as e:
-        if "torch" not in str(e):
-            raise
+    if _OPS is None:
         raise ImportError(
             "flashmoe.flash_attn_interface needs PyTorch (pip install torch); flashmoe._core works without it"
-        ) from e
-    return _torch
+        )
+    return _OPS
 
 
 def _check_dropout(dropout_p):
