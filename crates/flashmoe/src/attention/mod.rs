@@ -11,7 +11,8 @@
 //! - MLA decode: [`mla`] ([`mla::MlaDecodePlan`], DeepSeek's latent paged cache);
 //! - [`launch`]: launch helpers the plans share;
 //! - [`route`]: which plan serves a call (window normalisation, softcap checks, the
-//!   dense → prefill / decode routing and the plan keys the front ends cache plans by).
+//!   dense → prefill / decode routing and the plan keys the front ends cache plans by);
+//! - [`cache`]: the caches a front end keeps (plans per key, a workspace per stream).
 //!
 //! With the `lab` feature, [`runner`] adds the lab's owners of buffers ([`AttentionRunner`],
 //! the one-off [`forward`] / [`reference_forward`]); engines use the plans.
@@ -19,6 +20,7 @@
 pub mod backward;
 #[cfg(all(test, feature = "lab"))]
 mod backward_gpu_tests;
+pub mod cache;
 pub mod config;
 pub mod decode;
 pub mod launch;
