@@ -4,7 +4,10 @@
 // by preprocessor defines (see crates/flashmoe/src/attention/config.rs, which owns the
 // table of variants and must agree with the constants below):
 //
-//   FM_HEAD_DIM    head dim D: a multiple of 16, at most 256 (served: 32 64 96 128 256)
+//   FM_HEAD_DIM    head dim D: a multiple of 8, at most 256. The MMAs run over DP = D rounded
+//                  up to 16; the extra 8 columns (D = 8 mod 16) are zero in shared memory
+//                  for Q and K (cp.async zero-fill), so they add nothing to Q K^T, and the
+//                  matching columns of O are computed but never stored
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (Q, K, V, O storage; accumulation is fp32)
 //   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
 //   FM_BLOCK_M     query rows per CTA (grid.x = ceil(seqlen_q / FM_BLOCK_M))
@@ -17,16 +20,32 @@
 //                  BLOCK_N keys is processed as BLOCK_N/SUB_N sub-tiles (a rolled loop), so
 //                  S needs only SUB_N columns of registers while barriers, cp.async groups
 //                  and load bookkeeping happen once per BLOCK_N keys
+//   FM_WINDOW      0/1 sliding window (with FM_CAUSAL): row i sees keys j with
+//                  i + Sk - Sq - left <= j <= i + Sk - Sq + right (the sm_90a kernel's
+//                  convention and parameters); every visited tile is masked
+//   FM_SOFTCAP     0/1 logit softcap: logits = softcap * tanh(scale * q.k / softcap)
+//   FM_ALIBI       0/1 ALiBi (FlashAttention's convention): after the softcap, the logit of
+//                  query i and key j gets -slope * |i + Sk - Sq - j|, slope per (batch, head)
 //
 // ABI (extern "C" flash_attn_fwd):
 //   (const u16* q, const u16* k, const u16* v, u16* o, float* lse,
-//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)
-//   q, o: (batch, seqlen_q, heads_q, D); k, v: (batch, seqlen_k, heads_kv, D), contiguous;
-//   lse: (batch, heads_q, seqlen_q) f32, natural log. Grid (ceil(Sq/BLOCK_M), heads_q, batch),
+//    int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2
+//    [, int window_left, int window_right]          FM_WINDOW
+//    [, float softcap_log2]                         FM_SOFTCAP
+//    [, const float* alibi_slopes, int alibi_batch_stride]    FM_ALIBI
+//    , FmStrides strides)
+//   q, o: (batch, seqlen_q, heads_q, D); k, v: (batch, seqlen_k, heads_kv, D), any element
+//   strides (batch, seq, head) given by `strides` (multiples of 8: 16-byte rows), the last
+//   dimension contiguous; lse: (batch, heads_q, seqlen_q) f32 contiguous, natural log. Grid (ceil(Sq/BLOCK_M), heads_q, batch),
 //   block (FM_WARPS*32). Rows with no visible key: O = 0, LSE = -inf.
+//   Window sides are >= 0 (the host passes 2^30 for an unbounded side; the kernel clamps
+//   left to Sk and right to Sq, which changes no mask and keeps int arithmetic in range).
+//   With FM_SOFTCAP, softmax_scale_log2 is scale / softcap and softcap_log2 = softcap*log2 e.
+//   ALiBi: slope of (batch b, head h) = alibi_slopes[b * alibi_batch_stride + h] (f32, stride
+//   0 for one slope vector shared by the batch), in natural-log units of the logits.
 //
 // Shared memory (dynamic), one formula, mirrored by TileConfig::shared_mem_bytes in config.rs:
-//   PITCH = 64 if D <= 64, 128 if D <= 128, else 256   (elements per smem row; rows padded
+//   PITCH = 64 if DP <= 64, 128 if DP <= 128, else 256 (elements per smem row; rows padded
 //           to a power of two >= 128 bytes so the XOR swizzle below is conflict-free)
 //   bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)
 //   layout: [Q: BLOCK_M rows][K: STAGES x BLOCK_N rows][V: STAGES x BLOCK_N rows]
@@ -72,10 +91,28 @@
 #ifndef FM_SUB_N
 #define FM_SUB_N FM_BLOCK_N
 #endif
+#ifndef FM_WINDOW
+#define FM_WINDOW 0
+#endif
+#ifndef FM_SOFTCAP
+#define FM_SOFTCAP 0
+#endif
+#ifndef FM_ALIBI
+#define FM_ALIBI 0
+#endif
+
+// Element strides (batch, seq, head) of q, k, v and o, passed by value.
+struct FmStrides {
+    i64 q[3];
+    i64 k[3];
+    i64 v[3];
+    i64 o[3];
+};
 
 namespace fm {
 
 constexpr int D = FM_HEAD_DIM;
+constexpr int DP = (D + 15) / 16 * 16;    // compute width (k16 steps of Q K^T, n8 pairs of O)
 constexpr int BM = FM_BLOCK_M;
 constexpr int BN = FM_BLOCK_N;
 constexpr int WARPS = FM_WARPS;
@@ -83,13 +120,20 @@ constexpr int THREADS = WARPS * 32;
 constexpr int STAGES = FM_STAGES;
 constexpr bool CAUSAL = FM_CAUSAL != 0;
 constexpr bool Q_IN_REGS = FM_Q_IN_REGS != 0;
+constexpr bool WINDOW = FM_WINDOW != 0;
+constexpr bool SOFTCAP = FM_SOFTCAP != 0;
+constexpr bool ALIBI = FM_ALIBI != 0;
+// Softcap and ALiBi turn S into log2-domain logits before the softmax (PRE), which then
+// uses a scale of 1; the plain variants keep the scale folded into the exponent's FFMA.
+constexpr bool PRE = SOFTCAP || ALIBI;
 constexpr int RPW = BM / WARPS;           // query rows per warp
 constexpr int MT = RPW / 16;              // m16 tiles per warp
-constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
+constexpr int PITCH = DP <= 64 ? 64 : (DP <= 128 ? 128 : 256);
 constexpr int PITCH_B = PITCH * 2;        // bytes per smem row
 constexpr int CPR = D / 8;                // 16-byte chunks per row (global)
-constexpr int DT = D / 8;                 // n8 tiles of O
-constexpr int KD = D / 16;                // k16 steps over D (S = Q K^T)
+constexpr int CPRS = DP / 8;              // chunks per smem row the MMAs read (CPR or CPR + 1)
+constexpr int DT = DP / 8;                // n8 tiles of O
+constexpr int KD = DP / 16;               // k16 steps over DP (S = Q K^T)
 constexpr int SN = FM_SUB_N;              // keys per compute sub-tile (S registers)
 constexpr int NSUB = BN / SN;             // sub-tiles per loaded K/V tile
 constexpr int NT = SN / 8;                // n8 tiles of S
@@ -98,12 +142,13 @@ constexpr int Q_BYTES = BM * PITCH_B;
 constexpr int KV_TILE_BYTES = BN * PITCH_B;
 constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);
 
-static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head dim must be a multiple of 16, <= 256");
+static_assert(D % 8 == 0 && D >= 8 && D <= 256, "head dim must be a multiple of 8, <= 256");
 static_assert(BM % WARPS == 0 && (RPW == 16 || RPW == 32), "rows per warp must be 16 or 32");
 static_assert(BN % 16 == 0 && BN >= 16, "BLOCK_N must be a multiple of 16");
 static_assert(SN % 16 == 0 && SN >= 16 && BN % SN == 0, "SUB_N must be a multiple of 16 dividing BLOCK_N");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(SMEM_BYTES == Q_BYTES + 2 * STAGES * KV_TILE_BYTES, "smem formula");
+static_assert(!WINDOW || CAUSAL, "FM_WINDOW needs FM_CAUSAL (the window's right side)");
 
 // ----------------------------------------------------------------------------------------
 // PTX wrappers (the ones shared with the other mma.sync kernels are in fm_ptx.cuh)
@@ -115,6 +160,23 @@ __device__ __forceinline__ float lg2(float x) {
     return r;
 }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
+__device__ __forceinline__ float tanh_approx(float x) {
+    float r;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// What tile_step needs to transform and mask S: the diagonal shift, the window's sides
+// (left only with WINDOW; right = 0 without it), the softcap and the ALiBi slope (log2 units).
+struct Logits {
+    int seqlen_k;
+    int diag;   // row i's diagonal key: i + diag
+    int left;   // WINDOW: keys below i + diag - left are hidden
+    int right;  // CAUSAL: keys above i + diag + right are hidden
+    float scale_log2;
+    float softcap_log2;
+    float alibi_log2;
+};
 
 
 // Byte offset of 16-byte chunk `ch` of row `r` inside a swizzled tile.
@@ -122,47 +184,54 @@ __device__ __forceinline__ u32 swz(int r, int ch) {
     return (u32)(r * PITCH_B + ((ch ^ (r & 7)) << 4));
 }
 
-// Copy rows [row0, row0 + ROWS) x D of the (seq, D) matrix at g0 + base (row stride
-// `stride` elements) into the swizzled tile at dst0 (and, when TWO, the same rows of
-// g1 + base into dst1); rows >= `nrows` are zero-filled (src-size 0: nothing is read).
+// Copy rows [row0, row0 + ROWS) x D of the (seq, D) matrix at g0 + base0 (row stride
+// `stride0` elements) into the swizzled tile at dst0 (and, when TWO, the same rows of the
+// matrix at g1 + base1, row stride stride1, into dst1); rows >= `nrows`, and the pad chunk
+// of a row when DP > D, are zero-filled (src-size 0: nothing is read).
 // Everything is recomputed from (base, row0, tid) so that no per-chunk address stays live
 // across the main loop (register pressure).
 template <int ROWS, bool TWO>
-__device__ __forceinline__ void load_tile(u32 dst0, const u16* __restrict__ g0, u32 dst1,
-                                          const u16* __restrict__ g1, i64 base, i64 stride,
-                                          int row0, int nrows, int tid) {
-    constexpr int TOTAL = ROWS * CPR;
+__device__ __forceinline__ void load_tile(u32 dst0, const u16* __restrict__ g0, i64 base0,
+                                          i64 stride0, u32 dst1, const u16* __restrict__ g1,
+                                          i64 base1, i64 stride1, int row0, int nrows, int tid) {
+    constexpr int TOTAL = ROWS * CPRS;
     constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
-    if constexpr (THREADS % CPR == 0 && (THREADS / CPR) % 8 == 0) {
+    if constexpr (THREADS % CPRS == 0 && (THREADS / CPRS) % 8 == 0) {
         // Fast path: each thread keeps one chunk column; rows advance by RSTEP (a multiple
         // of 8, so the swizzle pattern and the smem offset step are compile-time).
-        constexpr int RSTEP = THREADS / CPR;
-        const int r0 = (u32)tid / CPR;
-        const int ch = (u32)tid % CPR;
-        i64 off = base + (i64)(row0 + r0) * stride + ch * 8;
+        constexpr int RSTEP = THREADS / CPRS;
+        const int r0 = (u32)tid / CPRS;
+        const int ch = (u32)tid % CPRS;
+        const bool col_ok = CPRS == CPR || ch < CPR;
+        i64 off0 = base0 + (i64)(row0 + r0) * stride0 + ch * 8;
+        i64 off1 = TWO ? base1 + (i64)(row0 + r0) * stride1 + ch * 8 : 0;
         const u32 so = swz(r0, ch);
         const int left = nrows - row0 - r0;  // rows of this thread still in range: it*RSTEP < left
 #pragma unroll
         for (int it = 0; it < ITERS; ++it) {
             if (TOTAL % THREADS == 0 || tid + it * THREADS < TOTAL) {
-                const bool ok = it * RSTEP < left;
-                cp_async16(dst0 + so + it * RSTEP * PITCH_B, g0 + (ok ? off : 0), ok);
-                if (TWO) cp_async16(dst1 + so + it * RSTEP * PITCH_B, g1 + (ok ? off : 0), ok);
+                const bool ok = col_ok && it * RSTEP < left;
+                cp_async16(dst0 + so + it * RSTEP * PITCH_B, g0 + (ok ? off0 : 0), ok);
+                if (TWO) cp_async16(dst1 + so + it * RSTEP * PITCH_B, g1 + (ok ? off1 : 0), ok);
             }
-            off += stride * RSTEP;
+            off0 += stride0 * RSTEP;
+            if (TWO) off1 += stride1 * RSTEP;
         }
     } else {
 #pragma unroll
         for (int it = 0; it < ITERS; ++it) {
             const int c = tid + it * THREADS;
             if (TOTAL % THREADS == 0 || c < TOTAL) {
-                const int r = c / CPR;
-                const int ch = c % CPR;
+                const int r = c / CPRS;
+                const int ch = c % CPRS;
                 const int gr = row0 + r;
-                const bool ok = gr < nrows;
-                const i64 off = ok ? base + (i64)gr * stride + ch * 8 : 0;
-                cp_async16(dst0 + swz(r, ch), g0 + off, ok);
-                if (TWO) cp_async16(dst1 + swz(r, ch), g1 + off, ok);
+                const bool ok = gr < nrows && (CPRS == CPR || ch < CPR);
+                const i64 off0 = ok ? base0 + (i64)gr * stride0 + ch * 8 : 0;
+                cp_async16(dst0 + swz(r, ch), g0 + off0, ok);
+                if (TWO) {
+                    const i64 off1 = ok ? base1 + (i64)gr * stride1 + ch * 8 : 0;
+                    cp_async16(dst1 + swz(r, ch), g1 + off1, ok);
+                }
             }
         }
     }
@@ -176,8 +245,9 @@ __device__ __forceinline__ void tile_step(bool mask, float (&o)[MT][DT][4], floa
                                           const u32 (&lb)[4], const u32 (&kb)[4], u32 sQw,
                                           u32 sK, u32 sV,
                                           int lane, int n0,
-                                          int row_base, int seqlen_k, int diag,
-                                          float scale_log2) {
+                                          int row_base, const Logits& lg) {
+    const int seqlen_k = lg.seqlen_k;
+    const float scale_log2 = PRE ? 1.f : lg.scale_log2;
     float s[MT][NT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -213,7 +283,33 @@ __device__ __forceinline__ void tile_step(bool mask, float (&o)[MT][DT][4], floa
         }
     }
 
-    // ---- mask (ragged key tail, causal diagonal) ----
+    // ---- softcap, ALiBi: S becomes log2-domain logits ----
+    if (PRE) {
+        // ALiBi in float: |(row + diag) - col| with the row's diagonal and the lane's first
+        // column converted once (exact: |values| < 2^24 for the sequence lengths served, and
+        // larger distances only round a bias that is already huge), the per-element column
+        // offsets compile-time.
+        const float col0 = (float)(n0 + 2 * (lane & 3));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float rd =
+                    (float)(row_base + mt * 16 + (lane >> 2) + h * 8 + lg.diag) - col0;
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float x = s[mt][nt][2 * h + e];
+                        x = SOFTCAP ? tanh_approx(x * lg.scale_log2) * lg.softcap_log2
+                                    : x * lg.scale_log2;
+                        if (ALIBI) x = fmaf(lg.alibi_log2, -fabsf(rd - (float)(nt * 8 + e)), x);
+                        s[mt][nt][2 * h + e] = x;
+                    }
+            }
+    }
+
+    // ---- mask (ragged key tail, causal diagonal, window) ----
     if (mask) {  // block-uniform branch
         const int col0 = n0 + 2 * (lane & 3);
 #pragma unroll
@@ -221,14 +317,17 @@ __device__ __forceinline__ void tile_step(bool mask, float (&o)[MT][DT][4], floa
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + mt * 16 + (lane >> 2) + h * 8;
-                // keys visible to this row: col < limit
+                // keys visible to this row: lo <= col < limit
                 int limit = seqlen_k;
-                if (CAUSAL) limit = min(limit, row + diag + 1);
+                if (CAUSAL) limit = min(limit, row + lg.diag + lg.right + 1);
+                const int lo = WINDOW ? row + lg.diag - lg.left : 0;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (col0 + nt * 8 + e >= limit) s[mt][nt][2 * h + e] = neg_inf();
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = col0 + nt * 8 + e;
+                        if (col >= limit || (WINDOW && col < lo)) s[mt][nt][2 * h + e] = neg_inf();
+                    }
             }
     }
 
@@ -290,8 +389,24 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     flash_attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
                    const u16* __restrict__ v, u16* __restrict__ o, float* __restrict__ lse,
                    int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
-                   float softmax_scale_log2) {
+                   float softmax_scale_log2
+#if FM_WINDOW
+                   , int window_left, int window_right
+#endif
+#if FM_SOFTCAP
+                   , float softcap_log2
+#endif
+#if FM_ALIBI
+                   , const float* __restrict__ alibi_slopes, int alibi_batch_stride
+#endif
+                   , const FmStrides strides) {
     using namespace fm;
+#if !FM_WINDOW
+    constexpr int window_left = 0, window_right = 0;
+#endif
+#if !FM_SOFTCAP
+    constexpr float softcap_log2 = 0.f;
+#endif
     extern __shared__ __align__(128) unsigned char smem_raw[];
 
     const int tid = threadIdx.x;
@@ -304,39 +419,63 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     const int kv_head = head / (heads_q / heads_kv);
     const int m0 = m_block * BM;
 
-    const i64 q_stride = (i64)heads_q * D;  // elements between consecutive sequence rows
-    const i64 kv_stride = (i64)heads_kv * D;
-    const i64 q_off = ((i64)batch * seqlen_q * heads_q + head) * D;
-    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kv_head) * D;
-    u16* og = o + q_off;
-    float* lseg = lse + ((i64)batch * heads_q + head) * seqlen_q;
+    // Row strides and the (batch, head) base of each matrix, in elements.
+    const i64 q_stride = strides.q[1], k_stride = strides.k[1], v_stride = strides.v[1];
+    const i64 q_off = (i64)batch * strides.q[0] + (i64)head * strides.q[2];
+    const i64 k_off = (i64)batch * strides.k[0] + (i64)kv_head * strides.k[2];
+    const i64 v_off = (i64)batch * strides.v[0] + (i64)kv_head * strides.v[2];
+    // K's and V's bases are re-read from shared memory at each tile load instead of
+    // occupying four registers through the main loop (the D=128 tile has none to spare).
+    __shared__ i64 kv_base[2];
+    if (tid == 0) {
+        kv_base[0] = k_off;
+        kv_base[1] = v_off;
+    }
+    __syncthreads();
+    const volatile i64* kvb = kv_base;
 
     const u32 sQ = smem_addr(smem_raw);
     const u32 sK0 = sQ + Q_BYTES;
     const u32 sV0 = sK0 + STAGES * KV_TILE_BYTES;
     const u32 sQw = sQ + warp * RPW * PITCH_B;  // this warp's rows of Q (and later of O)
 
-    // Keys [0, n_end) can be visible to some row of this block.
-    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag
+    // Keys [n_begin, n_end) can be visible to some row of this block.
+    const int diag = seqlen_k - seqlen_q;  // row i sees keys j <= i + diag (+ right)
+    const int wleft = WINDOW ? min(window_left, seqlen_k) : 0;
+    const int wright = WINDOW ? min(window_right, seqlen_q) : 0;
     int n_end = seqlen_k;
-    if (CAUSAL) n_end = max(0, min(seqlen_k, m0 + BM + diag));
-    const int n_tiles = (n_end + BN - 1) / BN;
+    if (CAUSAL) n_end = max(0, min(seqlen_k, m0 + BM + diag + wright));
+    const int t_lo = WINDOW ? max(0, m0 + diag - wleft) / BN : 0;
+    const int t_hi = (n_end + BN - 1) / BN;  // tiles [t_lo, t_hi), visited last to first
+    const int n_tiles = max(0, t_hi - t_lo);
     // Tiles from index first_masked on need masking: ragged tail (n0 + BN > Sk) or, when
-    // causal, a key beyond the first row's limit (n0 + BN - 1 > m0 + diag).
+    // causal, a key beyond the first row's limit (n0 + BN - 1 > m0 + diag). With a window
+    // every tile is masked (its left edge moves with the row).
     int thr = seqlen_k - BN + 1;
     if (CAUSAL) thr = min(thr, m0 + diag - BN + 2);
     const int first_masked = thr <= 0 ? 0 : (thr + BN - 1) / BN;
-    const int n_masked = max(0, n_tiles - first_masked);  // visited first (reverse order)
+    const int n_masked = WINDOW ? n_tiles : min(n_tiles, max(0, t_hi - first_masked));
+    Logits lg;
+    lg.seqlen_k = seqlen_k;
+    lg.diag = diag;
+    lg.left = wleft;
+    lg.right = wright;
+    lg.scale_log2 = softmax_scale_log2;
+    lg.softcap_log2 = softcap_log2;
+    lg.alibi_log2 = 0.f;
+#if FM_ALIBI
+    lg.alibi_log2 = alibi_slopes[(i64)batch * alibi_batch_stride + head] * 1.4426950408889634f;
+#endif
 
     // ---- prologue: Q, then the first STAGES-1 K/V tiles (tiles visited last to first) ----
-    load_tile<BM, false>(sQ, q, 0, q, q_off, q_stride, m0, seqlen_q, tid);
+    load_tile<BM, false>(sQ, q, q_off, q_stride, 0, q, 0, 0, m0, seqlen_q, tid);
     cp_async_commit();
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
         if (st < n_tiles) {
-            const int n0 = (n_tiles - 1 - st) * BN;
-            load_tile<BN, true>(sK0 + st * KV_TILE_BYTES, k, sV0 + st * KV_TILE_BYTES, v,
-                                kv_off, kv_stride, n0, seqlen_k, tid);
+            const int n0 = (t_hi - 1 - st) * BN;
+            load_tile<BN, true>(sK0 + st * KV_TILE_BYTES, k, k_off, k_stride,
+                                sV0 + st * KV_TILE_BYTES, v, v_off, v_stride, n0, seqlen_k, tid);
         }
         cp_async_commit();
     }
@@ -385,10 +524,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     }
 
     const int row_base = m0 + warp * RPW;
-    // Iteration i handles tile n_tiles-1-i from ring slot i % STAGES; it first starts the
-    // load of iteration i+STAGES-1 into the slot that iteration i-1 used (free after the
-    // barrier). Two loops: the masked tiles (visited first), then the mask-free ones.
-    // Iteration i handles tile n_tiles-1-i from ring slot i % STAGES; it first starts the
+    // Iteration i handles tile t_hi-1-i from ring slot i % STAGES; it first starts the
     // load of iteration i+STAGES-1 into the slot that iteration i-1 used (free after the
     // barrier). The first n_masked iterations are the tiles that need masking.
     int slot = 0;
@@ -400,19 +536,19 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
             if (nx < n_tiles) {
                 int ns = slot + STAGES - 1;
                 if (ns >= STAGES) ns -= STAGES;
-                load_tile<BN, true>(sK0 + ns * KV_TILE_BYTES, k, sV0 + ns * KV_TILE_BYTES, v,
-                                    kv_off, kv_stride, (n_tiles - 1 - nx) * BN, seqlen_k, tid);
+                load_tile<BN, true>(sK0 + ns * KV_TILE_BYTES, k, kvb[0], k_stride,
+                                    sV0 + ns * KV_TILE_BYTES, v, kvb[1], v_stride,
+                                    (t_hi - 1 - nx) * BN, seqlen_k, tid);
             }
             cp_async_commit();
         }
-        const int n0 = (n_tiles - 1 - i) * BN;
+        const int n0 = (t_hi - 1 - i) * BN;
         const u32 sK = sK0 + slot * KV_TILE_BYTES;
         const u32 sV = sV0 + slot * KV_TILE_BYTES;
 #pragma unroll 1
         for (int sub = 0; sub < NSUB; ++sub)
             tile_step(i < n_masked, oacc, m_i, l_i, qf, lb, kb, sQw, sK + sub * SN * PITCH_B,
-                      sV + sub * SN * PITCH_B, lane, n0 + sub * SN, row_base, seqlen_k, diag,
-                      softmax_scale_log2);
+                      sV + sub * SN * PITCH_B, lane, n0 + sub * SN, row_base, lg);
         if (++slot == STAGES) slot = 0;
     }
 
@@ -420,6 +556,10 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     cp_async_wait<0>();
     __syncthreads();  // every cp.async into smem (Q included, even with n_tiles == 0) is done
 
+    // Output bases computed here, not before the main loop (registers).
+    float* lseg = lse + ((i64)blockIdx.z * heads_q + blockIdx.y) * seqlen_q;
+    const i64 o_stride = strides.o[1];
+    u16* og = o + (i64)blockIdx.z * strides.o[0] + (i64)blockIdx.y * strides.o[2];
     constexpr float LN2 = 0.693147180559945309f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -462,7 +602,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
             const int grow = row_base + r;
             u32 a, b, cc, d;
             ld_shared_v4(sQw + swz(r, ch), a, b, cc, d);
-            if (grow < seqlen_q) st_global_v4(og + (i64)grow * q_stride + ch * 8, a, b, cc, d);
+            if (grow < seqlen_q) st_global_v4(og + (i64)grow * o_stride + ch * 8, a, b, cc, d);
         }
     }
 }

@@ -10,7 +10,7 @@
 
 use flashmoe::attention::config::{
     all_reference_variants, all_sm90_variants, all_sm90_varlen_variants, all_v1_variants,
-    KernelVariant,
+    v1_extra_head_dim_variants, v1_masked_compile_variants, KernelVariant,
 };
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::{nvrtc_compile, CompiledKernel, ImageKind, KernelCache};
@@ -277,6 +277,10 @@ fn every_attention_variant_compiles_without_spills() {
         eprintln!("note: config::all_reference_variants() is empty");
     }
     let mut rows = compile_variants("v1", v1);
+    // The portable kernel's ALiBi / window / softcap variants (the ALiBi route).
+    rows.extend(compile_variants("v1", v1_masked_compile_variants()));
+    // Head dims between the tile table's (every multiple of 8 up to 256 is served).
+    rows.extend(compile_variants("v1", v1_extra_head_dim_variants()));
     // The sm_90a kernel has min_arch 90: compiled for sm_90a only.
     rows.extend(compile_variants("sm90", all_sm90_variants()));
     rows.extend(compile_variants("sm90-vl", all_sm90_varlen_variants()));

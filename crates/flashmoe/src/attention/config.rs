@@ -6,10 +6,17 @@
 //! `kernels/flash_attn_fwd.cu`, entry `flash_attn_fwd` (extern "C"), compiled with the
 //! defines of [`KernelVariant::defines`]; parameters in this order:
 //! `(const u16* q, const u16* k, const u16* v, u16* o, float* lse,
-//!   int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2)`
+//!   int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2
+//!   [, int window_left, int window_right] [, float softcap_log2]
+//!   [, const float* alibi_slopes, int alibi_batch_stride], FmStrides strides)`
 //! where q/o are (batch, seqlen_q, heads_q, head_dim) and k/v (batch, seqlen_k, heads_kv,
-//! head_dim), contiguous, 16-bit elements (fp16 or bf16 per the define); lse is
-//! (batch, heads_q, seqlen_q) f32, natural log; softmax_scale_log2 = scale·log2(e).
+//! head_dim), 16-bit elements (fp16 or bf16 per the define), with the element strides
+//! (batch, seq, head) of each in `strides` (twelve i64 by value, multiples of 8; the
+//! last dimension contiguous); lse is (batch, heads_q, seqlen_q) f32 contiguous, natural
+//! log; softmax_scale_log2 = scale·log2(e). The bracketed parameters exist with
+//! FM_WINDOW, FM_SOFTCAP and FM_ALIBI (the ALiBi route, [`select_v1_alibi`]). The
+//! reference kernel below takes the list up to the softcap (no ALiBi, no strides:
+//! contiguous tensors).
 //! Grid: (ceil(seqlen_q / block_m), heads_q, batch); block: (block_threads, 1, 1);
 //! dynamic shared memory: shared_mem_bytes. Causal masking is bottom-right aligned
 //! (query i sees keys j <= i + seqlen_k − seqlen_q). A query row with no visible key
@@ -175,8 +182,20 @@ pub const FLASH_ENTRY: &str = "flash_attn_fwd";
 pub const REFERENCE_SOURCE: &str = "attention_reference.cu";
 pub const REFERENCE_ENTRY: &str = "attention_reference";
 
-/// Head dims the v1 kernel serves (one tile configuration each, see [`v1_tile`]).
+/// Head dims of the v1 kernel's tile table (one tuned configuration each, see [`v1_tile`]).
+/// The kernel serves every multiple of 8 up to 256 ([`v1_serves`]): other head dims take
+/// the tile of the next table entry.
 pub const V1_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];
+/// Largest head dim of the v1 kernel.
+pub const V1_MAX_HEAD_DIM: usize = 256;
+/// The head dims of the v1 kernel, in words (error messages).
+pub const V1_HEAD_DIMS_TEXT: &str = "multiples of 8 up to 256";
+
+/// Whether the v1 kernel serves head dim `d`: a multiple of 8 in 8..=256 (the MMAs run over
+/// d rounded up to 16, see flash_attn_fwd.cu).
+pub const fn v1_serves(d: usize) -> bool {
+    d >= 8 && d % 8 == 0 && d <= V1_MAX_HEAD_DIM
+}
 /// The reference kernel serves every head dim from 1 to this.
 pub const REFERENCE_MAX_HEAD_DIM: usize = 256;
 /// Rows per block of the reference kernel (one warp per query row; 1 keeps the key loop
@@ -250,8 +269,8 @@ impl TileConfig {
     /// limits; Err names the violated rule.
     pub fn check(&self) -> std::result::Result<(), String> {
         let d = self.head_dim;
-        if d == 0 || d % 16 != 0 || d > 256 {
-            return Err(format!("head dim {d} must be a multiple of 16 in 16..=256"));
+        if !v1_serves(d as usize) {
+            return Err(format!("head dim {d} must be a multiple of 8 in 8..=256"));
         }
         if self.warps == 0 || self.block_m % self.warps != 0 {
             return Err(format!(
@@ -301,8 +320,17 @@ impl TileConfig {
 
     /// NVRTC defines for this tile, dtype and masking.
     pub fn defines(&self, dtype: DType, causal: bool) -> Vec<(String, String)> {
+        self.defines_masked(dtype, Masking::causal(causal), false)
+    }
+
+    /// NVRTC defines for this tile, dtype, masking (windows and softcap included) and ALiBi
+    /// (`FM_ALIBI`, only where set, so the plain variants keep their define lists).
+    pub fn defines_masked(&self, dtype: DType, m: Masking, alibi: bool) -> Vec<(String, String)> {
         let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
-        let mut d = problem_defines(self.head_dim, dtype, Masking::causal(causal));
+        let mut d = problem_defines(self.head_dim, dtype, m);
+        if alibi {
+            d.push(kv("FM_ALIBI", 1));
+        }
         d.extend([
             kv("FM_BLOCK_M", self.block_m),
             kv("FM_BLOCK_N", self.block_n),
@@ -316,11 +344,26 @@ impl TileConfig {
     }
 }
 
-/// The v1 tile table: one configuration per served head dim. Chosen for zero register
-/// spills under NVRTC 13.0 (checked by tools/kernels/nvrtc_check.py, which keeps a copy of
-/// this table in `V1_TILES`; the test `python_tile_table_matches` keeps the two equal) and
-/// reasoned about in docs/design/attention-prefill-sm90.md (the portable kernel).
+/// The v1 tile table: one configuration per table head dim ([`V1_HEAD_DIMS`]). Chosen for
+/// zero register spills under NVRTC 13.0 (checked by tools/kernels/nvrtc_check.py, which
+/// keeps a copy of this table in `V1_TILES`; the test `python_tile_table_matches` keeps the
+/// two equal) and reasoned about in docs/design/attention-prefill-sm90.md (the portable
+/// kernel). Any other multiple of 8 up to 256 takes the tile of the next larger table head
+/// dim: its shared-memory pitch, fragments and registers are at most that tile's (the
+/// kernel computes over the head dim rounded up to 16), so the tile stays valid and
+/// spill-free (the compile test builds a spread of such head dims).
 pub fn v1_tile(head_dim: usize) -> Option<TileConfig> {
+    if !v1_serves(head_dim) {
+        return None;
+    }
+    let table = V1_HEAD_DIMS.iter().copied().find(|&t| t >= head_dim)?;
+    v1_table_tile(table).map(|t| TileConfig {
+        head_dim: head_dim as u32,
+        ..t
+    })
+}
+
+fn v1_table_tile(head_dim: usize) -> Option<TileConfig> {
     let t = |head_dim, block_m, block_n, warps, stages, q_in_regs, min_blocks, sub_n| TileConfig {
         head_dim,
         block_m,
@@ -365,6 +408,91 @@ pub fn v1_variant_for(tile: &TileConfig, dtype: DType, causal: bool) -> Result<K
     })
 }
 
+/// The v1 variant of a tile with the masks only the ALiBi route uses on it: sliding
+/// windows, softcap and ALiBi (`FM_WINDOW`, `FM_SOFTCAP`, `FM_ALIBI`; parameters appended
+/// in that order, see the kernel's ABI note). No problem-size checks.
+pub fn v1_masked_variant_for(
+    tile: &TileConfig,
+    dtype: DType,
+    m: Masking,
+    alibi: bool,
+) -> Result<KernelVariant> {
+    if m.window && !m.causal {
+        return Err(Error::unsupported(
+            "flash-v1",
+            "a window variant needs the causal define (the window's right side)",
+        ));
+    }
+    // ALiBi's bias costs a few registers per score: the tile of head dims 97..=128 (255
+    // registers at two CTAs per SM) spills with 32 keys per compute step, so ALiBi steps 16.
+    let mut tile = *tile;
+    if alibi && tile.head_dim > 96 && tile.head_dim <= 128 {
+        tile.sub_n = tile.sub_n.min(16);
+    }
+    let mut v = v1_variant_for(&tile, dtype, m.causal)?;
+    v.defines = tile.defines_masked(dtype, m, alibi);
+    Ok(v)
+}
+
+/// The v1 variant for an ALiBi problem ([`select_v1`]'s checks, then any masking: causal,
+/// sliding window, softcap). ALiBi runs on the portable kernel on every GPU, Hopper
+/// included: the sm_90a kernel has no ALiBi yet.
+pub fn select_v1_alibi(problem: &AttentionProblem) -> Result<KernelVariant> {
+    let tile = admit(
+        "flash-v1",
+        "the v1 kernel",
+        problem,
+        v1_tile(problem.head_dim),
+        V1_HEAD_DIMS_TEXT,
+    )?;
+    v1_masked_variant_for(&tile, problem.dtype, Masking::of(problem), true)
+}
+
+/// The masked v1 variants the compile test builds: every table head dim (and 120, the
+/// 128 tile's other residue) with causal ALiBi and with every mask at once (window,
+/// softcap, ALiBi) in both dtypes, and every ALiBi masking at head dim 128.
+pub fn v1_masked_compile_variants() -> Vec<KernelVariant> {
+    let mut out = Vec::new();
+    let full = Masking {
+        causal: true,
+        window: true,
+        softcap: true,
+    };
+    for d in V1_HEAD_DIMS.iter().copied().chain([120]) {
+        let tile = v1_tile(d).expect("v1 serves the dim");
+        for dtype in [DType::F16, DType::Bf16] {
+            for m in [Masking::causal(true), full] {
+                out.push(v1_masked_variant_for(&tile, dtype, m, true).expect("valid tile"));
+            }
+        }
+    }
+    let tile = v1_tile(128).expect("table covers 128");
+    for m in Masking::all() {
+        if m != full && m != Masking::causal(true) {
+            out.push(v1_masked_variant_for(&tile, DType::Bf16, m, true).expect("valid tile"));
+        }
+    }
+    out
+}
+
+/// Head dims outside the tile table that the compile test builds (every v1 tile class, both
+/// residues of 16, the extremes).
+pub const V1_EXTRA_COMPILE_HEAD_DIMS: [usize; 10] = [8, 40, 56, 80, 104, 120, 136, 160, 192, 248];
+
+/// The v1 variants of [`V1_EXTRA_COMPILE_HEAD_DIMS`]: causal and not, both dtypes.
+pub fn v1_extra_head_dim_variants() -> Vec<KernelVariant> {
+    let mut out = Vec::new();
+    for &d in V1_EXTRA_COMPILE_HEAD_DIMS.iter() {
+        let tile = v1_tile(d).expect("v1 serves every multiple of 8");
+        for dtype in [DType::F16, DType::Bf16] {
+            for causal in [false, true] {
+                out.push(v1_variant_for(&tile, dtype, causal).expect("valid tile"));
+            }
+        }
+    }
+    out
+}
+
 /// Launch limits shared by both kernels: grid.y/z and int sequence lengths.
 fn check_launch_limits(backend: &str, p: &AttentionProblem) -> Result<()> {
     if p.heads_q > MAX_GRID_YZ {
@@ -397,7 +525,7 @@ fn admit<T>(
     kernel: &str,
     problem: &AttentionProblem,
     tile: Option<T>,
-    head_dims: &[usize],
+    head_dims: &str,
 ) -> Result<T> {
     problem.validate()?;
     if problem.dtype == DType::F32 {
@@ -407,13 +535,11 @@ fn admit<T>(
         ));
     }
     let tile = tile.ok_or_else(|| {
-        let dims: Vec<String> = head_dims.iter().map(|d| d.to_string()).collect();
         Error::unsupported(
             backend,
             format!(
-                "head dim {} is not supported (supported head dims: {})",
+                "head dim {} is not supported (supported head dims: {head_dims})",
                 problem.head_dim,
-                dims.join(", ")
             ),
         )
     })?;
@@ -429,7 +555,7 @@ pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
         "the v1 kernel",
         problem,
         v1_tile(problem.head_dim),
-        &V1_HEAD_DIMS,
+        V1_HEAD_DIMS_TEXT,
     )?;
     let m = Masking::of(problem);
     if m.window || m.softcap {
@@ -752,7 +878,7 @@ pub fn select_sm90_with_tiles(
         "the sm_90a kernel",
         problem,
         sm90_tile_in_use(problem, tiles),
-        &SM90_HEAD_DIMS,
+        &format!("{SM90_HEAD_DIMS:?}"),
     )?;
     let tiles = sm90_work_tiles(problem, tile.block_m());
     // The kernel's int rank dispenser counts past the last tile by one draw per CTA (at
@@ -1026,12 +1152,54 @@ mod tests {
         );
     }
 
+    /// Every multiple of 8 up to 256 has a tile: the next table head dim's, same pitch rule
+    /// (D rounded up to 16 has the same power-of-two pitch as D), valid; others none.
+    #[test]
+    fn v1_serves_every_multiple_of_8() {
+        for d in (8..=256).step_by(8) {
+            let t = v1_tile(d).unwrap_or_else(|| panic!("D={d}"));
+            t.check().unwrap();
+            assert_eq!(t.head_dim as usize, d);
+            let table = V1_HEAD_DIMS.iter().copied().find(|&x| x >= d).unwrap();
+            let tt = v1_tile(table).unwrap();
+            assert_eq!(
+                (t.block_m, t.block_n, t.warps, t.sub_n),
+                (tt.block_m, tt.block_n, tt.warps, tt.sub_n)
+            );
+            let dp = d.div_ceil(16) * 16;
+            let pitch = if dp <= 64 {
+                64
+            } else if dp <= 128 {
+                128
+            } else {
+                256
+            };
+            assert_eq!(t.smem_pitch(), pitch, "D={d}");
+        }
+        for d in [0, 4, 12, 84, 252, 264, 512] {
+            assert!(v1_tile(d).is_none() && !v1_serves(d), "D={d}");
+        }
+        // ALiBi at the 128 tile steps 16 keys (registers); elsewhere the table's step.
+        let m = Masking::causal(true);
+        let v = v1_masked_variant_for(&v1_tile(120).unwrap(), DType::Bf16, m, true).unwrap();
+        assert_eq!(v.define("FM_SUB_N"), Some("16"));
+        assert_eq!(v.define("FM_ALIBI"), Some("1"));
+        let v = v1_masked_variant_for(&v1_tile(64).unwrap(), DType::Bf16, m, true).unwrap();
+        assert_eq!(v.define("FM_SUB_N"), Some("64"));
+        let v = v1_variant_for(&v1_tile(128).unwrap(), DType::Bf16, true).unwrap();
+        assert_eq!(
+            (v.define("FM_SUB_N"), v.define("FM_ALIBI")),
+            (Some("32"), None)
+        );
+    }
+
     #[test]
     fn cu_source_states_the_same_formula() {
         let src = include_str!("../../kernels/flash_attn_fwd.cu");
         assert!(src.contains("bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)"));
         assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
-        assert!(src.contains("constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);"));
+        assert!(src.contains("constexpr int PITCH = DP <= 64 ? 64 : (DP <= 128 ? 128 : 256);"));
+        assert!(src.contains("constexpr int DP = (D + 15) / 16 * 16;"));
         for name in [
             "FM_HEAD_DIM",
             "FM_DTYPE_BF16",
@@ -1043,6 +1211,9 @@ mod tests {
             "FM_Q_IN_REGS",
             "FM_MIN_BLOCKS",
             "FM_SUB_N",
+            "FM_WINDOW",
+            "FM_SOFTCAP",
+            "FM_ALIBI",
         ] {
             assert!(src.contains(name), "{name} not used by the .cu");
         }
@@ -1275,7 +1446,9 @@ mod tests {
         let p = AttentionProblem::new(1, 2, 10, 80, false, DType::Bf16);
         let e = select_sm90(&p).unwrap_err().to_string();
         assert!(e.contains("head dim 80") && e.contains("flash-sm90"), "{e}");
-        assert!(select(&p, 90).is_err(), "neither kernel serves D=80");
+        assert_eq!(select(&p, 90).unwrap().entry, FLASH_ENTRY, "v1 serves D=80");
+        let p = AttentionProblem::new(1, 2, 10, 84, false, DType::Bf16);
+        assert!(select(&p, 90).is_err(), "neither kernel serves D=84");
         // GQA / MQA and Sq != Sk are served.
         let p = AttentionProblem {
             heads_kv: 1,
@@ -1287,9 +1460,15 @@ mod tests {
 
     #[test]
     fn select_errors_name_the_problem() {
-        let mut p = AttentionProblem::new(1, 2, 16, 80, false, DType::Bf16);
+        let mut p = AttentionProblem::new(1, 2, 16, 84, false, DType::Bf16);
         let e = select_v1(&p).unwrap_err().to_string();
-        assert!(e.contains("head dim 80") && e.contains("flash-v1"), "{e}");
+        assert!(
+            e.contains("head dim 84") && e.contains("flash-v1") && e.contains("multiples of 8"),
+            "{e}"
+        );
+        p.head_dim = 264;
+        let e = select_v1(&p).unwrap_err().to_string();
+        assert!(e.contains("head dim 264"), "{e}");
         p.head_dim = 128;
         p.dtype = DType::F32;
         let e = select_v1(&p).unwrap_err().to_string();

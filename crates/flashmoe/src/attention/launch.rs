@@ -76,11 +76,32 @@ pub(crate) unsafe fn launch_with_logits(
     m: config::Masking,
     lp: &config::LogitParams,
 ) -> Result<()> {
+    launch_with_logits_tail(entry, func, cfg, stream, base, m, lp, &[])
+}
+
+/// [`launch_with_logits`] with `tail` appended after the window / softcap parameters (the
+/// portable kernel's ALiBi slopes and batch stride, `FM_ALIBI`).
+///
+/// # Safety
+/// As [`launch_with_logits`]; `tail` matches the kernel's parameters after them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_with_logits_tail(
+    entry: &str,
+    func: &cudarc::driver::CudaFunction,
+    cfg: cudarc::driver::LaunchConfig,
+    stream: crate::gpu::raw::RawStream,
+    base: &[*mut std::ffi::c_void],
+    m: config::Masking,
+    lp: &config::LogitParams,
+    tail: &[*mut std::ffi::c_void],
+) -> Result<()> {
     use crate::gpu::raw::param;
     const MAX_PARAMS: usize = 24;
     let mut params = [std::ptr::null_mut(); MAX_PARAMS];
     let mut n = base.len();
-    debug_assert!(n + 3 <= MAX_PARAMS);
+    if n + 3 + tail.len() > MAX_PARAMS {
+        return Err(Error::unsupported(entry, "too many kernel parameters"));
+    }
     params[..n].copy_from_slice(base);
     if m.window {
         params[n] = param(&lp.window_left);
@@ -91,6 +112,8 @@ pub(crate) unsafe fn launch_with_logits(
         params[n] = param(&lp.softcap_log2);
         n += 1;
     }
+    params[n..n + tail.len()].copy_from_slice(tail);
+    n += tail.len();
     crate::gpu::raw::launch(entry, func, cfg, stream, &mut params[..n])
 }
 

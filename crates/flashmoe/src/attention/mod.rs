@@ -17,6 +17,8 @@
 //! With the `lab` feature, [`runner`] adds the lab's owners of buffers ([`AttentionRunner`],
 //! the one-off [`forward`] / [`reference_forward`]); engines use the plans.
 
+#[cfg(all(test, feature = "lab"))]
+mod alibi_gpu_tests;
 pub mod backward;
 #[cfg(all(test, feature = "lab"))]
 mod backward_gpu_tests;
@@ -34,6 +36,8 @@ pub mod route;
 #[cfg(feature = "lab")]
 pub mod runner;
 pub mod tma;
+#[cfg(all(test, feature = "lab"))]
+mod v1_layout_gpu_tests;
 pub mod varlen;
 pub mod varlen_backward;
 #[cfg(all(test, feature = "lab"))]

@@ -14,6 +14,14 @@
 //! - [`AttentionPlan::forward`]: cudarc slices or views of `half::bf16` / `half::f16`
 //!   (candle's storage), lengths checked against the shapes, stream order kept by cudarc.
 //!
+//! ALiBi ([`AttentionPlan::new_alibi`], [`AttentionPlan::forward_raw_alibi`],
+//! [`AttentionPlan::forward_alibi`]) follows FlashAttention: per-head slopes (f32, shape
+//! `[heads_q]` or `[batch, heads_q]`) and the bias `-slope · |i + seqlen_k - seqlen_q - j|`
+//! added to the logit of query i and key j, after the softcap (so the logit is
+//! `softcap · tanh(scale · q·k / softcap) - slope · |…|`, or `scale · q·k - slope · |…|`),
+//! under any mask (none, causal, sliding window). It runs on the portable kernel on every
+//! GPU, Hopper included: the sm_90a kernel has no ALiBi yet.
+//!
 //! The sm_90a kernel needs a [`Workspace`] (its rank dispenser and split-tile records):
 //! [`AttentionPlan::workspace_bytes`] bytes, zeroed once; every launch leaves it zeroed.
 //! Launches that may run at the same time (on different streams) need one each.
@@ -22,7 +30,7 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
-use super::launch::launch_with_logits;
+use super::launch::{launch_with_logits, launch_with_logits_tail};
 use super::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -125,10 +133,11 @@ impl From<&AttentionProblem> for AttentionClass {
 
 /// The tensors of one call, raw. Shapes: q and o (batch, seqlen_q, heads_q, head_dim),
 /// k and v (batch, seqlen_k, heads_kv, head_dim), lse (batch, heads_q, seqlen_q) f32,
-/// natural log. q, k and v may be strided views (a packed QKV buffer); on the sm_90a
-/// kernel their strides must be multiples of 8 elements, and the portable kernel takes
-/// them contiguous. o and lse are contiguous. A query row that sees no key gets O = 0 and
-/// LSE = -inf.
+/// natural log. q, k and v may be strided views (a packed QKV buffer, a transposed
+/// (batch, heads, seq, dim) tensor) with a contiguous last dimension and strides that are
+/// multiples of 8 elements; o too on the portable kernel (the sm_90a kernel and the fp32
+/// reference take o contiguous, the reference q, k and v as well). lse is contiguous. No
+/// copy is made. A query row that sees no key gets O = 0 and LSE = -inf.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionArgs {
     pub q: RawTensor,
@@ -136,6 +145,40 @@ pub struct AttentionArgs {
     pub v: RawTensor,
     pub o: RawTensor,
     pub lse: RawTensor,
+}
+
+/// The portable kernel's last parameter (`FmStrides` in flash_attn_fwd.cu): the element
+/// strides (batch, seq, head) of q, k, v and o.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct V1Strides {
+    q: [i64; 3],
+    k: [i64; 3],
+    v: [i64; 3],
+    o: [i64; 3],
+}
+
+/// The (batch, seq, head) strides of a 4-D view as the portable kernel takes them: each a
+/// multiple of 8 elements (16-byte rows for cp.async and 16-byte stores), size-1 dimensions
+/// passed as 0 (any stride there is never applied). Errors name the tensor.
+fn v1_strides(name: &str, t: &RawTensor) -> Result<[i64; 3]> {
+    let mut out = [0i64; 3];
+    for (i, o) in out.iter_mut().enumerate() {
+        if t.shape[i] <= 1 {
+            continue;
+        }
+        let s = t.strides[i];
+        if s % 8 != 0 {
+            return Err(Error::invalid(format!(
+                "{name}'s strides {:?} must be multiples of 8 elements in the batch, sequence \
+                 and head dimensions (16-byte rows) for the portable kernel",
+                t.strides()
+            )));
+        }
+        *o = i64::try_from(s)
+            .map_err(|_| Error::invalid(format!("{name}'s stride {s} exceeds i64")))?;
+    }
+    Ok(out)
 }
 
 /// Batch size and sequence lengths of a checked call.
@@ -183,6 +226,8 @@ pub struct AttentionPlan {
     sm_count: u32,
     masking: Masking,
     logits: LogitParams,
+    /// The variant adds ALiBi biases (`FM_ALIBI`): every call passes slopes.
+    alibi: bool,
 }
 
 impl std::fmt::Debug for AttentionPlan {
@@ -203,6 +248,17 @@ impl AttentionPlan {
         let problem = class.problem(1, 1, 1);
         problem.validate()?;
         let variant = config::select(&problem, dev.arch())?;
+        Self::with_variant(dev, class, variant)
+    }
+
+    /// A plan for ALiBi calls of `class` (module docs): the portable kernel with the class's
+    /// masking (none, causal, sliding window) and softcap, on any GPU from sm_80 (the sm_90a
+    /// kernel has no ALiBi). Calls go through [`AttentionPlan::forward_raw_alibi`] or
+    /// [`AttentionPlan::forward_alibi`] with the slopes.
+    pub fn new_alibi(dev: &Device, class: AttentionClass) -> Result<AttentionPlan> {
+        let problem = class.problem(1, 1, 1);
+        problem.validate()?;
+        let variant = config::select_v1_alibi(&problem)?;
         Self::with_variant(dev, class, variant)
     }
 
@@ -241,7 +297,9 @@ impl AttentionPlan {
                 ),
             ));
         }
+        let alibi = variant.define("FM_ALIBI").is_some();
         Ok(AttentionPlan {
+            alibi,
             class,
             masking,
             logits: LogitParams::of(&problem),
@@ -261,6 +319,54 @@ impl AttentionPlan {
     }
     pub fn variant(&self) -> &KernelVariant {
         &self.variant
+    }
+    /// Whether the plan adds ALiBi biases ([`AttentionPlan::new_alibi`]).
+    pub fn alibi(&self) -> bool {
+        self.alibi
+    }
+
+    /// Check the ALiBi slopes of a call of `batch` sequences against the plan: present
+    /// exactly when the plan is an ALiBi one, f32, shape `[heads_q]` (one slope per head for
+    /// the whole batch) or `[batch, heads_q]`, contiguous heads, 4-byte aligned. Returns the
+    /// kernel's batch stride (0 for one vector).
+    pub fn check_alibi(&self, slopes: Option<&RawTensor>, batch: usize) -> Result<i32> {
+        let hq = self.class.heads_q;
+        let s = match (self.alibi, slopes) {
+            (false, None) => return Ok(0),
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "ALiBi slopes were passed to a plan built without ALiBi (build it with \
+                     AttentionPlan::new_alibi)",
+                ))
+            }
+            (true, None) => {
+                return Err(Error::invalid(
+                    "this plan adds ALiBi biases (AttentionPlan::new_alibi): pass the slopes \
+                     (forward_raw_alibi / forward_alibi)",
+                ))
+            }
+            (true, Some(s)) => s,
+        };
+        match s.rank {
+            1 => {
+                s.expect("alibi_slopes", DType::F32, &[hq], 4)?;
+                Ok(0)
+            }
+            2 => {
+                s.expect("alibi_slopes", DType::F32, &[batch, hq], 4)?;
+                let stride = if batch == 1 { 0 } else { s.strides[0] };
+                i32::try_from(stride).map_err(|_| {
+                    Error::invalid(format!(
+                        "alibi_slopes' batch stride {stride} does not fit the kernel's int"
+                    ))
+                })
+            }
+            _ => Err(Error::invalid(format!(
+                "alibi_slopes must have shape [heads_q] = [{hq}] or [batch, heads_q] = \
+                 [{batch}, {hq}] (f32) but has shape {:?}",
+                s.shape()
+            ))),
+        }
     }
     /// Element type of o: the class's dtype, or f32 for the reference kernel.
     pub fn out_dtype(&self) -> DType {
@@ -303,7 +409,12 @@ impl AttentionPlan {
                 a.o.shape()
             )));
         }
-        a.o.expect_contiguous("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
+        let portable = self.variant.entry == config::FLASH_ENTRY;
+        if portable {
+            a.o.expect("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
+        } else {
+            a.o.expect_contiguous("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
+        }
         a.lse
             .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
         for (what, value) in [("seqlen_q", sq), ("seqlen_k", sk)] {
@@ -315,14 +426,19 @@ impl AttentionPlan {
             }
         }
         match self.variant.abi {
+            KernelAbi::Pointers if portable => {
+                for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v), ("o", &a.o)] {
+                    v1_strides(name, t)?;
+                }
+            }
             KernelAbi::Pointers => {
                 for (name, t) in [("q", &a.q), ("k", &a.k), ("v", &a.v)] {
                     if !t.is_contiguous() {
                         return Err(Error::unsupported(
                             self.variant.entry,
                             format!(
-                                "{name} is a strided view (strides {:?}); this kernel takes \
-                                 contiguous q, k and v (strided views need the sm_90a kernel)",
+                                "{name} is a strided view (strides {:?}); the reference kernel \
+                                 takes contiguous q, k and v",
                                 t.strides()
                             ),
                         ));
@@ -357,7 +473,26 @@ impl AttentionPlan {
         a: &AttentionArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
+        self.forward_raw_alibi(stream, a, None, workspace)
+    }
+
+    /// [`AttentionPlan::forward_raw`] with ALiBi slopes (module docs): `alibi_slopes` is
+    /// `Some` exactly on a plan from [`AttentionPlan::new_alibi`] ([`AttentionPlan::check_alibi`]
+    /// names the rules).
+    ///
+    /// # Safety
+    /// As [`AttentionPlan::forward_raw`]; the slopes' address is live device memory of the
+    /// plan's context covering their span.
+    pub unsafe fn forward_raw_alibi(
+        &self,
+        stream: RawStream,
+        a: &AttentionArgs,
+        alibi_slopes: Option<&RawTensor>,
+        workspace: RawWorkspace,
+    ) -> Result<()> {
         let shape = self.check(a)?;
+        let alibi_stride = self.check_alibi(alibi_slopes, shape.batch)?;
+        let alibi_ptr = alibi_slopes.map_or(0, |s| s.ptr);
         workspace.check(self.workspace_bytes(), 16, "AttentionPlan")?;
         self.ctx
             .bind_to_thread()
@@ -388,7 +523,30 @@ impl AttentionPlan {
                     param(&hkv),
                     param(&self.logits.scale_log2),
                 ];
-                launch_with_logits(
+                // The portable kernel ends with the ALiBi slopes (FM_ALIBI) and the strides;
+                // the reference kernel has neither.
+                let strides = if self.variant.entry == config::FLASH_ENTRY {
+                    Some(V1Strides {
+                        q: v1_strides("q", &a.q)?,
+                        k: v1_strides("k", &a.k)?,
+                        v: v1_strides("v", &a.v)?,
+                        o: v1_strides("o", &a.o)?,
+                    })
+                } else {
+                    None
+                };
+                let mut tail = [std::ptr::null_mut(); 3];
+                let mut n = 0;
+                if self.alibi {
+                    tail[0] = param(&alibi_ptr);
+                    tail[1] = param(&alibi_stride);
+                    n = 2;
+                }
+                if let Some(st) = &strides {
+                    tail[n] = param(st);
+                    n += 1;
+                }
+                launch_with_logits_tail(
                     self.variant.entry,
                     &self.func,
                     cfg,
@@ -396,6 +554,7 @@ impl AttentionPlan {
                     &params,
                     self.masking,
                     &self.logits,
+                    &tail[..n],
                 )
             }
             KernelAbi::TensorMaps {
@@ -476,6 +635,59 @@ impl AttentionPlan {
         O: DevicePtrMut<T>,
         L: DevicePtrMut<f32>,
     {
+        self.forward_impl::<T, Q, K, V, O, L, cudarc::driver::CudaSlice<f32>>(
+            stream, q, k, v, o, lse, None, workspace,
+        )
+    }
+
+    /// [`AttentionPlan::forward`] with ALiBi slopes over a cudarc buffer: `slopes` holds
+    /// `[heads_q]` or `[batch, heads_q]` f32 values (`slopes_shape`, row-major; module docs),
+    /// its length checked against the shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_alibi<T, Q, K, V, O, L, S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: Bshd<&Q>,
+        k: Bshd<&K>,
+        v: Bshd<&V>,
+        o: Bshd<&mut O>,
+        lse: &mut L,
+        slopes: (&S, &[usize]),
+        workspace: &mut Workspace,
+    ) -> Result<()>
+    where
+        T: Element,
+        Q: DevicePtr<T>,
+        K: DevicePtr<T>,
+        V: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+        L: DevicePtrMut<f32>,
+        S: DevicePtr<f32>,
+    {
+        self.forward_impl(stream, q, k, v, o, lse, Some(slopes), workspace)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_impl<T, Q, K, V, O, L, S>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: Bshd<&Q>,
+        k: Bshd<&K>,
+        v: Bshd<&V>,
+        o: Bshd<&mut O>,
+        lse: &mut L,
+        slopes: Option<(&S, &[usize])>,
+        workspace: &mut Workspace,
+    ) -> Result<()>
+    where
+        T: Element,
+        Q: DevicePtr<T>,
+        K: DevicePtr<T>,
+        V: DevicePtr<T>,
+        O: DevicePtrMut<T>,
+        L: DevicePtrMut<f32>,
+        S: DevicePtr<f32>,
+    {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(Error::invalid(
                 "the stream belongs to another CUDA context than the plan (build the plan \
@@ -497,7 +709,23 @@ impl AttentionPlan {
             o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
             lse: RawTensor::contiguous(lp, DType::F32, &[b, hq, sq])?,
         };
-        self.check(&args)?;
+        let shape = self.check(&args)?;
+        let (sp, _gs) = match slopes {
+            Some((buf, dims)) => {
+                let (p, g) = buf.device_ptr(stream);
+                let t = RawTensor::contiguous(p, DType::F32, dims)?;
+                if t.span_elems() > buf.len() as u64 {
+                    return Err(Error::invalid(format!(
+                        "alibi_slopes' shape {dims:?} spans {} elements but its buffer holds {}",
+                        t.span_elems(),
+                        buf.len()
+                    )));
+                }
+                (Some(t), Some(g))
+            }
+            None => (None, None),
+        };
+        self.check_alibi(sp.as_ref(), shape.batch)?;
         for (name, t, len) in [
             ("q", &args.q, q.buf.len()),
             ("k", &args.k, k.buf.len()),
@@ -519,7 +747,7 @@ impl AttentionPlan {
         // above) covering its view's span; the guards keep cudarc's stream order until
         // after the launch; the workspace is the plan's size, zeroed when allocated and
         // left zeroed by every launch, and bound to this stream (launches in order).
-        unsafe { self.forward_raw(stream.cu_stream(), &args, ws) }
+        unsafe { self.forward_raw_alibi(stream.cu_stream(), &args, sp.as_ref(), ws) }
     }
 }
 

@@ -22,6 +22,11 @@
 //!
 //!   Varlen calls have one plan (`VarlenPlan`: sm_90a, head dims 64/128); paged calls the
 //!   decode plan.
+//! - ALiBi ([`route_alibi`]): a dense call with slopes goes to the prefill plan's portable
+//!   kernel on every GPU, Hopper included (`AttentionPlan::new_alibi`, [`PlanKey::Alibi`]),
+//!   with any mask (none, causal, sliding window) and softcap, for any number of query rows;
+//!   the sm_90a and decode kernels have no ALiBi yet. Varlen and paged calls with slopes are
+//!   an [`Error::Unsupported`] ([`unsupported_feature`]).
 //! - [`route_scope`]: the sequence lengths around a call over which the route stays the
 //!   same, so that a front end that caches routes (flashmoe-py) routes only on a miss.
 //!
@@ -29,7 +34,7 @@
 //! follow a `flash-attn: ` prefix, [`Error::Unsupported`] reasons (backend `"flashmoe"`) are
 //! whole sentences.
 
-use crate::attention::config::SM90_HEAD_DIMS;
+use crate::attention::config::{v1_serves, SM90_HEAD_DIMS, V1_HEAD_DIMS_TEXT};
 use crate::attention::decode::{DecodeClass, HEAD_DIMS as DECODE_HEAD_DIMS, MAX_Q_PER_SEQ};
 use crate::attention::AttentionClass;
 use crate::{DType, Error, Result};
@@ -375,12 +380,15 @@ pub enum PlanKey {
     Varlen(ClassKey),
     /// `DecodePlan`: at most [`MAX_Q_PER_SEQ`] rows per sequence against a (paged) cache.
     Decode(DecodeKey),
+    /// `AttentionPlan::new_alibi`: a padded batch with ALiBi slopes, any mask and softcap,
+    /// on the portable kernel ([`route_alibi`]).
+    Alibi(ClassKey),
 }
 
 impl PlanKey {
     pub fn elem(&self) -> Elem {
         match self {
-            PlanKey::Dense(k) | PlanKey::Varlen(k) => k.elem,
+            PlanKey::Dense(k) | PlanKey::Varlen(k) | PlanKey::Alibi(k) => k.elem,
             PlanKey::Decode(k) => k.elem,
         }
     }
@@ -529,6 +537,35 @@ pub fn route_paged(call: &AttnCall) -> Result<DecodeKey> {
     ))
 }
 
+/// The class of a dense ALiBi call (module docs): the portable prefill kernel on every GPU
+/// (compute capability 8.0 and newer), any mask and softcap, head dims that are multiples of 8
+/// up to 256 ([`v1_serves`]);
+/// the slopes themselves are checked by the plan (`AttentionPlan::check_alibi`). Checks as
+/// [`route_dense`]: a finite scale, the softcap, the window's sides; another head dim is an
+/// [`Error::Unsupported`] naming the served ones.
+pub fn route_alibi(call: &AttnCall) -> Result<ClassKey> {
+    let softcap = call.softcap()?;
+    let shape = &call.shape;
+    let w = call.window.resolve(shape.seq_q, shape.seq_k)?;
+    if !v1_serves(shape.head_dim) {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "ALiBi with head dim {} is not supported: flashmoe runs ALiBi on its portable \
+                 prefill kernel (head dims: {V1_HEAD_DIMS_TEXT})",
+                shape.head_dim
+            ),
+        ));
+    }
+    Ok(ClassKey::new(
+        call.elem,
+        shape,
+        w,
+        softcap,
+        call.softmax_scale,
+    ))
+}
+
 /// The ranges of query rows `seq_q` and key rows `seq_k` (inclusive, `(lo, hi)` each) around
 /// the call's over which [`route_dense`] gives the same result for the call's other
 /// arguments, on any device: a front end that caches the route by those arguments keeps it
@@ -628,7 +665,8 @@ fn no_masking_kernel(
     )
 }
 
-/// The error of a feature flashmoe lacks (ALiBi, chunked prefill on a paged cache, …),
+/// The error of a feature flashmoe lacks (ALiBi on varlen or paged calls, chunked prefill
+/// on a paged cache, …),
 /// naming it and what flashmoe implements.
 pub fn unsupported_feature(what: &str) -> Error {
     Error::unsupported(
@@ -638,7 +676,8 @@ pub fn unsupported_feature(what: &str) -> Error {
              sliding-window attention with optional softcapping for padded and variable-length \
              batches: windows and softcapping on the sm_90a kernel, compute capability 9.0 and \
              head dims {SM90_HEAD_DIMS:?}, or on the decode kernels for calls of at most \
-             {MAX_Q_PER_SEQ} query rows per sequence)"
+             {MAX_Q_PER_SEQ} query rows per sequence; ALiBi for padded batches on the \
+             portable kernel, head dims: {V1_HEAD_DIMS_TEXT})"
         ),
     )
 }
@@ -1109,5 +1148,32 @@ mod tests {
         assert_eq!((s.seq_q, s.seq_k), ((2, usize::MAX), (1, usize::MAX)));
         let s = route_scope(&call((1, 300, 128), opts(None, Some(0)), None));
         assert_eq!(s.seq_q, (1, 1));
+    }
+
+    #[test]
+    fn alibi_routes_to_the_portable_kernel_with_any_mask() {
+        // Sliding window + softcap, prefill-sized, any head dim of the portable kernel.
+        for d in [8, 32, 40, 64, 80, 96, 128, 160, 192, 256] {
+            let k =
+                route_alibi(&call((5000, 5000, d), opts(Some(100), Some(0)), Some(30.0))).unwrap();
+            assert_eq!((k.window, k.softcap(), k.head_dim), ((100, 0), 30.0, d));
+            let c = k.attention_class();
+            assert!(c.causal && c.window == (100, -1) && c.softcap == 30.0);
+        }
+        // Decode-shaped and plain calls too (no decode ALiBi): the same kind of key.
+        let k = route_alibi(&call((1, 300, 128), opts(None, None), None)).unwrap();
+        assert_eq!(k.window, NO_MASK);
+        assert_eq!(PlanKey::Alibi(k).elem(), Elem::Bf16);
+        let e = err(route_alibi(&call((10, 10, 12), opts(None, None), None)));
+        assert!(
+            e.contains("ALiBi with head dim 12") && e.contains("portable prefill kernel"),
+            "{e}"
+        );
+        let e = err(route_alibi(&call(
+            (10, 10, 64),
+            opts(None, None),
+            Some(-2.0),
+        )));
+        assert!(e.contains("softcap"), "{e}");
     }
 }

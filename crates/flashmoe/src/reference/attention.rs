@@ -12,6 +12,10 @@
 //! widened to f64, so the reference and the kernels apply the very same scale. With a
 //! softcap `c > 0` (also widened from f32) each scaled score `s` becomes `c · tanh(s / c)`
 //! before the softmax, and the LSE is that of the capped scores.
+//!
+//! ALiBi ([`attention_f64_alibi`], FlashAttention's convention): the logit of query `i` and
+//! key `j` (after the softcap) gets `-slope · |i + seqlen_k - seqlen_q - j|`, with one f32
+//! slope per (batch, head), widened to f64; the LSE is that of the biased logits.
 
 use super::{check_len, checked_product};
 use crate::error::Result;
@@ -139,21 +143,29 @@ pub(crate) fn bhsd_to_bshd<T: Copy + Default + Send + Sync>(
 /// One query row: scores against the visible keys (`scores.len()` of them, the rows of
 /// `k` and `v`), softcap (when `softcap > 0`), softmax, weighted sum of V into `o`;
 /// returns the LSE (−inf and O = 0 when no key is visible).
+/// `alibi`: `(slope, key)` adds `-slope · |key - (j0 + jj)|` to the logit of the row's
+/// `jj`-th visible key, `key` being the row's diagonal key i + seqlen_k - seqlen_q and `j0`
+/// its first visible key.
+#[allow(clippy::too_many_arguments)]
 fn attend_row(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     scale: f64,
     softcap: f64,
+    alibi: Option<(f64, i64, usize)>,
     scores: &mut [f64],
     o: &mut [f64],
 ) -> f64 {
     let d = q.len();
-    for (s, kr) in scores.iter_mut().zip(k.chunks_exact(d)) {
+    for (jj, (s, kr)) in scores.iter_mut().zip(k.chunks_exact(d)).enumerate() {
         let dot: f64 = q.iter().zip(kr).map(|(a, b)| a * b).sum();
         *s = scale * dot;
         if softcap > 0.0 {
             *s = softcap * (*s / softcap).tanh();
+        }
+        if let Some((slope, diag, j0)) = alibi {
+            *s -= slope * (diag - (j0 + jj) as i64).abs() as f64;
         }
     }
     let lse = softmax_in_place(scores);
@@ -173,6 +185,30 @@ const ROW_BLOCK: usize = 16;
 /// Parallel over (batch, head) and blocks of query rows; each row is computed the same
 /// way whatever the thread count.
 pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<AttentionOutput<f64>> {
+    attention_f64_impl(p, x, None)
+}
+
+/// [`attention_f64`] with ALiBi (module docs): the slope of (batch b, head h) is
+/// `slopes[b * batch_stride + h]` (`batch_stride` 0: one `[heads_q]` vector for the batch,
+/// `heads_q`: a `[batch, heads_q]` matrix). Errors name a short slope buffer.
+pub fn attention_f64_alibi(
+    p: &AttentionProblem,
+    x: &AttentionInputs,
+    slopes: &[f32],
+    batch_stride: usize,
+) -> Result<AttentionOutput<f64>> {
+    let need = (p.batch.saturating_sub(1))
+        .saturating_mul(batch_stride)
+        .saturating_add(p.heads_q);
+    check_len("alibi_slopes", need, slopes.len().min(need))?;
+    attention_f64_impl(p, x, Some((slopes, batch_stride)))
+}
+
+fn attention_f64_impl(
+    p: &AttentionProblem,
+    x: &AttentionInputs,
+    alibi: Option<(&[f32], usize)>,
+) -> Result<AttentionOutput<f64>> {
     validate_inputs(p, x)?;
     let (b, hq, hkv) = (p.batch, p.heads_q, p.heads_kv);
     let (sq, sk, d) = (p.seqlen_q, p.seqlen_k, p.head_dim);
@@ -188,6 +224,7 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
         .for_each(|(bh, (o, l))| {
             let (bi, h) = (bh / hq, bh % hq);
             let kvh = h / group;
+            let slope = alibi.map(|(s, bs)| s[bi * bs + h] as f64);
             let k = gather_head_f64(&x.k, bi, kvh, sk, hkv, d);
             let v = gather_head_f64(&x.v, bi, kvh, sk, hkv, d);
             // Query rows in parallel blocks too, so few (batch, head) pairs still use
@@ -210,7 +247,9 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
                                 &v[keys.start * d..keys.end * d],
                             );
                             let row = &mut scores[..keys.len()];
-                            *li = attend_row(q, kr, vr, scale, softcap, row, orow);
+                            let diag = i as i64 + sk as i64 - sq as i64;
+                            let bias = slope.map(|s| (s, diag, keys.start));
+                            *li = attend_row(q, kr, vr, scale, softcap, bias, row, orow);
                         }
                     },
                 );
@@ -219,4 +258,89 @@ pub fn attention_f64(p: &AttentionProblem, x: &AttentionInputs) -> Result<Attent
         o: bhsd_to_bshd(&o_bh, b, hq, sq, d),
         lse,
     })
+}
+
+#[cfg(test)]
+mod alibi_tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    fn problem(causal: bool, window: (i32, i32), softcap: f32) -> AttentionProblem {
+        AttentionProblem {
+            batch: 2,
+            heads_q: 4,
+            heads_kv: 2,
+            seqlen_q: 7,
+            seqlen_k: 11,
+            head_dim: 8,
+            causal,
+            dtype: DType::Bf16,
+            softmax_scale: None,
+            window,
+            softcap,
+        }
+    }
+
+    /// Zero slopes are plain attention; a brute-force row (every key, masks as -inf,
+    /// FlashAttention's bias after the softcap) matches for a [batch, heads] slope matrix.
+    #[test]
+    fn alibi_reference_matches_brute_force() {
+        for (causal, window, softcap) in [
+            (false, crate::problem::NO_WINDOW, 0.0),
+            (true, crate::problem::NO_WINDOW, 0.0),
+            (true, (3, -1), 0.0),
+            (false, (2, 1), 4.0),
+        ] {
+            let p = problem(causal, window, softcap);
+            let x = AttentionInputs::generate(&p, 42);
+            let plain = attention_f64(&p, &x).unwrap();
+            let zero = attention_f64_alibi(&p, &x, &[0.0; 4], 0).unwrap();
+            assert_eq!(plain, zero);
+            let slopes: Vec<f32> = (0..8).map(|i| 0.05 + 0.1 * i as f32).collect();
+            let got = attention_f64_alibi(&p, &x, &slopes, 4).unwrap();
+            let (sq, sk, d, hq, hkv) = (7usize, 11usize, 8usize, 4usize, 2usize);
+            for b in 0..2 {
+                for h in 0..hq {
+                    for i in 0..sq {
+                        let vis = p.visible_range(i);
+                        let qo = ((b * sq + i) * hq + h) * d;
+                        let mut s: Vec<f64> = (0..sk)
+                            .map(|j| {
+                                if !vis.contains(&j) {
+                                    return f64::NEG_INFINITY;
+                                }
+                                let ko = ((b * sk + j) * hkv + h / 2) * d;
+                                let dot: f64 = (0..d)
+                                    .map(|e| x.q[qo + e] as f64 * x.k[ko + e] as f64)
+                                    .sum();
+                                let mut l = p.scale() as f64 * dot;
+                                if softcap > 0.0 {
+                                    l = softcap as f64 * (l / softcap as f64).tanh();
+                                }
+                                let dist = (i as f64 + sk as f64 - sq as f64 - j as f64).abs();
+                                l - slopes[b * 4 + h] as f64 * dist
+                            })
+                            .collect();
+                        let lse = softmax_in_place(&mut s);
+                        let l = got.lse[(b * hq + h) * sq + i];
+                        assert!(
+                            (l - lse).abs() < 1e-12 || (l == lse),
+                            "lse {l} vs {lse} (b {b} h {h} i {i} {causal} {window:?})"
+                        );
+                        for e in 0..d {
+                            let want: f64 = (0..sk)
+                                .map(|j| s[j] * x.v[((b * sk + j) * hkv + h / 2) * d + e] as f64)
+                                .sum();
+                            assert!((got.o[qo + e] - want).abs() < 1e-12);
+                        }
+                    }
+                }
+            }
+        }
+        // A short slope buffer is an error, not a panic.
+        let p = problem(false, crate::problem::NO_WINDOW, 0.0);
+        let x = AttentionInputs::generate(&p, 1);
+        assert!(attention_f64_alibi(&p, &x, &[0.1; 7], 4).is_err());
+        assert!(attention_f64_alibi(&p, &x, &[0.1; 3], 0).is_err());
+    }
 }
