@@ -179,6 +179,45 @@ pub fn check_call(
     })
 }
 
+/// All checks of one dense ALiBi call: q, k and v as [`check_call`], then the slopes (f32,
+/// `(num_heads_q)` or `(batch, num_heads_q)`, contiguous), then [`route::route_alibi`]: the
+/// prefill plan's portable kernel on every GPU, any mask and softcap.
+#[allow(clippy::too_many_arguments)]
+pub fn check_alibi_call(
+    dtypes: (DType, DType, DType),
+    q: &Layout,
+    k: &Layout,
+    v: &Layout,
+    slopes: (DType, &Layout),
+    softmax_scale: f32,
+    window: (Option<usize>, Option<usize>),
+    softcap: Option<f32>,
+) -> Result<Call> {
+    let shape = check_layouts(q, k, v)?;
+    let elem = check_dtypes(dtypes.0, dtypes.1, dtypes.2)?;
+    let (sd, sl) = slopes;
+    if sd != DType::F32 {
+        bail!("flash-attn: alibi_slopes must be f32 (got {sd:?})")
+    }
+    let (b, h) = (shape.batch, shape.heads_q);
+    if sl.dims() != [h] && sl.dims() != [b, h] {
+        bail!(
+            "flash-attn: alibi_slopes must have shape ({h}) or ({b}, {h}) (num_heads_q or batch \
+             x num_heads_q) but has shape {:?}",
+            sl.dims()
+        )
+    }
+    if sl.contiguous_offsets().is_none() {
+        bail!("flash-attn: alibi_slopes has to be contiguous")
+    }
+    let call = attn_call(elem, shape, softmax_scale, window, softcap);
+    let key = route::route_alibi(&call).map_err(candle_err)?;
+    Ok(Call {
+        shape,
+        plan: PlanKey::Alibi(key),
+    })
+}
+
 /// The cumulative sequence offsets (`batch + 1` elements) candle-flash-attn takes: u32,
 /// rank 1, contiguous, at least 2 elements. Returns the element count.
 pub fn check_seqlens(name: &str, dtype: DType, l: &Layout) -> Result<usize> {
@@ -567,6 +606,58 @@ mod tests {
         ));
         let neg = check_call(BF, &q, &kv, &kv, 0.1, (None, None), Some(-1.0), H100);
         assert!(err(neg).contains("flash-attn: softcap must be finite and >= 0 (got -1)"));
+    }
+
+    #[test]
+    fn check_alibi_call_checks_slopes_and_routes_to_the_portable_kernel() {
+        let (q, kv) = (bshd(2, 40, 8, 128), bshd(2, 50, 2, 128));
+        let one = Layout::contiguous((8,));
+        let per_batch = Layout::contiguous((2, 8));
+        let f = DType::F32;
+        for l in [&one, &per_batch] {
+            let c = check_alibi_call(BF, &q, &kv, &kv, (f, l), 0.1, (Some(4), Some(0)), Some(5.0))
+                .unwrap();
+            let PlanKey::Alibi(key) = c.plan else {
+                panic!("ALiBi is the ALiBi plan: {:?}", c.plan)
+            };
+            assert_eq!((key.window, key.softcap()), ((4, 0), 5.0));
+        }
+        let e = |r: Result<Call>| err(r);
+        let bad = Layout::contiguous((4,));
+        assert!(e(check_alibi_call(
+            BF,
+            &q,
+            &kv,
+            &kv,
+            (f, &bad),
+            0.1,
+            (None, None),
+            None
+        ))
+        .contains("alibi_slopes must have shape (8) or (2, 8)"));
+        assert!(e(check_alibi_call(
+            BF,
+            &q,
+            &kv,
+            &kv,
+            (DType::BF16, &one),
+            0.1,
+            (None, None),
+            None
+        ))
+        .contains("alibi_slopes must be f32"));
+        let strided = Layout::new((8,).into(), vec![2], 0);
+        assert!(e(check_alibi_call(
+            BF,
+            &q,
+            &kv,
+            &kv,
+            (f, &strided),
+            0.1,
+            (None, None),
+            None
+        ))
+        .contains("contiguous"));
     }
 
     /// The library's router decides (its own tests cover the routing); here, that the

@@ -9,9 +9,11 @@
 //! offset: wrong numbers, never an out-of-range access). Their contents are not checked on
 //! the host, as in candle-flash-attn: that would need a device-to-host copy and a sync.
 
-use crate::check::{check_call, check_paged, check_varlen, Elem, PagedIndexes, PlanKey};
+use crate::check::{
+    check_alibi_call, check_call, check_paged, check_varlen, Elem, PagedIndexes, PlanKey,
+};
 use crate::flashmoe_api::{self as api, DecodeIndexes, Dims, PackedIo, Plan};
-use crate::{plans, FlashAttn, FlashAttnPaged, FlashAttnVarlen};
+use crate::{plans, FlashAttn, FlashAttnAlibi, FlashAttnPaged, FlashAttnVarlen};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::{bail, CudaStorage, Layout, Result, Shape, Storage, Tensor};
@@ -176,6 +178,89 @@ fn forward_t<T: api::Element>(
         Plan::Varlen(_) => return Err(mismatch()),
     }
 
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), out_shape))
+}
+
+/// A dense call with ALiBi slopes: the portable prefill kernel on every GPU (the plan of
+/// [`PlanKey::Alibi`]).
+pub(crate) fn alibi(
+    op: &FlashAttnAlibi,
+    q: &CudaStorage,
+    q_l: &Layout,
+    k: &CudaStorage,
+    k_l: &Layout,
+    v: &CudaStorage,
+    v_l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    use candle_core::backend::BackendDevice;
+    let (st, sl) = op.alibi_slopes.storage_and_layout();
+    let call = check_alibi_call(
+        (q.dtype(), k.dtype(), v.dtype()),
+        q_l,
+        k_l,
+        v_l,
+        (op.alibi_slopes.dtype(), sl),
+        op.softmax_scale,
+        (op.window_size_left, op.window_size_right),
+        op.softcap,
+    )?;
+    let Storage::Cuda(sc) = &*st else {
+        bail!("flash-attn: alibi_slopes must be a cuda tensor")
+    };
+    if !sc.device().same_device(q.device()) {
+        bail!("flash-attn: alibi_slopes must be on q's device")
+    }
+    let Some((start, end)) = sl.contiguous_offsets() else {
+        bail!("flash-attn: alibi_slopes has to be contiguous")
+    };
+    let slopes = (sc.as_cuda_slice::<f32>()?.slice(start..end), sl.dims());
+    match call.plan.elem() {
+        Elem::Bf16 => alibi_t::<half::bf16>(&call, q, q_l, k, k_l, v, v_l, slopes),
+        Elem::F16 => alibi_t::<half::f16>(&call, q, q_l, k, k_l, v, v_l, slopes),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn alibi_t<T: api::Element>(
+    call: &crate::check::Call,
+    q: &CudaStorage,
+    q_l: &Layout,
+    k: &CudaStorage,
+    k_l: &Layout,
+    v: &CudaStorage,
+    v_l: &Layout,
+    slopes: (CudaView<'_, f32>, &[usize]),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = q.device();
+    let stream = dev.cuda_stream();
+    let s = call.shape;
+    let plan = plans::plan(&stream, &call.plan)?;
+    let Plan::Dense(p) = &*plan else {
+        return Err(mismatch());
+    };
+    let out_shape = q_l.shape().clone();
+    let out_l = Layout::contiguous(&out_shape);
+    // SAFETY: the kernel writes every element of o (each (b, row, head) tile is stored).
+    let mut out = unsafe { dev.alloc::<T>(out_shape.elem_count()) }?;
+    let mut lse = dev.alloc_zeros::<f32>(s.batch * s.heads_q * s.seq_q)?;
+    let q_v = q.as_cuda_slice::<T>()?.slice(q_l.start_offset()..);
+    let k_v = k.as_cuda_slice::<T>()?.slice(k_l.start_offset()..);
+    let v_v = v.as_cuda_slice::<T>()?.slice(v_l.start_offset()..);
+    let need = api::workspace_bytes(&plan, s.batch, s.seq_k);
+    plans::with_workspace(&stream, need, |ws| {
+        let mut lse_view = lse.slice_mut(..);
+        api::forward_alibi::<T>(
+            p,
+            &stream,
+            (q_v, dims(q_l)),
+            (k_v, dims(k_l)),
+            (v_v, dims(v_l)),
+            (out.slice_mut(..), dims(&out_l)),
+            &mut lse_view,
+            slopes,
+            ws,
+        )
+    })?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), out_shape))
 }
 

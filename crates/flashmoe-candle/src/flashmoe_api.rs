@@ -61,6 +61,9 @@ mod api {
             PlanKey::Dense(k) => AttentionPlan::new(dev, k.attention_class())
                 .map(Plan::Dense)
                 .map_err(|e| wrap("attention plan", e)),
+            PlanKey::Alibi(k) => AttentionPlan::new_alibi(dev, k.attention_class())
+                .map(Plan::Dense)
+                .map_err(|e| wrap("attention plan (ALiBi)", e)),
             PlanKey::Varlen(k) => VarlenPlan::new(dev, k.attention_class())
                 .map(Plan::Varlen)
                 .map_err(|e| wrap("varlen plan", e)),
@@ -111,6 +114,36 @@ mod api {
             ws,
         )
         .map_err(|e| wrap("attention forward", e))
+    }
+
+    /// [`forward`] with ALiBi slopes: a contiguous f32 view of shape `slopes.1`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_alibi<T: Element>(
+        plan: &AttentionPlan,
+        stream: &Arc<CudaStream>,
+        q: (CudaView<'_, T>, Dims),
+        k: (CudaView<'_, T>, Dims),
+        v: (CudaView<'_, T>, Dims),
+        o: (CudaViewMut<'_, T>, Dims),
+        lse: &mut CudaViewMut<'_, f32>,
+        slopes: (CudaView<'_, f32>, &[usize]),
+        ws: &mut Workspace,
+    ) -> Result<()> {
+        let (q, qd) = q;
+        let (k, kd) = k;
+        let (v, vd) = v;
+        let (mut o, od) = o;
+        plan.forward_alibi(
+            stream,
+            Bshd::new(&q, qd.shape, qd.strides),
+            Bshd::new(&k, kd.shape, kd.strides),
+            Bshd::new(&v, vd.shape, vd.strides),
+            Bshd::new(&mut o, od.shape, od.strides),
+            lse,
+            (&slopes.0, slopes.1),
+            ws,
+        )
+        .map_err(|e| wrap("attention forward (ALiBi)", e))
     }
 
     /// A raw tensor over `ptr` whose view must lie inside a buffer of `len` elements.

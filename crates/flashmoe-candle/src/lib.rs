@@ -26,9 +26,15 @@
 //!   heads_kv, d) with a (batch, max_blocks) u32/i32 block table, windows and softcap, for
 //!   up to 16 query rows per sequence (decode and speculative steps): `DecodePlan`.
 //!
-//! Everything else (ALiBi, windows or softcap of prefill-sized calls that the sm_90a kernel
-//! does not serve, chunked prefill on a paged cache, `mm_prefix_ranges`) returns an error
-//! that names the feature and the kernels' limits.
+//! - `flash_attn_alibi`, `flash_attn_alibi_windowed` and `flash_attn_alibi_windowed_softcap`
+//!   with slopes (f32 `(num_heads_q)` or `(batch, num_heads_q)`; FlashAttention's bias
+//!   `-slope · |i + seq_k - seq_q - j|` after the softcap): the prefill plan's portable
+//!   kernel on every GPU, any mask and softcap, head dims that are multiples of 8 up to 256.
+//!
+//! Everything else (ALiBi with variable-length or paged batches, windows or softcap of
+//! prefill-sized calls that the sm_90a kernel does not serve, chunked prefill on a paged
+//! cache, `mm_prefix_ranges`) returns an error that names the feature and the kernels'
+//! limits.
 //!
 //! Modules: `check` (candle's shape/dtype checks, then the library's call router
 //! `flashmoe::attention::route` for the window, softcap and plan-cache key; GPU-free),
@@ -96,6 +102,19 @@ pub struct FlashAttn {
 }
 
 cuda_only_op!(FlashAttn, "flashmoe-flash-attn", forward);
+
+/// Dense attention with ALiBi slopes (`flash_attn_alibi*`): [`FlashAttn`]'s fields plus the
+/// slopes, f32 `(num_heads_q)` or `(batch, num_heads_q)` on q's device.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct FlashAttnAlibi {
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
+    softcap: Option<f32>,
+    alibi_slopes: Tensor,
+}
+
+cuda_only_op!(FlashAttnAlibi, "flashmoe-flash-attn-alibi", alibi);
 
 /// Packed variable-length attention (`flash_attn_varlen*`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -177,36 +196,60 @@ pub fn flash_attn_windowed(
     q.apply_op3(k, v, op)
 }
 
-/// Not supported yet: returns an error (ALiBi biases).
+/// Flash attention with ALiBi ([`flash_attn`] plus biases), FlashAttention's convention:
+/// the logit of query i and key j gets `-alibi_slopes[h] · |i + seq_len_kv - seq_len_q - j|`
+/// (after the softcap, for [`flash_attn_alibi_windowed_softcap`]).
+///
+/// * `alibi_slopes` - f32, `(num_heads_q)` or `(batch, num_heads_q)`, on q's device.
+///
+/// Runs on flashmoe's portable prefill kernel on every GPU (the sm_90a kernel has no ALiBi
+/// yet), any number of query rows, head dims that are multiples of 8 up to 256.
 pub fn flash_attn_alibi(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _alibi_slopes: &Tensor,
-    _softmax_scale: f32,
-    _causal: bool,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    causal: bool,
 ) -> Result<Tensor> {
-    Err(check::unsupported("ALiBi (flash_attn_alibi)"))
+    flash_attn_alibi_windowed(
+        q,
+        k,
+        v,
+        alibi_slopes,
+        softmax_scale,
+        None,
+        if causal { Some(0) } else { None },
+    )
 }
 
-/// Not supported yet: returns an error (ALiBi biases).
+/// [`flash_attn_alibi`] with candle-flash-attn's window arguments ([`flash_attn_windowed`]):
+/// every window, on the portable prefill kernel.
 pub fn flash_attn_alibi_windowed(
-    _q: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _alibi_slopes: &Tensor,
-    _softmax_scale: f32,
-    _window_size_left: Option<usize>,
-    _window_size_right: Option<usize>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    alibi_slopes: &Tensor,
+    softmax_scale: f32,
+    window_size_left: Option<usize>,
+    window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    Err(check::unsupported("ALiBi (flash_attn_alibi_windowed)"))
+    let op = FlashAttnAlibi {
+        softmax_scale,
+        window_size_left,
+        window_size_right,
+        softcap: None,
+        alibi_slopes: alibi_slopes.clone(),
+    };
+    q.apply_op3(k, v, op)
 }
 
 /// Softcapped attention (`softcap · tanh(scores / softcap)` before the softmax; 0 is off)
-/// with candle-flash-attn's windows ([`flash_attn_windowed`]). Softcaps and sliding
-/// windows run on the prefill plan's sm_90a kernel (Hopper, head dims 64 and 128), and
-/// elsewhere when the call is decode-shaped (seq_len_q <= 16, head dim 64/128/256: the
-/// decode plan); ALiBi slopes are an error.
+/// with candle-flash-attn's windows ([`flash_attn_windowed`]). Without slopes, softcaps and
+/// sliding windows run on the prefill plan's sm_90a kernel (Hopper, head dims 64 and 128),
+/// and elsewhere when the call is decode-shaped (seq_len_q <= 16, head dim 64/128/256: the
+/// decode plan). With slopes ([`flash_attn_alibi`]: the bias is added after the softcap),
+/// the portable prefill kernel on every GPU.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
     q: &Tensor,
@@ -218,10 +261,15 @@ pub fn flash_attn_alibi_windowed_softcap(
     window_size_right: Option<usize>,
     softcap: f32,
 ) -> Result<Tensor> {
-    if alibi_slopes.is_some() {
-        return Err(check::unsupported(
-            "ALiBi (flash_attn_alibi_windowed_softcap)",
-        ));
+    if let Some(slopes) = alibi_slopes {
+        let op = FlashAttnAlibi {
+            softmax_scale,
+            window_size_left,
+            window_size_right,
+            softcap: Some(softcap),
+            alibi_slopes: slopes.clone(),
+        };
+        return q.apply_op3(k, v, op);
     }
     let op = FlashAttn {
         softmax_scale,
@@ -442,16 +490,11 @@ mod tests {
 
     #[test]
     fn unsupported_entry_points_say_what_is_missing() {
-        let (q, k, v) = (t((1, 4, 2, 64)), t((1, 4, 2, 64)), t((1, 4, 2, 64)));
+        let q = t((1, 4, 2, 64));
         let packed = Tensor::zeros((4, 2, 64), DType::BF16, &Device::Cpu).unwrap();
         let s = Tensor::zeros(3, DType::U32, &Device::Cpu).unwrap();
         let table = Tensor::zeros((2, 1), DType::U32, &Device::Cpu).unwrap();
         let slopes = Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap();
-        let e = flash_attn_alibi(&q, &k, &v, &slopes, 0.125, false).unwrap_err();
-        assert!(e.to_string().contains("ALiBi"), "{e}");
-        let e = flash_attn_alibi_windowed_softcap(&q, &k, &v, Some(&slopes), 0.1, None, None, 30.0)
-            .unwrap_err();
-        assert!(e.to_string().contains("ALiBi"), "{e}");
         let e =
             flash_attn_varlen_alibi(&packed, &packed, &packed, &slopes, &s, &s, 2, 2, 0.1, true)
                 .unwrap_err();
@@ -507,6 +550,16 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("no cpu support"), "{e}");
         let e = flash_attn_windowed(&q, &k, &v, 0.1, Some(2), Some(0)).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        // Dense ALiBi is an op now (checks in cuda_fwd: check::check_alibi_call).
+        let slopes = Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap();
+        let e = flash_attn_alibi(&q, &k, &v, &slopes, 0.125, true).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        let e =
+            flash_attn_alibi_windowed(&q, &k, &v, &slopes, 0.125, Some(2), Some(0)).unwrap_err();
+        assert!(e.to_string().contains("no cpu support"), "{e}");
+        let e = flash_attn_alibi_windowed_softcap(&q, &k, &v, Some(&slopes), 0.1, None, None, 30.0)
+            .unwrap_err();
         assert!(e.to_string().contains("no cpu support"), "{e}");
         let e = flash_attn_varlen_alibi_windowed_softcap(
             &packed,

@@ -11,8 +11,8 @@
 
 use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 use flashmoe_candle::{
-    flash_attn, flash_attn_alibi_windowed_softcap, flash_attn_varlen,
-    flash_attn_varlen_alibi_windowed_softcap, flash_attn_varlen_paged_windowed,
+    flash_attn, flash_attn_alibi, flash_attn_alibi_windowed, flash_attn_alibi_windowed_softcap,
+    flash_attn_varlen, flash_attn_varlen_alibi_windowed_softcap, flash_attn_varlen_paged_windowed,
     flash_attn_varlen_windowed, flash_attn_windowed,
 };
 
@@ -96,6 +96,132 @@ fn reference_masked(
     let p = scores.broadcast_sub(&max)?.exp()?;
     let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
     p.matmul(&v)?.transpose(1, 2)?.contiguous() // (b, sq, hq, d)
+}
+
+/// As [`reference_masked`] plus ALiBi (FlashAttention's convention): the capped, scaled
+/// score of query i and key j gets `-slopes[h] · |i + sk - sq - j|`.
+fn reference_alibi(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f32,
+    window: (i64, i64),
+    softcap: Option<f32>,
+    slopes: &[f32],
+) -> Result<Tensor> {
+    let (b, sq, hq, d) = q.dims4()?;
+    let (_, sk, hkv, _) = k.dims4()?;
+    let group = hq / hkv;
+    let q = q.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?;
+    let expand = |t: &Tensor| -> Result<Tensor> {
+        t.to_dtype(DType::F32)?
+            .transpose(1, 2)?
+            .unsqueeze(2)?
+            .broadcast_as((b, hkv, group, sk, d))?
+            .reshape((b, hq, sk, d))
+    };
+    let (k, v) = (expand(k)?, expand(v)?);
+    let mut scores = (q.matmul(&k.t()?.contiguous()?)? * scale as f64)?;
+    if let Some(c) = softcap {
+        scores = ((scores / c as f64)?.tanh()? * c as f64)?;
+    }
+    let offset = sk as i64 - sq as i64;
+    let (left, right) = window;
+    let mut bias = Vec::with_capacity(hq * sq * sk);
+    for &slope in slopes.iter().take(hq) {
+        for i in 0..sq as i64 {
+            for j in 0..sk as i64 {
+                let p = i + offset;
+                let seen = (left < 0 || j >= p - left) && (right < 0 || j <= p + right);
+                bias.push(if seen {
+                    -slope * (p - j).abs() as f32
+                } else {
+                    f32::NEG_INFINITY
+                });
+            }
+        }
+    }
+    let bias = Tensor::from_vec(bias, (hq, sq, sk), q.device())?;
+    scores = scores.broadcast_add(&bias)?;
+    let max = scores.max_keepdim(D::Minus1)?;
+    let p = scores.broadcast_sub(&max)?.exp()?;
+    let p = p.broadcast_div(&p.sum_keepdim(D::Minus1)?)?;
+    p.matmul(&v)?.transpose(1, 2)?.contiguous()
+}
+
+/// (seq_q, seq_k, head_dim, window left, window right, softcap)
+type AlibiCase = (
+    usize,
+    usize,
+    usize,
+    Option<usize>,
+    Option<usize>,
+    Option<f32>,
+);
+
+/// `flash_attn_alibi*` (the portable kernel on every GPU): no mask, causal, sliding windows
+/// and softcap, bf16 and f16, GQA, against candle ops in f32.
+#[test]
+fn flash_attn_alibi_matches_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    let (b, hq, hkv) = (2, 8, 2);
+    let slopes: Vec<f32> = (0..hq).map(|h| 2f32.powf(-(h as f32 + 1.0))).collect();
+    let sl = Tensor::from_vec(slopes.clone(), hq, &Device::Cpu)?.to_device(&dev)?;
+    let mut seed = 900;
+    let cases: [AlibiCase; 6] = [
+        (97, 211, 128, None, None, None),
+        (128, 128, 64, None, Some(0), None),
+        (100, 300, 80, Some(40), Some(0), None),
+        (150, 150, 96, Some(20), Some(10), Some(5.0)),
+        (1, 300, 256, None, Some(0), Some(30.0)),
+        (64, 64, 192, None, None, Some(2.0)),
+    ];
+    for (sq, sk, d, left, right, softcap) in cases {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 1;
+            let q = random((b, sq, hq, d), seed)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let k = random((b, sk, hkv, d), seed + 100)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let v = random((b, sk, hkv, d), seed + 200)?
+                .to_dtype(dtype)?
+                .to_device(&dev)?;
+            let scale = 1.0 / (d as f32).sqrt();
+            let got = match softcap {
+                Some(c) => {
+                    flash_attn_alibi_windowed_softcap(&q, &k, &v, Some(&sl), scale, left, right, c)?
+                }
+                None if left.is_none() && right.is_none() => {
+                    flash_attn_alibi(&q, &k, &v, &sl, scale, false)?
+                }
+                None => flash_attn_alibi_windowed(&q, &k, &v, &sl, scale, left, right)?,
+            };
+            let side = |s: Option<usize>| s.map_or(-1, |s| s as i64);
+            let want = reference_alibi(
+                &q.to_device(&Device::Cpu)?,
+                &k.to_device(&Device::Cpu)?,
+                &v.to_device(&Device::Cpu)?,
+                scale,
+                (side(left), side(right)),
+                softcap,
+                &slopes,
+            )?;
+            let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &want)?;
+            println!("alibi sq={sq} sk={sk} d={d} window=({left:?}, {right:?}) softcap={softcap:?} {dtype:?}: rel L2 {err:.2e}");
+            assert!(!nan, "NaN/inf in the output");
+            assert!(err < 2e-2, "rel L2 {err}");
+        }
+    }
+    // Wrong slopes: an error naming them.
+    let q = random((b, 4, hq, 64), 1)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let bad = Tensor::zeros(3, DType::F32, &dev)?;
+    let e = flash_attn_alibi(&q, &q, &q, &bad, 0.125, true).unwrap_err();
+    assert!(e.to_string().contains("alibi_slopes"), "{e}");
+    Ok(())
 }
 
 fn rel_l2(got: &Tensor, want: &Tensor) -> Result<(f32, bool)> {
