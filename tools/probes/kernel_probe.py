@@ -127,9 +127,19 @@ def as_cupy(t):
     return cupy.asarray(t)
 
 
-def make_launcher(fn, smem, block_m, threads, q, k, v, o, lse, scale=None):
+def fm_strides(q, k, o):
+    """flash_attn_fwd.cu's last parameter, FmStrides (twelve int64 by value): the
+    (batch, seq, head) element strides of q, k, v and o, contiguous here."""
+    def bsh(t):
+        return [t.stride(0), t.stride(1), t.stride(2)]
+    rec = np.dtype([("s", np.int64, (12,))])
+    return np.array([(bsh(q) + bsh(k) + bsh(k) + bsh(o),)], dtype=rec)[0]
+
+
+def make_launcher(fn, smem, block_m, threads, q, k, v, o, lse, scale=None, strides=False):
     """A closure that launches `fn` on torch's current stream with prebuilt arguments
-    (so the timed call costs the host as little as possible)."""
+    (so the timed call costs the host as little as possible). `strides`: append the
+    portable kernel's FmStrides (flash_attn_fwd.cu; the reference kernel has none)."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
@@ -140,6 +150,8 @@ def make_launcher(fn, smem, block_m, threads, q, k, v, o, lse, scale=None):
     kargs = (as_cupy(q), as_cupy(k), as_cupy(v), as_cupy(o), as_cupy(lse),
              np.int32(Sq), np.int32(Sk), np.int32(Hq), np.int32(Hkv),
              np.float32(scale * LOG2E))
+    if strides:
+        kargs = kargs + (fm_strides(q, k, o),)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
 
     def go():
@@ -148,8 +160,8 @@ def make_launcher(fn, smem, block_m, threads, q, k, v, o, lse, scale=None):
     return go
 
 
-def launch(fn, smem, block_m, threads, q, k, v, o, lse):
-    make_launcher(fn, smem, block_m, threads, q, k, v, o, lse)()
+def launch(fn, smem, block_m, threads, q, k, v, o, lse, strides=False):
+    make_launcher(fn, smem, block_m, threads, q, k, v, o, lse, strides=strides)()
 
 
 # ----------------------------------------------------------------------------------------
@@ -236,7 +248,7 @@ def run_flash(fn, tile, q, k, v):
     o = torch.full_like(q, float("nan"))
     lse = torch.full((B, Hq, Sq), float("nan"), device="cuda", dtype=torch.float32)
     smem = nc.smem_bytes(D, tile)
-    launch(fn, smem, tile[0], tile[2] * 32, q, k, v, o, lse)
+    launch(fn, smem, tile[0], tile[2] * 32, q, k, v, o, lse, strides=True)
     torch.cuda.synchronize()
     return o, lse
 
@@ -444,7 +456,7 @@ def main():
         o = torch.empty_like(q)
         lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
         smem = nc.smem_bytes(d, tile)
-        ours = make_launcher(fn, smem, tile[0], tile[2] * 32, q, k, v, o, lse)
+        ours = make_launcher(fn, smem, tile[0], tile[2] * 32, q, k, v, o, lse, strides=True)
         impls = {"ours": ours}
         if with_baselines:
             impls["sdpa_flash"] = sdpa_fn(q, k, v, causal, "flash")
