@@ -88,6 +88,11 @@ fn class(c: &Case) -> AttentionClass {
 fn run_case(dev: &Device, case: Case, seed: u64) {
     let s = dev.stream();
     let c = class(&case);
+    let v = super::config::select_v1_alibi(&c.problem(1, 1, 1)).unwrap();
+    if let Err(why) = v.runs_on(dev.arch()) {
+        eprintln!("{case:?}: skipped on this GPU ({why})");
+        return;
+    }
     let plan = AttentionPlan::new_alibi(dev, c).unwrap();
     assert!(plan.alibi());
     assert_eq!(plan.variant().entry, super::config::FLASH_ENTRY);
