@@ -369,6 +369,20 @@ def varlen_specs(problem):
     ]
 
 
+MLA_D_QK = 576
+
+
+def mla_specs(problem):
+    """(name, tensor id, shape, scale) of an MLA decode problem's inputs, in checksum order
+    (crates/flashmoe-bench src/mla/mod.rs, ``generate_inputs``): q (B, Sq, Hq, 576) from the
+    Q stream and the dense latent cache (B, Sk, 576) from the K stream; no value tensor."""
+    b, sq, sk, hq = problem["batch"], problem["seqlen_q"], problem["seqlen_k"], problem["heads_q"]
+    return [
+        ("q", TENSOR_IDS["q"], (b, sq, hq, MLA_D_QK), 1.0),
+        ("kv", TENSOR_IDS["k"], (b, sk, MLA_D_QK), 1.0),
+    ]
+
+
 def problem_specs(problem):
     kind = problem.get("kind")
     if kind == "attention":
@@ -377,7 +391,9 @@ def problem_specs(problem):
         return moe_specs(problem)
     if kind == "varlen":
         return varlen_specs(problem)
-    raise ValueError(f"unknown problem kind {kind!r}: expected 'attention', 'moe' or 'varlen'")
+    if kind == "mla":
+        return mla_specs(problem)
+    raise ValueError(f"unknown problem kind {kind!r}: expected 'attention', 'moe', 'varlen' or 'mla'")
 
 
 def generate_problem(problem, seed, threads=None):

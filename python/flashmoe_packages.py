@@ -21,6 +21,13 @@ layout, lse (H, total_q)):
 * ``fa3-varlen``: ``flash_attn_interface.flash_attn_varlen_func``.
 * ``flashinfer-varlen``: FlashInfer ``BatchPrefillWithRaggedKVCacheWrapper`` on the offsets.
 
+MLA decode (q (B, Sq, Hq, 576), the latent cache (B, Sk, 576) viewed as pages of 64 with an
+identity table; o (B, Sq, Hq, 512); O checked only):
+
+* ``flashinfer-mla``: FlashInfer ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (the latent
+  split into its 512-wide ``ckv`` and 64-wide ``kpe`` page tensors).
+* ``flash-mla``: DeepSeek's FlashMLA ``flash_mla.flash_mla_with_kvcache`` (page 64 only).
+
 MoE (the reference's routing, then the package's expert computation):
 
 * ``vllm-fused-moe``: vLLM's Triton ``fused_experts``.
@@ -47,10 +54,13 @@ PACKAGES = {
     "fa4-varlen": ("flash_attn.cute", ("flash-attn-4", "nvidia-cutlass-dsl")),
     "fa3-varlen": ("flash_attn_interface", ("flash-attn-3", "flash_attn_3", "flashattn-hopper")),
     "flashinfer-varlen": ("flashinfer", ("flashinfer-python", "flashinfer")),
+    "flashinfer-mla": ("flashinfer.mla", ("flashinfer-python", "flashinfer")),
+    "flash-mla": ("flash_mla", ("flash-mla", "flash_mla")),
 }
 ATTENTION = ["fa4", "fa3", "xformers", "flashinfer-prefill"]
 MOE = ["vllm-fused-moe", "sglang-fused-moe", "quack-grouped-gemm"]
 VARLEN = ["fa4-varlen", "fa3-varlen", "flashinfer-varlen"]
+MLA = ["flashinfer-mla", "flash-mla"]
 
 
 class Unavailable(Exception):
@@ -502,6 +512,98 @@ def _flashinfer_varlen(p, a, sync, lse_check):
         return out
 
     p.fn, p.check, p.outputs = fn, check, ["o", "lse"]
+
+# ---------------------------------------------------------------------------- MLA
+
+class Mla:
+    """The MLA decode problem as the package builders need it."""
+
+    def __init__(self, torch, q, kv, b, hq, sq, sk, seqlens, scale, page):
+        self.torch = torch
+        self.q, self.kv = q, kv  # (B, Sq, Hq, 576), (B, Sk, 576)
+        self.b, self.hq, self.sq, self.sk = b, hq, sq, sk
+        self.seqlens, self.scale, self.page = list(seqlens), scale, page
+
+    def pages(self):
+        """(pages per sequence, the latent as (B · pages, page, 576) with the last page of
+        each sequence zero-padded, int32 (B, pages) identity table, int32 cache lengths)."""
+        torch = self.torch
+        n = -(-self.sk // self.page)
+        kv = self.kv
+        if n * self.page != self.sk:
+            kv = torch.nn.functional.pad(kv, (0, 0, 0, n * self.page - self.sk))
+        dev = kv.device
+        table = torch.arange(self.b * n, dtype=torch.int32, device=dev).reshape(self.b, n)
+        lens = torch.tensor(self.seqlens, dtype=torch.int32, device=dev)
+        return n, kv.reshape(self.b * n, self.page, kv.shape[-1]), table, lens
+
+
+def build_mla(name, p, a, sync):
+    """Set p.fn / p.check / p.outputs for the MLA package baseline `name` (O only)."""
+    if name == "flashinfer-mla":
+        fn = _flashinfer_mla(p, a, sync)
+    elif name == "flash-mla":
+        fn = _flash_mla(p, a, sync)
+    else:
+        raise Unavailable(f"unknown package baseline '{name}'")
+    p.fn, p.outputs = fn, ["o"]
+    p.check = lambda: {"o": fn().reshape(a.b, a.sq, a.hq, 512)}
+    p.notes.append("latent viewed as pages of 64 with an identity table; LSE not reported (O checked only)")
+    _note_version(p, name)
+
+
+def _flashinfer_mla(p, a, sync):
+    mla = _import("flashinfer-mla")
+    torch = a.torch
+    n, pages, _table, lens = a.pages()
+    dev = pages.device
+    # FlashInfer takes the latent and the rotary part as two page tensors.
+    ckv, kpe = pages[..., :512].contiguous(), pages[..., 512:].contiguous()
+    q = a.q.reshape(a.b * a.sq, a.hq, 576)
+    q_nope, q_pe = q[..., :512].contiguous(), q[..., 512:].contiguous()
+    qo_indptr = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * a.sq
+    kv_indptr = torch.arange(a.b + 1, dtype=torch.int32, device=dev) * n
+    kv_indices = torch.arange(a.b * n, dtype=torch.int32, device=dev)
+    ws = torch.empty(128 * 1024 * 1024, dtype=torch.int8, device=dev)
+    try:
+        w = mla.BatchMLAPagedAttentionWrapper(ws)
+        # causal: bottom-right per sequence (FlashInfer's append semantics), as flashmoe's.
+        w.plan(qo_indptr, kv_indptr, kv_indices, lens, a.hq, 512, 64, a.page, a.sq > 1,
+               a.scale, a.q.dtype, a.kv.dtype)
+
+        def fn():
+            return w.run(q_nope, q_pe, ckv, kpe)
+
+        p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"flashinfer MLA rejected the config: {_first_line(e)}") from e
+    p.notes.append(f"FlashInfer plan and first call (JIT on a new machine) {p.compile_ms / 1e3:.1f} s, "
+                   "outside the timing")
+    return fn
+
+
+def _flash_mla(p, a, sync):
+    fm = _import("flash-mla")
+    if a.page != 64:
+        raise Unavailable(f"FlashMLA pages hold 64 keys, the config has {a.page}")
+    _n, pages, table, lens = a.pages()
+    blocked = pages.unsqueeze(2)  # (blocks, 64, 1, 576)
+    try:
+        meta, splits = fm.get_mla_metadata(lens, a.sq * a.hq, 1)[:2]
+
+        def fn():
+            return fm.flash_mla_with_kvcache(a.q, blocked, table, lens, 512, meta, splits,
+                                             softmax_scale=a.scale, causal=a.sq > 1)[0]
+
+        p.compile_ms = _timed_first_call(lambda: (fn(), sync()))
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise Unavailable(f"FlashMLA rejected the config: {_first_line(e)}") from e
+    return fn
+
 
 # ---------------------------------------------------------------------------- MoE
 

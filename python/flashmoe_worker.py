@@ -54,6 +54,12 @@ DECODE_IMPLS = ["fa-kvcache", "flashinfer-decode"]
 VARLEN_IMPLS = ["torch-varlen", "sdpa-cudnn-loop"]
 PACKAGE_VARLEN_IMPLS = ["fa4-varlen", "fa3-varlen", "flashinfer-varlen"]
 VARLEN_IMPLS += PACKAGE_VARLEN_IMPLS
+# MLA decode baselines (``flashmoe bench mla``): problems of kind "mla", q (B, Sq, Hq, 576)
+# and the dense latent cache (B, Sk, 576) (K = a latent row, V its first 512 columns, one
+# KV head); o (B, Sq, Hq, 512). The package ones run when importable.
+MLA_IMPLS = ["sdpa-mla"]
+PACKAGE_MLA_IMPLS = ["flashinfer-mla", "flash-mla"]
+MLA_IMPLS += PACKAGE_MLA_IMPLS
 
 # Cap of the spin queued before each start event, microseconds.
 MAX_SPIN_US = 2000.0
@@ -506,9 +512,10 @@ class Worker:
         kind = problem.get("kind")
         if (impl in ATTENTION_IMPLS + DECODE_IMPLS and kind != "attention"
                 or impl in MOE_IMPLS and kind != "moe"
-                or impl in VARLEN_IMPLS and kind != "varlen"):
+                or impl in VARLEN_IMPLS and kind != "varlen"
+                or impl in MLA_IMPLS and kind != "mla"):
             raise NotApplicable(f"{impl} does not run {kind} problems")
-        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS:
+        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS + MLA_IMPLS:
             raise NotApplicable(f"unknown implementation '{impl}'")
         t0 = time.perf_counter()
         inputs = self.acquire_inputs(problem, seed)
@@ -518,6 +525,8 @@ class Worker:
                 self.build_attention(p)
             elif kind == "varlen":
                 self.build_varlen(p)
+            elif kind == "mla":
+                self.build_mla(p)
             else:
                 self.build_moe(p)
             self.probe(p)
@@ -1199,6 +1208,52 @@ class Worker:
             p.notes.append("Sq != Sk causal: bottom-right aligned via an explicit boolean mask")
 
     # ---------------------------------------------------------------- MoE
+    # ---------------------------------------------------------------- MLA
+    def build_mla(self, p):
+        """MLA decode: q (B, Sq, Hq, 576) against one latent KV head (B, Sk, 576); causal
+        bottom-right (row i of a sequence of n keys sees keys j <= n - Sq + i); o (B, Sq, Hq,
+        512). The lab's default scale is DeepSeek's 1/sqrt(192) (mla/mod.rs)."""
+        pr = p.problem
+        b, hq, sq, sk = pr["batch"], pr["heads_q"], pr["seqlen_q"], pr["seqlen_k"]
+        page = int(pr["page_size"])
+        scale = pr.get("softmax_scale")
+        scale = float(np.float32(scale)) if scale is not None else \
+            float(np.float32(1.0) / np.sqrt(np.float32(192.0)))
+        lens = [int(n) for n in (pr.get("seqlens_k") or [sk] * b)]
+        q, kv = p.inputs.tensors["q"], p.inputs.tensors["kv"]
+        if p.impl in PACKAGE_MLA_IMPLS:
+            if not self.cuda:
+                raise NotApplicable(f"{p.impl} needs CUDA")
+            a = pk.Mla(torch, q, kv, b, hq, sq, sk, lens, scale, page)
+            try:
+                pk.build_mla(p.impl, p, a, self.sync)
+            except pk.Unavailable as e:
+                raise NotApplicable(str(e)) from e
+            return
+        # SDPA: the one KV head is shared by every query head, so the heads fold into the
+        # query rows (row r = i · Hq + h of sequence b) against a single-head cache: the
+        # enable_gqa broadcast without expanding K/V to Hq copies (128 × the cache).
+        k = kv.unsqueeze(1)                # (B, 1, Sk, 576)
+        v = kv[..., :512].unsqueeze(1)     # (B, 1, Sk, 512), a view: V is the latent
+        qf = q.reshape(b, 1, sq * hq, 576)
+        mask = None
+        if sq > 1 or any(n != sk for n in lens):
+            i = torch.arange(sq * hq, device=q.device) // hq
+            j = torch.arange(sk, device=q.device)
+            n = torch.tensor(lens, device=q.device).view(b, 1, 1)
+            mask = (j.view(1, 1, sk) <= n - sq + i.view(1, sq * hq, 1)).unsqueeze(1)
+
+        def fn():
+            return F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+
+        p.fn = fn
+        p.outputs = ["o"]
+        p.check = lambda: {"o": fn().reshape(b, sq, hq, 512)}
+        p.notes.append("SDPA (backend of torch's choice) on the latent as one KV head, the "
+                       f"{hq} query heads folded into the rows"
+                       + (", boolean bottom-right causal / length mask" if mask is not None else "")
+                       + "; LSE not reported (O checked only)")
+
     def build_moe(self, p):
         pr = p.problem
         t_, h_, i_, e_, k_ = pr["tokens"], pr["hidden"], pr["intermediate"], pr["experts"], pr["top_k"]

@@ -21,6 +21,8 @@ pub enum Suite {
     Decode,
     /// Packed prefill over sequences of unequal lengths (one varlen call per config).
     Varlen,
+    /// DeepSeek MLA decode over a paged latent cache (`crate::mla`).
+    Mla,
 }
 
 impl Suite {
@@ -30,6 +32,7 @@ impl Suite {
             Suite::Moe => "moe",
             Suite::Decode => "decode",
             Suite::Varlen => "varlen",
+            Suite::Mla => "mla",
         }
     }
 
@@ -40,6 +43,7 @@ impl Suite {
             Suite::Moe => MOE_PRESETS,
             Suite::Decode => DECODE_PRESETS,
             Suite::Varlen => VARLEN_PRESETS,
+            Suite::Mla => MLA_PRESETS,
         }
     }
 
@@ -49,6 +53,7 @@ impl Suite {
             Suite::Attention | Suite::Moe => "quick",
             Suite::Decode => "decode",
             Suite::Varlen => "varlen",
+            Suite::Mla => "mla",
         }
     }
 }
@@ -57,6 +62,7 @@ pub const ATTENTION_PRESETS: &[&str] = &["quick", "sweep", "seed002", "seed003",
 pub const MOE_PRESETS: &[&str] = &["quick", "seed003", "mixtral", "qwen3-30b", "deepseek-v3"];
 pub const DECODE_PRESETS: &[&str] = &["decode", "paged"];
 pub const VARLEN_PRESETS: &[&str] = &["varlen"];
+pub const MLA_PRESETS: &[&str] = &["mla"];
 
 /// Page size of the decode preset's paged cache.
 pub const DECODE_PAGE_SIZE: usize = 16;
@@ -383,6 +389,7 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
         (Suite::Decode, "decode", gpu) => decode_table(gpu),
         (Suite::Decode, "paged", gpu) => paged_table(gpu),
         (Suite::Varlen, "varlen", gpu) => varlen_table(gpu),
+        (Suite::Mla, "mla", gpu) => crate::mla::config::preset_table(gpu),
         (suite, other, _) => bail!(
             "unknown {} preset '{other}': choose one of {}",
             suite.name(),
@@ -493,6 +500,7 @@ pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Ve
         }
         Suite::Decode => v.extend(decode_check_matrix(quick)),
         Suite::Varlen => v.extend(varlen_check_matrix(quick)),
+        Suite::Mla => v.extend(crate::mla::config::check_matrix(quick)),
     }
     v
 }
@@ -858,6 +866,8 @@ pub struct ConfigFile {
     pub decode: Vec<DecodeEntry>,
     #[serde(default)]
     pub varlen: Vec<VarlenEntry>,
+    #[serde(default)]
+    pub mla: Vec<crate::mla::config::MlaEntry>,
 }
 
 /// A value or a list of values (each value gives one config).
@@ -869,7 +879,7 @@ pub enum OneOrMany<T> {
 }
 
 impl<T: Clone> OneOrMany<T> {
-    fn values(&self) -> Vec<T> {
+    pub(crate) fn values(&self) -> Vec<T> {
         match self {
             OneOrMany::One(v) => vec![v.clone()],
             OneOrMany::Many(v) => v.clone(),
@@ -1197,6 +1207,13 @@ pub fn parse_config(text: &str, suite: Suite) -> anyhow::Result<Vec<ProblemSpec>
             .iter()
             .enumerate()
             .map(|(i, e)| expand_varlen(e, i))
+            .collect::<anyhow::Result<Vec<_>>>()?
+            .concat(),
+        Suite::Mla => file
+            .mla
+            .iter()
+            .enumerate()
+            .map(|(i, e)| crate::mla::config::expand_entry(e, i))
             .collect::<anyhow::Result<Vec<_>>>()?
             .concat(),
     };
@@ -1572,7 +1589,13 @@ page_size = [16, 128]
             "{e}"
         );
         assert_eq!(Suite::Varlen.default_preset(), "varlen");
-        for s in [Suite::Attention, Suite::Moe, Suite::Decode, Suite::Varlen] {
+        for s in [
+            Suite::Attention,
+            Suite::Moe,
+            Suite::Decode,
+            Suite::Varlen,
+            Suite::Mla,
+        ] {
             assert!(s.presets().contains(&s.default_preset()), "{}", s.name());
             for name in s.presets() {
                 assert!(!preset(s, name, false).unwrap().is_empty(), "{name}");

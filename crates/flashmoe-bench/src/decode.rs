@@ -329,7 +329,12 @@ fn next(state: &mut u64) -> u64 {
 /// The block table `[batch, max_blocks]`: a deterministic shuffle of `0..num_blocks`
 /// (page `j` of sequence `b` lives in block `table[b · max_blocks + j]`).
 pub fn block_table(p: &DecodeProblem) -> Vec<i32> {
-    let n = p.num_blocks();
+    shuffled_blocks(p.num_blocks())
+}
+
+/// A deterministic shuffle of `0..n` (the block ids of the lab's paged caches: decode and
+/// MLA).
+pub fn shuffled_blocks(n: usize) -> Vec<i32> {
     let mut perm: Vec<i32> = (0..n as i32).collect();
     let mut state = TABLE_SEED;
     for i in (1..n).rev() {

@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod grades;
 pub mod manifest;
 pub mod measure;
+pub mod mla;
 pub mod profile;
 pub mod report;
 pub mod results;

@@ -4,6 +4,7 @@
 
 use crate::decode::DecodeProblem;
 use crate::manifest::Manifest;
+use crate::mla::MlaProblem;
 use crate::stats::{Comparison, Summary};
 use crate::varlen::VarlenProblem;
 use flashmoe::{AttentionProblem, MoeProblem};
@@ -84,6 +85,8 @@ pub enum ProblemSpec {
     Decode(DecodeProblem),
     /// A packed prefill over sequences of unequal lengths (`flashmoe bench varlen`).
     Varlen(VarlenProblem),
+    /// A DeepSeek MLA decode step over a paged latent cache (`flashmoe bench mla`).
+    Mla(MlaProblem),
 }
 
 impl ProblemSpec {

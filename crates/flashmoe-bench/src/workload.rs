@@ -5,6 +5,7 @@
 //! family implements this trait instead of adding an arm to every match.
 
 use crate::decode::DecodeProblem;
+use crate::mla::MlaProblem;
 use crate::results::ProblemSpec;
 use crate::varlen::VarlenProblem;
 use flashmoe::{AttentionProblem, DType, MoeProblem};
@@ -188,6 +189,40 @@ impl Workload for VarlenProblem {
     }
 }
 
+impl Workload for MlaProblem {
+    fn id(&self) -> String {
+        MlaProblem::id(self)
+    }
+    fn label(&self) -> String {
+        self.to_string()
+    }
+    fn x_value(&self) -> f64 {
+        self.seqlen_k as f64
+    }
+    fn x_label(&self) -> &'static str {
+        "cached keys per sequence"
+    }
+    fn panel(&self) -> String {
+        format!(
+            "MLA Hq={} Sq={} page={} {}",
+            self.heads_q, self.seqlen_q, self.page_size, self.dtype
+        )
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn flops(&self) -> f64 {
+        MlaProblem::flops(self)
+    }
+    fn validate(&self) -> flashmoe::Result<()> {
+        MlaProblem::validate(self)
+    }
+    /// One query row of one head: the 512-wide value.
+    fn gate_row_len(&self) -> usize {
+        flashmoe::attention::mla::D_V
+    }
+}
+
 impl ProblemSpec {
     /// The family's problem behind the framework's one interface.
     pub fn workload(&self) -> &dyn Workload {
@@ -196,6 +231,7 @@ impl ProblemSpec {
             ProblemSpec::Moe(p) => p,
             ProblemSpec::Decode(p) => p,
             ProblemSpec::Varlen(p) => p,
+            ProblemSpec::Mla(p) => p,
         }
     }
 }

@@ -18,7 +18,7 @@ use flashmoe::reference::attention::AttentionOutput;
 use flashmoe::{AttentionProblem, DType, MoeProblem, Scoring};
 use flashmoe_bench::config::Suite;
 use flashmoe_bench::results::ProblemSpec;
-use flashmoe_bench::runner::pipeline::{gate, inputs_checksum};
+use flashmoe_bench::runner::pipeline::{gate, generated_inputs_checksum, inputs_checksum};
 use flashmoe_bench::runner::python::{
     baselines, baselines_with, PythonWorker, WorkerError, WorkerOptions, ATTENTION_BASELINES,
 };
@@ -313,6 +313,11 @@ fn problem_checksum_matches_inputs_checksum() {
         let mut v = VarlenProblem::new(&[], 6, 2, 64, true, dt);
         v.seqlens = vec![(37, 300), (0, 5), (129, 129), (7, 0), (1, 1)];
         problems.push(ProblemSpec::Varlen(v));
+        // MLA: q and the dense latent (no value tensor); f32 has no MLA kernel but the
+        // generator is the same.
+        let mut m = flashmoe_bench::mla::MlaProblem::new(2, 3, 2, 70, 16, dt);
+        m.seqlens_k = vec![70, 5];
+        problems.push(ProblemSpec::Mla(m));
     }
     for (i, p) in problems.iter().enumerate() {
         let seed = 0x5eed + i as u64;
@@ -321,8 +326,13 @@ fn problem_checksum_matches_inputs_checksum() {
             ProblemSpec::Moe(m) => m.dtype,
             ProblemSpec::Decode(d) => d.dtype,
             ProblemSpec::Varlen(v) => v.dtype,
+            ProblemSpec::Mla(m) => m.dtype,
         };
-        let want = inputs_checksum(&SuiteInputs::generate(p, seed), dtype);
+        let inputs = SuiteInputs::generate(p, seed);
+        let want = generated_inputs_checksum(p, seed, &inputs);
+        if !matches!(p, ProblemSpec::Mla(_)) {
+            assert_eq!(want, inputs_checksum(&inputs, dtype));
+        }
         let out = run_inputs_py(
             &py,
             &[
@@ -785,6 +795,11 @@ fn real_worker_on_cpu_through_the_pipeline() {
             v.seqlens = vec![(37, 60), (17, 17), (64, 64)];
             ProblemSpec::Varlen(v)
         }),
+        (Suite::Mla, {
+            let mut m = flashmoe_bench::mla::MlaProblem::new(2, 4, 2, 70, 16, DType::Bf16);
+            m.seqlens_k = vec![70, 33];
+            ProblemSpec::Mla(m)
+        }),
     ] {
         let mut opts = WorkerOptions::new(&py);
         opts.device = Some("cpu".into());
@@ -819,6 +834,8 @@ fn real_worker_on_cpu_through_the_pipeline() {
             Suite::Decode => &[],
             // The per-sequence SDPA loop (SDPA's CPU backend in development mode).
             Suite::Varlen => &["sdpa-cudnn-loop"],
+            // SDPA on the gathered latent (the package baselines need CUDA).
+            Suite::Mla => &["sdpa-mla"],
         };
         for name in must_pass {
             let row = res

@@ -11,6 +11,7 @@ use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuCopyCalibration, GpuReferenceProvider, GpuSession,
 };
 use flashmoe_bench::runner::gpu_decode::GpuDecode;
+use flashmoe_bench::runner::gpu_mla::GpuMla;
 use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
 use flashmoe_bench::runner::gpu_varlen::{GpuVarlen, GpuVarlenDense};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
@@ -126,10 +127,11 @@ fn gpu_settings(seed: u64, flush_bytes: usize) -> MeasureSettings {
 
 /// The CPU lab: the f64 reference and the tiled f32 algorithm (attention) or the grouped
 /// f32 algorithm (MoE); decode: the paged f64 reference and the tiled algorithm on the
-/// dense cache; varlen: both attention algorithms sequence by sequence.
+/// dense cache; varlen: both attention algorithms sequence by sequence; MLA: the library's
+/// f64 reference and the key-blocked f64 computation (in the tiled slot).
 pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
     let implementations: Vec<Box<dyn Implementation>> = match suite {
-        Suite::Attention | Suite::Decode | Suite::Varlen => vec![
+        Suite::Attention | Suite::Decode | Suite::Varlen | Suite::Mla => vec![
             Box::new(CpuImplementation::reference()),
             Box::new(CpuImplementation::tiled()),
         ],
@@ -139,7 +141,7 @@ pub fn cpu_lab(suite: Suite, seed: u64) -> Lab {
         ],
     };
     let default_candidate = match suite {
-        Suite::Attention | Suite::Decode | Suite::Varlen => "cpu-tiled",
+        Suite::Attention | Suite::Decode | Suite::Varlen | Suite::Mla => "cpu-tiled",
         Suite::Moe => "cpu-grouped",
     };
     Lab {
@@ -261,6 +263,15 @@ pub fn select(
             let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
             lab.implementations = vec![Box::new(GpuDecode { session })];
             lab.default_candidate = "flashmoe-decode".into();
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            lab
+        }
+        Ok(session) if suite == Suite::Mla => {
+            let mut lab = gpu_lab(suite, seed, session.clone(), for_check);
+            lab.implementations = vec![Box::new(GpuMla { session })];
+            lab.default_candidate = "flashmoe-mla".into();
             if let Some(python) = python {
                 add_baselines(&mut lab, suite, python, seed);
             }

@@ -78,6 +78,8 @@ enum SuiteArg {
     Decode,
     /// Packed (varlen) prefill over sequences of unequal lengths.
     Varlen,
+    /// DeepSeek MLA decode over a paged latent cache.
+    Mla,
     /// End-to-end decoder models in PyTorch (`python/flashmoe_e2e.py`; bench only).
     E2e,
 }
@@ -90,6 +92,7 @@ impl SuiteArg {
             SuiteArg::Moe => Ok(Suite::Moe),
             SuiteArg::Decode => Ok(Suite::Decode),
             SuiteArg::Varlen => Ok(Suite::Varlen),
+            SuiteArg::Mla => Ok(Suite::Mla),
             SuiteArg::E2e => anyhow::bail!(
                 "e2e has no check suite: `bench e2e` gates every model's logits against an fp32 forward"
             ),

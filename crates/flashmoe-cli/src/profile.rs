@@ -29,6 +29,7 @@ fn is_python_baseline(name: &str) -> bool {
         .chain(python::MOE_BASELINES)
         .chain(python::DECODE_BASELINES)
         .chain(python::VARLEN_BASELINES)
+        .chain(python::MLA_BASELINES)
         .any(|n| *n == name)
 }
 
@@ -210,6 +211,7 @@ pub fn target(args: &ProfileTargetArgs) -> anyhow::Result<ExitCode> {
         ProblemSpec::Moe(_) => Suite::Moe,
         ProblemSpec::Decode(_) => Suite::Decode,
         ProblemSpec::Varlen(_) => Suite::Varlen,
+        ProblemSpec::Mla(_) => Suite::Mla,
     };
     let baseline = is_python_baseline(&args.implementation);
     let python = baseline.then_some(args.python.as_path());

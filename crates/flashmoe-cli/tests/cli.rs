@@ -270,6 +270,53 @@ fn cpu_varlen_quick_check_passes_end_to_end() {
     );
 }
 
+/// `check --suite mla --quick` and `bench mla` on the CPU: the MLA check matrix (ragged
+/// lengths, Sq 1..4, Hq 16/128, bf16/f16, a long split batch) with the key-blocked f64
+/// computation against the library's f64 reference, and the CPU preset through the whole
+/// pipeline with the cache-byte model as the bytes.
+#[test]
+fn cpu_mla_check_and_bench_run_end_to_end() {
+    use flashmoe_bench::results::ProblemSpec;
+    let o = flashmoe(&["check", "--suite", "mla", "--quick", "--cpu", "--seed", "5"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", stderr(&o));
+    let last = out.lines().last().unwrap_or_default();
+    assert!(last.ends_with("5 passed, 0 failed, 0 skipped"), "{last}");
+    assert!(out.contains("MLA decode k4099,1000"), "{out}");
+    let dir = tempfile::tempdir().unwrap();
+    let o = flashmoe(&[
+        "bench",
+        "mla",
+        "--cpu",
+        "--out",
+        dir.path().to_str().unwrap(),
+        "--max-time",
+        "0.05",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let r = report::read_json(&dir.path().join("results.json")).unwrap();
+    assert_eq!((r.suite.as_str(), r.configs.len()), ("mla", 6));
+    for c in &r.configs {
+        let ProblemSpec::Mla(p) = &c.problem else {
+            panic!("{}: not an MLA config", c.id)
+        };
+        assert_eq!(
+            (c.flops, c.min_bytes),
+            (p.flops(), p.kv_bytes()),
+            "{}",
+            c.id
+        );
+        for imp in &c.implementations {
+            let acc = imp.accuracy.as_ref().unwrap();
+            assert!(
+                acc.passed && acc.reference == "cpu-f64",
+                "{}: {acc:?}",
+                imp.name
+            );
+        }
+    }
+}
+
 /// `bench varlen --cpu`: the varlen preset (its CPU shapes) through the whole pipeline,
 /// the default preset when none is named, `--config` with a `[[varlen]]` entry, and a bad
 /// entry as one error line.

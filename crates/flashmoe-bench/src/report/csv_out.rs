@@ -79,6 +79,7 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
         crate::results::ProblemSpec::Moe(_) => "moe",
         crate::results::ProblemSpec::Decode(_) => "decode",
         crate::results::ProblemSpec::Varlen(_) => "varlen",
+        crate::results::ProblemSpec::Mla(_) => "mla",
     };
     let mut r = vec![
         c.id.clone(),

@@ -51,6 +51,7 @@ pub fn flops_bytes(p: &ProblemSpec) -> (f64, f64) {
         ProblemSpec::Moe(m) => (m.flops(), m.min_bytes(m.experts)),
         ProblemSpec::Decode(d) => (d.flops(), d.kv_bytes()),
         ProblemSpec::Varlen(v) => (v.flops(), v.min_bytes()),
+        ProblemSpec::Mla(m) => (m.flops(), m.kv_bytes()),
     }
 }
 

@@ -1,12 +1,14 @@
 //! CPU implementations: the f64 ground truth and the tiled f32 FlashAttention algorithm
 //! (attention), the f64 reference (MoE), the paged f64 reference and the tiled algorithm
-//! on the dense cache (decode), both sequence by sequence in the packed layout (varlen).
+//! on the dense cache (decode), both sequence by sequence in the packed layout (varlen);
+//! MLA: the library's f64 reference per sequence and, in the tiled slot, the key-blocked
+//! f64 computation on the dense latent (`crate::mla`).
 //! Timed with the host clock.
 
 use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
-use crate::{decode, varlen};
+use crate::{decode, mla, varlen};
 use anyhow::Context;
 use flashmoe::reference::{attention, attention_tiled, moe, moe_grouped};
 use std::time::Instant;
@@ -107,6 +109,20 @@ fn run(
             })?;
             Outputs::Attention { o: r.o, lse: r.lse }
         }
+        (ProblemSpec::Mla(p), SuiteInputs::Attention(x), CpuAlgorithm::Reference) => {
+            let r = mla::reference_f64(p, x)?;
+            Outputs::Attention {
+                o: r.o.iter().map(|&v| v as f32).collect(),
+                lse: r.lse.iter().map(|&v| v as f32).collect(),
+            }
+        }
+        (ProblemSpec::Mla(p), SuiteInputs::Attention(x), CpuAlgorithm::Tiled) => {
+            let r = mla::blocked_f64(p, x)?;
+            Outputs::Attention {
+                o: r.o.iter().map(|&v| v as f32).collect(),
+                lse: r.lse.iter().map(|&v| v as f32).collect(),
+            }
+        }
         (ProblemSpec::Moe(p), SuiteInputs::Moe(x), CpuAlgorithm::Reference) => {
             let r = moe::moe_f64(p, x)?;
             Outputs::Moe {
@@ -144,7 +160,10 @@ impl Implementation for CpuImplementation {
                 Err("the tiled CPU algorithm is attention-only".into())
             }
             (
-                ProblemSpec::Attention(_) | ProblemSpec::Decode(_) | ProblemSpec::Varlen(_),
+                ProblemSpec::Attention(_)
+                | ProblemSpec::Decode(_)
+                | ProblemSpec::Varlen(_)
+                | ProblemSpec::Mla(_),
                 CpuAlgorithm::Grouped,
             ) => Err("the grouped CPU algorithm is MoE-only".into()),
             (ProblemSpec::Decode(p), CpuAlgorithm::Tiled) if !p.is_plain() => Err(
@@ -233,6 +252,9 @@ impl ReferenceProvider for CpuReference {
             ),
             (ProblemSpec::Varlen(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
                 varlen::reference_f64(p, x).context("CPU f64 varlen reference (per sequence)")?,
+            ),
+            (ProblemSpec::Mla(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
+                mla::reference_f64(p, x).context("CPU f64 MLA reference (per sequence)")?,
             ),
             _ => anyhow::bail!("inputs do not match the problem kind"),
         })

@@ -295,16 +295,24 @@ impl GpuReferenceProvider {
     }
 }
 
+/// Name of the reference of MLA configs above the CPU f64 reference's size: no GPU
+/// reference kernel has MLA's 576/512 head dims, so the key-blocked f64 computation on the
+/// host (`crate::mla::blocked_f64`, checked equal to the library reference by its tests).
+pub const MLA_LARGE_REFERENCE: &str = "cpu-f64-blocked";
+
 impl ReferenceProvider for GpuReferenceProvider {
     fn name(&self, problem: &ProblemSpec) -> String {
-        if self.use_cpu(problem) {
+        if matches!(problem, ProblemSpec::Mla(_)) && !self.use_cpu(problem) {
+            MLA_LARGE_REFERENCE.into()
+        } else if self.use_cpu(problem) {
             CpuReference.name(problem)
         } else {
             "gpu-fp32".into()
         }
     }
     fn serves_as(&self, problem: &ProblemSpec) -> Option<&str> {
-        (!self.use_cpu(problem)).then_some("gpu-reference")
+        let gpu = !self.use_cpu(problem) && !matches!(problem, ProblemSpec::Mla(_));
+        gpu.then_some("gpu-reference")
     }
     fn compute(
         &self,
@@ -313,6 +321,10 @@ impl ReferenceProvider for GpuReferenceProvider {
     ) -> anyhow::Result<ReferenceOutputs> {
         if self.use_cpu(problem) {
             return CpuReference.compute(problem, inputs);
+        }
+        if let (ProblemSpec::Mla(p), SuiteInputs::Attention(x)) = (problem, inputs) {
+            let r = crate::mla::blocked_f64(p, x).context("key-blocked f64 MLA reference")?;
+            return Ok(ReferenceOutputs::Attention(r));
         }
         if let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) {
             let r = flashmoe::moe::reference::moe_reference_gpu(&self.session.device, p, x)

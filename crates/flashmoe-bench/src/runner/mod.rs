@@ -7,6 +7,7 @@ pub mod check;
 pub mod cpu;
 pub mod gpu;
 pub mod gpu_decode;
+pub mod gpu_mla;
 pub mod gpu_moe;
 pub mod gpu_varlen;
 pub mod pipeline;
@@ -23,7 +24,8 @@ use flashmoe::reference::moe::{MoeInputs, MoeOutput};
 /// problem's inputs are those of its dense attention problem
 /// ([`crate::decode::DecodeProblem::dense`]): implementations on a paged cache build it
 /// from them. A varlen problem's are the packed tensors q `(total_q, Hq, D)`, k and v
-/// `(total_k, Hkv, D)` ([`crate::varlen::VarlenProblem::packed`]).
+/// `(total_k, Hkv, D)` ([`crate::varlen::VarlenProblem::packed`]). An MLA
+/// problem's are q and the dense latent cache, `v` empty ([`crate::mla::generate_inputs`]).
 pub enum SuiteInputs {
     Attention(AttentionInputs),
     Moe(MoeInputs),
@@ -40,6 +42,7 @@ impl SuiteInputs {
             ProblemSpec::Varlen(p) => {
                 SuiteInputs::Attention(AttentionInputs::generate(&p.packed(), seed))
             }
+            ProblemSpec::Mla(p) => SuiteInputs::Attention(crate::mla::generate_inputs(p, seed)),
         }
     }
 }
@@ -146,6 +149,13 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
         ProblemSpec::Varlen(p) => {
             let d = p.packed();
             ((d.q_elems() + 2 * d.kv_elems()) * 4 + d.q_elems() * 24) as u64
+        }
+        // q, the dense latent, one paged copy (f32), the f64 reference's o and lse and the
+        // f32 outputs read back.
+        ProblemSpec::Mla(p) => {
+            let paged = p.num_blocks() * p.page_size * flashmoe::attention::mla::D_QK;
+            ((p.q_elems() + p.latent_elems() + paged) * 4 + (p.o_elems() + p.lse_elems()) * 12)
+                as u64
         }
     }
 }

@@ -76,6 +76,10 @@ pub fn generated_inputs_checksum(problem: &ProblemSpec, seed: u64, inputs: &Suit
     use std::collections::HashMap;
     use std::sync::Mutex;
     static WEIGHTS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+    // MLA has no value tensor: q and the latent cache only (`flashmoe_inputs.mla_specs`).
+    if let (ProblemSpec::Mla(p), SuiteInputs::Attention(x)) = (problem, inputs) {
+        return fold_checksums(&[checksum(&x.q, p.dtype), checksum(&x.k, p.dtype)]);
+    }
     let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
         return inputs_checksum(inputs, dtype_of(problem));
     };
@@ -208,9 +212,10 @@ pub fn gate(
             if let Some(ids) = topk_ids {
                 let experts = match problem {
                     ProblemSpec::Moe(p) => p.experts,
-                    ProblemSpec::Attention(_) | ProblemSpec::Decode(_) | ProblemSpec::Varlen(_) => {
-                        0
-                    }
+                    ProblemSpec::Attention(_)
+                    | ProblemSpec::Decode(_)
+                    | ProblemSpec::Varlen(_)
+                    | ProblemSpec::Mla(_) => 0,
                 };
                 let c = compare_routing(ids, &r.routing, experts);
                 let note = if c.mismatched > 0 {
@@ -266,6 +271,8 @@ fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64
         ProblemSpec::Decode(p) => p.kv_bytes(),
         // Varlen: the packed tensors (the sum of the sequences' dense minimum bytes).
         ProblemSpec::Varlen(p) => p.min_bytes(),
+        // MLA: the latent cache read once (GB/s of the cache, as decode).
+        ProblemSpec::Mla(p) => p.kv_bytes(),
         ProblemSpec::Moe(p) => {
             let touched = match reference {
                 Some(ReferenceOutputs::Moe(r)) => {

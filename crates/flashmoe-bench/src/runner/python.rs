@@ -82,6 +82,15 @@ pub const VARLEN_BASELINES: &[&str] = &[
     "flashinfer-varlen",
 ];
 
+/// MLA decode baselines, in report order (the worker receives the MLA config itself: q
+/// `[B, Sq, Hq, 576]`, the dense latent `[B, Sk, 576]`; o `[B, Sq, Hq, 512]`, lse
+/// `[B, Sq, Hq]`): SDPA on the latent gathered into a dense cache (K = the latent, V its
+/// first 512 columns, one KV head broadcast with `enable_gqa`, causal bottom-right for
+/// Sq > 1), and, when importable (n/a with the import error otherwise), FlashInfer's
+/// `BatchMLAPagedAttentionWrapper` and DeepSeek's FlashMLA (`flash_mla`) on the latent
+/// viewed as pages of 64.
+pub const MLA_BASELINES: &[&str] = &["sdpa-mla", "flashinfer-mla", "flash-mla"];
+
 /// MoE baselines, in report order; the last three come from third-party packages (vLLM's
 /// and SGLang's Triton `fused_experts`, QuACK's varlen grouped GEMM), run when importable.
 pub const MOE_BASELINES: &[&str] = &[
@@ -841,6 +850,7 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Moe(_) => (MOE_BASELINES, "MoE"),
             ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
             ProblemSpec::Varlen(_) => (VARLEN_BASELINES, "varlen"),
+            ProblemSpec::Mla(_) => (MLA_BASELINES, "MLA"),
         };
         if let ProblemSpec::Decode(p) = problem {
             if !p.is_plain() {
@@ -1046,6 +1056,19 @@ impl Prepared for PythonPrepared {
                 Outputs::Attention { o, lse }
             }
             ProblemSpec::Decode(_) => bail!("a decode config reached the worker undensified"),
+            ProblemSpec::Mla(p) => {
+                let o = read_le(
+                    &file_field(&files, "o").ok_or_else(|| missing("o"))?,
+                    p.o_elems(),
+                    "O",
+                    f32_of,
+                )?;
+                let lse = match file_field(&files, "lse") {
+                    Some(path) => read_le(&path, p.lse_elems(), "LSE", f32_of)?,
+                    None => Vec::new(),
+                };
+                Outputs::Attention { o, lse }
+            }
             // The packed layout: o (total_q, Hq, D), lse (Hq, total_q).
             ProblemSpec::Varlen(p) => {
                 let (tq, hq) = (p.total_q(), p.heads_q);
@@ -1150,6 +1173,7 @@ pub fn baselines_with(
         Suite::Moe => MOE_BASELINES,
         Suite::Decode => DECODE_BASELINES,
         Suite::Varlen => VARLEN_BASELINES,
+        Suite::Mla => MLA_BASELINES,
     };
     // A baseline whose package is missing is left out of the run, with the reason.
     let unavailable = &worker.hello().unavailable;
