@@ -179,6 +179,13 @@ for s in "$@"; do
                   for f in results.json results.md report.html; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
     bench-paged)  stage bench-paged 240 $BIN bench decode --preset paged --no-baselines --max-time 0.3 --out /tmp/bench-paged
                   for f in results.json results.md; do cp /tmp/bench-paged/$f "$OUT/paged-$f" 2>/dev/null; done ;;
+    # MLA decode (issue 35): the check matrix against the library's f64 reference, and the mla
+    # preset (DeepSeek-V3 shapes) with the SDPA / FlashInfer / FlashMLA baselines. The large
+    # configs are checked against the key-blocked f64 computation on the host (no GPU
+    # reference has MLA's head dims): most of the stage's time is that reference.
+    check-mla)    stage check-mla 240 $BIN check --suite mla ;;
+    bench-mla)    stage bench-mla 540 $BIN bench mla --preset mla --max-time 0.5 --out /tmp/bench-mla
+                  for f in results.json results.md report.html; do cp /tmp/bench-mla/$f "$OUT/mla-$f" 2>/dev/null; done ;;
     # Whether the lab's memset flush sets a floor under B=1 decode (docs/design/attention-decode.md).
     flush-probe)  stage flush-probe 120 python3 tools/probes/l2_flush_probe.py ;;
     # memcheck + racecheck of the decode kernel on small paged shapes: a forced 6-way split
