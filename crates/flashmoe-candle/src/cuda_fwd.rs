@@ -38,7 +38,7 @@ fn mismatch() -> candle_core::Error {
 }
 
 /// A contiguous u32 or i32 index tensor on the GPU as an int32 view (u32 reinterpreted).
-fn int32_view<'a>(name: &str, st: &'a Storage, l: &Layout) -> Result<CudaView<'a, i32>> {
+pub(crate) fn int32_view<'a>(name: &str, st: &'a Storage, l: &Layout) -> Result<CudaView<'a, i32>> {
     let Storage::Cuda(c) = st else {
         bail!("flash-attn: {name} must be a cuda tensor")
     };
@@ -59,7 +59,7 @@ fn int32_view<'a>(name: &str, st: &'a Storage, l: &Layout) -> Result<CudaView<'a
 
 /// A (rows, cols) index matrix with a contiguous last dim as an int32 view from its start
 /// offset, with its row stride.
-fn int32_matrix<'a>(
+pub(crate) fn int32_matrix<'a>(
     name: &str,
     st: &'a Storage,
     l: &Layout,

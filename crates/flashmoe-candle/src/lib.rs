@@ -31,6 +31,11 @@
 //!   `-slope · |i + seq_k - seq_q - j|` after the softcap): the prefill plan's portable
 //!   kernel on every GPU, any mask and softcap, head dims that are multiples of 8 up to 256.
 //!
+//! - `mla_decode`: DeepSeek-V2/V3 MLA decode over a paged latent cache (q (batch, seq_q,
+//!   heads_q, 576), one latent KV head of 576 columns whose first 512 are the value, u32/i32
+//!   block table and cache lengths, up to 16 query rows per sequence): `MlaDecodePlan`
+//!   (`mla.rs`, which holds its own plan and workspace caches).
+//!
 //! Everything else (ALiBi with variable-length or paged batches, windows or softcap of
 //! prefill-sized calls that the sm_90a kernel does not serve, chunked prefill on a paged
 //! cache, `mm_prefix_ranges`) returns an error that names the feature and the kernels'
@@ -47,9 +52,11 @@ pub mod check;
 mod cuda_fwd;
 #[cfg(feature = "cuda")]
 mod flashmoe_api;
+mod mla;
 #[cfg(feature = "cuda")]
 mod plans;
 
+pub use mla::mla_decode;
 #[cfg(feature = "cuda")]
 pub use plans::clear_caches;
 

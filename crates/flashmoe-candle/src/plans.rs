@@ -72,4 +72,5 @@ pub fn clear_caches() {
     if let Some(c) = WORKSPACES.get() {
         c.clear();
     }
+    crate::mla::clear_caches();
 }
