@@ -304,24 +304,24 @@ pub fn reference_f64(
 /// Heads per task of [`blocked_f64`]: the sequence's keys are streamed once per group.
 const HEAD_GROUP: usize = 32;
 
-/// Dot product in f64 with 8 independent partial sums (vectorisable; the order differs
-/// from the library reference's, the precision does not).
-fn dot8(a: &[f64], b: &[f64]) -> f64 {
-    let mut acc = [0f64; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f64 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
+/// Four f64 dot products of `k` with `q[0..4]`, 8 partial sums each (vectorisable, and
+/// each key element loaded once for four rows; the order differs from the library
+/// reference's, the precision does not). Lengths are multiples of 8 (576).
+fn dot8x4(q: &[Vec<f64>], k: &[f64]) -> [f64; 4] {
+    let mut acc = [[0f64; 8]; 4];
+    for e in (0..k.len()).step_by(8) {
+        let kk = &k[e..e + 8];
+        for (t, a) in acc.iter_mut().enumerate() {
+            let qq = &q[t][e..e + 8];
+            for i in 0..8 {
+                a[i] += qq[i] * kk[i];
+            }
         }
     }
-    acc.iter().sum::<f64>() + tail
+    acc.map(|a| a.iter().sum())
 }
+
+const _: () = assert!(D_QK.is_multiple_of(8));
 
 /// An independent f64 computation of the step on the dense latent cache: per (sequence,
 /// group of heads) the scores of every row against every visible key (keys streamed once),
@@ -351,28 +351,34 @@ pub fn blocked_f64(p: &MlaProblem, x: &AttentionInputs) -> flashmoe::Result<Atte
             let heads = (g * group)..((g + 1) * group).min(hq);
             let nh = heads.len();
             let n = seqused[b];
-            let qrows: Vec<Vec<f64>> = (0..sq)
+            let rows = sq * nh;
+            // Query rows (i, h) as f64, padded with zero rows to a multiple of 4.
+            let mut qrows: Vec<Vec<f64>> = (0..sq)
                 .flat_map(|i| heads.clone().map(move |h| (i, h)))
                 .map(|(i, h)| {
                     let at = ((b * sq + i) * hq + h) * D_QK;
                     x.q[at..at + D_QK].iter().map(|&v| v as f64).collect()
                 })
                 .collect();
-            let visible = |i: usize| n - sq + i + 1;
-            let mut scores = vec![f64::NEG_INFINITY; sq * nh * n];
+            qrows.resize(rows.next_multiple_of(4), vec![0f64; D_QK]);
+            let visible = |r: usize| n - sq + r / nh + 1;
+            let mut scores = vec![f64::NEG_INFINITY; rows * n];
             let mut key = vec![0f64; D_QK];
             for j in 0..n {
                 let at = (b * sk + j) * D_QK;
                 for (kd, &v) in key.iter_mut().zip(&x.k[at..at + D_QK]) {
                     *kd = v as f64;
                 }
-                for (r, q) in qrows.iter().enumerate() {
-                    if j < visible(r / nh) {
-                        scores[r * n + j] = scale * dot8(q, &key);
+                for (c, four) in qrows.chunks(4).enumerate() {
+                    for (t, d) in dot8x4(four, &key).into_iter().enumerate() {
+                        let r = 4 * c + t;
+                        if r < rows && j < visible(r) {
+                            scores[r * n + j] = scale * d;
+                        }
                     }
                 }
             }
-            let mut lse = vec![0f64; sq * nh];
+            let mut lse = vec![0f64; rows];
             for (r, s) in scores.chunks_mut(n).enumerate() {
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let l: f64 = s.iter().map(|&v| (v - m).exp()).sum();
@@ -381,18 +387,33 @@ pub fn blocked_f64(p: &MlaProblem, x: &AttentionInputs) -> flashmoe::Result<Atte
                 }
                 lse[r] = m + l.ln();
             }
-            let mut o = vec![0f64; sq * nh * D_V];
-            for j in 0..n {
-                let at = (b * sk + j) * D_QK;
-                for (kd, &v) in key[..D_V].iter_mut().zip(&x.k[at..at + D_V]) {
-                    *kd = v as f64;
-                }
-                for (r, orow) in o.chunks_mut(D_V).enumerate() {
-                    let w = scores[r * n + j];
-                    if w != 0.0 {
-                        for (od, &vd) in orow.iter_mut().zip(&key[..D_V]) {
-                            *od += w * vd;
+            // O += P V, four keys per pass over the rows (each O row loaded once per four).
+            let mut o = vec![0f64; rows * D_V];
+            let mut vals = vec![0f64; 4 * D_V];
+            for j0 in (0..n).step_by(4) {
+                let nk = 4.min(n - j0);
+                for t in 0..4 {
+                    let dst = &mut vals[t * D_V..(t + 1) * D_V];
+                    if t < nk {
+                        let at = (b * sk + j0 + t) * D_QK;
+                        for (vd, &v) in dst.iter_mut().zip(&x.k[at..at + D_V]) {
+                            *vd = v as f64;
                         }
+                    } else {
+                        dst.fill(0.0);
+                    }
+                }
+                let (v0, rest) = vals.split_at(D_V);
+                let (v1, rest) = rest.split_at(D_V);
+                let (v2, v3) = rest.split_at(D_V);
+                for (r, orow) in o.chunks_mut(D_V).enumerate() {
+                    let w: [f64; 4] =
+                        std::array::from_fn(|t| if t < nk { scores[r * n + j0 + t] } else { 0.0 });
+                    if w == [0.0; 4] {
+                        continue;
+                    }
+                    for d in 0..D_V {
+                        orow[d] += w[0] * v0[d] + w[1] * v1[d] + w[2] * v2[d] + w[3] * v3[d];
                     }
                 }
             }
