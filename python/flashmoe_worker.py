@@ -1207,7 +1207,6 @@ class Worker:
         if a.causal and any(sq != sk for sq, sk in a.lens if sq and sk):
             p.notes.append("Sq != Sk causal: bottom-right aligned via an explicit boolean mask")
 
-    # ---------------------------------------------------------------- MoE
     # ---------------------------------------------------------------- MLA
     def build_mla(self, p):
         """MLA decode: q (B, Sq, Hq, 576) against one latent KV head (B, Sk, 576); causal
@@ -1254,6 +1253,7 @@ class Worker:
                        + (", boolean bottom-right causal / length mask" if mask is not None else "")
                        + "; LSE not reported (O checked only)")
 
+    # ---------------------------------------------------------------- MoE
     def build_moe(self, p):
         pr = p.problem
         t_, h_, i_, e_, k_ = pr["tokens"], pr["hidden"], pr["intermediate"], pr["experts"], pr["top_k"]
