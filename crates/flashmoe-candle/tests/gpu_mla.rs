@@ -110,13 +110,12 @@ fn run_case(dev: &Device, c: &Case, seed: u64) -> Result<()> {
         kv
     };
     let kv = kv.to_device(dev)?;
-    let bt = Tensor::from_vec(table, (b, max_blocks), &Device::Cpu)?;
     let bt = if c.i32_table {
-        bt.to_dtype(DType::I64)?.to_dtype(DType::I32)?
+        let t: Vec<i32> = table.iter().map(|&x| x as i32).collect();
+        Tensor::from_vec(t, (b, max_blocks), dev)?
     } else {
-        bt
-    }
-    .to_device(dev)?;
+        Tensor::from_vec(table, (b, max_blocks), dev)?
+    };
     let lens: Vec<u32> = c.lens.iter().map(|&n| n as u32).collect();
     let seqlens = Tensor::from_vec(lens, b, &Device::Cpu)?.to_device(dev)?;
     let max_k = *c.lens.iter().max().unwrap();
