@@ -47,6 +47,131 @@ pub const BWD_DQ_ENTRY: &str = "flash_attn_bwd_dq";
 pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 /// Rows per block of the preprocess kernel (one warp each).
 const PREPROCESS_ROWS: u32 = 4;
+/// Source of the Hopper (sm_90a, wgmma) dK/dV and dQ kernels; the preprocess stays
+/// [`BWD_PREPROCESS_ENTRY`] of [`BWD_SOURCE`].
+pub const BWD_SM90_SOURCE: &str = "flash_attn_bwd_sm90.cu";
+pub const BWD_SM90_DKDV_ENTRY: &str = "flash_attn_bwd_sm90_dkdv";
+pub const BWD_SM90_DQ_ENTRY: &str = "flash_attn_bwd_sm90_dq";
+/// Head dims the sm_90a backward serves.
+pub const BWD_SM90_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Which kernels a backward plan runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BwdKernel {
+    /// `flash_attn_bwd.cu` (mma.sync, sm_80 and newer): every class the backward serves.
+    Portable,
+    /// `flash_attn_bwd_sm90.cu` (wgmma, compute capability 9.0): head dims 64 and 128,
+    /// bf16/f16, causal or not, Sq ≠ Sk, GQA; no window, no softcap.
+    Sm90(Sm90BwdTile),
+}
+
+/// Tile of the sm_90a backward kernels (their FM_KV_BLOCK_M, FM_Q_BLOCK_N, FM_STAGES).
+/// Both kernels run two warpgroups of 64 stationary rows each: 128 keys per dK/dV CTA,
+/// 128 query rows per dQ CTA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sm90BwdTile {
+    pub head_dim: u32,
+    /// Query rows per step of the dK/dV kernel (64 or 128).
+    pub kv_block_m: u32,
+    /// Keys per step of the dQ kernel (64 or 128).
+    pub q_block_n: u32,
+    /// Depth of the streamed-tile ring (2 or 3).
+    pub stages: u32,
+}
+
+impl Sm90BwdTile {
+    /// The production tile of `head_dim`, or None where the sm_90a backward has none.
+    pub fn for_head_dim(head_dim: usize) -> Option<Sm90BwdTile> {
+        if !BWD_SM90_HEAD_DIMS.contains(&head_dim) {
+            return None;
+        }
+        Some(Sm90BwdTile {
+            head_dim: head_dim as u32,
+            kv_block_m: 64,
+            q_block_n: 64,
+            stages: 2,
+        })
+    }
+    /// The production tile of `head_dim` first, then the others the lab times beside it
+    /// (those that spill registers are not listed: D=64 with 128 query rows a dK/dV step,
+    /// D=128 with 128 keys a dQ step).
+    pub fn lab_tiles(head_dim: usize) -> Vec<Sm90BwdTile> {
+        let Some(prod) = Sm90BwdTile::for_head_dim(head_dim) else {
+            return Vec::new();
+        };
+        let alt: &[(u32, u32)] = if head_dim == 64 {
+            &[(128, 2), (64, 3)]
+        } else {
+            &[(64, 3)]
+        };
+        let mut out = vec![prod];
+        out.extend(alt.iter().map(|&(n, st)| Sm90BwdTile {
+            q_block_n: n,
+            stages: st,
+            ..prod
+        }));
+        out
+    }
+    /// Whether the kernels accept this tile.
+    pub fn is_valid(&self) -> bool {
+        BWD_SM90_HEAD_DIMS.contains(&(self.head_dim as usize))
+            && matches!(self.kv_block_m, 64 | 128)
+            && matches!(self.q_block_n, 64 | 128)
+            && matches!(self.stages, 2 | 3)
+            && self.kv_smem_bytes() <= super::config::MAX_SMEM_SM90
+            && self.q_smem_bytes() <= super::config::MAX_SMEM_SM90
+    }
+    /// Keys per dK/dV CTA.
+    pub fn kv_block_n(&self) -> u32 {
+        128
+    }
+    /// Query rows per dQ CTA.
+    pub fn q_block_m(&self) -> u32 {
+        128
+    }
+    /// Dynamic shared memory of the dK/dV kernel (KV_SMEM in the .cu).
+    pub fn kv_smem_bytes(&self) -> u32 {
+        let row = 2 * self.head_dim;
+        1024 + 2 * self.kv_block_n() * row
+            + self.stages * (2 * self.kv_block_m * row + 8 * self.kv_block_m)
+    }
+    /// Dynamic shared memory of the dQ kernel (Q_SMEM in the .cu).
+    pub fn q_smem_bytes(&self) -> u32 {
+        let row = 2 * self.head_dim;
+        1024 + 2 * self.q_block_m() * row + self.stages * 2 * self.q_block_n * row
+    }
+}
+
+/// Whether the sm_90a backward serves `class` (on a compute capability 9.0 device).
+pub fn sm90_serves(class: &AttentionClass) -> bool {
+    let m = Masking::of(&class.problem(1, 1, 1));
+    BWD_SM90_HEAD_DIMS.contains(&class.head_dim)
+        && matches!(class.dtype, DType::Bf16 | DType::F16)
+        && !m.window
+        && !m.softcap
+}
+
+/// The NVRTC defines of the sm_90a backward module for `class` with `tile`.
+pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(String, String)> {
+    let m = Masking::of(&class.problem(1, 1, 1));
+    let b = |x: bool| if x { "1" } else { "0" }.to_string();
+    vec![
+        ("FM_HEAD_DIM".into(), tile.head_dim.to_string()),
+        ("FM_DTYPE_BF16".into(), b(class.dtype == DType::Bf16)),
+        ("FM_CAUSAL".into(), b(m.causal)),
+        ("FM_KV_BLOCK_M".into(), tile.kv_block_m.to_string()),
+        ("FM_Q_BLOCK_N".into(), tile.q_block_n.to_string()),
+        ("FM_STAGES".into(), tile.stages.to_string()),
+    ]
+}
+
+/// One class per compiled sm_90a variant (head dim × dtype × causal): the compile test's list.
+pub fn all_sm90_bwd_classes() -> Vec<AttentionClass> {
+    all_bwd_classes()
+        .into_iter()
+        .filter(sm90_serves)
+        .collect()
+}
 
 /// Tile configuration of the backward kernels for one head dim: the compile-time constants
 /// of `flash_attn_bwd.cu` (FM_KV_WARPS, FM_KV_BLOCK_M, FM_Q_WARPS, FM_Q_BLOCK_N).
@@ -180,6 +305,7 @@ pub struct BackwardArgs {
 pub struct AttentionBackwardPlan {
     class: AttentionClass,
     tile: BwdTile,
+    kernel: BwdKernel,
     logits: LogitParams,
     scale: f32,
     preprocess: CudaFunction,
@@ -193,6 +319,7 @@ impl std::fmt::Debug for AttentionBackwardPlan {
         f.debug_struct("AttentionBackwardPlan")
             .field("class", &self.class)
             .field("tile", &self.tile)
+            .field("kernel", &self.kernel)
             .finish()
     }
 }
@@ -205,8 +332,21 @@ fn region_bytes(batch: usize, heads_q: usize, seqlen_q: usize) -> usize {
 impl AttentionBackwardPlan {
     /// Check that the backward serves `class` (bf16 or f16, a head dim of
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its kernels for `dev` (compute
-    /// capability 8.0 or newer) and set their shared-memory limits.
+    /// capability 8.0 or newer) and set their shared-memory limits. On compute capability
+    /// 9.0 the classes [`sm90_serves`] run the sm_90a kernels, the others the portable ones.
     pub fn new(dev: &Device, class: AttentionClass) -> Result<AttentionBackwardPlan> {
+        Self::with_kernel(dev, class, None)
+    }
+
+    /// [`AttentionBackwardPlan::new`] with the kernels chosen by the caller (`None`: the
+    /// selection of `new`): the tests check both paths, the lab times tiles. An sm_90a
+    /// choice on another device, for a class it does not serve, or with an invalid tile is
+    /// an error.
+    pub fn with_kernel(
+        dev: &Device,
+        class: AttentionClass,
+        kernel: Option<BwdKernel>,
+    ) -> Result<AttentionBackwardPlan> {
         let problem = class.problem(1, 1, 1);
         problem.validate()?;
         let backend = "attention backward";
@@ -242,15 +382,62 @@ impl AttentionBackwardPlan {
                 ),
             ));
         }
+        let kernel = match kernel {
+            Some(k) => k,
+            None if dev.arch() == 90 && sm90_serves(&class) => {
+                BwdKernel::Sm90(Sm90BwdTile::for_head_dim(class.head_dim).unwrap())
+            }
+            None => BwdKernel::Portable,
+        };
         let defines = bwd_defines(&class, &tile);
         let preprocess = dev.load_kernel(BWD_SOURCE, BWD_PREPROCESS_ENTRY, &defines)?;
-        let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
-        let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
-        dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
-        dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+        let (dkdv, dq) = match kernel {
+            BwdKernel::Portable => {
+                let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
+                let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
+                dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
+                dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+                (dkdv, dq)
+            }
+            BwdKernel::Sm90(t) => {
+                if dev.arch() != 90 {
+                    return Err(Error::unsupported(
+                        backend,
+                        format!(
+                            "the sm_90a kernels need compute capability 9.0, but {} is {}.{}",
+                            dev.info().name,
+                            dev.info().compute_capability.0,
+                            dev.info().compute_capability.1
+                        ),
+                    ));
+                }
+                if !sm90_serves(&class) {
+                    return Err(Error::unsupported(
+                        backend,
+                        format!(
+                            "the sm_90a kernels serve head dims {BWD_SM90_HEAD_DIMS:?}, no \
+                             window, no softcap; not {class:?}"
+                        ),
+                    ));
+                }
+                if !t.is_valid() || t.head_dim as usize != class.head_dim {
+                    return Err(Error::invalid(format!(
+                        "sm_90a backward tile {t:?} is not valid for head dim {}",
+                        class.head_dim
+                    )));
+                }
+                let defs = sm90_bwd_defines(&class, &t);
+                let dkdv = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DKDV_ENTRY, &defs)?;
+                let dq = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ENTRY, &defs)?;
+                dev.set_dynamic_shared_memory(BWD_SM90_DKDV_ENTRY, &dkdv, t.kv_smem_bytes())?;
+                dev.set_dynamic_shared_memory(BWD_SM90_DQ_ENTRY, &dq, t.q_smem_bytes())?;
+                (dkdv, dq)
+            }
+        };
         Ok(AttentionBackwardPlan {
             class,
             tile,
+            kernel,
             logits: LogitParams::of(&problem),
             scale: problem.scale(),
             preprocess,
@@ -265,6 +452,10 @@ impl AttentionBackwardPlan {
     }
     pub fn tile(&self) -> &BwdTile {
         &self.tile
+    }
+    /// The kernels this plan runs.
+    pub fn kernel(&self) -> BwdKernel {
+        self.kernel
     }
 
     /// Bytes of the workspace a call of `batch` sequences of `seqlen_q` queries needs: the
@@ -399,6 +590,9 @@ impl AttentionBackwardPlan {
 
         let lp = &self.logits;
         let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
+        if let BwdKernel::Sm90(t) = self.kernel {
+            return self.launch_sm90(&t, stream, a, (b, sq, sk), lse2, delta);
+        }
         let t = &self.tile;
         let kv = LaunchConfig {
             grid_dim: (
@@ -455,6 +649,79 @@ impl AttentionBackwardPlan {
             param(&lp.window_right),
         ];
         launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+    }
+}
+
+impl AttentionBackwardPlan {
+    /// The dK/dV and dQ launches of the sm_90a kernels (after the preprocess).
+    ///
+    /// # Safety
+    /// As [`AttentionBackwardPlan::backward_raw`], whose checks `a` has passed.
+    unsafe fn launch_sm90(
+        &self,
+        t: &Sm90BwdTile,
+        stream: RawStream,
+        a: &BackwardArgs,
+        (b, sq, sk): (usize, usize, usize),
+        lse2: u64,
+        delta: u64,
+    ) -> Result<()> {
+        let (sq_i, sk_i) = (sq as i32, sk as i32);
+        let (hq_i, hkv_i) = (self.class.heads_q as i32, self.class.heads_kv as i32);
+        let (q, k, v, d_o) = (a.q.ptr, a.k.ptr, a.v.ptr, a.d_o.ptr);
+        let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
+        let scale_log2 = self.logits.scale_log2;
+        let kv = LaunchConfig {
+            grid_dim: (
+                (sk as u32).div_ceil(t.kv_block_n()),
+                self.class.heads_kv as u32,
+                b as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: t.kv_smem_bytes(),
+        };
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dk),
+            param(&dv),
+            param(&sq_i),
+            param(&sk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&scale_log2),
+        ];
+        launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+        let qc = LaunchConfig {
+            grid_dim: (
+                (sq as u32).div_ceil(t.q_block_m()),
+                self.class.heads_q as u32,
+                b as u32,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: t.q_smem_bytes(),
+        };
+        let mut params = [
+            param(&q),
+            param(&k),
+            param(&v),
+            param(&d_o),
+            param(&lse2),
+            param(&delta),
+            param(&dq),
+            param(&sq_i),
+            param(&sk_i),
+            param(&hq_i),
+            param(&hkv_i),
+            param(&self.scale),
+            param(&scale_log2),
+        ];
+        launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &mut params)
     }
 }
 

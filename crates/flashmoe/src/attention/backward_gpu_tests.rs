@@ -6,7 +6,9 @@
 //! a machine without one. Inputs are fresh random values (seed printed); every output and
 //! the workspace are poisoned (NaN) before a run.
 
-use super::backward::{backward_flops, AttentionBackwardPlan, BackwardArgs};
+use super::backward::{
+    backward_flops, sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, Sm90BwdTile,
+};
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
 use crate::dtype::DType;
 use crate::gpu::raw::RawWorkspace;
@@ -181,8 +183,14 @@ pub(super) fn errors(out: &[f32], reference: &[f64], row: usize) -> (f64, f64, u
     (rel, worst, bad)
 }
 
-/// Run one case against the f64 reference; returns (worst rel L2, worst row error).
+/// Run one case against the f64 reference on the kernels `new` selects; returns (worst
+/// rel L2, worst row error).
 fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
+    check_case_on(dev, c, seed, None)
+}
+
+/// [`check_case`] on the given kernels (`None`: the plan's selection).
+fn check_case_on(dev: &Device, c: &Case, seed: u64, kernel: Option<BwdKernel>) -> (f64, f64) {
     let s = dev.stream();
     let p = c.problem();
     let x = AttentionInputs::generate(&p, seed);
@@ -192,7 +200,7 @@ fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
     let lse: Vec<f32> = fwd.lse.iter().map(|&v| v as f32).collect();
     let want = attention_backward_f64(&p, &x, &d_o).unwrap();
 
-    let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+    let plan = AttentionBackwardPlan::with_kernel(dev, c.class(), kernel).unwrap();
     let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
     let mut bufs = Bufs {
         q: up(&x.q),
@@ -231,8 +239,13 @@ fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
         );
         worst = (worst.0.max(rel), worst.1.max(row));
     }
+    let kname = match plan.kernel() {
+        BwdKernel::Portable => "portable",
+        BwdKernel::Sm90(_) => "sm90",
+    };
     eprintln!(
-        "bwd D={} {:?} B={} Hq={} Hkv={} Sq={} Sk={} causal={} window={:?} softcap={}:{report}",
+        "bwd[{kname}] D={} {:?} B={} Hq={} Hkv={} Sq={} Sk={} causal={} window={:?} \
+         softcap={}:{report}",
         c.d, c.dtype, c.b, c.hq, c.hkv, c.sq, c.sk, c.causal, c.window, c.softcap
     );
 
@@ -298,6 +311,73 @@ fn backward_matches_f64_reference() {
             cases.len(),
             worst.0,
             worst.1
+        );
+    });
+}
+
+/// Both kernel paths on the classes the sm_90a backward serves (head dims 64/128, bf16 and
+/// f16, causal or not, Sq ≠ Sk both ways, GQA/MQA, partial tiles, several blocks in both
+/// loops), each against the f64 reference and rerun for identical bits; the sm_90a path
+/// with every lab tile on a few of them. The sm_90a half needs compute capability 9.0
+/// (it says so and checks only the portable path elsewhere).
+#[test]
+fn backward_sm90_and_portable_match_f64_reference() {
+    with_gpu("bwd-sm90-reference", |dev| {
+        let seed = fresh_seed("bwd-sm90-reference");
+        use DType::{Bf16, F16};
+        let cases = [
+            Case::new(64, Bf16, 4, 4, 200, 200, false),
+            Case::new(64, Bf16, 4, 4, 77, 77, true),
+            Case::new(128, Bf16, 4, 4, 200, 200, false),
+            Case::new(128, Bf16, 4, 4, 200, 200, true),
+            Case::new(64, F16, 4, 4, 200, 200, true),
+            Case::new(128, F16, 4, 4, 77, 77, false),
+            Case::new(128, Bf16, 2, 2, 77, 200, true),
+            Case::new(64, F16, 2, 2, 200, 77, true),
+            Case::new(128, Bf16, 2, 2, 300, 130, false),
+            Case::new(128, Bf16, 8, 2, 130, 130, true),
+            Case::new(64, Bf16, 8, 2, 200, 150, false),
+            Case::new(64, F16, 4, 1, 100, 100, true),
+            Case::new(128, Bf16, 4, 1, 96, 160, false),
+            Case::new(128, Bf16, 2, 1, 1024, 1024, true),
+            Case::new(64, Bf16, 2, 2, 700, 900, false),
+            Case::new(128, F16, 2, 2, 640, 384, true),
+        ];
+        let sm90 = dev.arch() == 90;
+        if !sm90 {
+            eprintln!(
+                "bwd-sm90-reference: compute capability {} — the sm_90a half is skipped",
+                dev.arch()
+            );
+        }
+        let mut worst = [(0f64, 0f64); 2];
+        for (n, c) in cases.iter().enumerate() {
+            assert!(sm90_serves(&c.class()));
+            let sd = seed.wrapping_add(n as u64);
+            let e = check_case_on(dev, c, sd, Some(BwdKernel::Portable));
+            worst[0] = (worst[0].0.max(e.0), worst[0].1.max(e.1));
+            if sm90 {
+                let e = check_case_on(dev, c, sd, None);
+                worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
+                // The production selection on this device is the sm_90a kernel.
+                let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+                assert!(matches!(plan.kernel(), BwdKernel::Sm90(_)), "{c:?}");
+                if n % 4 == 1 {
+                    for t in Sm90BwdTile::lab_tiles(c.d).into_iter().skip(1) {
+                        eprintln!("  tile {t:?}:");
+                        check_case_on(dev, c, sd, Some(BwdKernel::Sm90(t)));
+                    }
+                }
+            }
+        }
+        eprintln!(
+            "bwd-sm90-reference: {} cases; portable worst rel L2 {:.2e} row {:.2e}; sm90 worst \
+             rel L2 {:.2e} row {:.2e}",
+            cases.len(),
+            worst[0].0,
+            worst[0].1,
+            worst[1].0,
+            worst[1].1
         );
     });
 }
@@ -435,22 +515,25 @@ fn backward_rejects_bad_input() {
     });
 }
 
-/// Speed of the backward (all three launches) on the 16k-token sweep shapes, model dim
-/// 2048, bf16; o and lse from the forward plan. Host wall time over back-to-back calls
-/// (synchronised before and after), TFLOP/s with FLOPs = 2.5 × the forward's.
+/// Speed of the backward (all three launches) on the 16k-token sweep shapes (S = 1k, 4k,
+/// 16k; D = 64, 128; causal and not), model dim 2048, bf16; o and lse from the forward
+/// plan. The portable kernels and (compute capability 9.0) the sm_90a kernels with each
+/// lab tile, timed in two interleaved rounds in the same process. Host wall time over
+/// back-to-back calls (synchronised before and after), TFLOP/s with FLOPs = 2.5 × the
+/// forward's.
 #[test]
 fn backward_speed() {
     with_gpu("bwd-speed", |dev| {
         let s = dev.stream();
-        for (d, seq, causal) in [
-            (64, 1024, false),
-            (64, 4096, false),
-            (64, 4096, true),
-            (128, 1024, false),
-            (128, 4096, false),
-            (128, 4096, true),
-            (128, 16384, false),
-        ] {
+        let mut configs = Vec::new();
+        for d in [64, 128] {
+            for seq in [1024, 4096, 16384] {
+                for causal in [false, true] {
+                    configs.push((d, seq, causal));
+                }
+            }
+        }
+        for (d, seq, causal) in configs {
             let heads = 2048 / d;
             let b = 16384 / seq;
             let mut c = Case::new(d, DType::Bf16, heads, heads, seq, seq, causal);
@@ -463,7 +546,14 @@ fn backward_speed() {
             };
             let fplan = AttentionPlan::new(dev, c.class()).unwrap();
             let fws = fplan.alloc_workspace(s).unwrap();
-            let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+            let mut kernels = vec![BwdKernel::Portable];
+            if dev.arch() == 90 {
+                kernels.extend(Sm90BwdTile::lab_tiles(d).into_iter().map(BwdKernel::Sm90));
+            }
+            let plans: Vec<AttentionBackwardPlan> = kernels
+                .iter()
+                .map(|&k| AttentionBackwardPlan::with_kernel(dev, c.class(), Some(k)).unwrap())
+                .collect();
             let bufs = Bufs {
                 q: rnd(TensorId::Q),
                 k: rnd(TensorId::K),
@@ -474,7 +564,7 @@ fn backward_speed() {
                 dq: poisoned(s, n),
                 dk: poisoned(s, n),
                 dv: poisoned(s, n),
-                ws: poisoned(s, plan.workspace_bytes(b, seq)),
+                ws: poisoned(s, plans[0].workspace_bytes(b, seq)),
             };
             let a = bufs.args(s, &c);
             let fa = AttentionArgs {
@@ -495,27 +585,63 @@ fn backward_speed() {
                 s.synchronize().unwrap();
                 t0.elapsed().as_secs_f64() / iters as f64
             };
-            let bwd = || unsafe { plan.backward_raw(s.cu_stream(), &a, ws) }.unwrap();
             let fwd = || unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
-            time(2, &bwd);
-            let once = time(1, &bwd);
-            let iters = ((0.3 / once) as usize).clamp(3, 50);
-            let tb = time(iters, &bwd);
-            let tf = time(iters, &fwd);
-            let g = bufs.grads(s);
-            let finite = g
-                .iter()
-                .all(|v| DType::Bf16.decode_u16(v).iter().all(|x| x.is_finite()));
-            eprintln!(
-                "bwd speed B={b} H={heads} S={seq} D={d} causal={causal}: backward {:.3} ms = \
-                 {:.1} TFLOP/s; forward ({}) {:.3} ms = {:.1} TFLOP/s; gradients finite: {finite}",
-                tb * 1e3,
-                backward_flops(&p) / tb / 1e12,
+            let mut best = vec![f64::INFINITY; plans.len()];
+            let mut grads = Vec::new();
+            for round in 0..2 {
+                for (i, plan) in plans.iter().enumerate() {
+                    let bwd = || unsafe { plan.backward_raw(s.cu_stream(), &a, ws) }.unwrap();
+                    time(2, &bwd);
+                    let once = time(1, &bwd);
+                    let iters = ((0.15 / once) as usize).clamp(3, 50);
+                    best[i] = best[i].min(time(iters, &bwd));
+                    if round == 1 {
+                        grads.push(bufs.grads(s));
+                    }
+                }
+            }
+            let tf = time(5, &fwd);
+            let mut line = format!(
+                "bwd speed B={b} H={heads} S={seq} D={d} causal={causal}: forward ({}) {:.1} \
+                 TFLOP/s; backward",
                 fplan.variant().entry,
-                tf * 1e3,
                 p.flops() / tf / 1e12
             );
-            assert!(finite);
+            for (k, t) in kernels.iter().zip(&best) {
+                let name = match k {
+                    BwdKernel::Portable => "portable".to_string(),
+                    BwdKernel::Sm90(t) => {
+                        format!("sm90[m{} n{} s{}]", t.kv_block_m, t.q_block_n, t.stages)
+                    }
+                };
+                line.push_str(&format!(
+                    " {name} {:.3} ms = {:.1} TFLOP/s;",
+                    t * 1e3,
+                    backward_flops(&p) / t / 1e12
+                ));
+            }
+            // Gradients finite on every path, and the production sm_90a tile's close to the
+            // portable kernels' (same inputs; different summation orders).
+            for g in &grads {
+                for v in g {
+                    assert!(DType::Bf16.decode_u16(v).iter().all(|x| x.is_finite()));
+                }
+            }
+            let mut agree = 0f64;
+            for g in grads.iter().skip(1).take(1) {
+                for (x, y) in g.iter().zip(&grads[0]) {
+                    let r: Vec<f64> = DType::Bf16
+                        .decode_u16(y)
+                        .iter()
+                        .map(|&v| v as f64)
+                        .collect();
+                    let (rel, _, _) = errors(&DType::Bf16.decode_u16(x), &r, d);
+                    agree = agree.max(rel);
+                }
+            }
+            line.push_str(&format!(" max rel L2 vs portable {agree:.2e}"));
+            eprintln!("{line}");
+            assert!(agree < 2e-2, "{line}");
         }
     });
 }

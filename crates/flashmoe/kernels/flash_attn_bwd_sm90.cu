@@ -1,0 +1,450 @@
+// flashmoe — attention backward for Hopper (sm_90a): the dK/dV and dQ kernels on warpgroup
+// MMAs (wgmma), deterministic (no atomics: every gradient element is accumulated by one CTA
+// in a fixed order, so two runs give the same bits).
+//
+// Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table is
+// crates/flashmoe/src/attention/backward.rs, `Sm90BwdTile`, which mirrors the constants and
+// the shared-memory sizes below):
+//   FM_HEAD_DIM     D: 64 or 128 (rows are held as 64-column halves, one 128-byte swizzled
+//                   row each, the layout wgmma's 128B-swizzle descriptors read)
+//   FM_DTYPE_BF16   0 = fp16, 1 = bf16 (accumulation is fp32)
+//   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq
+//   FM_KV_BLOCK_M   query rows per step of the dK/dV kernel (64 or 128: the wgmma N of its
+//                   score-shaped products)
+//   FM_Q_BLOCK_N    keys per step of the dQ kernel (64 or 128)
+//   FM_STAGES       depth of the streamed-tile ring of both kernels (2 or 3)
+// Windows and softcap are not served here (the plan routes them to flash_attn_bwd.cu).
+//
+// The preprocess is flash_attn_bwd.cu's (`flash_attn_bwd_preprocess`): the workspace holds
+// lse2 = LSE·log2 e (+inf for a row that sees no key) and delta = rowsum(dO∘O), both
+// (batch, heads_q, Sq) f32. The two kernels here read them.
+//
+// ABI (all tensors contiguous; q, dO, dq: (batch, Sq, heads_q, D); k, v, dk, dv: (batch,
+// Sk, heads_kv, D); lse2, delta: (batch, heads_q, Sq) f32):
+//   flash_attn_bwd_sm90_dkdv(q, k, v, dout, lse2, delta, u16* dk, u16* dv, int seqlen_q,
+//        int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2)
+//     grid (ceil(Sk / 128), heads_kv, batch), block 256, dynamic smem KV_SMEM.
+//   flash_attn_bwd_sm90_dq(q, k, v, dout, lse2, delta, u16* dq, seqlen_q, seqlen_k,
+//        heads_q, heads_kv, scale, scale_log2)
+//     grid (ceil(Sq / 128), heads_q, batch), block 256, dynamic smem Q_SMEM.
+//
+// Structure. Both kernels run two warpgroups; warpgroup w owns 64 rows of the stationary
+// block (keys in dK/dV, queries in dQ), which are the M of every wgmma it issues, so that
+// every product takes its 16-bit left operand either from shared memory (the stationary
+// rows) or from registers (P and dS, re-packed from the fp32 accumulators), and no tile
+// makes a round trip through shared memory:
+//   dK/dV (per step: BM query rows of one query head of the GQA group)
+//     S^T  = K Q^T      A = K (smem, K-major)   B = Q  (smem, K-major)
+//     dP^T = V dO^T     A = V                   B = dO
+//     P^T  = exp2(S^T·scale_log2 − lse2)        (masked)
+//     dV  += P^T dO     A = P^T (registers)     B = dO (smem, MN-major)
+//     dS^T = P^T ∘ (dP^T − delta)
+//     dK  += dS^T Q     A = dS^T (registers)    B = Q  (smem, MN-major)
+//   dQ (per step: BN keys)
+//     S = Q K^T, dP = dO V^T (A from smem), P, dS = P ∘ (dP − delta)
+//     dQ  += dS K       A = dS (registers)      B = K  (smem, MN-major)
+// Seven products of the forward's size against the five of a design that adds dQ with
+// atomics from the dK/dV kernel: the price of determinism, 5/7 of the tensor-core ceiling.
+// The streamed tiles (Q, dO, lse2, delta; K, V) go through a ring of FM_STAGES buffers filled
+// by cp.async from all threads into the 128B-swizzled layout (chunk c of row r of a
+// 64-column half at c ^ (r & 7)), published to wgmma (async proxy) by a proxy fence and a
+// CTA barrier. Rows past the sequence ends are zero-filled and masked.
+
+#ifndef FM_HEAD_DIM
+#error "FM_HEAD_DIM must be defined"
+#endif
+#ifndef FM_DTYPE_BF16
+#define FM_DTYPE_BF16 1
+#endif
+#ifndef FM_CAUSAL
+#define FM_CAUSAL 0
+#endif
+#ifndef FM_KV_BLOCK_M
+#define FM_KV_BLOCK_M 64
+#endif
+#ifndef FM_Q_BLOCK_N
+#define FM_Q_BLOCK_N 64
+#endif
+#ifndef FM_STAGES
+#define FM_STAGES 2
+#endif
+#include "fm_sm90.cuh"
+
+namespace fmb90 {
+
+constexpr int D = FM_HEAD_DIM;
+constexpr bool CAUSAL = FM_CAUSAL != 0;
+constexpr int CPR = D / 8;    // 16-byte chunks per row
+constexpr int NWG = 2;        // warpgroups; each owns 64 stationary rows
+constexpr int THREADS = 128 * NWG;
+constexpr int STAGES = FM_STAGES;
+
+constexpr int BN_KV = 64 * NWG;       // keys per dK/dV CTA
+constexpr int BM_KV = FM_KV_BLOCK_M;  // query rows per dK/dV step
+constexpr int BM_Q = 64 * NWG;        // query rows per dQ CTA
+constexpr int BN_Q = FM_Q_BLOCK_N;    // keys per dQ step
+
+static_assert(D == 64 || D == 128, "head dim 64 or 128");
+static_assert(BM_KV == 64 || BM_KV == 128, "FM_KV_BLOCK_M must be 64 or 128");
+static_assert(BN_Q == 64 || BN_Q == 128, "FM_Q_BLOCK_N must be 64 or 128");
+static_assert(STAGES == 2 || STAGES == 3, "FM_STAGES must be 2 or 3");
+
+// Shared-memory layouts (offsets from a 1024-byte aligned base; tiles on swizzle atoms).
+constexpr int tile_bytes(int rows) { return rows * D * 2; }
+// dK/dV: [K][V][Q x STAGES][dO x STAGES][lse2 x STAGES][delta x STAGES]
+constexpr int KV_OFF_V = tile_bytes(BN_KV);
+constexpr int KV_OFF_Q = 2 * tile_bytes(BN_KV);
+constexpr int KV_OFF_O = KV_OFF_Q + STAGES * tile_bytes(BM_KV);
+constexpr int KV_OFF_L = KV_OFF_O + STAGES * tile_bytes(BM_KV);
+constexpr int KV_OFF_D = KV_OFF_L + STAGES * BM_KV * 4;
+constexpr int KV_SMEM = 1024 + KV_OFF_D + STAGES * BM_KV * 4;
+// dQ: [Q][dO][K x STAGES][V x STAGES]
+constexpr int Q_OFF_O = tile_bytes(BM_Q);
+constexpr int Q_OFF_K = 2 * tile_bytes(BM_Q);
+constexpr int Q_OFF_V = Q_OFF_K + STAGES * tile_bytes(BN_Q);
+constexpr int Q_SMEM = 1024 + Q_OFF_V + STAGES * tile_bytes(BN_Q);
+static_assert(KV_SMEM <= 227 * 1024 && Q_SMEM <= 227 * 1024, "shared memory");
+
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Byte offset of 16-byte chunk `ch` (0 .. D/8) of row r in a swizzled tile of ROWS rows.
+template <int ROWS>
+__device__ __forceinline__ u32 toff(int r, int ch) {
+    return (u32)((ch >> 3) * ROWS * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+}
+
+// Rows [row0, row0 + ROWS) x D of the matrix at g + base (row stride `stride` elements)
+// into the swizzled tile at dst; rows >= nrows are zero-filled (no read).
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 dst, const u16* __restrict__ g, i64 base, i64 stride,
+                                          int row0, int nrows, int tid) {
+    constexpr int TOTAL = ROWS * CPR;
+    static_assert(TOTAL % THREADS == 0, "whole rounds");
+#pragma unroll
+    for (int it = 0; it < TOTAL / THREADS; ++it) {
+        const int c = tid + it * THREADS;
+        const int r = c / CPR, ch = c % CPR;
+        const int gr = row0 + r;
+        const bool ok = gr < nrows;
+        const i64 off = ok ? base + (i64)gr * stride + ch * 8 : 0;
+        cp_async16(dst + toff<ROWS>(r, ch), g + off, ok);
+    }
+}
+
+// 4-byte global->shared async copy; pred false writes 4 zero bytes (no global read).
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
+    const int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n)
+                 : "memory");
+}
+
+// acc (64 x N) = A (64 rows x D at sA, K-major, tile of AROWS rows) * B^T (N rows x D at sB,
+// K-major, tile of N rows): the score-shaped products. Issued, not committed.
+template <int AROWS, int N>
+__device__ __forceinline__ void issue_abt(float (&acc)[N / 2], u32 sA, u32 sB) {
+    const u64 da = smem_desc_sw128(sA, 16, 1024);
+    const u64 db = smem_desc_sw128(sB, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 inner = (kk & 3) * 32;
+        wgmma_ss<0, 0>(acc, desc_add(da, (kk >> 2) * AROWS * 128 + inner),
+                       desc_add(db, (kk >> 2) * N * 128 + inner), kk > 0 ? 1 : 0);
+    }
+}
+
+// acc (64 x D) += A (64 x K, register fragments) * B (K rows x D at sB, MN-major).
+template <int K>
+__device__ __forceinline__ void issue_pb(float (&acc)[D / 2], const u32 (&a)[K / 16][4], u32 sB) {
+    const u64 db = smem_desc_sw128(sB, K * 128, 1024);  // LBO: the next 64 columns of D
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<1>(acc, a[kk], desc_add(db, kk * 16 * 128), 1);
+}
+
+// fp32 accumulator (64 x N) to 16-bit A fragments: k16 step kk = 8-column blocks 2kk, 2kk+1.
+template <int N>
+__device__ __forceinline__ void pack_a(const float (&acc)[N / 2], u32 (&a)[N / 16][4]) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) a[j >> 1][(j & 1) * 2 + h] = pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+}
+
+// This thread's part of a 64 x D accumulator (rows row0 + 16 warp + lane/4 + 8h) times
+// `mul`, as 16-bit pairs into rows < nrows of the matrix at g + base.
+__device__ __forceinline__ void store_acc(const float (&acc)[D / 2], float mul, u16* __restrict__ g, i64 base,
+                                          i64 stride, int row0, int nrows, int warp, int lane) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + warp * 16 + (lane >> 2) + 8 * h;
+        if (r >= nrows) continue;
+        u16* p = g + base + (i64)r * stride + 2 * (lane & 3);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<u32*>(p + 8 * j) = pack2(acc[4 * j + 2 * h] * mul, acc[4 * j + 2 * h + 1] * mul);
+    }
+}
+
+}  // namespace fmb90
+
+// ----------------------------------------------------------------------------------------
+// dK, dV: one CTA per (128-key block, kv head, batch); warpgroup w owns keys 64w .. 64w+63.
+// ----------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
+    flash_attn_bwd_sm90_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                             const u16* __restrict__ dout, const float* __restrict__ lse2,
+                             const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
+                             int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
+                             float scale_log2) {
+    using namespace fmb90;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int n0 = blockIdx.x * BN_KV;
+    const int kvh = blockIdx.y, batch = blockIdx.z;
+    const int group = heads_q / heads_kv;
+    const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
+    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 diag = (i64)seqlen_k - seqlen_q;
+
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* gen = smem_raw + (base - smem_addr(smem_raw));
+    const u32 sK = base, sV = base + KV_OFF_V;
+    const float* fL = reinterpret_cast<const float*>(gen + KV_OFF_L);
+    const float* fD = reinterpret_cast<const float*>(gen + KV_OFF_D);
+
+    // Queries that may see a key of this block: [i_lo, Sq).
+    i64 i_lo = 0;
+    if (CAUSAL) i_lo = clamp64((i64)n0 - diag, 0, seqlen_q);
+    const int mb_lo = (int)(i_lo / BM_KV);
+    const int n_mb = i_lo < seqlen_q ? (seqlen_q + BM_KV - 1) / BM_KV - mb_lo : 0;
+    const int steps = n_mb * group;
+
+    // This thread's two key rows and the first query each sees (qlo; Sq: none).
+    int qlo[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 j = (i64)n0 + cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+        i64 lo = 0;
+        if (CAUSAL) lo = clamp64(j - diag, 0, seqlen_q);
+        if (j >= seqlen_k) lo = seqlen_q;
+        qlo[h] = (int)lo;
+    }
+
+    auto load_step = [&](int step, int buf) {
+        const int h = kvh * group + step / n_mb;
+        const int m0 = (mb_lo + step % n_mb) * BM_KV;
+        const i64 q_off = ((i64)batch * seqlen_q * heads_q + h) * D;
+        load_tile<BM_KV>(base + KV_OFF_Q + buf * tile_bytes(BM_KV), q, q_off, q_stride, m0, seqlen_q, tid);
+        load_tile<BM_KV>(base + KV_OFF_O + buf * tile_bytes(BM_KV), dout, q_off, q_stride, m0, seqlen_q, tid);
+        const i64 l_off = ((i64)batch * heads_q + h) * seqlen_q;
+        for (int c = tid; c < 2 * BM_KV; c += THREADS) {
+            const int r = c % BM_KV;
+            const bool ok = m0 + r < seqlen_q;
+            const float* src = (c < BM_KV ? lse2 : delta) + (ok ? l_off + m0 + r : 0);
+            cp_async4(base + (c < BM_KV ? KV_OFF_L : KV_OFF_D) + (buf * BM_KV + r) * 4, src, ok);
+        }
+    };
+
+    load_tile<BN_KV>(sK, k, kv_off, kv_stride, n0, seqlen_k, tid);
+    load_tile<BN_KV>(sV, v, kv_off, kv_stride, n0, seqlen_k, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) load_step(s, s);
+        cp_async_commit();
+    }
+
+    float dk_acc[D / 2], dv_acc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+    const u32 sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
+
+    int buf = 0;
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();  // this step's tiles (and K/V) landed: this thread's part
+        fence_proxy_async_smem();     // ... visible to wgmma
+        __syncthreads();              // ... everyone's; buffer (step - 1) % STAGES is free
+        {
+            const int nxt = step + STAGES - 1;
+            if (nxt < steps) load_step(nxt, nxt % STAGES);
+            cp_async_commit();
+        }
+        const int m0 = (mb_lo + step % n_mb) * BM_KV;
+        const u32 sQ = base + KV_OFF_Q + buf * tile_bytes(BM_KV);
+        const u32 sO = base + KV_OFF_O + buf * tile_bytes(BM_KV);
+        const float* L = fL + buf * BM_KV;
+        const float* Dl = fD + buf * BM_KV;
+        const bool need_mask = CAUSAL || m0 + BM_KV > seqlen_q || n0 + BN_KV > seqlen_k;
+
+        float st[BM_KV / 2], dpt[BM_KV / 2];
+        u32 pa[BM_KV / 16][4];
+        wgmma_fence();
+        issue_abt<BN_KV, BM_KV>(st, sKw, sQ);  // S^T = K Q^T
+        wgmma_commit();
+        issue_abt<BN_KV, BM_KV>(dpt, sVw, sO);  // dP^T = V dO^T
+        wgmma_commit();
+        wgmma_wait<1>();
+        reg_fence(st);
+        // P^T (kept in st for dS^T)
+#pragma unroll
+        for (int j = 0; j < BM_KV / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int col = 8 * j + 2 * (lane & 3) + c;
+                    const bool vis = !need_mask || (m0 + col >= qlo[h] && m0 + col < seqlen_q);
+                    float& x = st[4 * j + 2 * h + c];
+                    x = vis ? ex2(x * scale_log2 - L[col]) : 0.f;
+                }
+        pack_a<BM_KV>(st, pa);
+        wgmma_fence();
+        issue_pb<BM_KV>(dv_acc, pa, sO);  // dV += P^T dO
+        wgmma_commit();
+        wgmma_wait<1>();  // dP^T has landed (dV may still run)
+        reg_fence(dpt);
+#pragma unroll
+        for (int j = 0; j < BM_KV / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = 8 * j + 2 * (lane & 3) + (e & 1);
+                dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - Dl[col]);
+            }
+        wgmma_wait<0>();  // dV done: pa is free
+        reg_fence(dv_acc);
+        reg_fence_u32(pa);
+        pack_a<BM_KV>(dpt, pa);
+        wgmma_fence();
+        issue_pb<BM_KV>(dk_acc, pa, sQ);  // dK += dS^T Q
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(dk_acc);
+        reg_fence_u32(pa);
+        if (++buf == STAGES) buf = 0;
+    }
+    cp_async_wait<0>();
+    store_acc(dk_acc, scale, dk, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
+    store_acc(dv_acc, 1.f, dv, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
+}
+
+// ----------------------------------------------------------------------------------------
+// dQ: one CTA per (128-row query block, query head, batch); warpgroup w owns rows 64w ...
+// ----------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
+    flash_attn_bwd_sm90_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                           const u16* __restrict__ dout, const float* __restrict__ lse2,
+                           const float* __restrict__ delta, u16* __restrict__ dq, int seqlen_q,
+                           int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2) {
+    using namespace fmb90;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int m0 = blockIdx.x * BM_Q;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kvh = head / (heads_q / heads_kv);
+    const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
+    const i64 q_off = ((i64)batch * seqlen_q * heads_q + head) * D;
+    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 diag = (i64)seqlen_k - seqlen_q;
+
+    const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const u32 sQ = base, sO = base + Q_OFF_O;
+
+    // Keys some row of this block may see: [0, j_hi).
+    const i64 m_last = (i64)min(m0 + BM_Q, seqlen_q) - 1;
+    i64 j_hi = seqlen_k;
+    if (CAUSAL) j_hi = clamp64(m_last + diag + 1, 0, seqlen_k);
+    const int n_nb = (int)((j_hi + BN_Q - 1) / BN_Q);
+
+    float lr2[2], dl[2];
+    int khi[2];  // last visible key (-1: none)
+    const i64 l_off = ((i64)batch * heads_q + head) * seqlen_q;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int i = m0 + cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+        i64 hi = (i64)seqlen_k - 1;
+        if (CAUSAL) hi = clamp64((i64)i + diag, -1, (i64)seqlen_k - 1);
+        if (i < seqlen_q) {
+            lr2[h] = lse2[l_off + i];
+            dl[h] = delta[l_off + i];
+        } else {
+            lr2[h] = pos_inf();
+            dl[h] = 0.f;
+            hi = -1;
+        }
+        khi[h] = (int)hi;
+    }
+
+    auto load_kv = [&](int it, int b) {
+        load_tile<BN_Q>(base + Q_OFF_K + b * tile_bytes(BN_Q), k, kv_off, kv_stride, it * BN_Q, seqlen_k, tid);
+        load_tile<BN_Q>(base + Q_OFF_V + b * tile_bytes(BN_Q), v, kv_off, kv_stride, it * BN_Q, seqlen_k, tid);
+    };
+    load_tile<BM_Q>(sQ, q, q_off, q_stride, m0, seqlen_q, tid);
+    load_tile<BM_Q>(sO, dout, q_off, q_stride, m0, seqlen_q, tid);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_nb) load_kv(s, s);
+        cp_async_commit();
+    }
+
+    float dq_acc[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq_acc[i] = 0.f;
+    const u32 sQw = sQ + cw * 64 * 128, sOw = sO + cw * 64 * 128;
+
+    int buf = 0;
+    for (int it = 0; it < n_nb; ++it) {
+        cp_async_wait<STAGES - 2>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        {
+            const int nxt = it + STAGES - 1;
+            if (nxt < n_nb) load_kv(nxt, nxt % STAGES);
+            cp_async_commit();
+        }
+        const int n0 = it * BN_Q;
+        const u32 sK = base + Q_OFF_K + buf * tile_bytes(BN_Q);
+        const u32 sV = base + Q_OFF_V + buf * tile_bytes(BN_Q);
+        const bool need_mask = CAUSAL || m0 + BM_Q > seqlen_q || n0 + BN_Q > seqlen_k;
+
+        float s[BN_Q / 2], dp[BN_Q / 2];
+        u32 pa[BN_Q / 16][4];
+        wgmma_fence();
+        issue_abt<BM_Q, BN_Q>(s, sQw, sK);  // S = Q K^T
+        wgmma_commit();
+        issue_abt<BM_Q, BN_Q>(dp, sOw, sV);  // dP = dO V^T
+        wgmma_commit();
+        wgmma_wait<1>();
+        reg_fence(s);
+#pragma unroll
+        for (int j = 0; j < BN_Q / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int key = n0 + 8 * j + 2 * (lane & 3) + c;
+                    const bool vis = !need_mask || (key <= khi[h] && key < seqlen_k);
+                    float& x = s[4 * j + 2 * h + c];
+                    x = vis ? ex2(x * scale_log2 - lr2[h]) : 0.f;
+                }
+        wgmma_wait<0>();
+        reg_fence(dp);
+#pragma unroll
+        for (int j = 0; j < BN_Q / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - dl[e >> 1]);
+        pack_a<BN_Q>(dp, pa);
+        wgmma_fence();
+        issue_pb<BN_Q>(dq_acc, pa, sK);  // dQ += dS K
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(dq_acc);
+        reg_fence_u32(pa);
+        if (++buf == STAGES) buf = 0;
+    }
+    cp_async_wait<0>();
+    store_acc(dq_acc, scale, dq, q_off, q_stride, m0 + cw * 64, seqlen_q, warp, lane);
+}

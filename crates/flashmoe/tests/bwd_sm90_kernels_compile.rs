@@ -1,0 +1,56 @@
+//! Every sm_90a attention-backward variant (head dim × dtype × causal, production tiles
+//! and the other tiles the lab times) compiles with NVRTC for sm_90a on a machine without
+//! a GPU, fits the shared-memory limit, and does not spill registers. NVRTC as for
+//! `kernels_compile.rs` (scripts/install-nvrtc.sh or FLASHMOE_NVRTC_LIB).
+
+use flashmoe::attention::backward::{
+    all_sm90_bwd_classes, sm90_bwd_defines, Sm90BwdTile, BWD_SM90_DKDV_ENTRY, BWD_SM90_DQ_ENTRY,
+    BWD_SM90_SOURCE,
+};
+use flashmoe::gpu::{kernels, KernelCache};
+mod common;
+use common::{arch_limits, nvrtc, ARCHS};
+
+#[test]
+fn every_sm90_backward_variant_compiles_without_spills() {
+    nvrtc();
+    let src = kernels::source(BWD_SM90_SOURCE).unwrap();
+    let cache = KernelCache::offline(None);
+    let arch = "sm_90a";
+    assert!(ARCHS.contains(&arch));
+    let classes = all_sm90_bwd_classes();
+    assert_eq!(
+        classes.len(),
+        2 * 2 * 2,
+        "head dims 64/128 x bf16/f16 x causal"
+    );
+    for class in classes {
+        // The production tile, and for bf16 causal the others the lab times.
+        let mut tiles = Sm90BwdTile::lab_tiles(class.head_dim);
+        if !(class.causal && class.dtype == flashmoe::DType::Bf16) {
+            tiles.truncate(1);
+        }
+        for tile in tiles {
+            let defs = sm90_bwd_defines(&class, &tile);
+            let k = cache
+                .compile(BWD_SM90_SOURCE, src, BWD_SM90_DKDV_ENTRY, &defs, arch)
+                .unwrap_or_else(|e| panic!("{class:?} {tile:?}: {e}"))
+                .compiled;
+            let (smem_limit, _) = arch_limits(arch);
+            assert!(tile.kv_smem_bytes() as u64 <= smem_limit);
+            assert!(tile.q_smem_bytes() as u64 <= smem_limit);
+            for f in &k.all_functions {
+                eprintln!(
+                    "sm90 bwd D={} {:?} causal={} {tile:?}: {f}",
+                    class.head_dim, class.dtype, class.causal
+                );
+            }
+            assert!(
+                k.all_functions.iter().any(|f| f.name == BWD_SM90_DQ_ENTRY),
+                "{}",
+                k.log
+            );
+            assert!(!k.spills(), "{class:?} {tile:?} spills: {}", k.log);
+        }
+    }
+}
