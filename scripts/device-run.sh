@@ -72,6 +72,13 @@ for s in "$@"; do
                   [ -x $c ] || { xz -dkf $c.xz >>"$LOG" 2>&1; chmod +x $c; }
                   stage candle 300 env LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
                     $c --test-threads=1 --nocapture ;;
+    # candle-transformers' Llama, unmodified, on flashmoe-candle vs candle's own attention
+    # (crates/flashmoe-candle/examples-llama): carry crates/flashmoe-candle/examples-llama/target/llama-check.xz.
+    # Head dims 128/64 (sm_90a on Hopper) and 96/80 (portable kernel); exit 1 on FAIL.
+    candle-llama) c=crates/flashmoe-candle/examples-llama/target/llama-check
+                  [ -f $c.xz ] && { xz -dkf $c.xz >>"$LOG" 2>&1; chmod +x $c; }
+                  stage candle-llama 300 env LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+                    $c --head-dims 128,64,96,80 --prompt 333 --decode 8 --batch 2 ;;
     env)          stage env 60 $BIN env ;;
     # Expert parallelism (issue 25) on a machine with several GPUs: nvidia-h100-x2 or larger.
     # The launcher sets NCCL_NVLS_ENABLE=0 etc. in every rank; topology goes in the report.
