@@ -16,6 +16,8 @@ fn every_mla_kernel_compiles_without_spills() {
     let jobs: Vec<_> = all_mla_kernels()
         .into_iter()
         .flat_map(|k| ARCHS.map(|arch| (k.clone(), arch)))
+        // The wgmma build exists for sm_90a only.
+        .filter(|(k, arch)| !k.wgmma || *arch == "sm_90a")
         .collect();
     let results: Vec<_> = std::thread::scope(|sc| {
         let handles: Vec<_> = jobs
@@ -77,7 +79,7 @@ fn every_mla_kernel_compiles_without_spills() {
             }
         }
     }
-    assert_eq!(jobs.len(), 4 * ARCHS.len());
+    assert_eq!(jobs.len(), 4 * ARCHS.len() + 2);
     assert_eq!(compiled, 2 * jobs.len());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

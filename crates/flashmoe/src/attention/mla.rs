@@ -225,7 +225,7 @@ pub struct MlaShape {
     pub m_blocks: usize,
 }
 
-/// The kernel build: dtype, keys per tile and ring depth.
+/// The kernel build: dtype, keys per tile, ring depth and the MMA path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MlaKernel {
     pub bf16: bool,
@@ -233,16 +233,28 @@ pub struct MlaKernel {
     /// (sm_90), else 32 (sm_80's 163 KiB).
     pub block_n: usize,
     pub stages: usize,
+    /// Both GEMMs on warpgroup MMAs (sm_90a builds only; needs `block_n` 64).
+    pub wgmma: bool,
 }
 
 impl MlaKernel {
     /// The build for `dtype` on a device allowing `smem_optin` bytes of shared memory a
-    /// block: the widest tile whose 2-stage ring fits (the static part is < 1 KiB).
-    pub fn for_device(dtype: DType, smem_optin: u64) -> MlaKernel {
+    /// block, compiled for sm_90a or not: wgmma with 64-key tiles on sm_90a when they fit,
+    /// else mma.sync with the widest tile whose 2-stage ring fits (the static part is
+    /// < 1 KiB).
+    pub fn for_device(dtype: DType, smem_optin: u64, sm90a: bool) -> MlaKernel {
         let k64 = MlaKernel {
             bf16: dtype == DType::Bf16,
             block_n: 64,
             stages: 2,
+            wgmma: sm90a,
+        };
+        if k64.shared_mem_bytes() as u64 + 1024 <= smem_optin {
+            return k64;
+        }
+        let k64 = MlaKernel {
+            wgmma: false,
+            ..k64
         };
         if k64.shared_mem_bytes() as u64 + 1024 <= smem_optin {
             k64
@@ -250,15 +262,22 @@ impl MlaKernel {
             MlaKernel { block_n: 32, ..k64 }
         }
     }
-    /// Dynamic shared memory: 1152 · (64 + STAGES · BN) (the .cu's formula).
+    /// Dynamic shared memory: 1152 · (64 + STAGES · BN) for Q and the K ring, plus the
+    /// warp pairs' exchange of P (8 warps × BN/2 keys × 16 rows, bf16) and of row statistics
+    /// (8 × 16 f32), plus 1024 for the wgmma build's alignment (the .cu's formula).
     pub fn shared_mem_bytes(&self) -> u32 {
-        (D_QK * 2 * (BLOCK_M + self.stages * self.block_n)) as u32
+        let warps = THREADS as usize / 32;
+        (D_QK * 2 * (BLOCK_M + self.stages * self.block_n)
+            + warps * self.block_n * 16
+            + warps * 64
+            + if self.wgmma { 1024 } else { 0 }) as u32
     }
     pub fn defines(&self) -> Vec<(String, String)> {
         [
             ("FM_DTYPE_BF16", self.bf16 as usize),
             ("FM_BN", self.block_n),
             ("FM_STAGES", self.stages),
+            ("FM_WGMMA", self.wgmma as usize),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -270,8 +289,8 @@ impl MlaKernel {
 pub fn all_mla_kernels() -> Vec<MlaKernel> {
     let mut v = Vec::new();
     for dt in [DType::Bf16, DType::F16] {
-        for optin in [163 * 1024, 227 * 1024] {
-            let k = MlaKernel::for_device(dt, optin);
+        for (optin, sm90a) in [(163 * 1024, false), (227 * 1024, false), (227 * 1024, true)] {
+            let k = MlaKernel::for_device(dt, optin, sm90a);
             if !v.contains(&k) {
                 v.push(k);
             }
@@ -507,6 +526,29 @@ impl MlaDecodePlan {
     /// Validate `class`, compile (or load from the disk cache) its kernels for `dev`, set
     /// the shared-memory limit and read the occupancy the split heuristic uses.
     pub fn new(dev: &Device, class: MlaDecodeClass) -> Result<MlaDecodePlan> {
+        let kernel = Self::kernels_for(dev, class.dtype)?[0].clone();
+        Self::with_kernel(dev, class, kernel)
+    }
+
+    /// The builds `dev` can run for `dtype`, the one [`MlaDecodePlan::new`] selects first
+    /// (on sm_90a: wgmma, then the portable mma.sync build, for tests and the lab).
+    pub fn kernels_for(dev: &Device, dtype: DType) -> Result<Vec<MlaKernel>> {
+        let optin = dev.info().max_shared_memory_per_block_optin;
+        let sm90a = dev.arch() == 90 && dev.compile_arch()? == "sm_90a";
+        let mut v = vec![MlaKernel::for_device(dtype, optin, sm90a)];
+        let portable = MlaKernel::for_device(dtype, optin, false);
+        if !v.contains(&portable) {
+            v.push(portable);
+        }
+        Ok(v)
+    }
+
+    /// [`MlaDecodePlan::new`] with a given build (one of [`MlaDecodePlan::kernels_for`]).
+    pub fn with_kernel(
+        dev: &Device,
+        class: MlaDecodeClass,
+        kernel: MlaKernel,
+    ) -> Result<MlaDecodePlan> {
         class.validate()?;
         if dev.arch() < 80 {
             return Err(Error::unsupported(
@@ -518,8 +560,12 @@ impl MlaDecodePlan {
                 ),
             ));
         }
-        let kernel =
-            MlaKernel::for_device(class.dtype, dev.info().max_shared_memory_per_block_optin);
+        if !Self::kernels_for(dev, class.dtype)?.contains(&kernel) {
+            return Err(Error::unsupported(
+                MLA_ENTRY,
+                format!("build {kernel:?} does not run on {}", dev.info().name),
+            ));
+        }
         let defs = kernel.defines();
         let fwd = dev.load_kernel(MLA_SOURCE, MLA_ENTRY, &defs)?;
         let combine = dev.load_kernel(MLA_SOURCE, COMBINE_ENTRY, &defs)?;
@@ -856,14 +902,19 @@ mod tests {
 
     #[test]
     fn kernel_selection_smem_and_splits() {
-        let k = MlaKernel::for_device(DType::Bf16, 227 * 1024);
+        let k = MlaKernel::for_device(DType::Bf16, 227 * 1024, false);
         assert_eq!(
-            (k.block_n, k.stages, k.shared_mem_bytes()),
-            (64, 2, 221_184)
+            (k.block_n, k.stages, k.wgmma, k.shared_mem_bytes()),
+            (64, 2, false, 229_888)
         );
-        let k = MlaKernel::for_device(DType::F16, 163 * 1024);
-        assert_eq!((k.block_n, k.shared_mem_bytes()), (32, 147_456));
-        assert_eq!(all_mla_kernels().len(), 4);
+        let k = MlaKernel::for_device(DType::Bf16, 227 * 1024, true);
+        assert_eq!(
+            (k.block_n, k.wgmma, k.shared_mem_bytes()),
+            (64, true, 230_912)
+        );
+        let k = MlaKernel::for_device(DType::F16, 163 * 1024, false);
+        assert_eq!((k.block_n, k.shared_mem_bytes()), (32, 152_064));
+        assert_eq!(all_mla_kernels().len(), 6);
         // B=128 Hq=128 Sq=1: 256 CTAs fill 132 SMs: no split.
         assert_eq!(mla_split_heuristic(256, 132, 64), 1);
         // B=1: 2 CTAs; 32k keys (512 tiles) split to fill the wave.

@@ -263,14 +263,21 @@ impl Mla {
     }
 }
 
-/// Run `m` with each split choice against one reference: poisoned outputs and workspace,
-/// then a second launch that must give the same bits.
+/// Run `m` with each kernel build the device runs (sm_90a: wgmma and mma.sync) and each
+/// split choice against one reference: poisoned outputs and workspace, then a second launch
+/// that must give the same bits.
 fn run_splits(dev: &Device, m: &mut Mla, splits: &[Option<usize>], tag: &str) {
     let s = dev.stream();
     let want = m.reference();
     let a = m.args(s);
-    for &sp in splits {
-        let plan = MlaDecodePlan::new(dev, m.class).unwrap().with_splits(sp);
+    let kernels = MlaDecodePlan::kernels_for(dev, m.class.dtype).unwrap();
+    for (kernel, &sp) in kernels
+        .iter()
+        .flat_map(|k| splits.iter().map(move |sp| (k, sp)))
+    {
+        let plan = MlaDecodePlan::with_kernel(dev, m.class, kernel.clone())
+            .unwrap()
+            .with_splits(sp);
         let shape = plan.check(&a).unwrap();
         let mut ws = plan.alloc_workspace(s).unwrap();
         poison(s, ws.buffer_mut());
@@ -278,7 +285,7 @@ fn run_splits(dev: &Device, m: &mut Mla, splits: &[Option<usize>], tag: &str) {
         poison(s, &mut m.lse);
         unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
         let tag = format!(
-            "{tag} {} Hq={} Sq={} page={} seqused={:?} splits={} (m_blocks {}, BN {})",
+            "{tag} {} Hq={} Sq={} page={} seqused={:?} splits={} (m_blocks {}, BN {}, {})",
             m.class.dtype,
             m.class.heads_q,
             m.spec.seqlen_q,
@@ -286,7 +293,12 @@ fn run_splits(dev: &Device, m: &mut Mla, splits: &[Option<usize>], tag: &str) {
             m.host.seqused_k,
             shape.splits,
             shape.m_blocks,
-            plan.kernel().block_n
+            plan.kernel().block_n,
+            if plan.kernel().wgmma {
+                "wgmma"
+            } else {
+                "mma.sync"
+            }
         );
         m.verify(s, &want, &tag);
         let (o1, l1) = m.outputs(s);
@@ -484,65 +496,92 @@ fn mla_cudarc_graph_and_bad_input() {
     });
 }
 
-/// Throughput print (no assertion): cache bytes read per second at DeepSeek-V3's decode shape,
-/// B=128 × 4096 keys and B=1 × 32768 keys, bf16, Sq = 1.
+/// Throughput print (no assertion) at DeepSeek-V3's decode shape (Hq = 128, bf16): cache
+/// bytes read per second and TFLOP/s for B=128 × 4096 keys at Sq = 1, 2, 4 (memory- then
+/// compute-bound), B=64 × 16384 keys at Sq = 1 and B=1 × 32768 keys (split). Random q and
+/// cache (zeros can run faster than real data); the median of 7 host-timed batches of 10
+/// launches after a warm-up.
 #[test]
 fn mla_decode_timing_print() {
     with_gpu("mla-timing", |dev| {
         let s = dev.stream();
-        for &(b, sk) in &[(128usize, 4096usize), (1, 32768)] {
+        let mut rng = Rng(fresh_seed("mla-timing"));
+        let rand_bits = |rng: &mut Rng, n: usize| -> Vec<u16> {
+            (0..n)
+                .map(|_| DType::Bf16.encode_one_u16(rng.uniform()))
+                .collect()
+        };
+        for &(b, sk, sq) in &[
+            (128usize, 4096usize, 1usize),
+            (128, 4096, 2),
+            (128, 4096, 4),
+            (64, 16384, 1),
+            (1, 32768, 1),
+        ] {
             let page = 64;
             let pages = sk / page;
             let nb = b * pages;
-            let c = MlaDecodeClass::deepseek_v3(DType::Bf16, 1, b, sk);
-            let plan = MlaDecodePlan::new(dev, c).unwrap();
-            let mut kv = s.alloc_zeros::<u16>(nb * page * D_QK).unwrap();
-            {
-                // A small constant (bf16 2^-7): the values do not change the time.
-                let (p, _g) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut kv, s);
-                unsafe { sys::cuMemsetD16Async(p, 0x3C00, nb * page * D_QK, s.cu_stream()) }
-                    .result()
-                    .unwrap();
+            let c = MlaDecodeClass::deepseek_v3(DType::Bf16, sq, b, sk);
+            let kv = s
+                .clone_htod(&rand_bits(&mut rng, nb * page * D_QK))
+                .unwrap();
+            let q = s
+                .clone_htod(&rand_bits(&mut rng, b * sq * 128 * D_QK))
+                .unwrap();
+            let o = s.alloc_zeros::<u16>(b * sq * 128 * D_V).unwrap();
+            let lse = s.alloc_zeros::<f32>(b * sq * 128).unwrap();
+            // Pages in a shuffled order (a serving engine's table is not sequential).
+            let mut table: Vec<i32> = (0..nb as i32).collect();
+            for i in (1..nb).rev() {
+                table.swap(i, rng.below(i + 1));
             }
-            let q = s.alloc_zeros::<u16>(b * 128 * D_QK).unwrap();
-            let o = s.alloc_zeros::<u16>(b * 128 * D_V).unwrap();
-            let lse = s.alloc_zeros::<f32>(b * 128).unwrap();
-            let table: Vec<i32> = (0..nb as i32).collect();
             let bt = s.clone_htod(&table).unwrap();
             let su = s.clone_htod(&vec![sk as i32; b]).unwrap();
             let a = MlaArgs {
-                q: RawTensor::contiguous(addr(&q, s), c.dtype, &[b, 1, 128, D_QK]).unwrap(),
+                q: RawTensor::contiguous(addr(&q, s), c.dtype, &[b, sq, 128, D_QK]).unwrap(),
                 kv_cache: RawTensor::contiguous(addr(&kv, s), c.dtype, &[nb, page, D_QK]).unwrap(),
                 block_table: RawIndex::matrix(addr(&bt, s), b, pages),
                 seqused_k: RawIndex::vector(addr(&su, s), b),
-                o: RawTensor::contiguous(addr(&o, s), c.dtype, &[b, 1, 128, D_V]).unwrap(),
-                lse: RawTensor::contiguous(addr(&lse, s), DType::F32, &[b, 1, 128]).unwrap(),
+                o: RawTensor::contiguous(addr(&o, s), c.dtype, &[b, sq, 128, D_V]).unwrap(),
+                lse: RawTensor::contiguous(addr(&lse, s), DType::F32, &[b, sq, 128]).unwrap(),
                 max_seqlen_k: Some(sk),
             };
-            let shape = plan.check(&a).unwrap();
-            let ws = plan.alloc_workspace(s).unwrap();
-            for _ in 0..3 {
-                unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
-            }
-            s.synchronize().unwrap();
-            let iters = 20;
-            let t0 = std::time::Instant::now();
-            for _ in 0..iters {
-                unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
-            }
-            s.synchronize().unwrap();
-            let dt = t0.elapsed().as_secs_f64() / iters as f64;
-            let bytes = c.kv_bytes(&vec![sk; b]) as f64;
-            eprintln!(
-                "mla-timing: B={b} Sk={sk} Hq=128 Sq=1 bf16 splits={} BN={}: {:.1} us/step, \
-                 {:.0} GB/s of cache ({:.1} MB), {:.1} TFLOP/s",
+            for kernel in MlaDecodePlan::kernels_for(dev, c.dtype).unwrap() {
+                let plan = MlaDecodePlan::with_kernel(dev, c, kernel).unwrap();
+                let shape = plan.check(&a).unwrap();
+                let ws = plan.alloc_workspace(s).unwrap();
+                for _ in 0..3 {
+                    unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
+                }
+                s.synchronize().unwrap();
+                let iters = 10;
+                let mut times: Vec<f64> = (0..7)
+                    .map(|_| {
+                        let t0 = std::time::Instant::now();
+                        for _ in 0..iters {
+                            unsafe { plan.forward_raw(s.cu_stream(), &a, ws.raw()) }.unwrap();
+                        }
+                        s.synchronize().unwrap();
+                        t0.elapsed().as_secs_f64() / iters as f64
+                    })
+                    .collect();
+                times.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                let dt = times[times.len() / 2];
+                let bytes = c.kv_bytes(&vec![sk; b]) as f64;
+                eprintln!(
+                "mla-timing: B={b} Sk={sk} Hq=128 Sq={sq} bf16 splits={} BN={} {}: {:.1} us/step \
+                 (spread {:.1}..{:.1}), {:.0} GB/s of cache ({:.1} MB), {:.1} TFLOP/s",
                 shape.splits,
                 plan.kernel().block_n,
+                if plan.kernel().wgmma { "wgmma" } else { "mma.sync" },
                 dt * 1e6,
+                times[0] * 1e6,
+                times[times.len() - 1] * 1e6,
                 bytes / dt / 1e9,
                 bytes / 1e6,
-                c.flops(&vec![sk; b], 1) / dt / 1e12
+                c.flops(&vec![sk; b], sq) / dt / 1e12
             );
+            }
         }
     });
 }
