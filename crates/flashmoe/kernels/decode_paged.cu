@@ -8,6 +8,8 @@
 //   FM_MT          m16 tiles of packed query rows per CTA (BM = 16 * FM_MT rows)
 //   FM_STAGES      K/V pages in flight through the shared-memory ring (cp.async groups)
 //   FM_SOFTCAP     1: scores = softcap * tanh(scale * q.k / softcap)
+//   FM_ALIBI       1: scores -= slope[b][h] * |d_i - j| after the softcap (FlashAttention's
+//                  ALiBi; d_i the row's diagonal below), slopes f32 from DecodeParams::alibi
 //
 // decode_paged_fwd: grid (splits * m_blocks, heads_kv, batch), 128 threads. One CTA owns one
 //   (sequence, KV head, KV split, row block). Query rows: Sq per sequence, or with
@@ -72,6 +74,9 @@
 #ifndef FM_SOFTCAP
 #define FM_SOFTCAP 0
 #endif
+#ifndef FM_ALIBI
+#define FM_ALIBI 0
+#endif
 
 namespace fmd {
 
@@ -83,6 +88,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int BN = 16 * WARPS;  // keys per K/V tile: 16 per warp
 constexpr int STAGES = FM_STAGES;
 constexpr bool SOFTCAP = FM_SOFTCAP != 0;
+constexpr bool ALIBI = FM_ALIBI != 0;
 constexpr int PITCH = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
 constexpr int PITCH_B = PITCH * 2;
 constexpr int CPR = D / 8;  // 16-byte chunks per row
@@ -130,8 +136,10 @@ struct DecodeParams {
     float softcap_log2;  // softcap * log2(e) (SOFTCAP only)
     int num_blocks;      // block ids outside [0, num_blocks) are never read
     int total_q;         // query tokens of the call: batch * seqlen_q, or cu_seqlens_q[batch]
+    const float* alibi;  // ALIBI: slopes, slope of (b, h) at alibi[b * alibi_bstride + h]
+    i64 alibi_bstride;   // 0: one [heads_q] vector for every sequence
 };
-static_assert(sizeof(DecodeParams) == 232, "DecodeParams layout (decode.rs)");
+static_assert(sizeof(DecodeParams) == 248, "DecodeParams layout (decode/config.rs)");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float lg2(float x) {
@@ -292,16 +300,28 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
     }
     if (STAGES - 1 < n_tiles) tile_pages(pg, p, bt, tb + STAGES - 1, kmin, kmax);
 
-    // Per-thread rows of the mma C layout: row mt*16 + lane/4 + 8h; their visible ranges.
+    // Per-thread rows of the mma C layout: row mt*16 + lane/4 + 8h; their visible ranges
+    // (and with ALiBi the row's slope in log2 units and its diagonal key).
     int rlo[MT][2], rhi[MT][2];
+    float rslope[MT][2];
+    int rdiag[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = min(mt * 16 + (lane >> 2) + 8 * h, rows - 1);  // pad rows: last row
-            const int qi = (row0 + r) / G;
+            const int rr = row0 + r;
+            const int qi = rr / G;
             rlo[mt][h] = lo_of(qi);
             rhi[mt][h] = hi_of(qi);
+            if (ALIBI) {
+                const int head = kv_head * G + (rr - qi * G);
+                rslope[mt][h] = __ldg(p.alibi + (i64)b * p.alibi_bstride + head) * 1.4426950408889634f;
+                rdiag[mt][h] = diag0 + qi;
+            } else {
+                rslope[mt][h] = 0.f;
+                rdiag[mt][h] = 0;
+            }
         }
 
     float oacc[MT][DT][4];
@@ -381,6 +401,20 @@ extern "C" __global__ void __launch_bounds__(fmd::THREADS, 1)
                     else
                         s[mt][nt][e] *= p.scale_log2;
                 }
+        if (ALIBI) {  // the bias after the softcap, in log2 units (FlashAttention's order)
+            const int col0 = n0 + warp * 16 + 2 * (lane & 3);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int dist = abs(rdiag[mt][h] - (col0 + nt * 8 + e));
+                            s[mt][nt][2 * h + e] -= rslope[mt][h] * (float)dist;
+                        }
+        }
         if (n0 < lo_max || n0 + BN > hi_min) {  // CTA-uniform: tile cut by some row's range
             const int col0 = n0 + warp * 16 + 2 * (lane & 3);
 #pragma unroll

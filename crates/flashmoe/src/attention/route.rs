@@ -25,8 +25,10 @@
 //! - ALiBi ([`route_alibi`]): a dense call with slopes goes to the prefill plan's portable
 //!   kernel on every GPU, Hopper included (`AttentionPlan::new_alibi`, [`PlanKey::Alibi`]),
 //!   with any mask (none, causal, sliding window) and softcap, for any number of query rows;
-//!   the sm_90a and decode kernels have no ALiBi yet. Varlen and paged calls with slopes are
-//!   an [`Error::Unsupported`] ([`unsupported_feature`]).
+//!   [`route_alibi_dense`] sends decode-shaped ALiBi calls to the decode plan instead
+//!   (`DecodePlan::new_alibi` over the dense cache); the sm_90a kernel has no ALiBi yet.
+//!   Varlen calls with slopes are an [`Error::Unsupported`] ([`unsupported_feature`]); paged
+//!   calls with slopes take [`route_paged`]'s key on a `DecodePlan::new_alibi` plan.
 //! - [`route_scope`]: the sequence lengths around a call over which the route stays the
 //!   same, so that a front end that caches routes (flashmoe-py) routes only on a miss.
 //!
@@ -566,6 +568,35 @@ pub fn route_alibi(call: &AttnCall) -> Result<ClassKey> {
     ))
 }
 
+/// The plan of a dense ALiBi call: decode-shaped calls ([`decode_shaped`]) on the decode plan
+/// ([`Route::Decode`], to be built with `DecodePlan::new_alibi`, window read as
+/// [`WindowSize::decode`]), the others on the portable prefill kernel ([`Route::Prefill`],
+/// `AttentionPlan::new_alibi`, [`route_alibi`]'s key). Checks as [`route_alibi`]. The lengths
+/// over which the answer holds: [`route_scope_alibi`].
+pub fn route_alibi_dense(call: &AttnCall) -> Result<Route> {
+    let key = route_alibi(call)?;
+    let shape = &call.shape;
+    if decode_shaped(shape.seq_q, shape.head_dim) {
+        let dw = call.window.decode(shape.seq_k)?;
+        let softcap = call.softcap()?;
+        return Ok(Route::Decode(DecodeKey::new(
+            call.elem,
+            shape,
+            shape.seq_q,
+            dw,
+            softcap,
+            call.softmax_scale,
+        )));
+    }
+    Ok(Route::Prefill(key))
+}
+
+/// The [`RouteScope`] of [`route_alibi_dense`]: [`route_scope`]'s cells with the
+/// decode-shaped limit and the decode plan's row buckets always among the cuts.
+pub fn route_scope_alibi(call: &AttnCall) -> RouteScope {
+    scope_of(call, true)
+}
+
 /// The ranges of query rows `seq_q` and key rows `seq_k` (inclusive, `(lo, hi)` each) around
 /// the call's over which [`route_dense`] gives the same result for the call's other
 /// arguments, on any device: a front end that caches the route by those arguments keeps it
@@ -588,6 +619,10 @@ impl RouteScope {
 /// thresholds of the window's sides, the decode-shaped limit and the decode plan's row
 /// buckets; the scope is the cell of those thresholds that holds the call.
 pub fn route_scope(call: &AttnCall) -> RouteScope {
+    scope_of(call, false)
+}
+
+fn scope_of(call: &AttnCall, alibi: bool) -> RouteScope {
     let (left, right) = (call.window.left, call.window.right);
     // Where each length-dependent predicate of `route_dense` flips: `t` such that the
     // predicate differs between length t - 1 and t.
@@ -603,8 +638,10 @@ pub fn route_scope(call: &AttnCall) -> RouteScope {
     }
     // A call that can need the masked kernels: decode-shaped or not, the row bucket, and
     // the decode kernel's reading of the window (a side is kept iff it is <= seq_k).
-    let maybe_masked =
-        call.softcap.is_some_and(|c| c != 0.0) || left.is_some() || right.is_some_and(|r| r > 0);
+    let maybe_masked = alibi
+        || call.softcap.is_some_and(|c| c != 0.0)
+        || left.is_some()
+        || right.is_some_and(|r| r > 0);
     if maybe_masked {
         q_cuts.extend([2, 3, 5, 9, MAX_Q_PER_SEQ + 1]);
         k_cuts.extend(left);
@@ -1160,7 +1197,8 @@ mod tests {
             let c = k.attention_class();
             assert!(c.causal && c.window == (100, -1) && c.softcap == 30.0);
         }
-        // Decode-shaped and plain calls too (no decode ALiBi): the same kind of key.
+        // route_alibi gives the prefill key for decode-shaped calls too (route_alibi_dense
+        // picks the decode plan for them).
         let k = route_alibi(&call((1, 300, 128), opts(None, None), None)).unwrap();
         assert_eq!(k.window, NO_MASK);
         assert_eq!(PlanKey::Alibi(k).elem(), Elem::Bf16);
@@ -1175,5 +1213,54 @@ mod tests {
             Some(-2.0),
         )));
         assert!(e.contains("softcap"), "{e}");
+    }
+
+    #[test]
+    fn decode_shaped_alibi_routes_to_the_decode_plan() {
+        // At most 16 rows and a decode head dim: the decode plan, window read as decode does.
+        for d in [64, 128, 256] {
+            let Route::Decode(k) =
+                route_alibi_dense(&call((1, 3000, d), opts(None, Some(0)), None)).unwrap()
+            else {
+                panic!("decode-shaped ALiBi goes to the decode plan (d {d})")
+            };
+            assert_eq!((k.window, k.max_q_per_seq, k.head_dim), ((-1, 0), 1, d));
+        }
+        let Route::Decode(k) =
+            route_alibi_dense(&call((5, 400, 128), opts(Some(50), Some(0)), Some(30.0))).unwrap()
+        else {
+            panic!("windowed softcapped decode-shaped ALiBi goes to the decode plan")
+        };
+        assert_eq!((k.window, k.softcap(), k.max_q_per_seq), ((50, 0), 30.0, 8));
+        // Longer calls and head dims without a decode kernel: the portable prefill kernel.
+        for (sq, d) in [(17, 128), (3, 96), (4000, 64)] {
+            let r = route_alibi_dense(&call((sq, 3000, d), opts(None, Some(0)), None)).unwrap();
+            assert!(
+                matches!(r, Route::Prefill(k) if k.head_dim == d),
+                "{sq} {d}: {r:?}"
+            );
+        }
+        assert!(route_alibi_dense(&call((1, 10, 12), opts(None, None), None)).is_err());
+        // The scope: every length in it routes like the cell's first one.
+        let lens: Vec<usize> = (1..=20).chain([40, 41, 100, 5000]).collect();
+        for (left, right) in [
+            (None, None),
+            (None, Some(0)),
+            (Some(6), Some(0)),
+            (Some(15), Some(2)),
+        ] {
+            for d in [128, 96] {
+                let c = |sq, sk| call((sq, sk, d), opts(left, right), None);
+                for &sq in &lens {
+                    for &sk in &lens {
+                        let s = route_scope_alibi(&c(sq, sk));
+                        assert!(s.contains(sq, sk), "{s:?} misses ({sq}, {sk})");
+                        let here = route_alibi_dense(&c(sq, sk)).unwrap();
+                        let first = route_alibi_dense(&c(s.seq_q.0, s.seq_k.0)).unwrap();
+                        assert_eq!(here, first, "{left:?} {right:?} d {d} ({sq}, {sk}) {s:?}");
+                    }
+                }
+            }
+        }
     }
 }

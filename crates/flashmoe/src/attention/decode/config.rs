@@ -34,6 +34,8 @@ pub struct DecodeKernel {
     pub mt: usize,
     pub stages: usize,
     pub softcap: bool,
+    /// ALiBi biases (`FM_ALIBI`): plans built by `DecodePlan::new_alibi`.
+    pub alibi: bool,
 }
 
 impl DecodeKernel {
@@ -56,6 +58,7 @@ impl DecodeKernel {
             ("FM_MT", self.mt),
             ("FM_STAGES", self.stages),
             ("FM_SOFTCAP", self.softcap as usize),
+            ("FM_ALIBI", self.alibi as usize),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -63,7 +66,7 @@ impl DecodeKernel {
     }
 }
 
-/// Kernel parameters of `decode_paged_fwd` (the .cu's `DecodeParams`, 232 bytes).
+/// Kernel parameters of `decode_paged_fwd` (the .cu's `DecodeParams`, 248 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct DecodeParams {
@@ -103,6 +106,10 @@ pub(super) struct DecodeParams {
     pub(super) softcap_log2: f32,
     pub(super) num_blocks: i32,
     pub(super) total_q: i32,
+    /// ALiBi slopes (f32) or 0.
+    pub(super) alibi: u64,
+    /// Elements between two sequences' slopes (0: one vector for the batch).
+    pub(super) alibi_bstride: i64,
 }
 
 /// `decode_append_kv`'s parameters (168 bytes).
@@ -134,5 +141,5 @@ pub(super) struct AppendParams {
     pub(super) num_blocks: i32,
 }
 
-const _: () = assert!(std::mem::size_of::<DecodeParams>() == 232);
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == 248);
 const _: () = assert!(std::mem::size_of::<AppendParams>() == 168);

@@ -15,7 +15,9 @@ use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
-use crate::reference::decode::{paged_decode_f64, PagedDecodeInputs, PagedDecodeSpec};
+use crate::reference::decode::{
+    paged_decode_f64, paged_decode_f64_alibi, PagedDecodeInputs, PagedDecodeSpec,
+};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
@@ -835,5 +837,201 @@ fn decode_cudarc_path_and_bad_input() {
         let other = DecodePlan::new(dev, DecodeClass { page_size: 32, ..c }).unwrap();
         bad(other.check(&raw_args).map(|_| ()), "page_size 32");
         s.synchronize().unwrap();
+    });
+}
+
+/// ALiBi slopes for `rows` × `hq` (rows 1: one vector): FlashAttention-style powers of two
+/// 2^(-8(h+1)/hq), scaled per row so sequences differ, rotated by the seed.
+fn alibi_slopes(rows: usize, hq: usize, rng: &mut Rng) -> Vec<f32> {
+    let rot = rng.below(hq);
+    (0..rows * hq)
+        .map(|i| {
+            let (r, h) = (i / hq, (i % hq + rot) % hq);
+            2f32.powf(-8.0 * (h + 1) as f32 / hq as f32) * (1.0 + 0.5 * r as f32)
+        })
+        .collect()
+}
+
+/// Run one case on an ALiBi plan (slopes `[Hq]` or `[B, Hq]`) and gate o and lse against the
+/// f64 reference with the same slopes, globally and row by row (a row's max abs error within
+/// 8× the global tolerance's scale: bf16 / f16 rounding of O in [-1, 1]).
+fn run_alibi_case(dev: &Device, c: &Case, per_batch: bool, rng: &mut Rng) {
+    let s = dev.stream();
+    let p = Paged::build(s, c, &c.seqused, rng);
+    let (b, hq, d) = (c.seqused.len(), c.class.heads_q, c.class.head_dim);
+    let rows = if per_batch { b } else { 1 };
+    let sl = alibi_slopes(rows, hq, rng);
+    let sl_dev = s.clone_htod(&sl).unwrap();
+    let sl_shape: Vec<usize> = if per_batch { vec![b, hq] } else { vec![hq] };
+    let st = RawTensor::contiguous(addr(&sl_dev, s), DType::F32, &sl_shape).unwrap();
+    let plan = DecodePlan::new_alibi(dev, c.class)
+        .unwrap()
+        .with_splits(c.splits);
+    assert!(plan.is_alibi());
+    let a = p.args(s, &c.class);
+    let shape = plan.check(&a).unwrap();
+    let ws = plan
+        .alloc_workspace(s, shape.batch, shape.max_seqlen_k)
+        .unwrap();
+    unsafe { plan.forward_raw_alibi(s.cu_stream(), &a, Some(&st), ws.raw()) }.unwrap();
+    let tag = format!(
+        "alibi {} D={d} Hq={hq} Hkv={} page={} Sq={} lens_q={:?} seqused={:?} window={:?} \
+         softcap={} per_batch={per_batch} splits={} (m_blocks {})",
+        c.class.dtype,
+        c.class.heads_kv,
+        c.class.page_size,
+        c.sq,
+        c.lens_q,
+        c.seqused,
+        c.class.window,
+        c.class.softcap,
+        shape.splits,
+        shape.m_blocks
+    );
+    let (o, l) = p.outputs(s, c.class.dtype);
+    let stride = if per_batch { hq } else { 0 };
+    let want = paged_decode_f64_alibi(&p.spec, &p.host, Some(&sl), stride).unwrap();
+    let co = check(&o, &want.o, c.class.dtype);
+    let cl = check_lse(&l, &want.lse);
+    assert!(
+        co.passed,
+        "{tag}: o fails: {:?} (rel L2 {:.2e}, max abs {:.2e})",
+        co.reason, co.metrics.rel_l2, co.metrics.max_abs
+    );
+    assert!(cl.passed, "{tag}: lse fails: {:?}", cl.reason);
+    // Per row: no row may hide behind the global figure.
+    let bound = match c.class.dtype {
+        DType::Bf16 => 8.0 * 2f64.powi(-8),
+        _ => 8.0 * 2f64.powi(-11),
+    };
+    let mut worst = 0f64;
+    for (r, (got, want)) in o.chunks(d).zip(want.o.chunks(d)).enumerate() {
+        let e = got
+            .iter()
+            .zip(want)
+            .map(|(&g, &w)| {
+                if g.is_nan() {
+                    f64::INFINITY
+                } else {
+                    (g as f64 - w).abs()
+                }
+            })
+            .fold(0.0, f64::max);
+        assert!(
+            e <= bound,
+            "{tag}: row {r} max abs error {e:.3e} > {bound:.3e}"
+        );
+        worst = worst.max(e);
+    }
+    // The bias matters here: the result is not the plain one.
+    let plain = paged_decode_f64(&p.spec, &p.host).unwrap();
+    let moved = plain
+        .lse
+        .iter()
+        .zip(&want.lse)
+        .any(|(x, y)| x.is_finite() && (x - y).abs() > 1e-2);
+    assert!(
+        moved,
+        "{tag}: the slopes do not change the reference (a weak case)"
+    );
+    eprintln!(
+        "{tag}: ok (o rel L2 {:.2e}, worst row max abs {worst:.2e}; lse max abs {:.2e})",
+        co.metrics.rel_l2, cl.metrics.max_abs
+    );
+}
+
+/// ALiBi on the decode kernel (FlashAttention's convention: `-slope · |d_i - j|` after the
+/// softcap) against the f64 reference: GQA packing (one and two m16 tiles), Sq 1..16, pages,
+/// ragged lengths, windows, softcap, forced and heuristic splits, slopes `[Hq]` and
+/// `[B, Hq]`, a mixed batch (cu_seqlens_q), bf16 and f16, head dims 64 / 128 / 256.
+#[test]
+fn decode_alibi_matches_reference() {
+    with_gpu("decode-alibi", |dev| {
+        let mut rng = Rng(fresh_seed("decode-alibi"));
+        let (bf, f16) = (DType::Bf16, DType::F16);
+        let mut n = 0;
+        for &(dt, d, hq, hkv, sq, ps, window, softcap, splits, per_batch) in &[
+            (bf, 128, 32, 8, 1, 16, (-1, 0), 0.0, None, true),
+            (bf, 128, 32, 8, 1, 16, (-1, 0), 0.0, Some(1), false),
+            (bf, 64, 8, 8, 4, 64, (-1, 0), 0.0, Some(7), false),
+            (bf, 128, 4, 1, 16, 32, (-1, -1), 0.0, Some(3), true),
+            (bf, 128, 16, 2, 3, 48, (100, 0), 0.0, None, true),
+            (bf, 256, 16, 2, 2, 32, (-1, 0), 30.0, None, false),
+            (f16, 256, 8, 8, 1, 16, (-1, 0), 0.0, Some(5), true),
+            (f16, 64, 16, 4, 8, 128, (40, 3), 0.0, None, false),
+        ] {
+            let c = DecodeClass {
+                window,
+                softcap,
+                ..cls(dt, d, hq, hkv, ps, sq)
+            };
+            let mut case = Case::new(c, &[1, ps - 1, 97, 1031, 2999], sq, splits);
+            case.q_gain = if softcap > 0.0 { 4.0 } else { 1.0 };
+            run_alibi_case(dev, &case, per_batch, &mut rng);
+            n += 1;
+        }
+        // A mixed batch: decode, speculative and empty sequences in one packed call.
+        let c = cls(bf, 128, 16, 4, 16, 8);
+        for per_batch in [false, true] {
+            let case = Case::mixed(c, &[700, 33, 64, 1, 2000], &[8, 1, 0, 1, 5], Some(4));
+            run_alibi_case(dev, &case, per_batch, &mut rng);
+            n += 1;
+        }
+        eprintln!("decode-alibi: {n} cases passed");
+    });
+}
+
+/// Slopes on a plain plan, none on an ALiBi plan, a wrong shape or dtype: clear errors, no
+/// launch.
+#[test]
+fn decode_alibi_bad_slopes_are_errors() {
+    with_gpu("decode-alibi-bad", |dev| {
+        let mut rng = Rng(fresh_seed("decode-alibi-bad"));
+        let c = cls(DType::Bf16, 128, 8, 2, 16, 1);
+        let case = Case::new(c, &[40, 50], 1, Some(1));
+        let s = dev.stream();
+        let p = Paged::build(s, &case, &case.seqused, &mut rng);
+        let a = p.args(s, &c);
+        let buf = s.clone_htod(&vec![0.5f32; 16]).unwrap();
+        let t =
+            |shape: &[usize], dt: DType| RawTensor::contiguous(addr(&buf, s), dt, shape).unwrap();
+        let ws = crate::gpu::Workspace::zeroed(s, 0).unwrap();
+        let plain = DecodePlan::new(dev, c).unwrap();
+        let ali = DecodePlan::new_alibi(dev, c).unwrap();
+        let err = |r: crate::Result<()>| r.unwrap_err().to_string();
+        let e = err(unsafe {
+            plain.forward_raw_alibi(s.cu_stream(), &a, Some(&t(&[8], DType::F32)), ws.raw())
+        });
+        assert!(e.contains("without ALiBi"), "{e}");
+        let e = err(unsafe { ali.forward_raw(s.cu_stream(), &a, ws.raw()) });
+        assert!(e.contains("pass the slopes"), "{e}");
+        let e = err(unsafe {
+            ali.forward_raw_alibi(s.cu_stream(), &a, Some(&t(&[7], DType::F32)), ws.raw())
+        });
+        assert!(e.contains("alibi_slopes"), "{e}");
+        let e = err(unsafe {
+            ali.forward_raw_alibi(s.cu_stream(), &a, Some(&t(&[3, 8], DType::F32)), ws.raw())
+        });
+        assert!(e.contains("alibi_slopes"), "{e}");
+        let e = err(unsafe {
+            ali.forward_raw_alibi(
+                s.cu_stream(),
+                &a,
+                Some(&t(&[2, 2, 4], DType::F32)),
+                ws.raw(),
+            )
+        });
+        assert!(e.contains("alibi_slopes must have shape"), "{e}");
+        let e = err(unsafe {
+            ali.forward_raw_alibi(s.cu_stream(), &a, Some(&t(&[8], DType::Bf16)), ws.raw())
+        });
+        assert!(e.contains("alibi_slopes"), "{e}");
+        // The good call runs.
+        unsafe {
+            ali.forward_raw_alibi(s.cu_stream(), &a, Some(&t(&[2, 8], DType::F32)), ws.raw())
+        }
+        .unwrap();
+        s.synchronize().unwrap();
+        eprintln!("decode-alibi-bad: ok");
     });
 }

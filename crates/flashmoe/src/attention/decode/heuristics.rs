@@ -23,6 +23,7 @@ impl DecodeKernel {
             mt,
             stages,
             softcap: c.softcap > 0.0,
+            alibi: false,
         }
     }
 }
@@ -40,8 +41,10 @@ pub fn all_decode_kernels() -> Vec<DecodeKernel> {
                         ..DecodeClass::causal(DType::Bf16, d, max_rows, 1, 16, 1)
                     };
                     let k = DecodeKernel::for_class(&c);
-                    if !v.contains(&k) {
-                        v.push(k);
+                    for k in [k.clone(), DecodeKernel { alibi: true, ..k }] {
+                        if !v.contains(&k) {
+                            v.push(k);
+                        }
                     }
                 }
             }
@@ -105,7 +108,8 @@ mod tests {
         assert_eq!((k.mt, k.stages), (1, 2));
         assert!(k.shared_mem_bytes() <= 163 * 1024);
         let all = all_decode_kernels();
-        assert_eq!(all.len(), 2 * 2 * 2 + 2 * 2 * 2 + 2 * 2);
+        // Each build with and without ALiBi.
+        assert_eq!(all.len(), 2 * (2 * 2 * 2 + 2 * 2 * 2 + 2 * 2));
         for k in &all {
             assert!(k.shared_mem_bytes() as usize <= 163 * 1024, "{k:?}");
         }

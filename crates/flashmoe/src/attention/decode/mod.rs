@@ -29,6 +29,10 @@
 //! causal decode is `(-1, 0)`, full attention `(-1, -1)`. A row with no visible key gets
 //! O = 0 and LSE = -inf.
 //!
+//! ALiBi ([`DecodePlan::new_alibi`], [`DecodePlan::forward_raw_alibi`]): FlashAttention's
+//! bias `-slope · |d_i - j|` on the logit of row i and key j, after the softcap; slopes f32
+//! `[Hq]` or `[B, Hq]` (the table's rows with `cu_seqlens_q`).
+//!
 //! A contiguous cache `[B, Sk, Hkv, D]` is the special case of one page per sequence: a
 //! class with `page_size: 0` (the page size is taken from the cache's shape per call),
 //! `k_cache` viewed as `[B, Sk, Hkv, D]` and the identity table `[[0], [1], .., [B-1]]`

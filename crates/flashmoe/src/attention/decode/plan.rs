@@ -48,6 +48,18 @@ impl DecodePlan {
     /// Validate `class`, compile (or load from the disk cache) its kernels for `dev`, set
     /// the shared-memory limit and read the occupancy the split heuristic uses.
     pub fn new(dev: &Device, class: DecodeClass) -> Result<DecodePlan> {
+        Self::build(dev, class, false)
+    }
+
+    /// [`DecodePlan::new`] with ALiBi biases (FlashAttention's convention, as
+    /// `AttentionPlan::new_alibi`): the logit of query row i and key j gets
+    /// `-slope · |d_i - j|` (d_i the row's diagonal, module docs) after the softcap. Calls
+    /// go through [`DecodePlan::forward_raw_alibi`] with the slopes.
+    pub fn new_alibi(dev: &Device, class: DecodeClass) -> Result<DecodePlan> {
+        Self::build(dev, class, true)
+    }
+
+    fn build(dev: &Device, class: DecodeClass, alibi: bool) -> Result<DecodePlan> {
         class.validate()?;
         if dev.arch() < 80 {
             return Err(Error::unsupported(
@@ -59,7 +71,10 @@ impl DecodePlan {
                 ),
             ));
         }
-        let kernel = DecodeKernel::for_class(&class);
+        let kernel = DecodeKernel {
+            alibi,
+            ..DecodeKernel::for_class(&class)
+        };
         let defs = kernel.defines();
         let fwd = dev.load_kernel(DECODE_SOURCE, DECODE_ENTRY, &defs)?;
         let append = dev.load_kernel(DECODE_SOURCE, APPEND_ENTRY, &defs)?;
@@ -93,6 +108,49 @@ impl DecodePlan {
     }
     pub fn kernel(&self) -> &DecodeKernel {
         &self.kernel
+    }
+    /// Whether the plan adds ALiBi biases ([`DecodePlan::new_alibi`]).
+    pub fn is_alibi(&self) -> bool {
+        self.kernel.alibi
+    }
+
+    /// Check the ALiBi slopes of a call of `batch` sequences (the table's rows): present
+    /// exactly when the plan is an ALiBi one, f32, shape `[heads_q]` (one slope per head for
+    /// the whole batch) or `[batch, heads_q]`, contiguous heads, 4-byte aligned. Returns the
+    /// kernel's batch stride (0 for one vector).
+    pub fn check_alibi(&self, slopes: Option<&RawTensor>, batch: usize) -> Result<i64> {
+        let hq = self.class.heads_q;
+        let s = match (self.kernel.alibi, slopes) {
+            (false, None) => return Ok(0),
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "ALiBi slopes were passed to a decode plan built without ALiBi (build it \
+                     with DecodePlan::new_alibi)",
+                ))
+            }
+            (true, None) => {
+                return Err(Error::invalid(
+                    "this decode plan adds ALiBi biases (DecodePlan::new_alibi): pass the \
+                     slopes (forward_raw_alibi)",
+                ))
+            }
+            (true, Some(s)) => s,
+        };
+        match s.rank {
+            1 => {
+                s.expect("alibi_slopes", DType::F32, &[hq], 4)?;
+                Ok(0)
+            }
+            2 => {
+                s.expect("alibi_slopes", DType::F32, &[batch, hq], 4)?;
+                Ok(if batch == 1 { 0 } else { s.strides[0] as i64 })
+            }
+            _ => Err(Error::invalid(format!(
+                "alibi_slopes must have shape [heads_q] = [{hq}] or [batch, heads_q] = \
+                 [{batch}, {hq}] (f32) but has shape {:?}",
+                s.shape()
+            ))),
+        }
     }
     /// Decode CTAs resident per SM on this device.
     pub fn ctas_per_sm(&self) -> u32 {
@@ -180,7 +238,25 @@ impl DecodePlan {
         a: &DecodeArgs,
         workspace: RawWorkspace,
     ) -> Result<()> {
+        self.forward_raw_alibi(stream, a, None, workspace)
+    }
+
+    /// [`DecodePlan::forward_raw`] with the ALiBi slopes of a [`DecodePlan::new_alibi`]
+    /// plan (None on a plain plan): f32 `[heads_q]` or `[batch, heads_q]`
+    /// ([`DecodePlan::check_alibi`]).
+    ///
+    /// # Safety
+    /// As [`DecodePlan::forward_raw`]; `alibi`'s address is live device memory of the
+    /// plan's context covering its span.
+    pub unsafe fn forward_raw_alibi(
+        &self,
+        stream: RawStream,
+        a: &DecodeArgs,
+        alibi: Option<&RawTensor>,
+        workspace: RawWorkspace,
+    ) -> Result<()> {
         let s = self.check(a)?;
+        let alibi_bstride = self.check_alibi(alibi, s.batch)?;
         let c = &self.class;
         let (o_off, lse_off, need) = Self::partial_bytes(c, s.splits, s.total_q);
         workspace.check(need, 16, "DecodePlan")?;
@@ -241,6 +317,8 @@ impl DecodePlan {
             softcap_log2,
             num_blocks: s.num_blocks as i32,
             total_q: s.total_q as i32,
+            alibi: alibi.map_or(0, |t| t.ptr),
+            alibi_bstride,
         };
         let cfg = LaunchConfig {
             grid_dim: (
