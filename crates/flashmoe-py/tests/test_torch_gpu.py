@@ -1017,8 +1017,10 @@ def test_attention_varlen_grads_match_f64(case):
 
 def test_attention_varlen_backward_equals_dense_on_equal_lengths():
     # equal lengths packed are a dense batch: given the same o and lse, the same kernels give the
-    # same bits (the forward kernels differ, so both backward ops get the dense forward's o, lse)
-    b, s, hq, hkv, d = 3, 150, 8, 2, 128
+    # same bits (the forward kernels differ, so both backward ops get the dense forward's o, lse).
+    # Head dim 96: the dense backward runs the portable kernels there on every GPU (at 64/128 an
+    # H100 takes its wgmma kernels, which the varlen backward does not have).
+    b, s, hq, hkv, d = 3, 150, 8, 2, 96
     q = torch.randn(b, s, hq, d, dtype=torch.bfloat16, device=DEV)
     k = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV)
     v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16, device=DEV)
@@ -1308,3 +1310,137 @@ def test_flash_attn_func_compiles_fullgraph():
     q.grad = k.grad = None
     flashmoe.attention(q, k, k, causal=True).float().sum().backward()
     assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], k.grad)
+
+
+# --------------------------------------------------------------------------- ALiBi
+
+
+def alibi_ref(q, k, v, scale, slopes, causal=False, window=(-1, -1), softcap=0.0):
+    """masked_attention_ref of one sequence with FlashAttention's ALiBi: the score of query i
+    (position p_i = sk - sq + i) and key j gets -slope[h] * |p_i - j| after the softcap."""
+    hq, hkv = q.shape[1], k.shape[1]
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(hq // hkv, dim=1)
+    v64 = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q64, k64) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[0], k.shape[0]
+    pos = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    s = s - slopes.double()[:, None, None] * (pos - j).abs()[None]
+    left, right = window[0], 0 if causal else window[1]
+    masked = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        masked |= j > pos + right
+    if left >= 0:
+        masked |= j < pos - left
+    s = s.masked_fill(masked, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v64), lse
+
+
+def fa_slopes(b, hq, per_batch):
+    """FlashAttention-style slopes 2^(-8(h+1)/hq), scaled per sequence when per_batch."""
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / hq) for h in range(hq)], dtype=torch.float32)
+    if not per_batch:
+        return base.to(DEV)
+    return torch.stack([base * (1.0 + 0.5 * i) for i in range(b)]).to(DEV)
+
+
+ALIBI_CASES = [
+    # dtype, d, hq, hkv, b, sq, sk, causal, window, softcap, per_batch
+    (torch.bfloat16, 128, 8, 2, 2, 200, 300, True, (-1, -1), 0.0, False),  # prefill, portable kernel
+    (torch.bfloat16, 128, 8, 2, 2, 1, 2000, True, (-1, -1), 0.0, True),  # decode-shaped: decode kernel
+    (torch.float16, 64, 4, 4, 3, 4, 500, True, (64, -1), 0.0, False),  # decode-shaped window
+    (torch.bfloat16, 96, 6, 2, 2, 3, 700, True, (-1, -1), 0.0, True),  # decode-shaped, portable head dim
+    (torch.bfloat16, 256, 4, 1, 1, 100, 260, False, (-1, -1), 30.0, False),  # Gemma-like dims, softcap
+    (torch.bfloat16, 64, 8, 8, 2, 333, 333, False, (40, 7), 0.0, True),  # sliding window, prefill
+]
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES)
+def test_attention_alibi_matches_f64(case):
+    dtype, d, hq, hkv, b, sq, sk, causal, window, softcap, per_batch = case
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    if softcap:
+        q = q * 4
+    slopes = fa_slopes(b, hq, per_batch)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                alibi_slopes=slopes, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and lse.shape == (b, hq, sq)
+    for i in range(b):
+        sl = slopes[i] if per_batch else slopes
+        ro, rlse = alibi_ref(q[i], k[i], v[i], scale, sl, causal, window, softcap)
+        check_lse(lse[i], rlse, f"sequence {i} lse")
+        gate(o[i], ro, dtype, f"sequence {i}")
+    # The slopes matter here: the plain result differs.
+    plain = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    assert not torch.equal(plain, o)
+    # o without lse (the lse sink path) is the same bits.
+    o2 = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    assert torch.equal(o, o2)
+
+
+def test_attention_alibi_under_compile_matches_eager():
+    q = torch.randn(2, 64, 8, 128, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV)
+    slopes = fa_slopes(2, 8, False)
+    f = lambda q, k, v, s: flashmoe.attention(q, k, v, causal=True, alibi_slopes=s)  # noqa: E731
+    eager = f(q, k, k, slopes)
+    compiled = torch.compile(f, fullgraph=True)(q, k, k, slopes)
+    assert torch.equal(eager, compiled)
+
+
+def test_attention_alibi_errors():
+    q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, device=DEV)
+    slopes = fa_slopes(1, 4, False)
+    with pytest.raises(RuntimeError, match="alibi_slopes.*no backward pass"):
+        flashmoe.attention(q.clone().requires_grad_(), k, k, alibi_slopes=slopes)
+    with pytest.raises(TypeError, match="alibi_slopes has dtype"):
+        flashmoe.attention(q, k, k, alibi_slopes=slopes.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flashmoe.attention(q, k, k, alibi_slopes=fa_slopes(1, 3, False))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flashmoe.attention(q, k, k, alibi_slopes=fa_slopes(3, 4, True))
+    with torch.no_grad():  # inference on tensors that require grad is fine
+        flashmoe.attention(q.clone().requires_grad_(), k, k, alibi_slopes=slopes)
+
+
+KVCACHE_ALIBI_CASES = [
+    # dtype, d, hq, hkv, page, cache lengths, q rows, causal, window, softcap, per_batch
+    (torch.bfloat16, 128, 8, 2, 16, [1, 17, 1300, 61], 1, True, (-1, -1), 0.0, True),
+    (torch.float16, 64, 4, 4, 32, [29, 2, 531], 4, True, (50, -1), 0.0, False),
+    (torch.bfloat16, 256, 16, 2, 16, [7, 4099], 2, True, (-1, -1), 50.0, True),  # KV splits
+]
+
+
+@pytest.mark.parametrize("case", KVCACHE_ALIBI_CASES)
+def test_attention_with_kvcache_alibi_matches_f64(case):
+    dtype, d, hq, hkv, page, lengths, rows, causal, window, softcap, per_batch = case
+    b = len(lengths)
+    k_cache, v_cache, table, keys, values = paged_cache(lengths, hkv, d, page, dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q = torch.randn(b, rows, hq, d, dtype=dtype, device=DEV)
+    slopes = fa_slopes(b, hq, per_batch)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention_with_kvcache(
+        q, k_cache, v_cache, block_table=table, cache_seqlens=seqlens, causal=causal, window_size=window,
+        softcap=softcap, alibi_slopes=slopes, return_lse=True)
+    torch.cuda.synchronize()
+    for i in range(b):
+        sl = slopes[i] if per_batch else slopes
+        ro, rlse = alibi_ref(q[i], keys[i], values[i], scale, sl, causal, window, softcap)
+        check_lse(lse[i], rlse, f"sequence {i} lse")
+        gate(o[i], ro, dtype, f"sequence {i} ({lengths[i]} keys)")
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        flashmoe.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, block_table=table,
+                                        cache_seqlens=seqlens, alibi_slopes=slopes)
