@@ -35,22 +35,13 @@
 //   moe_bwd_unpermute   per (t, c): dx[t, c] = ((sum_s dx_perm[slot_row[t k + s], c]) +
 //                       dx_shared[t, c]) + sum_e dZ[t, e] router[c, e].
 //
-// GEMM tiles: BM = BN = 64, BK = 32, 4 warps (2 x 2) of 32 x 32, operands staged in shared
-// memory K-contiguous ([m][k] and [n][k], padded rows), fragments read as 32-bit pairs.
-// Loads are plain (no cp.async pipeline): this is the correctness path; the sm_90a
-// wgmma kernels are a later step.
+// GEMM tiles: see the GB_* defines below (pipelined cp.async + ldmatrix + mma.sync).
 
 #ifndef FM_DTYPE_BF16
 #define FM_DTYPE_BF16 1
 #endif
 #include "fm_ptx.cuh"
 #include "moe_gemm_common.cuh"
-
-#define BW_BM 64
-#define BW_BN 64
-#define BW_BK 32
-#define BW_PAD 8
-#define BW_THREADS 128
 
 __device__ __forceinline__ float h2f(u16 v) {
 #if FM_DTYPE_BF16
@@ -62,169 +53,248 @@ __device__ __forceinline__ float h2f(u16 v) {
 #endif
 }
 __device__ __forceinline__ u16 f2h(float v) { return (u16)(pack2(v, 0.f) & 0xffffu); }
-
 __device__ __forceinline__ float sigmoid_acc(float z) {
     if (z >= 0.f) return 1.f / (1.f + expf(-z));
     const float e = expf(z);
     return e / (1.f + e);
 }
 
-// acc[mt][nt][4] += As (rows wm.., k) x Bs (cols wn.., k) over one BK tile.
-__device__ __forceinline__ void bw_mma_tile(const u16 (*As)[BW_BK + BW_PAD],
-                                            const u16 (*Bs)[BW_BK + BW_PAD], int wm, int wn,
-                                            int lane, float (&acc)[2][4][4]) {
-    const int g = lane >> 2, t = lane & 3;
+// GEMM tiles: BM = BN = 128, BK = 32, 8 warps (2 along M x 4 along N) of 64 x 32, a
+// GB_STAGES-deep cp.async ring of 16-byte copies (dynamic shared memory, GB_SMEM_BYTES),
+// fragments by ldmatrix. An operand tile is stored either K-contiguous ([mn][32], 64-byte
+// rows, 16-byte chunk c at c ^ ((mn >> 1) & 3)) or MN-contiguous ([32][128], 256-byte rows,
+// chunk c at c ^ (k & 7)): the swizzles make every ldmatrix phase hit 8 distinct bank
+// groups. K-contiguous tiles are read by ldmatrix, MN-contiguous ones by ldmatrix.trans,
+// so no operand is transposed on the way in. Tails: rows past a group's end and columns
+// past N are zero-filled (cp.async with 0 source bytes); K and N are multiples of 32.
+#define GB_BM 128
+#define GB_BN 128
+#define GB_BK 32
+#define GB_STAGES 4
+#define GB_THREADS 256
+#define GB_TILE_BYTES (GB_BM * GB_BK * 2)
+#define GB_STAGE_BYTES (2 * GB_TILE_BYTES)
+#define GB_SMEM_BYTES (GB_STAGES * GB_STAGE_BYTES)
+
+// Byte offset of element (mn, k) in a K-contiguous tile.
+__device__ __forceinline__ u32 gb_kmaj(int mn, int k) {
+    return (u32)(mn * 64 + ((((k >> 3) ^ (mn >> 1)) & 3) << 4) + ((k & 7) << 1));
+}
+// Byte offset of element (k, mn) in an MN-contiguous tile.
+__device__ __forceinline__ u32 gb_mnmaj(int k, int mn) {
+    return (u32)(k * 256 + (((mn >> 3) ^ (k & 7)) << 4) + ((mn & 7) << 1));
+}
+
+// acc[mt][nt] += A (rows wm.., 64) x B (cols wn.., 32) over one BK slice of the stage at
+// sa (A) / sb (B).
+template <bool A_KMAJ, bool B_KMAJ>
+__device__ __forceinline__ void gb_mma_stage(u32 sa, u32 sb, int wm, int wn, int lane,
+                                             float (&acc)[4][4][4]) {
+    const int q = lane >> 3, r8 = lane & 7;
 #pragma unroll
-    for (int kk = 0; kk < BW_BK; kk += 16) {
-        u32 a[2][4];
+    for (int kk = 0; kk < GB_BK; kk += 16) {
+        u32 a[4][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            const int r = wm + mt * 16 + g;
-            a[mt][0] = *(const u32*)&As[r][kk + 2 * t];
-            a[mt][1] = *(const u32*)&As[r + 8][kk + 2 * t];
-            a[mt][2] = *(const u32*)&As[r][kk + 2 * t + 8];
-            a[mt][3] = *(const u32*)&As[r + 8][kk + 2 * t + 8];
+        for (int mt = 0; mt < 4; ++mt) {
+            const int m = wm + mt * 16 + (q & 1) * 8;
+            const int k = kk + (q >> 1) * 8;
+            if (A_KMAJ)
+                ldsm_x4(sa + gb_kmaj(m + r8, k), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+            else
+                ldsm_x4_t(sa + gb_mnmaj(k + r8, m), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        }
+        u32 b[4][2];
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+            const int n = wn + np * 16 + (q >> 1) * 8;
+            const int k = kk + (q & 1) * 8;
+            if (B_KMAJ)
+                ldsm_x4(sb + gb_kmaj(n + r8, k), b[2 * np][0], b[2 * np][1], b[2 * np + 1][0],
+                        b[2 * np + 1][1]);
+            else
+                ldsm_x4_t(sb + gb_mnmaj(k + r8, n), b[2 * np][0], b[2 * np][1],
+                          b[2 * np + 1][0], b[2 * np + 1][1]);
         }
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-            const int c = wn + nt * 8 + g;
-            const u32 b0 = *(const u32*)&Bs[c][kk + 2 * t];
-            const u32 b1 = *(const u32*)&Bs[c][kk + 2 * t + 8];
+        for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) mma16816(acc[mt][nt], a[mt], b0, b1);
-        }
+            for (int nt = 0; nt < 4; ++nt) mma16816(acc[mt][nt], a[mt], b[nt][0], b[nt][1]);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BW_THREADS)
-    moe_bwd_gemm_rows(const u16* __restrict__ a, int a_rs, int a_gather,
-                      const u16* __restrict__ b, i64 b_gs, int b_ks, int b_ns,
-                      float* __restrict__ c, int ldc, const u32* __restrict__ row_token,
-                      const u32* __restrict__ offsets, int groups, int total_rows, int n_cols,
-                      int k_dim) {
-    __shared__ __align__(16) u16 As[BW_BM][BW_BK + BW_PAD];
-    __shared__ __align__(16) u16 Bs[BW_BN][BW_BK + BW_PAD];
-    __shared__ u32 scratch[34];
+// The pipelined main loop over `nk` BK slices: load(stage_base_a, stage_base_b, slice)
+// issues this thread's cp.async copies of one slice.
+template <bool A_KMAJ, bool B_KMAJ, typename Load>
+__device__ __forceinline__ void gb_mainloop(u32 smem, int nk, int wm, int wn, int lane,
+                                            float (&acc)[4][4][4], Load load) {
+#pragma unroll
+    for (int s = 0; s < GB_STAGES - 1; ++s) {
+        if (s < nk) load(smem + s * GB_STAGE_BYTES, smem + s * GB_STAGE_BYTES + GB_TILE_BYTES, s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < nk; ++kt) {
+        cp_async_wait<GB_STAGES - 2>();
+        __syncthreads();
+        const int pre = kt + GB_STAGES - 1;
+        if (pre < nk) {
+            const u32 st = smem + (pre % GB_STAGES) * GB_STAGE_BYTES;
+            load(st, st + GB_TILE_BYTES, pre);
+        }
+        cp_async_commit();
+        const u32 st = smem + (kt % GB_STAGES) * GB_STAGE_BYTES;
+        gb_mma_stage<A_KMAJ, B_KMAJ>(st, st + GB_TILE_BYTES, wm, wn, lane, acc);
+    }
+    cp_async_wait<0>();
+}
+
+template <bool B_KMAJ>
+__device__ __forceinline__ void gb_rows(const u16* __restrict__ a, int a_rs, int a_gather,
+                                        const u16* __restrict__ be, int b_ks, int b_ns,
+                                        float* __restrict__ c, int ldc,
+                                        const u32* __restrict__ row_token, int row0, int rows,
+                                        int n0, int n_cols, int k_dim, u32 smem) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    int e = 0, tile = (int)blockIdx.x;
-    int row0, rows;
-    if (offsets != nullptr) {
-        if (!moe_find_tile<BW_BM, BW_THREADS>(offsets, groups, scratch, tid, blockIdx.x, e,
-                                              tile))
-            return;
-        row0 = (int)offsets[e] + tile * BW_BM;
-        rows = min(BW_BM, (int)offsets[e + 1] - row0);
-    } else {
-        row0 = tile * BW_BM;
-        rows = min(BW_BM, total_rows - row0);
-        if (rows <= 0) return;
-    }
-    const int n0 = blockIdx.y * BW_BN;
-    const u16* be = b + (i64)e * b_gs;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-    float acc[2][4][4] = {};
-    for (int k0 = 0; k0 < k_dim; k0 += BW_BK) {
-        for (int idx = tid; idx < BW_BM * BW_BK; idx += BW_THREADS) {
-            const int m = idx / BW_BK, k = idx % BW_BK;
-            u16 v = 0;
-            if (m < rows && k0 + k < k_dim) {
-                const int r = row0 + m;
-                const i64 src = a_gather ? (i64)row_token[r] : (i64)r;
-                v = a[src * a_rs + k0 + k];
-            }
-            As[m][k] = v;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+    // This thread's two A chunks: rows tid / 4 and tid / 4 + 64, chunk tid % 4.
+    const int ac = tid & 3;
+    const u16* arow[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int m = (tid >> 2) + i * 64;
+        arow[i] = nullptr;
+        if (m < rows) {
+            const int r = row0 + m;
+            const i64 src = a_gather ? (i64)row_token[r] : (i64)r;
+            arow[i] = a + src * a_rs + ac * 8;
         }
-        for (int idx = tid; idx < BW_BN * BW_BK; idx += BW_THREADS) {
-            int n, k;
-            if (b_ks == 1) {
-                n = idx / BW_BK;
-                k = idx % BW_BK;
-            } else {
-                k = idx / BW_BN;
-                n = idx % BW_BN;
-            }
-            u16 v = 0;
-            if (n0 + n < n_cols && k0 + k < k_dim)
-                v = be[(i64)(k0 + k) * b_ks + (i64)(n0 + n) * b_ns];
-            Bs[n][k] = v;
-        }
-        __syncthreads();
-        bw_mma_tile(As, Bs, wm, wn, lane, acc);
-        __syncthreads();
     }
+    auto load = [&](u32 sa, u32 sb, int kt) {
+        const int k0 = kt * GB_BK;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int m = (tid >> 2) + i * 64;
+            cp_async16(sa + gb_kmaj(m, ac * 8), arow[i] != nullptr ? arow[i] + k0 : a,
+                       arow[i] != nullptr);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int idx = tid + i * GB_THREADS;
+            if (B_KMAJ) {  // B(k, n) = be[n * b_ns + k]: rows n, chunk idx % 4
+                const int n = idx >> 2, ch = idx & 3;
+                const bool ok = n0 + n < n_cols;
+                cp_async16(sb + gb_kmaj(n, ch * 8),
+                           ok ? be + (i64)(n0 + n) * b_ns + k0 + ch * 8 : be, ok);
+            } else {  // B(k, n) = be[k * b_ks + n]: rows k, chunk idx % 16
+                const int k = idx >> 4, ch = idx & 15;
+                const bool ok = n0 + ch * 8 < n_cols;
+                cp_async16(sb + gb_mnmaj(k, ch * 8),
+                           ok ? be + (i64)(k0 + k) * b_ks + n0 + ch * 8 : be, ok);
+            }
+        }
+    };
+    float acc[4][4][4] = {};
+    gb_mainloop<true, B_KMAJ>(smem, k_dim / GB_BK, wm, wn, lane, acc, load);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int m = wm + mt * 16 + g + h * 8;
                 const int n = n0 + wn + nt * 8 + 2 * t;
-                if (m >= rows) continue;
-                float* dst = c + (i64)(row0 + m) * ldc + n;
-                if (n < n_cols) dst[0] = acc[mt][nt][2 * h];
-                if (n + 1 < n_cols) dst[1] = acc[mt][nt][2 * h + 1];
+                if (m < rows && n < n_cols)
+                    st_global_f32x2(c + (i64)(row0 + m) * ldc + n, acc[mt][nt][2 * h],
+                                    acc[mt][nt][2 * h + 1]);
             }
 }
 
-extern "C" __global__ void __launch_bounds__(BW_THREADS)
+extern "C" __global__ void __launch_bounds__(GB_THREADS)
+    moe_bwd_gemm_rows(const u16* __restrict__ a, int a_rs, int a_gather,
+                      const u16* __restrict__ b, i64 b_gs, int b_ks, int b_ns,
+                      float* __restrict__ c, int ldc, const u32* __restrict__ row_token,
+                      const u32* __restrict__ offsets, int groups, int total_rows, int n_cols,
+                      int k_dim) {
+    extern __shared__ __align__(128) unsigned char gb_smem[];
+    __shared__ u32 scratch[34];
+    const int tid = threadIdx.x;
+    int e = 0, tile = (int)blockIdx.x;
+    int row0, rows;
+    if (offsets != nullptr) {
+        if (!moe_find_tile<GB_BM, GB_THREADS>(offsets, groups, scratch, tid, blockIdx.x, e,
+                                              tile))
+            return;
+        row0 = (int)offsets[e] + tile * GB_BM;
+        rows = min(GB_BM, (int)offsets[e + 1] - row0);
+    } else {
+        row0 = tile * GB_BM;
+        rows = min(GB_BM, total_rows - row0);
+        if (rows <= 0) return;
+    }
+    const int n0 = blockIdx.y * GB_BN;
+    const u16* be = b + (i64)e * b_gs;
+    const u32 smem = smem_addr(gb_smem);
+    if (b_ks == 1)
+        gb_rows<true>(a, a_rs, a_gather, be, b_ks, b_ns, c, ldc, row_token, row0, rows, n0,
+                      n_cols, k_dim, smem);
+    else
+        gb_rows<false>(a, a_rs, a_gather, be, b_ks, b_ns, c, ldc, row_token, row0, rows, n0,
+                       n_cols, k_dim, smem);
+}
+
+extern "C" __global__ void __launch_bounds__(GB_THREADS)
     moe_bwd_gemm_wgrad(const u16* __restrict__ a, int a_rs, int a_gather,
                        const u16* __restrict__ b, int b_rs, int b_gather,
                        u16* __restrict__ c, int m_dim, int n_cols,
                        const u32* __restrict__ row_token, const u32* __restrict__ offsets,
                        int total_rows) {
-    __shared__ __align__(16) u16 As[BW_BM][BW_BK + BW_PAD];
-    __shared__ __align__(16) u16 Bs[BW_BN][BW_BK + BW_PAD];
+    extern __shared__ __align__(128) unsigned char gb_smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int e = blockIdx.y;
     const int r_lo = offsets != nullptr ? (int)offsets[e] : 0;
     const int r_hi = offsets != nullptr ? (int)offsets[e + 1] : total_rows;
-    const int tiles_n = (n_cols + BW_BN - 1) / BW_BN;
-    const int m0 = (blockIdx.x / tiles_n) * BW_BM, n0 = (blockIdx.x % tiles_n) * BW_BN;
-    const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
-    float acc[2][4][4] = {};
-    for (int k0 = r_lo; k0 < r_hi; k0 += BW_BK) {
-        // Both operands are contiguous along m / n: consecutive threads take consecutive
-        // columns of one row r.
-        for (int idx = tid; idx < BW_BM * BW_BK; idx += BW_THREADS) {
-            const int k = idx / BW_BM, m = idx % BW_BM;
-            u16 v = 0;
-            const int r = k0 + k;
-            if (r < r_hi && m0 + m < m_dim) {
-                const i64 src = a_gather ? (i64)row_token[r] : (i64)r;
-                v = a[src * a_rs + m0 + m];
+    const int tiles_n = (n_cols + GB_BN - 1) / GB_BN;
+    const int m0 = (blockIdx.x / tiles_n) * GB_BM, n0 = (blockIdx.x % tiles_n) * GB_BN;
+    const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
+    const u32 smem = smem_addr(gb_smem);
+    // Both operands are MN-contiguous ([row r][m] and [row r][n]): this thread's chunks
+    // are rows (tid + i * 256) / 16 of the slice, chunk tid % 16.
+    const int ch = tid & 15;
+    const bool a_ok = m0 + ch * 8 < m_dim, b_ok = n0 + ch * 8 < n_cols;
+    auto load = [&](u32 sa, u32 sb, int kt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int k = (tid >> 4) + i * 16;
+            const int r = r_lo + kt * GB_BK + k;
+            const bool in = r < r_hi;
+            i64 sa_row = 0, sb_row = 0;
+            if (in) {
+                const u32 tok = a_gather || b_gather ? row_token[r] : 0u;
+                sa_row = a_gather ? (i64)tok : (i64)r;
+                sb_row = b_gather ? (i64)tok : (i64)r;
             }
-            As[m][k] = v;
+            cp_async16(sa + gb_mnmaj(k, ch * 8),
+                       in && a_ok ? a + sa_row * a_rs + m0 + ch * 8 : a, in && a_ok);
+            cp_async16(sb + gb_mnmaj(k, ch * 8),
+                       in && b_ok ? b + sb_row * b_rs + n0 + ch * 8 : b, in && b_ok);
         }
-        for (int idx = tid; idx < BW_BN * BW_BK; idx += BW_THREADS) {
-            const int k = idx / BW_BN, n = idx % BW_BN;
-            u16 v = 0;
-            const int r = k0 + k;
-            if (r < r_hi && n0 + n < n_cols) {
-                const i64 src = b_gather ? (i64)row_token[r] : (i64)r;
-                v = b[src * b_rs + n0 + n];
-            }
-            Bs[n][k] = v;
-        }
-        __syncthreads();
-        bw_mma_tile(As, Bs, wm, wn, lane, acc);
-        __syncthreads();
-    }
+    };
+    float acc[4][4][4] = {};
+    gb_mainloop<false, false>(smem, (r_hi - r_lo + GB_BK - 1) / GB_BK, wm, wn, lane, acc,
+                              load);
     u16* ce = c + (i64)e * m_dim * n_cols;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int m = m0 + wm + mt * 16 + g + h * 8;
                 const int n = n0 + wn + nt * 8 + 2 * t;
-                if (m >= m_dim) continue;
-                u16* dst = ce + (i64)m * n_cols + n;
-                if (n < n_cols) dst[0] = f2h(acc[mt][nt][2 * h]);
-                if (n + 1 < n_cols) dst[1] = f2h(acc[mt][nt][2 * h + 1]);
+                if (m < m_dim && n < n_cols)
+                    st_global_u32(ce + (i64)m * n_cols + n,
+                                  pack2(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]));
             }
 }
 
@@ -324,33 +394,96 @@ extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
     for (int i = 0; i < experts; ++i) out[i] += cz * expf(z[i] - lse);
 }
 
-extern "C" __global__ void moe_bwd_router_dw(const u16* __restrict__ x,
-                                             const float* __restrict__ dz,
-                                             u16* __restrict__ dr, int tokens, int hidden,
-                                             int experts) {
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)hidden * experts) return;
-    const int c = (int)(idx / experts), e = (int)(idx % experts);
-    float acc = 0.f;
-    for (int t = 0; t < tokens; ++t) acc += h2f(x[(i64)t * hidden + c]) * dz[(i64)t * experts + e];
-    dr[idx] = f2h(acc);
+// One block: an RD_TILE x RD_TILE tile of d_router (columns c, experts e), 256 threads of
+// 4 outputs each; RD_TILE tokens of x and dZ at a time staged in shared memory. Each
+// output sums t ascending, as the formula states.
+#define RD_TILE 32
+
+extern "C" __global__ void moe_bwd_router_dw(const u16* __restrict__ x, const float* __restrict__ dz,
+                      u16* __restrict__ dr, int tokens, int hidden, int experts) {
+    __shared__ float xs[RD_TILE][RD_TILE + 1];
+    __shared__ float zs[RD_TILE][RD_TILE + 1];
+    const int tid = threadIdx.x;
+    const int c0 = blockIdx.x * RD_TILE, e0 = blockIdx.y * RD_TILE;
+    // This thread's outputs: column c0 + tid / 8, experts e0 + (tid % 8) + 8 j.
+    const int ci = tid >> 3, ei = tid & 7;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int t0 = 0; t0 < tokens; t0 += RD_TILE) {
+        for (int i = tid; i < RD_TILE * RD_TILE; i += 256) {
+            const int j = i / RD_TILE, l = i % RD_TILE;
+            const int t = t0 + j;
+            xs[j][l] = (t < tokens && c0 + l < hidden) ? h2f(x[(i64)t * hidden + c0 + l]) : 0.f;
+            zs[j][l] = (t < tokens && e0 + l < experts) ? dz[(i64)t * experts + e0 + l] : 0.f;
+        }
+        __syncthreads();
+        const int nt = min(RD_TILE, tokens - t0);
+        for (int j = 0; j < nt; ++j) {
+            const float xv = xs[j][ci];
+            a0 += xv * zs[j][ei];
+            a1 += xv * zs[j][ei + 8];
+            a2 += xv * zs[j][ei + 16];
+            a3 += xv * zs[j][ei + 24];
+        }
+        __syncthreads();
+    }
+    const int c = c0 + ci;
+    if (c >= hidden) return;
+    u16* out = dr + (i64)c * experts + e0 + ei;
+    if (e0 + ei < experts) out[0] = f2h(a0);
+    if (e0 + ei + 8 < experts) out[8] = f2h(a1);
+    if (e0 + ei + 16 < experts) out[16] = f2h(a2);
+    if (e0 + ei + 24 < experts) out[24] = f2h(a3);
 }
 
-extern "C" __global__ void moe_bwd_unpermute(const float* __restrict__ dx_perm,
-                                             const u32* __restrict__ slot_row,
-                                             const float* __restrict__ dx_shared,
-                                             const float* __restrict__ dz,
-                                             const u16* __restrict__ router,
-                                             u16* __restrict__ dx, int tokens, int hidden,
-                                             int experts, int top_k) {
-    const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (i64)tokens * hidden) return;
-    const i64 t = idx / hidden;
-    const int c = (int)(idx % hidden);
-    float acc = 0.f;
-    for (int s = 0; s < top_k; ++s) acc += dx_perm[(i64)slot_row[t * top_k + s] * hidden + c];
-    if (dx_shared != nullptr) acc += dx_shared[idx];
-    float dr = 0.f;
-    for (int e = 0; e < experts; ++e) dr += dz[t * experts + e] * h2f(router[(i64)c * experts + e]);
-    dx[idx] = f2h(acc + dr);
+// One block: UP_TOK tokens x UP_THREADS columns; dZ of those tokens staged in shared memory
+// UP_ECH experts at a time, so a column's router row is read once per UP_TOK tokens, not
+// once per token. Per (t, c) the sums are those of the formula above in its order (slots,
+// then the shared expert, then experts ascending).
+#define UP_THREADS 256
+#define UP_TOK 16
+#define UP_ECH 64
+
+extern "C" __global__ void __launch_bounds__(UP_THREADS)
+    moe_bwd_unpermute(const float* __restrict__ dx_perm, const u32* __restrict__ slot_row,
+                      const float* __restrict__ dx_shared, const float* __restrict__ dz,
+                      const u16* __restrict__ router, u16* __restrict__ dx, int tokens,
+                      int hidden, int experts, int top_k) {
+    __shared__ float dzs[UP_TOK][UP_ECH];
+    const int tid = threadIdx.x;
+    const int c = blockIdx.y * UP_THREADS + tid;
+    const int t0 = blockIdx.x * UP_TOK;
+    const int nt = min(UP_TOK, tokens - t0);
+    const bool col = c < hidden;
+    float dr[UP_TOK];
+#pragma unroll
+    for (int j = 0; j < UP_TOK; ++j) dr[j] = 0.f;
+    for (int e0 = 0; e0 < experts; e0 += UP_ECH) {
+        const int ne = min(UP_ECH, experts - e0);
+        for (int i = tid; i < UP_TOK * UP_ECH; i += UP_THREADS) {
+            const int j = i / UP_ECH, e = i % UP_ECH;
+            dzs[j][e] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
+        }
+        __syncthreads();
+        if (col) {
+            const u16* rrow = router + (i64)c * experts + e0;
+            for (int e = 0; e < ne; ++e) {
+                const float r = h2f(rrow[e]);
+#pragma unroll
+                for (int j = 0; j < UP_TOK; ++j) dr[j] += dzs[j][e] * r;
+            }
+        }
+        __syncthreads();
+    }
+    if (!col) return;
+#pragma unroll
+    for (int j = 0; j < UP_TOK; ++j) {
+        if (j >= nt) break;
+        const i64 t = t0 + j;
+        const i64 idx = t * hidden + c;
+        float acc = 0.f;
+        for (int s = 0; s < top_k; ++s)
+            acc += dx_perm[(i64)slot_row[t * top_k + s] * hidden + c];
+        if (dx_shared != nullptr) acc += dx_shared[idx];
+        dx[idx] = f2h(acc + dr[j]);
+    }
 }

@@ -77,9 +77,11 @@ pub const BWD_ENTRIES: [&str; 6] = [
     "moe_bwd_unpermute",
 ];
 
-/// GEMM tile of the kernels (BW_BM, BW_BN in the source) and their block size.
-const TILE: u32 = 64;
-const GEMM_THREADS: u32 = 128;
+/// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
+/// shared memory (GB_SMEM_BYTES: 4 stages of two 128 × 32 16-bit tiles).
+const TILE: u32 = 128;
+const GEMM_THREADS: u32 = 256;
+const GEMM_SMEM_BYTES: u32 = 4 * 2 * 128 * 32 * 2;
 const SWIGLU_THREADS: u32 = 128;
 const ELEM_THREADS: u32 = 256;
 const PLAN: &str = "MoeBackwardPlan";
@@ -341,6 +343,9 @@ impl MoeBackwardPlan {
             .iter()
             .map(|e| dev.load_kernel(BWD_SOURCE, e, &defs))
             .collect::<Result<Vec<_>>>()?;
+        for f in 0..2 {
+            dev.set_dynamic_shared_memory(BWD_ENTRIES[f], &funcs[f], GEMM_SMEM_BYTES)?;
+        }
         Ok(MoeBackwardPlan {
             class,
             ctx: dev.context().clone(),
@@ -484,6 +489,36 @@ impl MoeBackwardPlan {
         })
     }
 
+    /// [`Self::backward_raw`] with `after(i, kind)` called after the i-th launch is
+    /// enqueued (`kind`: "rows", "wgrad", "swiglu", "router_dz", "router_dw",
+    /// "unpermute"): the lab's per-kernel timing records an event there.
+    ///
+    /// # Safety
+    /// As [`Self::backward_raw`].
+    #[cfg(feature = "lab")]
+    pub unsafe fn backward_raw_each(
+        &self,
+        stream: RawStream,
+        a: &MoeBwdArgs,
+        workspace: RawWorkspace,
+        after: &mut dyn FnMut(usize, &'static str) -> Result<()>,
+    ) -> Result<()> {
+        let t = self.check(a)?;
+        let ws = self.workspace_layout(t)?;
+        workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, PLAN)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let mut n = 0;
+        backward_steps(&self.class, t, a, &ws, workspace.ptr, &mut |step| unsafe {
+            let kind = step.kind();
+            self.launch_step(stream, step)?;
+            after(n, kind)?;
+            n += 1;
+            Ok(())
+        })
+    }
+
     unsafe fn launch(
         &self,
         f: usize,
@@ -525,7 +560,13 @@ impl MoeBackwardPlan {
                     param(&v[1]),
                     param(&v[2]),
                 ];
-                self.launch(4, elem_cfg(v[1] as usize * v[2] as usize), stream, &mut a)
+                // RD_TILE (32) columns x 32 experts per block (moe_backward.cu).
+                let cfg = LaunchConfig {
+                    grid_dim: (ceil(v[1] as usize, 32), ceil(v[2] as usize, 32), 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch(4, cfg, stream, &mut a)
             }
             Step::Unpermute(p, v) => {
                 let mut a: [*mut c_void; 10] = [
@@ -540,7 +581,13 @@ impl MoeBackwardPlan {
                     param(&v[2]),
                     param(&v[3]),
                 ];
-                self.launch(5, elem_cfg(v[0] as usize * v[1] as usize), stream, &mut a)
+                // UP_THREADS columns x UP_TOK tokens per block (moe_backward.cu).
+                let cfg = LaunchConfig {
+                    grid_dim: (ceil(v[0] as usize, 16), ceil(v[1] as usize, 256), 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.launch(5, cfg, stream, &mut a)
             }
         }
     }
@@ -551,7 +598,7 @@ impl MoeBackwardPlan {
         let cfg = LaunchConfig {
             grid_dim: (tiles.max(1), ceil(g.n_cols as usize, TILE), 1),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: GEMM_SMEM_BYTES,
         };
         let mut p: [*mut c_void; 15] = [
             param(&g.a),
@@ -581,7 +628,7 @@ impl MoeBackwardPlan {
                 1,
             ),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: GEMM_SMEM_BYTES,
         };
         let mut p: [*mut c_void; 12] = [
             param(&g.a),
@@ -646,6 +693,20 @@ enum Step {
     /// (dx_perm, slot_row, dx_shared (0: none), dz, router, dx), (tokens, hidden, experts,
     /// top_k).
     Unpermute([u64; 6], [i32; 4]),
+}
+
+impl Step {
+    #[cfg(feature = "lab")]
+    fn kind(&self) -> &'static str {
+        match self {
+            Step::Rows(_) => "rows",
+            Step::Wgrad(_) => "wgrad",
+            Step::Swiglu { .. } => "swiglu",
+            Step::RouterDz(..) => "router_dz",
+            Step::RouterDw(..) => "router_dw",
+            Step::Unpermute(..) => "unpermute",
+        }
+    }
 }
 
 /// The backward's launches in stream order for a checked call of `t` tokens, workspace at

@@ -105,7 +105,10 @@ struct Setup {
     d_out_host: Vec<f32>,
     bufs: Vec<CudaSlice<u16>>,
     routing: super::plan::MoeRouting,
-    _fwd_ws: Workspace,
+    fwd_ws: Workspace,
+    fwd: MoePlan,
+    fwd_args: MoeArgs,
+    _out: CudaSlice<u16>,
     saved: SavedRouting,
     d_losses: Option<CudaSlice<f32>>,
     outs: Vec<CudaSlice<u16>>,
@@ -211,7 +214,10 @@ impl Setup {
             d_out_host,
             bufs,
             routing,
-            _fwd_ws: fwd_ws,
+            fwd_ws,
+            fwd,
+            fwd_args: args,
+            _out: out,
             saved,
             d_losses,
             outs,
@@ -623,5 +629,131 @@ fn backward_graph_replay_matches_eager() {
             prev = Some(g);
         }
         println!("graph replay: 3 replays bit-identical to eager (seed {seed})");
+    });
+}
+
+/// What each launch of a non-shared backward computes, in `backward_steps` order, and its
+/// FLOPs (R = T·k rows) as a multiple of R·H·I (GEMMs) or T·H·E (router).
+const STEP_LABELS: [(&str, f64, f64); 9] = [
+    ("1 gu = X_perm·W13", 4.0, 0.0),
+    ("2 G = dOut_perm·W2ᵀ", 2.0, 0.0),
+    ("2 swiglu / dw epilogue", 0.0, 0.0),
+    ("3 dW2 = (w⊙H)ᵀ·dOut", 2.0, 0.0),
+    ("4 dX_perm = dGU·W13ᵀ", 4.0, 0.0),
+    ("5 dW13 = X_permᵀ·dGU", 4.0, 0.0),
+    ("6 router dZ", 0.0, 0.0),
+    ("6 d_router = xᵀ·dZ", 0.0, 2.0),
+    ("8 un-permute (+ dZ·Rᵀ)", 0.0, 2.0),
+];
+
+/// Speed of the backward at the issue's shapes (seed003 at 2048 and 32768 tokens,
+/// Qwen3-30B-A3B at 8192), bf16, softmax top-k renormalised, losses trained: the median of
+/// whole calls between CUDA events, and one call with an event after every launch (the
+/// per-kernel breakdown). TFLOP/s use docs/design/moe.md's backward model, 2 ×
+/// `MoeProblem::flops()` (the gu recompute not counted). Run on its own:
+/// `flashmoe-gpu-tests moe::backward_gpu_tests::speed --ignored --nocapture`.
+#[test]
+#[ignore = "speed measurement at model shapes (GBs of inputs); run with --ignored"]
+fn speed_backward_per_kernel() {
+    with_gpu("moe-bwd-speed", |dev| {
+        let s = dev.stream().clone();
+        let shapes = [
+            ("seed003", 2048, 4096, 11008, 32, 2),
+            ("qwen3-30b", 8192, 2048, 768, 128, 8),
+            ("seed003", 32768, 4096, 11008, 32, 2),
+        ];
+        let event = || {
+            dev.context()
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap()
+        };
+        for (name, tokens, hidden, inter, experts, top_k) in shapes {
+            let c = Case {
+                tokens,
+                hidden,
+                inter,
+                experts,
+                top_k,
+                ..base()
+            };
+            let st = Setup::new(dev, &c, 7);
+            let args = st.args(&s);
+            let ws = st.bwd_ws.raw();
+            let call = || unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws) }.unwrap();
+            call();
+            s.synchronize().unwrap();
+            let fwd = || {
+                unsafe {
+                    st.fwd
+                        .forward_raw(s.cu_stream(), &st.fwd_args, st.fwd_ws.raw())
+                }
+                .unwrap()
+            };
+            let median = |f: &dyn Fn()| {
+                let mut times = Vec::new();
+                for _ in 0..5 {
+                    let (a, b) = (event(), event());
+                    a.record(&s).unwrap();
+                    f();
+                    b.record(&s).unwrap();
+                    b.synchronize().unwrap();
+                    times.push(a.elapsed_ms(&b).unwrap() as f64);
+                }
+                times.sort_by(f64::total_cmp);
+                times
+            };
+            let times = median(&call);
+            let ms = times[times.len() / 2];
+            let f_ms = median(&fwd)[2];
+            let fb_ms = median(&|| {
+                fwd();
+                call()
+            })[2];
+            let p = st.class.problem(tokens);
+            let flops = 2.0 * p.flops();
+            let rhi = (tokens * top_k * hidden * inter) as f64;
+            let the = (tokens * hidden * experts) as f64;
+            println!(
+                "moe bwd speed {name} T={tokens} H={hidden} I={inter} E={experts} k={top_k} \
+                 bf16: {ms:.3} ms (median of 5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF)",
+                times[0],
+                flops / ms / 1e9,
+                flops / 1e12
+            );
+            println!(
+                "moe fwd {f_ms:.3} ms, fwd+bwd {fb_ms:.3} ms = {:.1} TFLOP/s (3 × flops())",
+                3.0 * p.flops() / fb_ms / 1e9
+            );
+            let evs: Vec<_> = (0..=STEP_LABELS.len()).map(|_| event()).collect();
+            evs[0].record(&s).unwrap();
+            let mut kinds = Vec::new();
+            unsafe {
+                st.plan
+                    .backward_raw_each(s.cu_stream(), &args, ws, &mut |i, kind| {
+                        kinds.push(kind);
+                        evs[i + 1]
+                            .record(&s)
+                            .map_err(|e| crate::error::Error::cuda("cuEventRecord", e))
+                    })
+            }
+            .unwrap();
+            evs[kinds.len()].synchronize().unwrap();
+            assert_eq!(kinds.len(), STEP_LABELS.len(), "{kinds:?}");
+            for (i, ((label, gemm, router), kind)) in STEP_LABELS.iter().zip(&kinds).enumerate() {
+                let t = evs[i].elapsed_ms(&evs[i + 1]).unwrap() as f64;
+                let f = gemm * rhi + router * the;
+                let rate = if f > 0.0 {
+                    format!(" {:.1} TFLOP/s", f / t / 1e9)
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {label:<28} [{kind}] {t:8.3} ms {:5.1} %{rate}",
+                    100.0 * t / ms
+                );
+            }
+            let g = st.download(&s);
+            g.assert_finite(&format!("speed {name} T={tokens}"), c.dtype);
+        }
     });
 }
