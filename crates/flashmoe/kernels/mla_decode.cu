@@ -172,28 +172,31 @@ __device__ __forceinline__ void wgmma_ss_n32(float (&d)[16], u64 desc_a, u64 des
 }
 #endif
 
-// Block ids of tile t's 16-key groups into s_blk (-1: no key of [0, kmax) there, or past
-// the table). Called by threads 0 .. GROUPS-1.
-__device__ __forceinline__ void tile_blocks(int* s_blk, const MlaParams& p,
+// Cache element offset of the first row of each 16-key group of tile t into s_blk (-1: no
+// key of [0, kmax) there, past the table, or a block id outside [0, num_blocks)); a group
+// never crosses a page. Called by threads 0 .. GROUPS-1. The copies then need no division
+// by the page size.
+__device__ __forceinline__ void tile_blocks(i64* s_blk, const MlaParams& p,
                                             const int* __restrict__ bt, int t, int kmax,
                                             int g) {
     const int key0 = t * BN + 16 * g;
     const int pidx = key0 / p.page_size;
-    s_blk[g] = key0 < kmax && pidx < p.max_blocks ? __ldg(bt + pidx) : -1;
+    const int blk = key0 < kmax && pidx < p.max_blocks ? __ldg(bt + pidx) : -1;
+    s_blk[g] = (unsigned)blk < (unsigned)p.num_blocks
+                   ? (i64)blk * p.kv_sblk + (i64)(key0 - pidx * p.page_size) * p.kv_srow
+                   : -1;
 }
 
 // cp.async tile t's rows into a ring slot; keys >= kmax or on an unreadable block are
 // zero-filled (nothing read), so their V rows are finite where P = 0.
-__device__ __forceinline__ void load_tile(u32 sK, const MlaParams& p, const int* s_blk, int t,
+__device__ __forceinline__ void load_tile(u32 sK, const MlaParams& p, const i64* s_blk, int t,
                                           int kmax, int tid) {
 #pragma unroll 2
     for (int c = tid; c < BN * CPR; c += THREADS) {
         const int r = c / CPR, ch = c - (c / CPR) * CPR;
-        const int key = t * BN + r;
-        const int blk = s_blk[r >> 4];
-        const bool ok = (unsigned)blk < (unsigned)p.num_blocks && key < kmax;
-        const int off = key - (key / p.page_size) * p.page_size;
-        const u16* src = ok ? p.kv + (i64)blk * p.kv_sblk + (i64)off * p.kv_srow + ch * 8 : p.kv;
+        const i64 base = s_blk[r >> 4];
+        const bool ok = base >= 0 && t * BN + r < kmax;
+        const u16* src = ok ? p.kv + base + (i64)(r & 15) * p.kv_srow + ch * 8 : p.kv;
         cp_async16(sK + tile_off<BN>(r, ch), src, ok);
     }
 }
@@ -204,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
     mla_decode_fwd(const __grid_constant__ fmla::MlaParams p) {
     using namespace fmla;
     extern __shared__ __align__(FM_WGMMA ? 1024 : 128) unsigned char smem_al[];
-    __shared__ int s_blk[2][GROUPS];
+    __shared__ i64 s_blk[2][GROUPS];
 
     const int tid = threadIdx.x;
     const int warp = tid >> 5;
@@ -297,14 +300,21 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
     const int kw0 = half * (BN / 2);      // this warp's first key of a tile (S and own P)
     const int kp0 = (BN / 2) - kw0;       // the partner's
 
+    u32 pa[KSW][4];  // P of this warp's keys (A fragments), then of the partner's
+    u32 pp[KSW][4];
+#pragma unroll
+    for (int g = 0; g < KSW; ++g)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[g][e] = pp[g][e] = 0u;
+#if FM_WGMMA
+    float* const of = &oacc[0][0];
+    float(&oa)[128] = *reinterpret_cast<float(*)[128]>(of);
+#endif
     int slot = 0;
     for (int i = 0; i < n_tiles; ++i) {
-        cp_async_wait<STAGES - 2>();  // tile i (and Q) landed, this thread's part
-#if FM_WGMMA
-        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; wgmma reads
-#endif
-        __syncthreads();              // everyone's part; tile i-1's slot and s_blk are free
-        {
+        // Tile i + STAGES - 1 into the slot of tile i - 1 (free once every warp's P V of
+        // tile i - 1 is done), block offsets of the tile after it.
+        auto issue_next = [&]() {
             const int nx = i + STAGES - 1;
             if (nx < n_tiles) {
                 int ns = slot + STAGES - 1;
@@ -314,7 +324,15 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
                     tile_blocks(s_blk[(nx + 1) & 1], p, bt, tb + nx + 1, kmax, tid);
             }
             cp_async_commit();
-        }
+        };
+        cp_async_wait<STAGES - 2>();  // tile i (and Q) landed, this thread's part
+#if FM_WGMMA
+        fence_proxy_async_smem();  // cp.async wrote through the generic proxy; wgmma reads
+        __syncthreads();           // everyone's part
+#else
+        __syncthreads();  // everyone's part; tile i-1's slot and s_blk are free
+        issue_next();
+#endif
         const int n0 = (tb + i) * BN;
         const u32 sK = sK0 + slot * TILE_BYTES;
 
@@ -340,6 +358,15 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
                              desc_add(dk, (kk >> 2) * K_CHUNK + inner), kk > 0 ? 1 : 0);
             }
             wgmma_commit();
+            // P V of tile i - 1 (issued last iteration, still reading its slot and pa / pp)
+            // ran ahead of this S; once every warp has it done, the slot takes the next
+            // tile, copied while S runs.
+            wgmma_wait<1>();
+            reg_fence(oa);
+            reg_fence_u32(pa);
+            reg_fence_u32(pp);
+            __syncthreads();
+            issue_next();
             wgmma_wait<0>();
             reg_fence(sacc);
         }
@@ -387,7 +414,6 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
             if ((lane & 3) == 0) sMw[(lane >> 2) + 8 * h] = m;
         }
         pair_sync(rg);
-        u32 pa[KSW][4];  // this warp's keys
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             // max(own, partner) in both warps: the same value, so the same m and alpha.
@@ -421,7 +447,6 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
                          : "memory");
         }
         pair_sync(rg);
-        u32 pp[KSW][4];  // the partner's keys
 #pragma unroll
         for (int g = 0; g < KSW; ++g) ld_shared_v4(sPp + g * 512, pp[g][0], pp[g][1], pp[g][2], pp[g][3]);
 
@@ -430,8 +455,6 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
         {
             // V MN-major: 16 keys a k16 step (16 rows = 2048 bytes), this warpgroup's 256
             // columns = chunks 4 half .. + 3 (LBO: the next chunk).
-            float* of = &oacc[0][0];
-            float(&oa)[128] = *reinterpret_cast<float(*)[128]>(of);
             const u64 dv = smem_desc_sw128(sK + half * 4 * K_CHUNK, K_CHUNK, 1024);
             wgmma_fence();
 #pragma unroll
@@ -440,9 +463,7 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
 #pragma unroll
             for (int g = 0; g < KSW; ++g)
                 wgmma_rs_n256<1>(oa, pp[g], desc_add(dv, (kp0 + g * 16) * 128), 1);
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(oa);
+            wgmma_commit();  // waited for after the next tile's S is issued (or below)
         }
 #else
 #pragma unroll
@@ -462,6 +483,12 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
 #endif
         if (++slot == STAGES) slot = 0;
     }
+#if FM_WGMMA
+    wgmma_wait<0>();
+    reg_fence(oa);
+    reg_fence_u32(pa);
+    reg_fence_u32(pp);
+#endif
     cp_async_wait<0>();
 
     // ---- epilogue: the pair's row sums, normalise, write this warp's rows x 256 columns ----
