@@ -423,10 +423,11 @@ pub fn v1_masked_variant_for(
             "a window variant needs the causal define (the window's right side)",
         ));
     }
-    // ALiBi's bias costs a few registers per score: the tile of head dims 97..=128 (255
-    // registers at two CTAs per SM) spills with 32 keys per compute step, so ALiBi steps 16.
+    // ALiBi's bias and the softcap's tanh cost a few registers per score: the tile of head
+    // dims 97..=128 (255 registers at two CTAs per SM) spills with 32 keys per compute step,
+    // so those variants step 16.
     let mut tile = *tile;
-    if alibi && tile.head_dim > 96 && tile.head_dim <= 128 {
+    if (alibi || m.softcap) && tile.head_dim > 96 && tile.head_dim <= 128 {
         tile.sub_n = tile.sub_n.min(16);
     }
     let mut v = v1_variant_for(&tile, dtype, m.causal)?;
@@ -470,6 +471,26 @@ pub fn v1_masked_compile_variants() -> Vec<KernelVariant> {
     for m in Masking::all() {
         if m != full && m != Masking::causal(true) {
             out.push(v1_masked_variant_for(&tile, DType::Bf16, m, true).expect("valid tile"));
+        }
+    }
+    // Without ALiBi ([`select_v1`]'s windows and softcap): every table head dim and 120 with
+    // every mask at once and with the softcap alone, both dtypes; every masking at 128.
+    let softcap_only = Masking {
+        causal: false,
+        window: false,
+        softcap: true,
+    };
+    for d in V1_HEAD_DIMS.iter().copied().chain([120]) {
+        let tile = v1_tile(d).expect("v1 serves the dim");
+        for dtype in [DType::F16, DType::Bf16] {
+            for m in [full, softcap_only] {
+                out.push(v1_masked_variant_for(&tile, dtype, m, false).expect("valid tile"));
+            }
+        }
+    }
+    for m in Masking::all() {
+        if (m.window || m.softcap) && m != full && m != softcap_only {
+            out.push(v1_masked_variant_for(&tile, DType::Bf16, m, false).expect("valid tile"));
         }
     }
     out
@@ -559,11 +580,7 @@ pub fn select_v1(problem: &AttentionProblem) -> Result<KernelVariant> {
     )?;
     let m = Masking::of(problem);
     if m.window || m.softcap {
-        return Err(Error::unsupported(
-            "flash-v1",
-            "sliding windows and softcap run on the sm_90a kernel (Hopper, head dims 64 \
-             and 128) or the reference, not the v1 kernel",
-        ));
+        return v1_masked_variant_for(&tile, problem.dtype, m, false);
     }
     v1_variant_for(&tile, problem.dtype, m.causal)
 }

@@ -15,8 +15,9 @@
 //!   - with a sliding window or a softcap: the decode plan ([`Route::Decode`],
 //!     `DecodePlan` over the dense cache) when the call is decode-shaped ([`decode_shaped`]:
 //!     at most [`MAX_Q_PER_SEQ`] query rows, head dims 64/128/256 — the decode kernels are
-//!     built for few rows over a long cache), else the prefill plan where the sm_90a kernel
-//!     serves it ([`prefill_masks`]: compute capability 9.0, head dims 64 and 128);
+//!     built for few rows over a long cache), else the prefill plan ([`prefill_masks`]: the
+//!     sm_90a kernel on compute capability 9.0 for head dims 64 and 128, the portable kernel
+//!     for every multiple of 8 up to 256, above 128 on Hopper only);
 //!   - otherwise an [`Error::Unsupported`] naming the feature, the call's rows, head dim and
 //!     device, and what each kernel takes.
 //!
@@ -68,9 +69,11 @@ pub const SM90_ARCH: u32 = 90;
 
 /// Whether flashmoe's prefill plans run sliding windows and softcapping for this head dim on
 /// a device of compute capability `arch` (× 10): the sm_90a kernel's (9.0, head dims 64 and
-/// 128); the portable kernel has neither.
+/// 128), else the portable kernel's (every multiple of 8 up to 256, [`v1_serves`]; head dims
+/// above 128 need Hopper's shared memory).
 pub fn prefill_masks(arch: u32, head_dim: usize) -> bool {
-    arch == SM90_ARCH && SM90_HEAD_DIMS.contains(&head_dim)
+    (arch == SM90_ARCH && SM90_HEAD_DIMS.contains(&head_dim))
+        || (v1_serves(head_dim) && (head_dim <= 128 || arch >= SM90_ARCH))
 }
 
 /// Whether a call with `rows` query rows per sequence and this head dim fits the decode
@@ -676,8 +679,8 @@ fn masking_features(w: Window, window: &WindowSize, softcap: Option<f32>) -> Str
 }
 
 /// The error of a dense call with a sliding window or softcap that no flashmoe kernel serves:
-/// neither the sm_90a prefill kernel (device, head dim) nor the decode kernels (rows, head
-/// dim).
+/// neither the sm_90a prefill kernel (device, head dim), the portable one (head dim, and
+/// Hopper above 128) nor the decode kernels (rows, head dim).
 fn no_masking_kernel(
     shape: &AttnShape,
     w: Window,
@@ -691,8 +694,9 @@ fn no_masking_kernel(
             "{} with {} query rows per sequence and head dim {} on a GPU of compute capability \
              {}.{} is not supported: flashmoe runs sliding windows and softcapping on its \
              sm_90a prefill kernel (compute capability 9.0, head dims {SM90_HEAD_DIMS:?}, any \
-             number of rows) and on its decode kernels (at most {MAX_Q_PER_SEQ} query rows per \
-             sequence, head dims {DECODE_HEAD_DIMS:?})",
+             number of rows), on its portable prefill kernel (head dims: {V1_HEAD_DIMS_TEXT}; \
+             above 128 on compute capability 9.0 only) and on its decode kernels (at most \
+             {MAX_Q_PER_SEQ} query rows per sequence, head dims {DECODE_HEAD_DIMS:?})",
             masking_features(w, window, softcap),
             shape.seq_q,
             shape.head_dim,
@@ -839,14 +843,14 @@ mod tests {
         assert!(err(WindowSize::from_pair(16, -5, true)).contains("window (16, -5)"));
         // Messages speak the caller's form.
         let e = err(route_dense(
-            &call((64, 64, 128), p(8, 8, false), None),
+            &call((64, 64, 256), p(8, 8, false), None),
             A100,
         ));
         assert!(
             e.contains("sliding-window attention (window_size = (8, 8))"),
             "{e}"
         );
-        let e = err(route((64, 64, 128), (Some(8), None), None, A100));
+        let e = err(route((64, 64, 256), (Some(8), None), None, A100));
         assert!(
             e.contains("(window_size_left = Some(8), window_size_right = None)"),
             "{e}"
@@ -1049,8 +1053,11 @@ mod tests {
 
     #[test]
     fn windows_and_softcap_no_kernel_serves_name_the_limits() {
-        // Gemma-2 9B prefill: head dim 256, softcap 50, window 4096.
-        let r = route((5000, 5000, 256), (Some(4096), Some(0)), Some(50.0), H100);
+        // Gemma-2 9B prefill (head dim 256, softcap 50, window 4096) on Hopper: the portable
+        // prefill kernel; off Hopper its 256 tile does not fit: an error naming the limits.
+        let r = route((5000, 5000, 256), (Some(4096), Some(0)), Some(50.0), H100).unwrap();
+        assert!(matches!(r, Route::Prefill(k) if k.window == (4096, 0) && k.softcap() == 50.0));
+        let r = route((5000, 5000, 256), (Some(4096), Some(0)), Some(50.0), A100);
         assert!(matches!(r, Err(Error::Unsupported { .. })));
         let e = err(r);
         for part in [
@@ -1058,27 +1065,37 @@ mod tests {
             "softcapping (softcap = 50)",
             "5000 query rows",
             "head dim 256",
-            "compute capability 9.0",
+            "compute capability 8.0",
             "sm_90a prefill kernel (compute capability 9.0, head dims [64, 128]",
+            "portable prefill kernel (head dims: multiples of 8",
             "decode kernels (at most 16 query rows per sequence, head dims [64, 128, 256])",
         ] {
             assert!(e.contains(part), "{part:?} missing from: {e}");
         }
-        // Prefill-sized softcap / window off Hopper.
-        let e = err(route((64, 64, 128), (None, None), Some(30.0), A100));
+        // Prefill-sized softcap / window off Hopper at head dims up to 128: the portable kernel.
+        for d in [32, 96, 128] {
+            let r = route((64, 64, d), (None, None), Some(30.0), A100).unwrap();
+            assert!(matches!(r, Route::Prefill(k) if k.softcap() == 30.0 && k.head_dim == d));
+            let r = route((64, 64, d), (Some(8), Some(0)), None, A100).unwrap();
+            assert!(matches!(r, Route::Prefill(k) if k.window == (8, 0)));
+        }
+        let e = err(route((64, 64, 192), (None, None), Some(30.0), A100));
         assert!(
             e.contains("softcapping") && e.contains("compute capability 8.0"),
             "{e}"
         );
         assert!(!e.contains("sliding-window attention ("), "{e}");
-        let e = err(route((64, 64, 128), (Some(8), Some(0)), None, A100));
+        let e = err(route((64, 64, 160), (Some(8), Some(0)), None, A100));
         assert!(
             e.contains("sliding-window") && !e.contains("softcapping ("),
             "{e}"
         );
-        // Head dim without a decode kernel nor an sm_90a one.
-        let e = err(route((1, 64, 96), (None, None), Some(30.0), H100));
-        assert!(e.contains("head dim 96"), "{e}");
+        // Head dim 96 decode-shaped (no decode kernel): the portable prefill kernel; a head dim
+        // no kernel serves: an error.
+        let r = route((1, 64, 96), (None, None), Some(30.0), H100).unwrap();
+        assert!(matches!(r, Route::Prefill(k) if k.head_dim == 96));
+        let e = err(route((1, 64, 12), (None, None), Some(30.0), H100));
+        assert!(e.contains("head dim 12"), "{e}");
     }
 
     #[test]

@@ -119,8 +119,9 @@ fn run(
     }
     let want = attention_f64(&p, &x).unwrap();
     let tag = format!(
-        "D={d} causal={} transposed={transpose} b={b} sq={sq} sk={sk} seed {seed}",
-        c.causal
+        "D={d} causal={} window={:?} softcap={} transposed={transpose} b={b} sq={sq} sk={sk} \
+         seed {seed}",
+        c.causal, c.window, c.softcap
     );
     compare(&tag, &p, &want, &got_o, &got_l);
 }
@@ -170,5 +171,56 @@ fn v1_strided_views_match_f64_reference() {
                 run(dev, &plan, (2, 200, 333), true, seed + i as u64);
             }
         }
+    });
+}
+
+/// Sliding windows and softcap without ALiBi on the portable kernel (`select_v1`: what runs
+/// them off Hopper and for head dims other than 64 and 128; forced here on every GPU), the
+/// masks alone and together, Sq != Sk, contiguous and transposed layouts.
+#[test]
+fn v1_windows_and_softcap_match_f64_reference() {
+    with_gpu("v1-masks", |dev| {
+        let seed = fresh_seed("v1-masks");
+        let mut n = 0;
+        for (i, d) in [32, 64, 96, 128, 192, 256].into_iter().enumerate() {
+            for (j, (causal, window, softcap)) in [
+                (true, (45, -1), 0.0),
+                (false, (30, 17), 0.0),
+                (false, (-1, -1), 5.0),
+                (true, (60, -1), 2.0),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let c = AttentionClass {
+                    window,
+                    softcap,
+                    ..class(d, causal)
+                };
+                let v = config::select_v1(&c.problem(1, 1, 1)).unwrap();
+                if let Err(why) = v.runs_on(dev.arch()) {
+                    eprintln!("D={d}: skipped on this GPU ({why})");
+                    continue;
+                }
+                assert_eq!(v.define("FM_WINDOW").is_some(), window != NO_WINDOW);
+                assert_eq!(v.define("FM_SOFTCAP").is_some(), softcap > 0.0);
+                assert!(v.define("FM_ALIBI").is_none());
+                let plan = AttentionPlan::with_variant(dev, c, v).unwrap();
+                let s0 = seed + (i * 100 + j * 10) as u64;
+                run(dev, &plan, (2, 173, 301), false, s0);
+                run(dev, &plan, (1, 300, 130), j == 3, s0 + 1);
+                n += 2;
+            }
+        }
+        // The plan's own choice off the sm_90a kernel's head dims (any GPU): the portable one.
+        let c = AttentionClass {
+            window: (64, -1),
+            softcap: 30.0,
+            ..class(96, true)
+        };
+        let plan = AttentionPlan::new(dev, c).unwrap();
+        assert_eq!(plan.variant().entry, config::FLASH_ENTRY);
+        run(dev, &plan, (2, 257, 257), false, seed + 7);
+        eprintln!("v1-masks: {} calls passed", n + 1);
     });
 }
