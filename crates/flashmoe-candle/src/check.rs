@@ -156,7 +156,8 @@ fn attn_call(
 /// route on a device of compute capability `arch` (× 10): [`route::route_dense`] — the
 /// prefill plan for no mask / causal without softcap; with a sliding window or softcap the
 /// decode plan when the call is decode-shaped (at most 16 query rows, head dim 64/128/256),
-/// else the prefill plan where the sm_90a kernel serves it; otherwise an error naming the
+/// else the prefill plan where a prefill kernel serves it (sm_90a, or the portable one);
+/// otherwise an error naming the
 /// feature.
 #[allow(clippy::too_many_arguments)]
 pub fn check_call(
@@ -684,22 +685,28 @@ mod tests {
             (key.window, key.max_q_per_seq, key.softcap()),
             ((-1, 0), 4, 30.0)
         );
+        // Gemma-2 prefill (head dim 256, window, softcap): the portable prefill kernel on
+        // Hopper; off Hopper its 256 tile does not fit.
+        let p = call(5000, 5000, 256, (Some(4096), Some(0)), Some(50.0), H100).unwrap();
+        assert!(matches!(p, PlanKey::Dense(k) if k.window == (4096, 0) && k.softcap() == 50.0));
         let e = err(call(
             5000,
             5000,
             256,
             (Some(4096), Some(0)),
             Some(50.0),
-            H100,
+            A100,
         ));
         assert!(
             e.starts_with(
                 "flashmoe-candle: sliding-window attention (window_size_left = Some(4096), \
                  window_size_right = Some(0)) and softcapping (softcap = 50) with 5000 query rows \
-                 per sequence and head dim 256 on a GPU of compute capability 9.0 is not \
+                 per sequence and head dim 256 on a GPU of compute capability 8.0 is not \
                  supported: flashmoe runs sliding windows and softcapping on its sm_90a prefill \
-                 kernel (compute capability 9.0, head dims [64, 128], any number of rows) and on \
-                 its decode kernels (at most 16 query rows per sequence, head dims [64, 128, 256])"
+                 kernel (compute capability 9.0, head dims [64, 128], any number of rows), on its \
+                 portable prefill kernel (head dims: multiples of 8 up to 256; above 128 on \
+                 compute capability 9.0 only) and on its decode kernels (at most 16 query rows \
+                 per sequence, head dims [64, 128, 256])"
             ),
             "{e}"
         );
@@ -714,7 +721,7 @@ mod tests {
         assert!(err(resolve_window(Some(big), None, 8, usize::MAX))
             .starts_with("flash-attn: window_size_left = 2147483648 exceeds i32"));
         assert!(decode_shaped(16, 256) && !decode_shaped(17, 128) && !decode_shaped(1, 96));
-        assert!(prefill_masks(SM90_ARCH, 64) && !prefill_masks(80, 64));
+        assert!(prefill_masks(SM90_ARCH, 64) && prefill_masks(80, 64) && !prefill_masks(80, 256));
         assert!(is_sliding((4, 0)) && !is_sliding(CAUSAL));
     }
 
