@@ -358,13 +358,9 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
                              desc_add(dk, (kk >> 2) * K_CHUNK + inner), kk > 0 ? 1 : 0);
             }
             wgmma_commit();
-            // P V of tile i - 1 (issued last iteration, still reading its slot and pa / pp)
-            // ran ahead of this S; once every warp has it done, the slot takes the next
-            // tile, copied while S runs.
-            wgmma_wait<1>();
-            reg_fence(oa);
-            reg_fence_u32(pa);
-            reg_fence_u32(pp);
+            // Every warp's P V of tile i - 1 is done (waited for last iteration): the slot
+            // takes the next tile, copied while S runs. (Leaving that P V in flight across
+            // the loop made ptxas serialize every wgmma, C7514.)
             __syncthreads();
             issue_next();
             wgmma_wait<0>();
@@ -463,7 +459,9 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
 #pragma unroll
             for (int g = 0; g < KSW; ++g)
                 wgmma_rs_n256<1>(oa, pp[g], desc_add(dv, (kp0 + g * 16) * 128), 1);
-            wgmma_commit();  // waited for after the next tile's S is issued (or below)
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(oa);
         }
 #else
 #pragma unroll
@@ -483,12 +481,6 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
 #endif
         if (++slot == STAGES) slot = 0;
     }
-#if FM_WGMMA
-    wgmma_wait<0>();
-    reg_fence(oa);
-    reg_fence_u32(pa);
-    reg_fence_u32(pp);
-#endif
     cp_async_wait<0>();
 
     // ---- epilogue: the pair's row sums, normalise, write this warp's rows x 256 columns ----
