@@ -29,8 +29,9 @@
 //   half of P (bf16, in the A-fragment register layout) for the partner to read after a
 //   second named barrier. P V then runs over all BN keys for the warp's 256 columns.
 //   V is the first 512 columns of the same K tile in shared memory: one load per tile.
-//   Block ids of the tile after the one being issued are read into shared memory one
-//   iteration ahead, so the table read never sits between a wait and the next cp.async.
+//   The cache offsets of the tile after the one being issued (one per 16-key group, from the
+//   block table) are read into shared memory one iteration ahead, so the table read never
+//   sits between a wait and the next cp.async.
 //   splits == 1: writes o and lse. splits > 1: writes the split's normalised O (f32) and its
 //   log2-domain LSE to the workspace; mla_decode_combine merges them.
 //
