@@ -285,36 +285,17 @@ fn check_routable(class: &AttentionClass, seq_q: usize, seq_k: usize) -> PyResul
         "flash-sm90",
         format!(
             "head dim {} with window {:?} and softcap {}: sliding windows and softcap run on \
-             the sm_90a kernel (Hopper, head dims {:?}) or, for calls of at most \
-             {MAX_Q_PER_SEQ} query rows ({seq_q} here), on the decode kernels (head dims {:?})",
+             the sm_90a kernel (Hopper, head dims {:?}), on the portable prefill kernel \
+             (head dims: {}) or, for calls of at most {MAX_Q_PER_SEQ} query rows ({seq_q} \
+             here), on the decode kernels (head dims {:?})",
             class.head_dim,
             class.window,
             class.softcap,
             config::SM90_HEAD_DIMS,
+            config::V1_HEAD_DIMS_TEXT,
             flashmoe::attention::decode::HEAD_DIMS,
         ),
     )))
-}
-
-/// `NotImplementedError` for a dense class with a sliding window or a softcap at a head dim
-/// the sm_90a kernel does not serve: no kernel on any device runs it (the portable kernel
-/// has neither), so the device-free check can say so.
-fn check_window_head_dim(class: &AttentionClass) -> PyResult<()> {
-    let m = config::Masking::of(&class.problem(1, 1, 1));
-    if (m.window || m.softcap) && !config::SM90_HEAD_DIMS.contains(&class.head_dim) {
-        return Err(py_err(Error::unsupported(
-            "flash-sm90",
-            format!(
-                "head dim {} with window {:?} and softcap {}: sliding windows and softcap run \
-                 on the sm_90a kernel only (Hopper, head dims {:?})",
-                class.head_dim,
-                class.window,
-                class.softcap,
-                config::SM90_HEAD_DIMS
-            ),
-        )));
-    }
-    Ok(())
 }
 
 /// The attention class of a call: dtype from q, head dim and head counts from q and k.
@@ -392,16 +373,20 @@ type RouteOut = (&'static str, Py<PyAny>, ((usize, usize), (usize, usize)));
 /// (major × 10 + minor), without a GPU: the library's router (`flashmoe::attention::route`),
 /// as flashmoe-candle uses it. Windows are normalised for the call's `seq_q` / `seq_k` (a side
 /// hiding no key is unbounded); a sliding window or softcap goes to the decode plan when the
-/// call is decode-shaped (at most 16 query rows, head dims 64/128/256), else to the sm_90a
-/// prefill kernel (compute capability 9.0, head dims 64/128), else `NotImplementedError`
+/// call is decode-shaped (at most 16 query rows, head dims 64/128/256), else to the prefill
+/// plan (the sm_90a kernel on compute capability 9.0 for head dims 64/128, the portable one
+/// for multiples of 8 up to 256, above 128 on Hopper only), else `NotImplementedError`
 /// naming the feature, rows, head dim and device. Returns `(kind, args, scope)`: `kind`
 /// `"prefill"` with `args = (causal, softmax_scale, window, softcap)` for `AttentionPlan`,
 /// or `"decode"` with `args = (max_q_per_seq, window, softcap, softmax_scale)` for
 /// `DecodePlan` (over the dense k/v as one page per sequence); `scope` the lengths over
 /// which every other argument being equal routes the same (a cache keeps the route for
-/// them). Bad values raise as the plans do (`ValueError`, `TypeError`).
+/// them). Bad values raise as the plans do (`ValueError`, `TypeError`). `alibi=True`: the
+/// route of an ALiBi call (`route_alibi_dense`: decode-shaped calls on the decode plan, the
+/// others on the portable prefill kernel, any GPU); `args` then end with `True`, the plans'
+/// `alibi` argument.
 #[pyfunction]
-#[pyo3(signature = (dtype, head_dim, heads_q, heads_kv, seq_q, seq_k, causal, softmax_scale=None, window=(-1, -1), softcap=0.0, *, arch))]
+#[pyo3(signature = (dtype, head_dim, heads_q, heads_kv, seq_q, seq_k, causal, softmax_scale=None, window=(-1, -1), softcap=0.0, *, arch, alibi=false))]
 #[allow(clippy::too_many_arguments)]
 fn route_attention(
     py: Python<'_>,
@@ -416,6 +401,7 @@ fn route_attention(
     window: (i32, i32),
     softcap: f32,
     arch: u32,
+    alibi: bool,
 ) -> PyResult<RouteOut> {
     let logits = Logits {
         causal,
@@ -435,22 +421,40 @@ fn route_attention(
         )));
     }
     let call = attn_call(&class, seq_q, seq_k)?;
-    let scope = route::route_scope(&call);
+    // ALiBi (the plans' trailing `alibi` argument): route_alibi_dense, any GPU.
+    let (scope, r) = if alibi {
+        (
+            route::route_scope_alibi(&call),
+            route::route_alibi_dense(&call),
+        )
+    } else {
+        (route::route_scope(&call), route::route_dense(&call, arch))
+    };
     let scope = (scope.seq_q, scope.seq_k);
-    match route::route_dense(&call, arch).map_err(py_err)? {
+    match r.map_err(py_err)? {
         Route::Prefill(key) => {
             let c = key.attention_class();
             let args = (c.causal, c.softmax_scale, c.window, c.softcap);
-            Ok((
-                "prefill",
-                args.into_pyobject(py)?.into_any().unbind(),
-                scope,
-            ))
+            let args = if alibi {
+                (args.0, args.1, args.2, args.3, true)
+                    .into_pyobject(py)?
+                    .into_any()
+            } else {
+                args.into_pyobject(py)?.into_any()
+            };
+            Ok(("prefill", args.unbind(), scope))
         }
         Route::Decode(key) => {
             let c = key.decode_class();
             let args = (c.max_q_per_seq, c.window, c.softcap, c.softmax_scale);
-            Ok(("decode", args.into_pyobject(py)?.into_any().unbind(), scope))
+            let args = if alibi {
+                (args.0, args.1, args.2, args.3, true)
+                    .into_pyobject(py)?
+                    .into_any()
+            } else {
+                args.into_pyobject(py)?.into_any()
+            };
+            Ok(("decode", args.unbind(), scope))
         }
     }
 }
@@ -962,11 +966,13 @@ struct AttentionPlan {
 impl AttentionPlan {
     /// `window` (left, right) around each query row's bottom-right diagonal, -1 unbounded
     /// (`causal` bounds the right side at 0); `softcap` > 0 turns the scores s into
-    /// softcap·tanh(s / softcap). Both run on the sm_90a kernel only (Hopper, head dims 64
-    /// and 128): elsewhere the plan raises `NotImplementedError`. The arguments are checked
-    /// before the GPU is touched.
+    /// softcap·tanh(s / softcap). Both run on the sm_90a kernel (Hopper, head dims 64 and
+    /// 128) and on the portable kernel (every multiple of 8 up to 256; above 128 on Hopper
+    /// only, else `NotImplementedError`). The arguments are checked
+    /// before the GPU is touched. `alibi`: ALiBi biases on the portable kernel (any GPU,
+    /// windows and softcap included); `forward` then takes the slopes.
     #[new]
-    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0))]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -978,6 +984,7 @@ impl AttentionPlan {
         softmax_scale: Option<f32>,
         window: (i32, i32),
         softcap: f32,
+        alibi: bool,
     ) -> PyResult<Self> {
         let logits = Logits {
             causal,
@@ -993,10 +1000,14 @@ impl AttentionPlan {
             heads_kv,
             logits,
         )?;
-        check_window_head_dim(&class)?;
         let dev = self::device(device)?;
+        let plan = if alibi {
+            Plan::new_alibi(&dev, class)
+        } else {
+            Plan::new(&dev, class)
+        };
         Ok(AttentionPlan {
-            plan: Plan::new(&dev, class).map_err(py_err)?,
+            plan: plan.map_err(py_err)?,
         })
     }
 
@@ -1016,8 +1027,10 @@ impl AttentionPlan {
     /// `o` and `lse` are the addresses of contiguous outputs the caller allocated: o of q's
     /// shape and dtype, lse f32 [batch, heads_q, seqlen_q]. `workspace` is a zeroed
     /// allocation of at least `workspace_bytes` that no concurrently running launch uses;
-    /// every launch leaves it zeroed.
+    /// every launch leaves it zeroed. `alibi_slopes`: f32 (heads_q) or (batch, heads_q), on
+    /// an `alibi` plan only.
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, q, k, v, o, lse, workspace, workspace_bytes, alibi_slopes=None))]
     fn forward(
         &self,
         stream: usize,
@@ -1028,6 +1041,7 @@ impl AttentionPlan {
         lse: u64,
         workspace: u64,
         workspace_bytes: usize,
+        alibi_slopes: Option<Desc>,
     ) -> PyResult<()> {
         let dt = self.plan.class().dtype;
         for (name, d) in [("q", &q), ("k", &k), ("v", &v)] {
@@ -1055,10 +1069,11 @@ impl AttentionPlan {
         // on, allocated by PyTorch on the primary context, kept alive by the caching
         // allocator's stream semantics until the stream has run the launch; o and lse are
         // fresh contiguous outputs of the shapes above; the workspace is the stream's own
-        // (docs/python.md).
+        // (docs/python.md); the slopes likewise.
+        let slopes = alibi_slopes.map(|d| d.raw("alibi_slopes")).transpose()?;
         unsafe {
             self.plan
-                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .forward_raw_alibi(stream as gpu::RawStream, &args, slopes.as_ref(), ws)
                 .map_err(py_err)
         }
     }
@@ -1272,7 +1287,7 @@ struct DecodePlan {
 #[pymethods]
 impl DecodePlan {
     #[new]
-    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, max_q_per_seq, window, softcap, softmax_scale=None))]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, max_q_per_seq, window, softcap, softmax_scale=None, alibi=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -1284,6 +1299,7 @@ impl DecodePlan {
         window: (i32, i32),
         softcap: f32,
         softmax_scale: Option<f32>,
+        alibi: bool,
     ) -> PyResult<Self> {
         let class = decode_class(
             half_dtype(dtype, "a decode plan")?,
@@ -1296,8 +1312,13 @@ impl DecodePlan {
             softmax_scale,
         )?;
         let dev = self::device(device)?;
+        let plan = if alibi {
+            DPlan::new_alibi(&dev, class)
+        } else {
+            DPlan::new(&dev, class)
+        };
         Ok(DecodePlan {
-            plan: DPlan::new(&dev, class).map_err(py_err)?,
+            plan: plan.map_err(py_err)?,
         })
     }
 
@@ -1313,7 +1334,7 @@ impl DecodePlan {
     /// outputs; the workspace is the stream's own, zeroed, of `workspace_bytes(batch,
     /// max_blocks · page_size)`.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, o, lse, workspace, workspace_bytes))]
+    #[pyo3(signature = (stream, q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, o, lse, workspace, workspace_bytes, alibi_slopes=None))]
     fn forward(
         &self,
         stream: usize,
@@ -1327,6 +1348,7 @@ impl DecodePlan {
         lse: u64,
         workspace: u64,
         workspace_bytes: usize,
+        alibi_slopes: Option<Desc>,
     ) -> PyResult<()> {
         let dt = self.plan.class().dtype;
         for (name, d) in [("q", &q), ("k_cache", &k_cache), ("v_cache", &v_cache)] {
@@ -1348,10 +1370,12 @@ impl DecodePlan {
         };
         // SAFETY: as in AttentionPlan::forward; block_table, seqused_k and cu_seqlens_q are
         // int32 tensors of the same device; the caller keeps seqused_k within the table's
-        // capacity (the kernel clamps to it and to [0, num_blocks)).
+        // capacity (the kernel clamps to it and to [0, num_blocks)); alibi_slopes likewise
+        // (f32 on the device, checked against the plan).
+        let slopes = alibi_slopes.map(|d| d.raw("alibi_slopes")).transpose()?;
         unsafe {
             self.plan
-                .forward_raw(stream as gpu::RawStream, &args, ws)
+                .forward_raw_alibi(stream as gpu::RawStream, &args, slopes.as_ref(), ws)
                 .map_err(py_err)
         }
     }

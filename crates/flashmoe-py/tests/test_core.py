@@ -80,6 +80,14 @@ def test_attention_size_one_dims_take_any_stride():
     assert _core.check_attention(q, k, v)[1] == (1, 4, 1)
 
 
+def test_attention_windows_and_softcap_pass_the_check_at_portable_head_dims():
+    # the portable prefill kernel runs windows and softcap at every multiple of 8 up to 256
+    q, k, v = qkv(d=96)
+    assert _core.check_attention(q, k, v, window=(16, 0))[0][3] == 96
+    q, k, v = qkv(d=256)
+    assert _core.check_attention(q, k, v, softcap=30.0)[0][3] == 256
+
+
 @pytest.mark.parametrize(
     "case, exc, words",
     [
@@ -101,8 +109,6 @@ def test_attention_size_one_dims_take_any_stride():
         ("softcap_negative", ValueError, ["softcap -1 must be finite and >= 0"]),
         ("softcap_nan", ValueError, ["softcap NaN must be finite"]),
         ("softcap_inf", ValueError, ["softcap inf must be finite"]),
-        ("window_head_dim", NotImplementedError, ["head dim 96", "sm_90a", "64, 128"]),
-        ("softcap_head_dim", NotImplementedError, ["head dim 256", "softcap 30", "sm_90a"]),
         ("window_type", TypeError, []),
     ],
 )
@@ -119,12 +125,6 @@ def test_attention_errors_name_tensor_and_rule(case, exc, words):
         kw["softcap"] = float("nan")
     elif case == "softcap_inf":
         kw["softcap"] = float("inf")
-    elif case == "window_head_dim":
-        q, k, v = qkv(d=96)
-        kw["window"] = (16, 0)
-    elif case == "softcap_head_dim":
-        q, k, v = qkv(d=256)
-        kw["softcap"] = 30.0
     elif case == "window_type":
         kw["window"] = 5
     elif case == "rank":
@@ -531,8 +531,6 @@ def test_plan_arguments_checked_before_the_gpu():
         _core.AttentionPlan(0, "bf16", 128, 8, 2, False, None, (-2, 0))
     with pytest.raises(ValueError, match="softcap -1 must be finite and >= 0"):
         _core.AttentionPlan(0, "bf16", 128, 8, 2, True, softcap=-1.0)
-    with pytest.raises(NotImplementedError, match="sm_90a"):
-        _core.AttentionPlan(0, "bf16", 96, 8, 2, True, None, (16, 0))
     with pytest.raises(ValueError, match=r"window \(5, -7\)"):
         _core.VarlenPlan(0, "bf16", 128, 8, 2, False, window=(5, -7))
     with pytest.raises(ValueError, match="softcap inf"):
@@ -593,14 +591,17 @@ def test_route_decode_shaped_windows_and_softcap_take_the_decode_plan(d, arch):
 
 def test_route_errors_name_feature_rows_head_dim_and_device():
     with pytest.raises(NotImplementedError) as e:
-        route(100, 300, window=(64, 0), arch=A100)
-    for part in ["sliding-window attention (window_size = (64, 0))", "100 query rows", "head dim 128",
-                 "compute capability 8.0", "sm_90a prefill kernel", "decode kernels (at most 16 query rows"]:
+        route(100, 300, d=256, window=(64, 0), arch=A100)
+    for part in ["sliding-window attention (window_size = (64, 0))", "100 query rows", "head dim 256",
+                 "compute capability 8.0", "sm_90a prefill kernel", "portable prefill kernel",
+                 "decode kernels (at most 16 query rows"]:
         assert part in str(e.value)
     with pytest.raises(NotImplementedError, match=r"softcapping \(softcap = 50\).*head dim 256"):
-        route(5000, 5000, d=256, causal=True, softcap=50.0)
-    with pytest.raises(NotImplementedError, match="head dim 96"):
-        route(1, 64, d=96, softcap=30.0)
+        route(5000, 5000, d=256, causal=True, softcap=50.0, arch=A100)
+    # the portable prefill kernel: windows and softcap at head dims the other kernels lack
+    assert route(5000, 5000, d=256, causal=True, softcap=50.0, arch=H100)[0] == "prefill"
+    assert route(1, 64, d=96, softcap=30.0)[0] == "prefill"
+    assert route(100, 300, window=(64, 0), arch=A100)[0] == "prefill"
     with pytest.raises(ValueError, match=r"window \(-2, 0\)"):
         route(4, 4, window=(-2, 0))
     with pytest.raises(ValueError, match="softcap -1 must be finite and >= 0"):
@@ -616,9 +617,9 @@ def test_check_attention_lets_decode_shaped_windows_through():
     q, k, v = qkv(sq=16, sk=300, d=256)
     assert _core.check_attention(q, k, v, False, window=(8, 8))[0] == (2, 16, 8, 256)
     assert _core.check_attention(q, k, v, True, softcap=30.0)[1] == (2, 8, 16)
+    # longer calls: the portable prefill kernel (head dim 256: Hopper)
     q, k, v = qkv(sq=17, sk=300, d=256)
-    with pytest.raises(NotImplementedError, match="at most 16 query rows"):
-        _core.check_attention(q, k, v, False, window=(8, 8))
+    assert _core.check_attention(q, k, v, False, window=(8, 8))[0] == (2, 17, 8, 256)
 
 
 def test_route_attention_is_exported():

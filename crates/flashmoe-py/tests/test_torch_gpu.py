@@ -149,9 +149,10 @@ def test_attention_errors():
         flashmoe.attention(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="4-D"):
         flashmoe.attention(q[0], q[0], q[0])
-    h48 = torch.randn(1, 16, 4, 48, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(NotImplementedError, match="48"):
-        flashmoe.attention(h48, h48, h48)
+    # head dims: multiples of 8 up to 256 (48 runs on the portable kernel), others raise
+    h44 = torch.randn(1, 16, 4, 44, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(NotImplementedError, match="head dim 44"):
+        flashmoe.attention(h44, h44, h44)
     # a seq stride that is not a multiple of 8 elements (TMA's 16 bytes)
     wide = torch.randn(1, 16, 4 * 64 + 4, dtype=torch.bfloat16, device=DEV)
     bad = wide[..., : 4 * 64].unflatten(-1, (4, 64))
@@ -537,11 +538,16 @@ def test_attention_window_softcap_errors():
         flashmoe.attention(q, q, q, causal=True, softcap=float("nan"))
     with pytest.raises(TypeError, match="window_size must be a"):
         flashmoe.attention(q, q, q, window_size=8)
-    # head dim 256 has no sm_90a kernel: a prefill-sized window has no kernel on any GPU (a
-    # decode-shaped one runs on the decode plan: test_attention_decode_shaped_windows_use_the_decode_plan)
+    # head dim 256 has no sm_90a kernel: a prefill-sized window and softcap (Gemma-2) run on the
+    # portable kernel (Hopper: its 256 tile needs Hopper's shared memory)
     h256 = torch.randn(1, 32, 4, 256, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(NotImplementedError, match="sm_90a"):
-        flashmoe.attention(h256, h256, h256, window_size=(8, 8))
+    if torch.cuda.get_device_capability(DEV)[0] >= 9:
+        o = flashmoe.attention(h256, h256, h256, window_size=(8, 8), softcap=30.0)
+        ro, _ = masked_attention_ref(h256[0], h256[0], h256[0], 1 / 16, False, (8, 8), 30.0)
+        gate(o[0], ro, torch.bfloat16, "head dim 256 window + softcap")
+    else:
+        with pytest.raises(NotImplementedError, match="portable prefill kernel"):
+            flashmoe.attention(h256, h256, h256, window_size=(8, 8))
     flashmoe.attention(h256, h256, h256, causal=True)  # without a window head dim 256 runs (v1)
     cu = torch.tensor([0, 6, 16], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match=r"window \(3, -9\)"):
@@ -576,7 +582,8 @@ def test_attention_decode_shaped_windows_use_the_decode_plan(case):
     check_lse(lse, rlse, "lse")
     gate(o, ro, dtype, "o")
     # the same class at other lengths: each call routed by its own lengths (prefill-sized calls
-    # of head dim 256 with a window have no kernel), the cached decode plan reused
+    # of head dim 256 with a window: the portable prefill kernel on Hopper, no kernel elsewhere),
+    # the cached decode plan reused
     if d != 256:
         return
     o2 = flashmoe.attention(q[:, :1], k[:, : sk // 2], v[:, : sk // 2], causal=causal, window_size=window,
@@ -584,8 +591,12 @@ def test_attention_decode_shaped_windows_use_the_decode_plan(case):
     gate(o2, windowed_ref(q[:, :1], k[:, : sk // 2], v[:, : sk // 2], 1.0 / math.sqrt(d), causal, window,
                           softcap)[0], dtype, "o, one row")
     long_q = torch.randn(b, 17, hq, d, dtype=dtype, device=DEV)
-    with pytest.raises(NotImplementedError, match="17 query rows"):
-        flashmoe.attention(long_q, k, v, causal=causal, window_size=window, softcap=softcap)
+    if torch.cuda.get_device_capability(DEV)[0] >= 9:
+        o3 = flashmoe.attention(long_q, k, v, causal=causal, window_size=window, softcap=softcap)
+        gate(o3, windowed_ref(long_q, k, v, 1.0 / math.sqrt(d), causal, window, softcap)[0], dtype, "o, 17 rows")
+    else:
+        with pytest.raises(NotImplementedError, match="17 query rows"):
+            flashmoe.attention(long_q, k, v, causal=causal, window_size=window, softcap=softcap)
 
 
 @torch.no_grad()
@@ -1310,3 +1321,137 @@ def test_flash_attn_func_compiles_fullgraph():
     q.grad = k.grad = None
     flashmoe.attention(q, k, k, causal=True).float().sum().backward()
     assert torch.equal(grads[0], q.grad) and torch.equal(grads[1], k.grad)
+
+
+# --------------------------------------------------------------------------- ALiBi
+
+
+def alibi_ref(q, k, v, scale, slopes, causal=False, window=(-1, -1), softcap=0.0):
+    """masked_attention_ref of one sequence with FlashAttention's ALiBi: the score of query i
+    (position p_i = sk - sq + i) and key j gets -slope[h] * |p_i - j| after the softcap."""
+    hq, hkv = q.shape[1], k.shape[1]
+    q64 = q.double()
+    k64 = k.double().repeat_interleave(hq // hkv, dim=1)
+    v64 = v.double().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q64, k64) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[0], k.shape[0]
+    pos = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    s = s - slopes.double()[:, None, None] * (pos - j).abs()[None]
+    left, right = window[0], 0 if causal else window[1]
+    masked = torch.zeros(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        masked |= j > pos + right
+    if left >= 0:
+        masked |= j < pos - left
+    s = s.masked_fill(masked, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v64), lse
+
+
+def fa_slopes(b, hq, per_batch):
+    """FlashAttention-style slopes 2^(-8(h+1)/hq), scaled per sequence when per_batch."""
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / hq) for h in range(hq)], dtype=torch.float32)
+    if not per_batch:
+        return base.to(DEV)
+    return torch.stack([base * (1.0 + 0.5 * i) for i in range(b)]).to(DEV)
+
+
+ALIBI_CASES = [
+    # dtype, d, hq, hkv, b, sq, sk, causal, window, softcap, per_batch
+    (torch.bfloat16, 128, 8, 2, 2, 200, 300, True, (-1, -1), 0.0, False),  # prefill, portable kernel
+    (torch.bfloat16, 128, 8, 2, 2, 1, 2000, True, (-1, -1), 0.0, True),  # decode-shaped: decode kernel
+    (torch.float16, 64, 4, 4, 3, 4, 500, True, (64, -1), 0.0, False),  # decode-shaped window
+    (torch.bfloat16, 96, 6, 2, 2, 3, 700, True, (-1, -1), 0.0, True),  # decode-shaped, portable head dim
+    (torch.bfloat16, 256, 4, 1, 1, 100, 260, False, (-1, -1), 30.0, False),  # Gemma-like dims, softcap
+    (torch.bfloat16, 64, 8, 8, 2, 333, 333, False, (40, 7), 0.0, True),  # sliding window, prefill
+]
+
+
+@pytest.mark.parametrize("case", ALIBI_CASES)
+def test_attention_alibi_matches_f64(case):
+    dtype, d, hq, hkv, b, sq, sk, causal, window, softcap, per_batch = case
+    q = torch.randn(b, sq, hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device=DEV)
+    if softcap:
+        q = q * 4
+    slopes = fa_slopes(b, hq, per_batch)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                alibi_slopes=slopes, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and lse.shape == (b, hq, sq)
+    for i in range(b):
+        sl = slopes[i] if per_batch else slopes
+        ro, rlse = alibi_ref(q[i], k[i], v[i], scale, sl, causal, window, softcap)
+        check_lse(lse[i], rlse, f"sequence {i} lse")
+        gate(o[i], ro, dtype, f"sequence {i}")
+    # The slopes matter here: the plain result differs.
+    plain = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    assert not torch.equal(plain, o)
+    # o without lse (the lse sink path) is the same bits.
+    o2 = flashmoe.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    assert torch.equal(o, o2)
+
+
+def test_attention_alibi_under_compile_matches_eager():
+    q = torch.randn(2, 64, 8, 128, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV)
+    slopes = fa_slopes(2, 8, False)
+    f = lambda q, k, v, s: flashmoe.attention(q, k, v, causal=True, alibi_slopes=s)  # noqa: E731
+    eager = f(q, k, k, slopes)
+    compiled = torch.compile(f, fullgraph=True)(q, k, k, slopes)
+    assert torch.equal(eager, compiled)
+
+
+def test_attention_alibi_errors():
+    q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, device=DEV)
+    k = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16, device=DEV)
+    slopes = fa_slopes(1, 4, False)
+    with pytest.raises(RuntimeError, match="alibi_slopes.*no backward pass"):
+        flashmoe.attention(q.clone().requires_grad_(), k, k, alibi_slopes=slopes)
+    with pytest.raises(TypeError, match="alibi_slopes has dtype"):
+        flashmoe.attention(q, k, k, alibi_slopes=slopes.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flashmoe.attention(q, k, k, alibi_slopes=fa_slopes(1, 3, False))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flashmoe.attention(q, k, k, alibi_slopes=fa_slopes(3, 4, True))
+    with torch.no_grad():  # inference on tensors that require grad is fine
+        flashmoe.attention(q.clone().requires_grad_(), k, k, alibi_slopes=slopes)
+
+
+KVCACHE_ALIBI_CASES = [
+    # dtype, d, hq, hkv, page, cache lengths, q rows, causal, window, softcap, per_batch
+    (torch.bfloat16, 128, 8, 2, 16, [1, 17, 1300, 61], 1, True, (-1, -1), 0.0, True),
+    (torch.float16, 64, 4, 4, 32, [29, 2, 531], 4, True, (50, -1), 0.0, False),
+    (torch.bfloat16, 256, 16, 2, 16, [7, 4099], 2, True, (-1, -1), 50.0, True),  # KV splits
+]
+
+
+@pytest.mark.parametrize("case", KVCACHE_ALIBI_CASES)
+def test_attention_with_kvcache_alibi_matches_f64(case):
+    dtype, d, hq, hkv, page, lengths, rows, causal, window, softcap, per_batch = case
+    b = len(lengths)
+    k_cache, v_cache, table, keys, values = paged_cache(lengths, hkv, d, page, dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q = torch.randn(b, rows, hq, d, dtype=dtype, device=DEV)
+    slopes = fa_slopes(b, hq, per_batch)
+    scale = 1.0 / math.sqrt(d)
+    poison_pool()
+    o, lse = flashmoe.attention_with_kvcache(
+        q, k_cache, v_cache, block_table=table, cache_seqlens=seqlens, causal=causal, window_size=window,
+        softcap=softcap, alibi_slopes=slopes, return_lse=True)
+    torch.cuda.synchronize()
+    for i in range(b):
+        sl = slopes[i] if per_batch else slopes
+        ro, rlse = alibi_ref(q[i], keys[i], values[i], scale, sl, causal, window, softcap)
+        check_lse(lse[i], rlse, f"sequence {i} lse")
+        gate(o[i], ro, dtype, f"sequence {i} ({lengths[i]} keys)")
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        flashmoe.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, block_table=table,
+                                        cache_seqlens=seqlens, alibi_slopes=slopes)

@@ -326,3 +326,41 @@ def test_attention_varlen_head_dim_without_backward_raises():
         flashmoe.attention_varlen(q, q.detach(), q.detach(), cu, cu, 8, 8)
     with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
         flashmoe.attention_varlen(q, q, q, cu, cu, 8, 8)
+
+
+# --------------------------------------------------------------------------- ALiBi
+
+
+def test_alibi_schemas():
+    args = [a.name for a in torch.ops.flashmoe.attention_alibi.default._schema.arguments]
+    assert args[:5] == ["q", "k", "v", "alibi_slopes", "causal"]
+    kv = {a.name: a for a in torch.ops.flashmoe.attention_kvcache.default._schema.arguments}
+    # the new argument comes last with a None default: positional calls of the old schema still bind
+    assert list(kv)[-1] == "alibi_slopes" and kv["alibi_slopes"].default_value is None
+
+
+def test_attention_alibi_fake_kernel_shapes():
+    q, k = meta(2, 77, 8, 96), meta(2, 300, 2, 96)
+    slopes = meta(8, dtype=torch.float32)
+    o, lse = torch.ops.flashmoe.attention_alibi.default(q, k, k, slopes, True, None, 64, 0, 30.0)
+    assert o.shape == (2, 77, 8, 96) and lse.shape == (2, 8, 77) and lse.dtype == torch.float32
+
+
+def test_attention_passes_alibi_slopes_to_the_alibi_op():
+    q, k = torch.randn(2, 5, 8, 64, dtype=torch.bfloat16), torch.randn(2, 9, 2, 64, dtype=torch.bfloat16)
+    slopes = torch.rand(2, 8)
+    bound = traced_args(
+        lambda q, k, s: flashmoe.attention(q, k, k, causal=True, window_size=(4, -1), alibi_slopes=s), q, k, slopes)
+    assert bound["causal"] is True and (bound["window_left"], bound["window_right"]) == (4, 0)
+    assert bound["alibi_slopes"].op == "placeholder"  # the slopes themselves, no copy
+
+
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
+def test_alibi_refuses_inputs_that_require_grad(which):
+    q, k = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16), torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    tensors = [t.clone().requires_grad_(i == which) for i, t in enumerate((q, k, k, torch.rand(4)))]
+    name = ("q", "k", "v", "alibi_slopes")[which]
+    with pytest.raises(RuntimeError, match=f"alibi_slopes.*no backward pass yet, but {name} requires grad"):
+        flashmoe.attention(*tensors[:3], alibi_slopes=tensors[3])
+    with torch.no_grad(), pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):
+        flashmoe.attention(*tensors[:3], alibi_slopes=tensors[3])

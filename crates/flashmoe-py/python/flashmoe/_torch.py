@@ -246,6 +246,10 @@ _lib.define(
     "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
 )
 _lib.define(
+    "attention_alibi(Tensor q, Tensor k, Tensor v, Tensor alibi_slopes, bool causal, float? softmax_scale, "
+    "int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
+)
+_lib.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
     "float? softmax_scale, int window_left=-1, int window_right=-1, float softcap=0.0) "
     "-> (Tensor, Tensor, Tensor)"
@@ -264,7 +268,7 @@ _lib.define(
 _lib.define(
     "attention_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seqused_k, "
     "Tensor? cu_seqlens_q, int max_q_per_seq, int window_left, int window_right, float softcap, "
-    "float? softmax_scale) -> (Tensor, Tensor)"
+    "float? softmax_scale, Tensor? alibi_slopes=None) -> (Tensor, Tensor)"
 )
 _lib.define(
     "append_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_table, "
@@ -333,6 +337,73 @@ def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right
 
 _register("attention", _attention_impl, _attention_fake)
 _attention_op = torch.ops.flashmoe.attention.default
+
+# ALiBi: routed by the library (flashmoe::attention::route::route_alibi_dense): the portable
+# prefill kernel on any GPU, decode-shaped calls on the decode kernels; plans built with alibi=True.
+_alibi_plans = {}
+_alibi_routes = {}
+
+
+def _attention_alibi_impl(q, k, v, alibi_slopes, causal, softmax_scale, window_left=-1, window_right=-1,
+                          softcap=0.0, want_lse=True):
+    named = (("q", q), ("k", k), ("v", v))
+    index = _device_index(named + (("alibi_slopes", alibi_slopes),))
+    _same_dtype(named)
+    if alibi_slopes.dtype is not torch.float32:
+        raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; flashmoe takes torch.float32 slopes "
+                        "(FlashAttention's convention), shape (heads_q,) or (batch, heads_q)")
+    dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # raises, naming the tensor
+        _core.check_attention(dq, dk, dv, causal, softmax_scale, window=(window_left, window_right),
+                              softcap=softcap)
+    b, sq, hq, d = dq[2]
+    sk = dk[2][1]
+    key = (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap)
+    entry = _alibi_plans.get(key)
+    if entry is None or not (entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]):
+        entries = _alibi_routes.setdefault(key, [])
+        for entry in entries:
+            if entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]:
+                break
+        else:
+            major, minor = torch.cuda.get_device_capability(index)
+            kind, args, ((q_lo, q_hi), (k_lo, k_hi)) = _core.route_attention(
+                dq[1], d, hq, k.shape[2], sq, sk, causal, softmax_scale, (window_left, window_right), softcap,
+                arch=10 * major + minor, alibi=True)
+            plan = _routed_plan(index, dq[1], q.dtype, d, hq, k.shape[2], kind, args)
+            entry = (q_lo, q_hi, k_lo, k_hi, plan, kind == "decode")
+            entries.append(entry)
+        _alibi_plans[key] = entry
+    plan = entry[4]
+    dev = q.device
+    dsl = _desc(alibi_slopes, "alibi_slopes")
+    o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
+    stream = _raw_stream(index)
+    if want_lse:
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=dev)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, _lse_sink(4 * b * hq * sq, index, stream)
+    if entry[5]:  # the decode plan over the dense cache (as in _attention_impl)
+        table = torch.arange(b, dtype=torch.int32, device=dev).view(b, 1)
+        used = torch.full((b,), sk, dtype=torch.int32, device=dev)
+        ws, ws_bytes = _workspace("decode", plan.workspace_bytes(b, sk), index, stream)
+        plan.forward(stream, dq, dk, dv, _idesc(table, "block_table"), _idesc(used, "cache_seqlens"), None,
+                     o.data_ptr(), lse_ptr, ws, ws_bytes, dsl)
+        return o, lse
+    ws, ws_bytes = _workspace("prefill", plan.workspace_bytes, index, stream)
+    plan.forward(stream, dq, dk, dv, o.data_ptr(), lse_ptr, ws, ws_bytes, dsl)
+    return o, lse
+
+
+def _attention_alibi_fake(q, k, v, alibi_slopes, causal, softmax_scale, window_left=-1, window_right=-1,
+                          softcap=0.0):
+    return _attention_fake(q, k, v, causal, softmax_scale)
+
+
+_register("attention_alibi", _attention_alibi_impl, _attention_alibi_fake)
+_forward_only("attention_alibi", ("q", "k", "v", "alibi_slopes"))
+_attention_alibi_op = torch.ops.flashmoe.attention_alibi.default
 
 # Head dims the backward plan serves (``flashmoe::attention::backward::BWD_HEAD_DIMS``).
 _BWD_HEAD_DIMS = (32, 64, 96, 128)
@@ -424,6 +495,7 @@ def attention(
     window_size: Tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Exact attention in FlashAttention's layout (``flash_attn_func``).
 
@@ -435,17 +507,23 @@ def attention(
     diagonal d = i + seqlen_k - seqlen_q: row i sees keys d - left ..= d + right, -1 leaves a side
     unbounded, and ``causal`` sets the right side to 0. ``softcap`` > 0 turns the scores s
     (scaled) into softcap·tanh(s / softcap) before the softmax (Gemma-2); 0 is off. Windows and
-    softcap run on the sm_90a kernel (H100/H200, head dims 64 and 128) and, for calls of at most
-    16 query rows, on the decode kernels on any GPU (head dims 64, 128, 256; the library's call
-    router, ``flashmoe.route_attention``, decides); other calls raise NotImplementedError. A
+    softcap run on the sm_90a kernel (H100/H200, head dims 64 and 128), on the portable kernel
+    (head dims that are multiples of 8 up to 256; above 128 on H100/H200 only) and, for calls of
+    at most 16 query rows, on the decode kernels on any GPU (head dims 64, 128, 256; the library's
+    call router, ``flashmoe.route_attention``, decides); other calls raise NotImplementedError. A
     window side below -1 or a negative or non-finite softcap is a ValueError. A query row that sees no key gives o = 0 and lse = -inf.
-    q, k, v may be strided views (e.g. of one packed QKV tensor) on the sm_90a kernel (head dims
-    64 and 128 on H100/H200) when the last dimension is contiguous and every other stride is a
-    multiple of 8 elements; other kernels take them contiguous (call ``.contiguous()``).
+    q, k, v may be strided views (e.g. of one packed QKV tensor) on the prefill kernels when the
+    last dimension is contiguous and every other stride is a multiple of 8 elements.
 
     Eager calls on plain tensors run the kernel function directly (no dispatcher: a few µs less
     host time); under torch.compile, fake tensors or dispatch modes the call goes through
     ``torch.ops.flashmoe.attention``.
+
+    ``alibi_slopes`` f32 (heads_q,) or (batch, heads_q) adds FlashAttention's ALiBi bias
+    -slope·|i + seqlen_k - seqlen_q - j| to the scores (after the softcap), with every mask above, on
+    any GPU (the portable prefill kernel, head dims that are multiples of 8 up to 256; calls of at
+    most 16 query rows with head dims 64/128/256 on the decode kernels). ALiBi has no backward: a
+    call whose q, k or v requires grad (grad mode on) raises RuntimeError.
 
     Differentiable: with grad mode on and q, k or v requiring grad, the call goes through the op,
     whose autograd formula saves q, k, v, o and lse and computes dq, dk, dv with the library's
@@ -456,6 +534,15 @@ def attention(
     """
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     softcap = float(softcap)
+    if alibi_slopes is not None:
+        _refuse_grad("attention with alibi_slopes (the backward kernels have no ALiBi)",
+                     (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes)))
+        if _plain(q, k, v, alibi_slopes):
+            o, lse = _attention_alibi_impl(q, k, v, alibi_slopes, causal, softmax_scale, left, right, softcap,
+                                           return_lse)
+        else:
+            o, lse = _attention_alibi_op(q, k, v, alibi_slopes, causal, softmax_scale, left, right, softcap)
+        return (o, lse) if return_lse else o
     if _plain(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                               or v.requires_grad)):
         o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
@@ -645,12 +732,13 @@ _MAX_Q = _core.MAX_Q_PER_SEQ  # most query rows per sequence of a decode call (1
 _Q_BUCKETS = [1, 1, 2, 4, 4] + [8] * 4 + [16] * 8
 
 
-def _decode_plan(index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale):
-    key = (index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale)
+def _decode_plan(index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale,
+                 alibi=False):
+    key = (index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale, alibi)
     plan = _decode_plans.get(key)
     if plan is None:
         plan = _core.DecodePlan(
-            index, _DTYPES[dtype], d, hq, hkv, max_q, (window_left, window_right), softcap, softmax_scale
+            index, _DTYPES[dtype], d, hq, hkv, max_q, (window_left, window_right), softcap, softmax_scale, alibi
         )
         _decode_plans[key] = plan
     return plan
@@ -665,9 +753,12 @@ def _cache_named(q, k_cache, v_cache, block_table, seqlens, seqlens_name, cu_seq
 
 
 def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, max_q_per_seq,
-                            window_left, window_right, softcap, softmax_scale, want_lse=True):
+                            window_left, window_right, softcap, softmax_scale, alibi_slopes=None, want_lse=True):
     named = _cache_named(q, k_cache, v_cache, block_table, seqused_k, "cache_seqlens", cu_seqlens_q)
-    index = _device_index(named)
+    index = _device_index(named if alibi_slopes is None else named + [("alibi_slopes", alibi_slopes)])
+    if alibi_slopes is not None and alibi_slopes.dtype is not torch.float32:
+        raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; flashmoe takes torch.float32 slopes "
+                        "(FlashAttention's convention), shape (heads_q,) or (batch, heads_q)")
     _same_dtype(named[:3])
     dq, dkc, dvc = _desc(q, "q"), _desc(k_cache, "k_cache"), _desc(v_cache, "v_cache")
     dbt, dsu = _idesc(block_table, "block_table"), _idesc(seqused_k, "cache_seqlens")
@@ -678,7 +769,7 @@ def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seql
                                       softmax_scale=softmax_scale)  # raises, naming the tensor
     hq, d = q.shape[-2], q.shape[-1]
     plan = _decode_plan(index, q.dtype, d, hq, k_cache.shape[2], max_q_per_seq, window_left, window_right,
-                        softcap, softmax_scale)
+                        softcap, softmax_scale, alibi_slopes is not None)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     stream = _raw_stream(index)
     if want_lse:
@@ -690,12 +781,13 @@ def _attention_kvcache_impl(q, k_cache, v_cache, block_table, seqused_k, cu_seql
     # The split count (and so the workspace) follows the table's capacity, a host-side shape.
     need = plan.workspace_bytes(block_table.shape[0], block_table.shape[1] * k_cache.shape[1])
     ws, ws_bytes = _workspace("decode", need, index, stream)
-    plan.forward(stream, dq, dkc, dvc, dbt, dsu, dcu, o.data_ptr(), lse_ptr, ws, ws_bytes)
+    dsl = None if alibi_slopes is None else _desc(alibi_slopes, "alibi_slopes")
+    plan.forward(stream, dq, dkc, dvc, dbt, dsu, dcu, o.data_ptr(), lse_ptr, ws, ws_bytes, dsl)
     return o, lse
 
 
 def _attention_kvcache_fake(q, k_cache, v_cache, block_table, seqused_k, cu_seqlens_q, max_q_per_seq,
-                            window_left, window_right, softcap, softmax_scale):
+                            window_left, window_right, softcap, softmax_scale, alibi_slopes=None):
     hq = q.shape[-2]
     if cu_seqlens_q is not None:
         lse_shape = (hq, q.shape[0])
@@ -750,6 +842,7 @@ def attention_with_kvcache(
     softcap: float = 0.0,
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Attention of new query rows over a paged KV cache (``flash_attn_with_kvcache``).
 
@@ -764,13 +857,16 @@ def attention_with_kvcache(
     ``causal`` is bottom-right aligned and sets window_size[1] to 0; ``window_size`` (left, right)
     with -1 unbounded; ``softcap`` > 0 applies softcap·tanh(s/softcap). Returns o like q and with
     ``return_lse`` also lse (batch, heads_q, seqlen_q), or (heads_q, total_q) with cu_seqlens_q.
-    bf16/f16, head dims 64, 128, 256, sm_80 or newer.
+    ``alibi_slopes`` f32 (heads_q,) or (batch, heads_q): FlashAttention's ALiBi bias
+    -slope·|d_i - j| (d_i the row's diagonal) after the softcap. No backward (inputs that require
+    grad raise). bf16/f16, head dims 64, 128, 256, sm_80 or newer.
     """
     if (k is None) != (v is None):
         raise ValueError("k and v are appended together: give both or neither")
     # every path, the op path included: append_kv mutates the caches and has no autograd kernel
     _refuse_grad("attention_with_kvcache",
-                 (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)))
+                 (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                  ("alibi_slopes", alibi_slopes)))
     if cu_seqlens_q is None:
         if q.dim() != 4:
             raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim) but has shape {list(q.shape)}")
@@ -789,12 +885,13 @@ def attention_with_kvcache(
         right = 0
     plain = _plain(q, k_cache, v_cache, block_table, cache_seqlens) and (k is None or _plain(k, v)) and (
         cu_seqlens_q is None or type(cu_seqlens_q) is torch.Tensor
-    )
+    ) and (alibi_slopes is None or type(alibi_slopes) is torch.Tensor)
     seqused = cache_seqlens
     if k is not None:
         (_append_kv_impl if plain else _append_kv_op)(k, v, k_cache, v_cache, block_table, cache_seqlens)
         seqused = cache_seqlens + k.shape[1]
-    args = (q, k_cache, v_cache, block_table, seqused, cu_seqlens_q, max_q, left, right, float(softcap), softmax_scale)
+    args = (q, k_cache, v_cache, block_table, seqused, cu_seqlens_q, max_q, left, right, float(softcap), softmax_scale,
+            alibi_slopes)
     if plain:
         o, lse = _attention_kvcache_impl(*args, return_lse)
     else:
