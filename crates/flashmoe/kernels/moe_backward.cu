@@ -59,18 +59,18 @@ __device__ __forceinline__ float sigmoid_acc(float z) {
     return e / (1.f + e);
 }
 
-// GEMM tiles: BM = BN = 128, BK = 32, 8 warps (2 along M x 4 along N) of 64 x 32, a
+// GEMM tiles: BM = BN = 128, BK = 64, 8 warps (2 along M x 4 along N) of 64 x 32, a
 // GB_STAGES-deep cp.async ring of 16-byte copies (dynamic shared memory, GB_SMEM_BYTES),
-// fragments by ldmatrix. An operand tile is stored either K-contiguous ([mn][32], 64-byte
-// rows, 16-byte chunk c at c ^ ((mn >> 1) & 3)) or MN-contiguous ([32][128], 256-byte rows,
-// chunk c at c ^ (k & 7)): the swizzles make every ldmatrix phase hit 8 distinct bank
-// groups. K-contiguous tiles are read by ldmatrix, MN-contiguous ones by ldmatrix.trans,
-// so no operand is transposed on the way in. Tails: rows past a group's end and columns
-// past N are zero-filled (cp.async with 0 source bytes); K and N are multiples of 32.
+// fragments by ldmatrix. An operand tile is stored either K-contiguous ([mn][64], 128-byte
+// rows, 16-byte chunk c at c ^ (mn & 7)) or MN-contiguous ([64][128], 256-byte rows, chunk
+// c at c ^ (k & 7)): the swizzles make every ldmatrix phase hit 8 distinct bank groups.
+// K-contiguous tiles are read by ldmatrix, MN-contiguous ones by ldmatrix.trans, so no
+// operand is transposed on the way in. Tails: rows past a group's end, columns past N and
+// k past K are zero-filled (cp.async with 0 source bytes); K and N are multiples of 32.
 #define GB_BM 128
 #define GB_BN 128
-#define GB_BK 32
-#define GB_STAGES 4
+#define GB_BK 64
+#define GB_STAGES 3
 #define GB_THREADS 256
 #define GB_TILE_BYTES (GB_BM * GB_BK * 2)
 #define GB_STAGE_BYTES (2 * GB_TILE_BYTES)
@@ -78,7 +78,7 @@ __device__ __forceinline__ float sigmoid_acc(float z) {
 
 // Byte offset of element (mn, k) in a K-contiguous tile.
 __device__ __forceinline__ u32 gb_kmaj(int mn, int k) {
-    return (u32)(mn * 64 + ((((k >> 3) ^ (mn >> 1)) & 3) << 4) + ((k & 7) << 1));
+    return (u32)(mn * 128 + ((((k >> 3) ^ mn) & 7) << 4) + ((k & 7) << 1));
 }
 // Byte offset of element (k, mn) in an MN-contiguous tile.
 __device__ __forceinline__ u32 gb_mnmaj(int k, int mn) {
@@ -155,12 +155,12 @@ __device__ __forceinline__ void gb_rows(const u16* __restrict__ a, int a_rs, int
                                         int n0, int n_cols, int k_dim, u32 smem) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
-    // This thread's two A chunks: rows tid / 4 and tid / 4 + 64, chunk tid % 4.
-    const int ac = tid & 3;
-    const u16* arow[2];
+    // This thread's four A chunks: rows tid / 8 + 32 i, chunk tid % 8.
+    const int ac = tid & 7;
+    const u16* arow[4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int m = (tid >> 2) + i * 64;
+    for (int i = 0; i < 4; ++i) {
+        const int m = (tid >> 3) + i * 32;
         arow[i] = nullptr;
         if (m < rows) {
             const int r = row0 + m;
@@ -170,30 +170,31 @@ __device__ __forceinline__ void gb_rows(const u16* __restrict__ a, int a_rs, int
     }
     auto load = [&](u32 sa, u32 sb, int kt) {
         const int k0 = kt * GB_BK;
+        const bool a_k = k0 + ac * 8 < k_dim;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int m = (tid >> 2) + i * 64;
-            cp_async16(sa + gb_kmaj(m, ac * 8), arow[i] != nullptr ? arow[i] + k0 : a,
-                       arow[i] != nullptr);
+        for (int i = 0; i < 4; ++i) {
+            const int m = (tid >> 3) + i * 32;
+            const bool ok = arow[i] != nullptr && a_k;
+            cp_async16(sa + gb_kmaj(m, ac * 8), ok ? arow[i] + k0 : a, ok);
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 4; ++i) {
             const int idx = tid + i * GB_THREADS;
-            if (B_KMAJ) {  // B(k, n) = be[n * b_ns + k]: rows n, chunk idx % 4
-                const int n = idx >> 2, ch = idx & 3;
-                const bool ok = n0 + n < n_cols;
+            if (B_KMAJ) {  // B(k, n) = be[n * b_ns + k]: rows n, chunk idx % 8
+                const int n = idx >> 3, ch = idx & 7;
+                const bool ok = n0 + n < n_cols && k0 + ch * 8 < k_dim;
                 cp_async16(sb + gb_kmaj(n, ch * 8),
                            ok ? be + (i64)(n0 + n) * b_ns + k0 + ch * 8 : be, ok);
             } else {  // B(k, n) = be[k * b_ks + n]: rows k, chunk idx % 16
                 const int k = idx >> 4, ch = idx & 15;
-                const bool ok = n0 + ch * 8 < n_cols;
+                const bool ok = n0 + ch * 8 < n_cols && k0 + k < k_dim;
                 cp_async16(sb + gb_mnmaj(k, ch * 8),
                            ok ? be + (i64)(k0 + k) * b_ks + n0 + ch * 8 : be, ok);
             }
         }
     };
     float acc[4][4][4] = {};
-    gb_mainloop<true, B_KMAJ>(smem, k_dim / GB_BK, wm, wn, lane, acc, load);
+    gb_mainloop<true, B_KMAJ>(smem, (k_dim + GB_BK - 1) / GB_BK, wm, wn, lane, acc, load);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
@@ -209,7 +210,7 @@ __device__ __forceinline__ void gb_rows(const u16* __restrict__ a, int a_rs, int
             }
 }
 
-extern "C" __global__ void __launch_bounds__(GB_THREADS)
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
     moe_bwd_gemm_rows(const u16* __restrict__ a, int a_rs, int a_gather,
                       const u16* __restrict__ b, i64 b_gs, int b_ks, int b_ns,
                       float* __restrict__ c, int ldc, const u32* __restrict__ row_token,
@@ -242,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS)
                        n_cols, k_dim, smem);
 }
 
-extern "C" __global__ void __launch_bounds__(GB_THREADS)
+extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
     moe_bwd_gemm_wgrad(const u16* __restrict__ a, int a_rs, int a_gather,
                        const u16* __restrict__ b, int b_rs, int b_gather,
                        u16* __restrict__ c, int m_dim, int n_cols,
@@ -258,12 +259,12 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS)
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     const u32 smem = smem_addr(gb_smem);
     // Both operands are MN-contiguous ([row r][m] and [row r][n]): this thread's chunks
-    // are rows (tid + i * 256) / 16 of the slice, chunk tid % 16.
+    // are rows tid / 16 + 16 i of the slice, chunk tid % 16.
     const int ch = tid & 15;
     const bool a_ok = m0 + ch * 8 < m_dim, b_ok = n0 + ch * 8 < n_cols;
     auto load = [&](u32 sa, u32 sb, int kt) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
+#pragma unroll 1
+        for (int i = 0; i < 4; ++i) {
             const int k = (tid >> 4) + i * 16;
             const int r = r_lo + kt * GB_BK + k;
             const bool in = r < r_hi;

@@ -78,10 +78,10 @@ pub const BWD_ENTRIES: [&str; 6] = [
 ];
 
 /// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
-/// shared memory (GB_SMEM_BYTES: 4 stages of two 128 × 32 16-bit tiles).
+/// shared memory (GB_SMEM_BYTES: 3 stages of two 128 × 64 16-bit tiles).
 const TILE: u32 = 128;
 const GEMM_THREADS: u32 = 256;
-const GEMM_SMEM_BYTES: u32 = 4 * 2 * 128 * 32 * 2;
+const GEMM_SMEM_BYTES: u32 = 3 * 2 * 128 * 64 * 2;
 const SWIGLU_THREADS: u32 = 128;
 const ELEM_THREADS: u32 = 256;
 const PLAN: &str = "MoeBackwardPlan";
