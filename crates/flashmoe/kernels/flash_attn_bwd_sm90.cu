@@ -46,9 +46,16 @@
 // Seven products of the forward's size against the five of a design that adds dQ with
 // atomics from the dK/dV kernel: the price of determinism, 5/7 of the tensor-core ceiling.
 // The streamed tiles (Q, dO, lse2, delta; K, V) go through a ring of FM_STAGES buffers filled
-// by cp.async from all threads into the 128B-swizzled layout (chunk c of row r of a
-// 64-column half at c ^ (r & 7)), published to wgmma (async proxy) by a proxy fence and a
-// CTA barrier. Rows past the sequence ends are zero-filled and masked.
+// by cp.async from all threads, one step ahead, into the 128B-swizzled layout (chunk c of
+// row r of a 64-column half at c ^ (r & 7)). There is no CTA barrier in the loop: each
+// fill completes on its slot's `full` mbarrier (cp.async.mbarrier.arrive.noinc, one
+// arrival per thread); a thread waits for `full`, fences the generic-proxy writes it now
+// sees towards the async proxy (wgmma), and once its warpgroup's wgmmas reading the slot
+// have completed, each of its warps arrives on the slot's `empty` barrier, which every
+// thread waits for before it refills the slot. So the two warpgroups drift apart by up to
+// FM_STAGES - 1 steps, and one's exponentials overlap the other's products. (A variant with
+// a producer warp issuing all the cp.asyncs was slower than this: one warp's copies could
+// not keep up.) Rows past the sequence ends are zero-filled and masked.
 
 #ifndef FM_HEAD_DIM
 #error "FM_HEAD_DIM must be defined"
@@ -97,12 +104,15 @@ constexpr int KV_OFF_Q = 2 * tile_bytes(BN_KV);
 constexpr int KV_OFF_O = KV_OFF_Q + STAGES * tile_bytes(BM_KV);
 constexpr int KV_OFF_L = KV_OFF_O + STAGES * tile_bytes(BM_KV);
 constexpr int KV_OFF_D = KV_OFF_L + STAGES * BM_KV * 4;
-constexpr int KV_SMEM = 1024 + KV_OFF_D + STAGES * BM_KV * 4;
+constexpr int KV_OFF_BAR = KV_OFF_D + STAGES * BM_KV * 4;
+constexpr int NBAR = 2 * STAGES + 1;  // full[STAGES], empty[STAGES], the stationary block
+constexpr int KV_SMEM = 1024 + KV_OFF_BAR + 8 * NBAR;
 // dQ: [Q][dO][K x STAGES][V x STAGES]
 constexpr int Q_OFF_O = tile_bytes(BM_Q);
 constexpr int Q_OFF_K = 2 * tile_bytes(BM_Q);
 constexpr int Q_OFF_V = Q_OFF_K + STAGES * tile_bytes(BN_Q);
-constexpr int Q_SMEM = 1024 + Q_OFF_V + STAGES * tile_bytes(BN_Q);
+constexpr int Q_OFF_BAR = Q_OFF_V + STAGES * tile_bytes(BN_Q);
+constexpr int Q_SMEM = 1024 + Q_OFF_BAR + 8 * NBAR;
 static_assert(KV_SMEM <= 227 * 1024 && Q_SMEM <= 227 * 1024, "shared memory");
 
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
@@ -140,6 +150,39 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
     const int n = pred ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n)
                  : "memory");
+}
+
+// The barrier completes when this thread's earlier cp.asyncs have landed (the arrival is
+// not counted ahead: the barriers are initialised with one arrival per thread).
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Ring barriers at `bar`: full[s], empty[s], then the stationary block's.
+struct Ring {
+    u32 bar;
+    __device__ u32 full(int s) const { return bar + 8 * s; }
+    __device__ u32 empty(int s) const { return bar + 8 * (STAGES + s); }
+    __device__ u32 fixed() const { return bar + 8 * 2 * STAGES; }
+    __device__ void init() const {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full(s), THREADS);
+            mbar_init(empty(s), NWG * 4);  // one arrival per warp
+        }
+        mbar_init(fixed(), THREADS);
+        mbar_init_fence();
+    }
+    // Before refilling slot s for its use number `use` (0, 1, ..): the previous use's wgmmas
+    // are complete in every warp.
+    __device__ void wait_empty(int s, int use) const {
+        if (use > 0) mbar_wait(empty(s), (use - 1) & 1);
+    }
+};
+
+// This warp's wgmmas reading slot s have completed.
+__device__ __forceinline__ void release(const Ring& ring, int s, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(ring.empty(s));
 }
 
 // acc (64 x N) = A (64 rows x D at sA, K-major, tile of AROWS rows) * B^T (N rows x D at sB,
@@ -214,6 +257,9 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const u32 sK = base, sV = base + KV_OFF_V;
     const float* fL = reinterpret_cast<const float*>(gen + KV_OFF_L);
     const float* fD = reinterpret_cast<const float*>(gen + KV_OFF_D);
+    const Ring ring{base + KV_OFF_BAR};
+    if (tid == 0) ring.init();
+    __syncthreads();
 
     // Queries that may see a key of this block: [i_lo, Sq).
     i64 i_lo = 0;
@@ -250,11 +296,10 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 
     load_tile<BN_KV>(sK, k, kv_off, kv_stride, n0, seqlen_k, tid);
     load_tile<BN_KV>(sV, v, kv_off, kv_stride, n0, seqlen_k, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) load_step(s, s);
-        cp_async_commit();
+    cp_async_arrive(ring.fixed());
+    if (steps > 0) {
+        load_step(0, 0);
+        cp_async_arrive(ring.full(0));
     }
 
     float dk_acc[D / 2], dv_acc[D / 2];
@@ -262,16 +307,18 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
     const u32 sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
 
-    int buf = 0;
+    mbar_wait(ring.fixed(), 0);
+    int buf = 0, round = 0;
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();  // this step's tiles (and K/V) landed: this thread's part
-        fence_proxy_async_smem();     // ... visible to wgmma
-        __syncthreads();              // ... everyone's; buffer (step - 1) % STAGES is free
-        {
-            const int nxt = step + STAGES - 1;
-            if (nxt < steps) load_step(nxt, nxt % STAGES);
-            cp_async_commit();
+        if (step + 1 < steps) {  // the next step's tiles, into the slot after this one
+            const int nb = buf + 1 == STAGES ? 0 : buf + 1;
+            const int use = (step + 1) / STAGES;
+            ring.wait_empty(nb, use);
+            load_step(step + 1, nb);
+            cp_async_arrive(ring.full(nb));
         }
+        mbar_wait(ring.full(buf), round & 1);
+        fence_proxy_async_smem();  // the cp.async writes just seen, towards wgmma
         const int m0 = (mb_lo + step % n_mb) * BM_KV;
         const u32 sQ = base + KV_OFF_Q + buf * tile_bytes(BM_KV);
         const u32 sO = base + KV_OFF_O + buf * tile_bytes(BM_KV);
@@ -323,7 +370,11 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         wgmma_wait<0>();
         reg_fence(dk_acc);
         reg_fence_u32(pa);
-        if (++buf == STAGES) buf = 0;
+        release(ring, buf, lane);
+        if (++buf == STAGES) {
+            buf = 0;
+            ++round;
+        }
     }
     cp_async_wait<0>();
     store_acc(dk_acc, scale, dk, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
@@ -351,6 +402,9 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sO = base + Q_OFF_O;
+    const Ring ring{base + Q_OFF_BAR};
+    if (tid == 0) ring.init();
+    __syncthreads();
 
     // Keys some row of this block may see: [0, j_hi).
     const i64 m_last = (i64)min(m0 + BM_Q, seqlen_q) - 1;
@@ -383,11 +437,10 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     };
     load_tile<BM_Q>(sQ, q, q_off, q_stride, m0, seqlen_q, tid);
     load_tile<BM_Q>(sO, dout, q_off, q_stride, m0, seqlen_q, tid);
-    cp_async_commit();
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_nb) load_kv(s, s);
-        cp_async_commit();
+    cp_async_arrive(ring.fixed());
+    if (n_nb > 0) {
+        load_kv(0, 0);
+        cp_async_arrive(ring.full(0));
     }
 
     float dq_acc[D / 2];
@@ -395,16 +448,17 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     for (int i = 0; i < D / 2; ++i) dq_acc[i] = 0.f;
     const u32 sQw = sQ + cw * 64 * 128, sOw = sO + cw * 64 * 128;
 
-    int buf = 0;
+    mbar_wait(ring.fixed(), 0);
+    int buf = 0, round = 0;
     for (int it = 0; it < n_nb; ++it) {
-        cp_async_wait<STAGES - 2>();
-        fence_proxy_async_smem();
-        __syncthreads();
-        {
-            const int nxt = it + STAGES - 1;
-            if (nxt < n_nb) load_kv(nxt, nxt % STAGES);
-            cp_async_commit();
+        if (it + 1 < n_nb) {
+            const int nb = buf + 1 == STAGES ? 0 : buf + 1;
+            ring.wait_empty(nb, (it + 1) / STAGES);
+            load_kv(it + 1, nb);
+            cp_async_arrive(ring.full(nb));
         }
+        mbar_wait(ring.full(buf), round & 1);
+        fence_proxy_async_smem();
         const int n0 = it * BN_Q;
         const u32 sK = base + Q_OFF_K + buf * tile_bytes(BN_Q);
         const u32 sV = base + Q_OFF_V + buf * tile_bytes(BN_Q);
@@ -443,7 +497,11 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         wgmma_wait<0>();
         reg_fence(dq_acc);
         reg_fence_u32(pa);
-        if (++buf == STAGES) buf = 0;
+        release(ring, buf, lane);
+        if (++buf == STAGES) {
+            buf = 0;
+            ++round;
+        }
     }
     cp_async_wait<0>();
     store_acc(dq_acc, scale, dq, q_off, q_stride, m0 + cw * 64, seqlen_q, warp, lane);

@@ -80,16 +80,20 @@ pub struct Sm90BwdTile {
 }
 
 impl Sm90BwdTile {
-    /// The production tile of `head_dim`, or None where the sm_90a backward has none.
+    /// The production tile of `head_dim`, or None where the sm_90a backward has none: the
+    /// fastest of [`Sm90BwdTile::lab_tiles`] on the 16k-token sweep (H200,
+    /// docs/design/attention-backward.md): 128 keys a dQ step at D=64, a 3-slot ring at
+    /// D=128 (128 keys a dQ step spills there).
     pub fn for_head_dim(head_dim: usize) -> Option<Sm90BwdTile> {
         if !BWD_SM90_HEAD_DIMS.contains(&head_dim) {
             return None;
         }
+        let (q_block_n, stages) = if head_dim == 64 { (128, 2) } else { (64, 3) };
         Some(Sm90BwdTile {
             head_dim: head_dim as u32,
             kv_block_m: 64,
-            q_block_n: 64,
-            stages: 2,
+            q_block_n,
+            stages,
         })
     }
     /// The production tile of `head_dim` first, then the others the lab times beside it
@@ -99,17 +103,22 @@ impl Sm90BwdTile {
         let Some(prod) = Sm90BwdTile::for_head_dim(head_dim) else {
             return Vec::new();
         };
-        let alt: &[(u32, u32)] = if head_dim == 64 {
-            &[(128, 2), (64, 3)]
+        let all: &[(u32, u32)] = if head_dim == 64 {
+            &[(64, 2), (128, 2), (64, 3)]
         } else {
-            &[(64, 3)]
+            &[(64, 2), (64, 3)]
         };
         let mut out = vec![prod];
-        out.extend(alt.iter().map(|&(n, st)| Sm90BwdTile {
-            q_block_n: n,
-            stages: st,
-            ..prod
-        }));
+        for &(n, st) in all {
+            let t = Sm90BwdTile {
+                q_block_n: n,
+                stages: st,
+                ..prod
+            };
+            if t != prod {
+                out.push(t);
+            }
+        }
         out
     }
     /// Whether the kernels accept this tile.
@@ -134,11 +143,18 @@ impl Sm90BwdTile {
         let row = 2 * self.head_dim;
         1024 + 2 * self.kv_block_n() * row
             + self.stages * (2 * self.kv_block_m * row + 8 * self.kv_block_m)
+            + self.barrier_bytes()
+    }
+    /// The mbarriers: full and empty per ring slot, one for the stationary block.
+    fn barrier_bytes(&self) -> u32 {
+        8 * (2 * self.stages + 1)
     }
     /// Dynamic shared memory of the dQ kernel (Q_SMEM in the .cu).
     pub fn q_smem_bytes(&self) -> u32 {
         let row = 2 * self.head_dim;
-        1024 + 2 * self.q_block_m() * row + self.stages * 2 * self.q_block_n * row
+        1024 + 2 * self.q_block_m() * row
+            + self.stages * 2 * self.q_block_n * row
+            + self.barrier_bytes()
     }
 }
 
@@ -167,10 +183,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
 
 /// One class per compiled sm_90a variant (head dim × dtype × causal): the compile test's list.
 pub fn all_sm90_bwd_classes() -> Vec<AttentionClass> {
-    all_bwd_classes()
-        .into_iter()
-        .filter(sm90_serves)
-        .collect()
+    all_bwd_classes().into_iter().filter(sm90_serves).collect()
 }
 
 /// Tile configuration of the backward kernels for one head dim: the compile-time constants
