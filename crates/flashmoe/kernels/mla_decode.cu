@@ -329,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
         cp_async_wait<STAGES - 2>();  // tile i (and Q) landed, this thread's part
 #if FM_WGMMA
         fence_proxy_async_smem();  // cp.async wrote through the generic proxy; wgmma reads
-        __syncthreads();           // everyone's part
+        __syncthreads();           // everyone's part; tile i-1's slot and s_blk are free
 #else
         __syncthreads();  // everyone's part; tile i-1's slot and s_blk are free
         issue_next();
@@ -359,10 +359,9 @@ extern "C" __global__ void __launch_bounds__(fmla::THREADS, 1)
                              desc_add(dk, (kk >> 2) * K_CHUNK + inner), kk > 0 ? 1 : 0);
             }
             wgmma_commit();
-            // Every warp's P V of tile i - 1 is done (waited for last iteration): the slot
+            // Every warp waited for its P V of tile i - 1 before the barrier above: the slot
             // takes the next tile, copied while S runs. (Leaving that P V in flight across
             // the loop made ptxas serialize every wgmma, C7514.)
-            __syncthreads();
             issue_next();
             wgmma_wait<0>();
             reg_fence(sacc);
