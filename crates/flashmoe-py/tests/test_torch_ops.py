@@ -305,15 +305,16 @@ def test_attention_varlen_is_differentiable(kwargs):
 
 
 def test_attention_varlen_backward_traces_into_the_backward_op():
-    cu = torch.tensor([0, 10, 16], dtype=torch.int32)
-
-    def step(q, k, v):
+    # The offsets are traced inputs too: a real tensor captured by the closure would meet the
+    # fake tensors of the trace inside the op.
+    def step(q, k, v, cu):
         o = flashmoe.attention_varlen(q, k, v, cu, cu, 10, 10, causal=True)
         return torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
 
+    cu = torch.tensor([0, 10, 16], dtype=torch.int32)
     q, k = torch.randn(16, 4, 64, dtype=torch.bfloat16), torch.randn(16, 2, 64, dtype=torch.bfloat16)
-    gm = make_fx(lambda q, k, v: step(q.requires_grad_(), k.requires_grad_(), v.requires_grad_()),
-                 tracing_mode="fake")(q, k, k.clone())
+    gm = make_fx(lambda q, k, v, cu: step(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu),
+                 tracing_mode="fake")(q, k, k.clone(), cu)
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert any("flashmoe.attention_varlen.default" in t for t in targets), targets
     assert any("flashmoe.attention_varlen_backward.default" in t for t in targets), targets
