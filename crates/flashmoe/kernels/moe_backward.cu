@@ -72,9 +72,12 @@ __device__ __forceinline__ float sigmoid_acc(float z) {
 #define GB_BK 64
 #define GB_STAGES 3
 #define GB_THREADS 256
-#define GB_TILE_BYTES (GB_BM * GB_BK * 2)
-#define GB_STAGE_BYTES (2 * GB_TILE_BYTES)
-#define GB_SMEM_BYTES (GB_STAGES * GB_STAGE_BYTES)
+#define GB_SMEM_BYTES (GB_STAGES * 2 * GB_BM * GB_BK * 2)
+// The weight-gradient GEMM's slices: its blocks walk only an expert's rows (few slices at
+// small token counts), where a shallower BK and a deeper ring measured faster.
+#define WG_BK 32
+#define WG_STAGES 4
+#define WG_SMEM_BYTES (WG_STAGES * 2 * GB_BM * WG_BK * 2)
 
 // Byte offset of element (mn, k) in a K-contiguous tile.
 __device__ __forceinline__ u32 gb_kmaj(int mn, int k) {
@@ -87,12 +90,12 @@ __device__ __forceinline__ u32 gb_mnmaj(int k, int mn) {
 
 // acc[mt][nt] += A (rows wm.., 64) x B (cols wn.., 32) over one BK slice of the stage at
 // sa (A) / sb (B).
-template <bool A_KMAJ, bool B_KMAJ>
+template <int BK, bool A_KMAJ, bool B_KMAJ>
 __device__ __forceinline__ void gb_mma_stage(u32 sa, u32 sb, int wm, int wn, int lane,
                                              float (&acc)[4][4][4]) {
     const int q = lane >> 3, r8 = lane & 7;
 #pragma unroll
-    for (int kk = 0; kk < GB_BK; kk += 16) {
+    for (int kk = 0; kk < BK; kk += 16) {
         u32 a[4][4];
 #pragma unroll
         for (int mt = 0; mt < 4; ++mt) {
@@ -124,25 +127,26 @@ __device__ __forceinline__ void gb_mma_stage(u32 sa, u32 sb, int wm, int wn, int
 
 // The pipelined main loop over `nk` BK slices: load(stage_base_a, stage_base_b, slice)
 // issues this thread's cp.async copies of one slice.
-template <bool A_KMAJ, bool B_KMAJ, typename Load>
+template <int BK, int STAGES, bool A_KMAJ, bool B_KMAJ, typename Load>
 __device__ __forceinline__ void gb_mainloop(u32 smem, int nk, int wm, int wn, int lane,
                                             float (&acc)[4][4][4], Load load) {
+    constexpr u32 TILE = GB_BM * BK * 2, STAGE = 2 * TILE;
 #pragma unroll
-    for (int s = 0; s < GB_STAGES - 1; ++s) {
-        if (s < nk) load(smem + s * GB_STAGE_BYTES, smem + s * GB_STAGE_BYTES + GB_TILE_BYTES, s);
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < nk) load(smem + s * STAGE, smem + s * STAGE + TILE, s);
         cp_async_commit();
     }
     for (int kt = 0; kt < nk; ++kt) {
-        cp_async_wait<GB_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const int pre = kt + GB_STAGES - 1;
+        const int pre = kt + STAGES - 1;
         if (pre < nk) {
-            const u32 st = smem + (pre % GB_STAGES) * GB_STAGE_BYTES;
-            load(st, st + GB_TILE_BYTES, pre);
+            const u32 st = smem + (pre % STAGES) * STAGE;
+            load(st, st + TILE, pre);
         }
         cp_async_commit();
-        const u32 st = smem + (kt % GB_STAGES) * GB_STAGE_BYTES;
-        gb_mma_stage<A_KMAJ, B_KMAJ>(st, st + GB_TILE_BYTES, wm, wn, lane, acc);
+        const u32 st = smem + (kt % STAGES) * STAGE;
+        gb_mma_stage<BK, A_KMAJ, B_KMAJ>(st, st + TILE, wm, wn, lane, acc);
     }
     cp_async_wait<0>();
 }
@@ -194,7 +198,8 @@ __device__ __forceinline__ void gb_rows(const u16* __restrict__ a, int a_rs, int
         }
     };
     float acc[4][4][4] = {};
-    gb_mainloop<true, B_KMAJ>(smem, (k_dim + GB_BK - 1) / GB_BK, wm, wn, lane, acc, load);
+    gb_mainloop<GB_BK, GB_STAGES, true, B_KMAJ>(smem, (k_dim + GB_BK - 1) / GB_BK, wm, wn,
+                                                lane, acc, load);
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
@@ -259,14 +264,14 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
     const int wm = (warp >> 2) * 64, wn = (warp & 3) * 32;
     const u32 smem = smem_addr(gb_smem);
     // Both operands are MN-contiguous ([row r][m] and [row r][n]): this thread's chunks
-    // are rows tid / 16 + 16 i of the slice, chunk tid % 16.
+    // are rows tid / 16 + 16 i of the WG_BK-row slice, chunk tid % 16.
     const int ch = tid & 15;
     const bool a_ok = m0 + ch * 8 < m_dim, b_ok = n0 + ch * 8 < n_cols;
     auto load = [&](u32 sa, u32 sb, int kt) {
-#pragma unroll 1
-        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int i = 0; i < WG_BK / 16; ++i) {
             const int k = (tid >> 4) + i * 16;
-            const int r = r_lo + kt * GB_BK + k;
+            const int r = r_lo + kt * WG_BK + k;
             const bool in = r < r_hi;
             i64 sa_row = 0, sb_row = 0;
             if (in) {
@@ -281,8 +286,8 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
         }
     };
     float acc[4][4][4] = {};
-    gb_mainloop<false, false>(smem, (r_hi - r_lo + GB_BK - 1) / GB_BK, wm, wn, lane, acc,
-                              load);
+    gb_mainloop<WG_BK, WG_STAGES, false, false>(smem, (r_hi - r_lo + WG_BK - 1) / WG_BK, wm,
+                                                wn, lane, acc, load);
     u16* ce = c + (i64)e * m_dim * n_cols;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll

@@ -78,10 +78,12 @@ pub const BWD_ENTRIES: [&str; 6] = [
 ];
 
 /// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
-/// shared memory (GB_SMEM_BYTES: 3 stages of two 128 × 64 16-bit tiles).
+/// shared memory: GB_SMEM_BYTES (rows GEMM: 3 stages of two 128 × 64 16-bit tiles) and
+/// WG_SMEM_BYTES (weight-gradient GEMM: 4 stages of two 32 × 128 tiles).
 const TILE: u32 = 128;
 const GEMM_THREADS: u32 = 256;
-const GEMM_SMEM_BYTES: u32 = 3 * 2 * 128 * 64 * 2;
+const ROWS_SMEM_BYTES: u32 = 3 * 2 * 128 * 64 * 2;
+const WGRAD_SMEM_BYTES: u32 = 4 * 2 * 128 * 32 * 2;
 const SWIGLU_THREADS: u32 = 128;
 const ELEM_THREADS: u32 = 256;
 const PLAN: &str = "MoeBackwardPlan";
@@ -343,8 +345,8 @@ impl MoeBackwardPlan {
             .iter()
             .map(|e| dev.load_kernel(BWD_SOURCE, e, &defs))
             .collect::<Result<Vec<_>>>()?;
-        for f in 0..2 {
-            dev.set_dynamic_shared_memory(BWD_ENTRIES[f], &funcs[f], GEMM_SMEM_BYTES)?;
+        for (f, bytes) in [(0, ROWS_SMEM_BYTES), (1, WGRAD_SMEM_BYTES)] {
+            dev.set_dynamic_shared_memory(BWD_ENTRIES[f], &funcs[f], bytes)?;
         }
         Ok(MoeBackwardPlan {
             class,
@@ -598,7 +600,7 @@ impl MoeBackwardPlan {
         let cfg = LaunchConfig {
             grid_dim: (tiles.max(1), ceil(g.n_cols as usize, TILE), 1),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: GEMM_SMEM_BYTES,
+            shared_mem_bytes: ROWS_SMEM_BYTES,
         };
         let mut p: [*mut c_void; 15] = [
             param(&g.a),
@@ -628,7 +630,7 @@ impl MoeBackwardPlan {
                 1,
             ),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: GEMM_SMEM_BYTES,
+            shared_mem_bytes: WGRAD_SMEM_BYTES,
         };
         let mut p: [*mut c_void; 12] = [
             param(&g.a),
