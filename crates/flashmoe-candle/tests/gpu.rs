@@ -736,21 +736,24 @@ fn decode_shaped_softcap_and_windows_of_dense_calls() -> Result<()> {
             }
         }
     }
-    // Prefill-sized softcap at head dim 256 has no kernel: an error naming the limits.
+    // Prefill-sized window + softcap at head dim 256: the portable kernel serves it where the
+    // device has the shared memory for its D = 256 tile (Hopper); elsewhere an error naming
+    // the head dim.
     let q = random((1, 64, hq, 256), 1)?
         .to_dtype(DType::BF16)?
         .to_device(&dev)?;
     let kv = q.i((.., .., 0..hkv, ..))?;
-    let e = flash_attn_alibi_windowed_softcap(&q, &kv, &kv, None, 0.1, Some(32), Some(0), 30.0)
-        .unwrap_err()
-        .to_string();
-    for part in [
-        "softcapping",
-        "sliding-window",
-        "head dim 256",
-        "head dims [64, 128]",
-    ] {
-        assert!(e.contains(part), "{part:?} missing from: {e}");
+    match flash_attn_alibi_windowed_softcap(&q, &kv, &kv, None, 0.1, Some(32), Some(0), 30.0) {
+        Ok(got) => {
+            let want = reference_masked(&q, &kv, &kv, 0.1, (32, 0), Some(30.0))?;
+            let (err, nan) = rel_l2(&got, &want)?;
+            println!("prefill window (32, 0) + softcap d=256 sq=64 BF16: rel L2 {err:.2e}");
+            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+        }
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("head dim 256"), "head dim 256 missing from: {e}");
+        }
     }
     Ok(())
 }
