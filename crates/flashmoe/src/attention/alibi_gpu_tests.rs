@@ -7,7 +7,7 @@
 
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd};
 use crate::dtype::DType;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::problem::NO_WINDOW;
 use crate::reference::attention::attention_f64_alibi;
@@ -28,10 +28,6 @@ pub(super) fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZe
         .unwrap();
     drop(_g);
     s
-}
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {

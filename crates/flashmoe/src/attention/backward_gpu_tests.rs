@@ -12,7 +12,7 @@ use super::backward::{
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
 use crate::dtype::DType;
 use crate::gpu::raw::RawWorkspace;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::inputs::{generate, TensorId};
 use crate::problem::{AttentionProblem, NO_WINDOW};
@@ -34,10 +34,6 @@ pub(super) fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZe
         .unwrap();
     drop(_g);
     s
-}
-
-pub(super) fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 #[derive(Debug, Clone, Copy)]

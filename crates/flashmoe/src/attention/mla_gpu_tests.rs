@@ -11,36 +11,14 @@ use super::mla::{MlaArgs, MlaDecodeClass, MlaDecodePlan, RawIndex, D_QK, D_V};
 use super::plan::Bshd;
 use crate::accuracy::{check_lse, check_rows};
 use crate::dtype::DType;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu, Rng};
 use crate::gpu::{Device, RawTensor};
 use crate::reference::attention::AttentionOutput;
 use crate::reference::mla::{mla_decode_f64, MlaDecodeInputs, MlaDecodeSpec};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
-/// splitmix64 stream of uniform values in [-1, 1).
-struct Rng(u64);
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
-
 const NAN16: u16 = 0xFFFF;
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
-}
 
 fn poison<T>(stream: &Arc<CudaStream>, s: &mut CudaSlice<T>) {
     let n = s.len() * std::mem::size_of::<T>();

@@ -4,7 +4,7 @@
 
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd};
 use crate::dtype::DType;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -45,10 +45,6 @@ fn poison_in_place<T>(stream: &Arc<CudaStream>, s: &mut CudaSlice<T>) {
     unsafe { sys::cuMemsetD8Async(p, 0xFF, n, stream.cu_stream()) }
         .result()
         .unwrap();
-}
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 fn bf16_to_f32(v: &[u16]) -> Vec<f32> {

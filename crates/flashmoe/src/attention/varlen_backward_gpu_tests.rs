@@ -9,13 +9,13 @@
 //! passes on a machine without one. Inputs are fresh random values (seed printed).
 
 use super::backward::{AttentionBackwardPlan, BackwardArgs, BwdKernel};
-use super::backward_gpu_tests::{addr, errors, poisoned};
+use super::backward_gpu_tests::{errors, poisoned};
 use super::plan::AttentionClass;
 use super::varlen::{VarlenArgs, VarlenPlan};
 use super::varlen_backward::{VarlenBackwardArgs, VarlenBackwardPlan};
 use crate::dtype::DType;
 use crate::gpu::raw::{RawIndex, RawWorkspace};
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::inputs::{generate, TensorId};
 use crate::problem::NO_WINDOW;

@@ -10,7 +10,7 @@ use super::plan::AttentionClass;
 use super::varlen::{VarlenArgs, VarlenPlan};
 use crate::accuracy::{check, check_lse};
 use crate::dtype::DType;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::inputs::{generate, TensorId};
 use crate::reference::attention::{attention_f64, AttentionInputs};
@@ -42,10 +42,6 @@ fn poison<T>(stream: &Arc<CudaStream>, s: &mut CudaSlice<T>) {
     unsafe { sys::cuMemsetD8Async(p, 0xFF, n, stream.cu_stream()) }
         .result()
         .unwrap();
-}
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 /// One packed batch: host inputs (dtype-rounded f32), offsets and device buffers.

@@ -14,7 +14,7 @@ use super::backward::{MoeBackwardPlan, MoeBwdArgs, SavedRouting};
 use super::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
 use crate::dtype::DType;
 use crate::gpu::raw::{RawTensor, RawU32, RawWorkspace};
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, Workspace};
 use crate::inputs::{generate, TensorId};
 use crate::problem::Scoring;
@@ -81,10 +81,6 @@ fn poison<T>(stream: &Arc<CudaStream>, s: &mut CudaSlice<T>) {
     unsafe { sys::cuMemsetD8Async(p, 0xFF, n, stream.cu_stream()) }
         .result()
         .unwrap();
-}
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 /// The gradients of one backward call, as 16-bit bits.

@@ -13,7 +13,7 @@ use super::{GpuRouting, MoeRunner};
 use crate::accuracy::error_metrics;
 use crate::dtype::DType;
 use crate::error::Error;
-use crate::gpu::test_support::{fresh_seed, with_gpu};
+use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::problem::{MoeProblem, Scoring};
 use crate::reference::moe::{compare_routing, moe_f64, MoeInputs};
@@ -47,10 +47,6 @@ fn poison<T>(stream: &Arc<CudaStream>, s: &mut CudaSlice<T>) {
 fn bf16_buffer(stream: &Arc<CudaStream>, bits: &[u16]) -> CudaSlice<half::bf16> {
     let v: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
     stream.clone_htod(&v).unwrap()
-}
-
-fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
-    s.device_ptr(stream).0
 }
 
 /// A layer's weights on the device (16-bit bits of the class's dtype).
