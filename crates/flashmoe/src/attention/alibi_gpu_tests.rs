@@ -12,7 +12,7 @@ use crate::gpu::{Device, RawTensor};
 use crate::problem::NO_WINDOW;
 use crate::reference::attention::attention_f64_alibi;
 use crate::reference::AttentionInputs;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 pub(super) fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(

@@ -18,7 +18,7 @@ use crate::inputs::{generate, TensorId};
 use crate::problem::{AttentionProblem, NO_WINDOW};
 use crate::reference::attention::{attention_f64, AttentionInputs};
 use crate::reference::attention_backward::attention_backward_f64;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 pub(super) fn poisoned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(

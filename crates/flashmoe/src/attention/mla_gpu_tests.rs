@@ -15,7 +15,7 @@ use crate::gpu::test_support::{addr, fresh_seed, with_gpu, Rng};
 use crate::gpu::{Device, RawTensor};
 use crate::reference::attention::AttentionOutput;
 use crate::reference::mla::{mla_decode_f64, MlaDecodeInputs, MlaDecodeSpec};
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 const NAN16: u16 = 0xFFFF;

@@ -6,7 +6,7 @@ use super::plan::{AttentionArgs, AttentionClass, AttentionPlan, Bshd};
 use crate::dtype::DType;
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// `n` values uniform in [-1, 1) (splitmix64), as bf16 bits.

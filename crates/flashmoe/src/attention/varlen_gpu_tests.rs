@@ -14,7 +14,7 @@ use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::inputs::{generate, TensorId};
 use crate::reference::attention::{attention_f64, AttentionInputs};
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 pub(super) fn to_bits(v: &[f32], dtype: DType) -> Vec<u16> {

@@ -20,7 +20,7 @@ use crate::inputs::{generate, TensorId};
 use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy)]

@@ -17,7 +17,7 @@ use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
 use crate::problem::{MoeProblem, Scoring};
 use crate::reference::moe::{compare_routing, moe_f64, MoeInputs};
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtrMut};
 use std::sync::Arc;
 
 fn class(max_tokens: usize, top_k: usize, scoring: Scoring, dtype: DType) -> MoeClass {

@@ -18,7 +18,7 @@ use crate::gpu::{Device, RawTensor};
 use crate::reference::decode::{
     paged_decode_f64, paged_decode_f64_alibi, PagedDecodeInputs, PagedDecodeSpec,
 };
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{sys, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 const NAN16: u16 = 0xFFFF;
