@@ -13,7 +13,9 @@
 //!   slopes): flashmoe's prefill plan (`AttentionPlan`). No mask and causal on any GPU (the
 //!   sm_90a kernel on Hopper for head dims 64/128, the portable kernel otherwise); sliding
 //!   windows (e.g. Mistral's `(Some(4096), Some(0))`) and softcap (e.g. Gemma-2's 50) on the
-//!   sm_90a kernel: compute capability 9.0, head dims 64 and 128, any number of rows.
+//!   sm_90a kernel (compute capability 9.0, head dims 64 and 128, any number of rows), and on
+//!   the portable kernel for the other head dims that are multiples of 8 up to 256 (above
+//!   128 only where the device has Hopper's shared memory).
 //! - The same dense calls with a window or softcap that the sm_90a kernel does not serve
 //!   (head dim 256, or another GPU) when they are decode-shaped (seq_q <= 16, head dim
 //!   64/128/256): `DecodePlan` over the dense cache.
@@ -36,8 +38,8 @@
 //!   block table and cache lengths, up to 16 query rows per sequence): `MlaDecodePlan`
 //!   (`mla.rs`, which holds its own plan and workspace caches).
 //!
-//! Everything else (ALiBi with variable-length or paged batches, windows or softcap of
-//! prefill-sized calls that the sm_90a kernel does not serve, chunked prefill on a paged
+//! Everything else (ALiBi with variable-length or paged batches, prefill-sized windows or
+//! softcap at head dims above 128 off Hopper, chunked prefill on a paged
 //! cache, `mm_prefix_ranges`) returns an error that names the feature and the kernels'
 //! limits.
 //!
