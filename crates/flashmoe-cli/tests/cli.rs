@@ -541,8 +541,15 @@ fn bench_against_an_old_binary_times_both_builds_in_one_run() {
         "--against",
         env!("CARGO_BIN_EXE_flashmoe"),
     ]);
-    // An A/A run may (rarely) see noise as a change: 0 or 1, never an error.
-    assert!(matches!(o.status.code(), Some(0 | 1)), "{}", stderr(&o));
+    // An A/A run on a busy machine (CI: 2 cores, the other tests running beside it) may see
+    // noise as a change, machine drift or an unresolved slowdown: 0, 1 or 3, never 2 (error).
+    assert!(
+        matches!(o.status.code(), Some(0 | 1 | 3)),
+        "exit {:?}\n{}{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        stderr(&o)
+    );
     let r = report::read_json(&out.join("results.json")).unwrap();
     let names: Vec<&str> = r.configs[0]
         .implementations
