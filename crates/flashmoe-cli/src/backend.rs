@@ -3,19 +3,19 @@
 
 use flashmoe::gpu::DeviceInfo;
 use flashmoe_bench::config::Suite;
+use flashmoe_bench::decode::gpu::GpuDecode;
 use flashmoe_bench::manifest::{GpuManifest, Manifest};
+use flashmoe_bench::mla::gpu::GpuMla;
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
 use flashmoe_bench::runner::calibration::{Calibration, CpuCalibration};
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
 use flashmoe_bench::runner::gpu::{
     GpuAttention, GpuAttentionKernel, GpuCopyCalibration, GpuReferenceProvider, GpuSession,
 };
-use flashmoe_bench::runner::gpu_decode::GpuDecode;
-use flashmoe_bench::runner::gpu_mla::GpuMla;
 use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
-use flashmoe_bench::runner::gpu_varlen::{GpuVarlen, GpuVarlenDense};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
+use flashmoe_bench::varlen::gpu::{GpuVarlen, GpuVarlenDense};
 use std::path::Path;
 use std::rc::Rc;
 

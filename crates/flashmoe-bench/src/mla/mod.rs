@@ -17,6 +17,7 @@
 //! shapes. The CPU tests hold them equal.
 
 pub mod config;
+pub mod gpu;
 
 use crate::decode::shuffled_blocks;
 use flashmoe::attention::mla::{MlaDecodeClass, D_QK, D_V};

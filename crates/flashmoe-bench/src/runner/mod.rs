@@ -6,12 +6,9 @@ pub mod calibration;
 pub mod check;
 pub mod cpu;
 pub mod gpu;
-pub mod gpu_decode;
-pub mod gpu_mla;
 pub mod gpu_moe;
-pub mod gpu_varlen;
 pub mod pipeline;
-mod plan_backed;
+pub(crate) mod plan_backed;
 pub mod python;
 pub mod serve;
 

@@ -13,6 +13,8 @@
 //! queries, packed with `cu_seqlens_q`). Only the paged plan and the f64 reference run
 //! them (the dense baselines state a plain causal step).
 
+pub mod gpu;
+
 use flashmoe::attention::decode::DecodeClass;
 use flashmoe::reference::decode::{paged_decode_f64, PagedDecodeInputs, PagedDecodeSpec};
 use flashmoe::reference::{AttentionInputs, AttentionOutput};

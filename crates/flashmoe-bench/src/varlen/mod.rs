@@ -18,6 +18,8 @@
 //! The model FLOPs and bytes are the sums of the sequences' dense models: sequence `b` is
 //! the batch-1 [`AttentionProblem`] of [`VarlenProblem::sequence`].
 
+pub mod gpu;
+
 use flashmoe::attention::AttentionClass;
 use flashmoe::reference::{AttentionInputs, AttentionOutput};
 use flashmoe::{AttentionProblem, DType};

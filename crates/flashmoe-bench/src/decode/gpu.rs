@@ -8,11 +8,11 @@
 //! [`crate::decode::block_table`], holding the same K/V as the dense inputs every other
 //! implementation reads.
 
-use super::gpu::GpuSession;
-use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
-use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::decode::{DecodeProblem, PagedCache};
 use crate::results::ProblemSpec;
+use crate::runner::gpu::GpuSession;
+use crate::runner::plan_backed::{AttentionOut, PlanBacked, PlanCall};
+use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use flashmoe::attention::decode::{DecodeArgs, DecodePlan, RawIndex};

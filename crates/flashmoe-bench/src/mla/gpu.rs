@@ -8,11 +8,11 @@
 //! of [`crate::mla::PagedLatent`], holding the same rows as the dense latent every other
 //! implementation reads.
 
-use super::gpu::GpuSession;
-use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
-use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::mla::{MlaProblem, PagedLatent};
 use crate::results::ProblemSpec;
+use crate::runner::gpu::GpuSession;
+use crate::runner::plan_backed::{AttentionOut, PlanBacked, PlanCall};
+use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use flashmoe::attention::mla::{MlaArgs, MlaDecodePlan, RawIndex, D_QK, D_V};
