@@ -32,6 +32,8 @@
 //!   calls with slopes take [`route_paged`]'s key on a `DecodePlan::new_alibi` plan.
 //! - [`route_scope`]: the sequence lengths around a call over which the route stays the
 //!   same, so that a front end that caches routes (flashmoe-py) routes only on a miss.
+//! - A value head dim other than the query/key one ([`pad_value_head_dim`]): the zero
+//!   padding to one head dim and the scale that keep such a call exact on these routes.
 //!
 //! Errors carry the front end's vocabulary: [`Error::InvalidProblem`] messages are meant to
 //! follow a `flash-attn: ` prefix, [`Error::Unsupported`] reasons (backend `"flashmoe"`) are
@@ -41,6 +43,9 @@ use crate::attention::config::{v1_serves, SM90_HEAD_DIMS, V1_HEAD_DIMS_TEXT};
 use crate::attention::decode::{DecodeClass, HEAD_DIMS as DECODE_HEAD_DIMS, MAX_Q_PER_SEQ};
 use crate::attention::AttentionClass;
 use crate::{DType, Error, Result};
+
+mod value_dim;
+pub use value_dim::{pad_value_head_dim, ValueDimPad};
 
 /// The backend name of the router's [`Error::Unsupported`] errors.
 pub const BACKEND: &str = "flashmoe";
