@@ -13,6 +13,7 @@
 //! queries, packed with `cu_seqlens_q`). Only the paged plan and the f64 reference run
 //! them (the dense baselines state a plain causal step).
 
+pub mod config;
 pub mod gpu;
 
 use flashmoe::attention::decode::DecodeClass;

@@ -18,6 +18,7 @@
 //! The model FLOPs and bytes are the sums of the sequences' dense models: sequence `b` is
 //! the batch-1 [`AttentionProblem`] of [`VarlenProblem::sequence`].
 
+pub mod config;
 pub mod gpu;
 
 use flashmoe::attention::AttentionClass;
