@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 mod mla;
 mod moe_bwd;
+mod value_dim;
 mod varlen_backward;
 
 /// The library's error as the Python exception its kind calls for.
@@ -1545,6 +1546,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     mla::register(m)?;
     moe_bwd::register(m)?;
     varlen_backward::register(m)?;
+    value_dim::register(m)?;
     m.add("MAX_Q_PER_SEQ", MAX_Q_PER_SEQ)?;
     Ok(())
 }

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _core
+from . import _core, _value_dim
 
 _DTYPES = {
     torch.bfloat16: "bf16",
@@ -531,7 +531,17 @@ def attention(
     every mask, window and softcap above; bit-identical gradients run to run). lse is not
     differentiated through. A head dim without a backward raises a RuntimeError at the forward call
     (never a silent detach).
+
+    v may have a value head dim of its own (D_v ≠ D_qk, e.g. DeepSeek MLA's 192 / 128; multiples of 8
+    up to 256): o is then (batch, seqlen_q, heads_q, D_v) and the call runs exactly at D = max(D_qk,
+    D_v) on zero-padded copies (v, or q and k), ``softmax_scale`` defaulting to 1/sqrt(D_qk)
+    (``_value_dim``; docs/python.md, "Value head dim").
     """
+    if v.shape[-1] != k.shape[-1]:  # D_v != D_qk: padded to one head dim (_value_dim)
+        q, k, v, softmax_scale, dv = _value_dim.pad("attention", q, k, v, softmax_scale)
+        out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                        softcap=softcap, return_lse=return_lse, alibi_slopes=alibi_slopes)
+        return _value_dim.unpad(out, dv, return_lse)
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     softcap = float(softcap)
     if alibi_slopes is not None:
@@ -713,7 +723,16 @@ def attention_varlen(
     dq, dk, dv with the library's deterministic varlen backward
     (``torch.ops.flashmoe.attention_varlen_backward``: head dims 32, 64, 96, 128, every mask above,
     any GPU of compute capability 8.0 or newer; rows outside every sequence get zero gradients).
+
+    v may have a value head dim of its own, as in ``attention`` (o is then (total_q, heads_q, D_v));
+    the padded head dim max(D_qk, D_v) must be one the varlen kernel serves (64 or 128).
     """
+    if v.shape[-1] != k.shape[-1]:  # D_v != D_qk: padded to one head dim (_value_dim)
+        q, k, v, softmax_scale, dv = _value_dim.pad("attention_varlen", q, k, v, softmax_scale)
+        out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                               return_lse=return_lse)
+        return _value_dim.unpad(out, dv, return_lse)
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, left, right,
             float(softcap))
@@ -863,6 +882,14 @@ def attention_with_kvcache(
     """
     if (k is None) != (v is None):
         raise ValueError("k and v are appended together: give both or neither")
+    if v_cache.shape[-1] != k_cache.shape[-1]:
+        raise NotImplementedError(
+            f"flashmoe.attention_with_kvcache: v_cache has head dim {v_cache.shape[-1]} but k_cache has "
+            f"{k_cache.shape[-1]}; the decode kernels take one head dim, and padding a value cache would copy "
+            "the whole cache at every step. DeepSeek MLA decode (one latent cache whose first columns are the "
+            "value): flashmoe.mla_decode; prefill with a value head dim of its own: flashmoe.attention / "
+            "attention_varlen"
+        )
     # every path, the op path included: append_kv mutates the caches and has no autograd kernel
     _refuse_grad("attention_with_kvcache",
                  (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),

@@ -67,10 +67,9 @@ pub fn pad_value_head_dim(
             return Err(Error::unsupported(
                 BACKEND,
                 format!(
-                    "{what} {d} is not supported with query/key head dim {head_dim_qk} and \
-                     value head dim {head_dim_v}: flashmoe runs a value head dim other than the \
-                     query/key one by zero-padding both to the larger, and both must be \
-                     {V1_HEAD_DIMS_TEXT}"
+                    "{what} {d} (query/key {head_dim_qk}, value {head_dim_v}) is not \
+                     supported: flashmoe runs a value head dim other than the query/key one by \
+                     zero-padding both to the larger, and both must be {V1_HEAD_DIMS_TEXT}"
                 ),
             ));
         }

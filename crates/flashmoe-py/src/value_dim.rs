@@ -1,0 +1,28 @@
+//! `flashmoe._core.pad_value_head_dim`: the router's rule for a value head dim other than
+//! the query/key one ([`flashmoe::attention::route::pad_value_head_dim`]), so that the torch
+//! layer pads and scales exactly as flashmoe-candle does.
+
+use super::py_err;
+use flashmoe::attention::route;
+use pyo3::prelude::*;
+
+/// `(head_dim, pad_qk, pad_v, softmax_scale)` of a call with query/key head dim
+/// `head_dim_qk`, value head dim `head_dim_v` and the caller's `softmax_scale` (None:
+/// 1/sqrt(head_dim_qk)): the kernels run at `head_dim`, q and k get `pad_qk` zero columns,
+/// v gets `pad_v` (and o loses them), and the padded call passes `softmax_scale` (None: the
+/// plan's default, which is then the call's). A head dim that is not a multiple of 8 up to
+/// 256 raises `NotImplementedError`, a non-finite scale `ValueError`.
+#[pyfunction]
+#[pyo3(signature = (head_dim_qk, head_dim_v, softmax_scale=None))]
+fn pad_value_head_dim(
+    head_dim_qk: usize,
+    head_dim_v: usize,
+    softmax_scale: Option<f32>,
+) -> PyResult<(usize, usize, usize, Option<f32>)> {
+    let p = route::pad_value_head_dim(head_dim_qk, head_dim_v, softmax_scale).map_err(py_err)?;
+    Ok((p.head_dim, p.pad_qk(), p.pad_v(), p.softmax_scale))
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(pad_value_head_dim, m)?)
+}
