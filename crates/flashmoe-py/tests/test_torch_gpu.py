@@ -1455,3 +1455,177 @@ def test_attention_with_kvcache_alibi_matches_f64(case):
     with pytest.raises(RuntimeError, match="no backward pass"):
         flashmoe.attention_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, block_table=table,
                                         cache_seqlens=seqlens, alibi_slopes=slopes)
+
+
+# --------------------------------------------------------------------------- value head dim
+# v with a head dim of its own (D_v ≠ D_qk; DeepSeek MLA prefill 192 / 128): the calls run on the
+# kernels of one head dim max(D_qk, D_v) on zero-padded copies (flashmoe/_value_dim.py); against the
+# unpadded float64 reference, bit-identical to the padded call made by hand, gradients, compile and
+# graphs. (CPU tests of the composition itself: test_value_dim.py.)
+
+import torch.nn.functional as F  # noqa: E402
+
+
+def f32_scale(d):
+    """1/sqrt(d) as the plans compute it (f32)."""
+    return (torch.tensor(1.0) / torch.tensor(float(d)).sqrt()).item()
+
+
+VALUE_DIM_CASES = [
+    # dtype, b, sq, sk, hq, hkv, d_qk, d_v, causal
+    (torch.bfloat16, 2, 200, 200, 8, 2, 192, 128, True),  # MLA prefill (portable kernel at 192)
+    (torch.float16, 1, 77, 300, 4, 4, 192, 128, False),
+    (torch.bfloat16, 2, 130, 130, 4, 1, 64, 32, True),  # sm_90a at 64, MQA
+    (torch.bfloat16, 2, 150, 99, 4, 2, 96, 128, True),  # q, k padded: sm_90a at 128, Sq > Sk
+    (torch.float16, 1, 64, 64, 8, 8, 32, 64, False),
+]
+
+
+@pytest.mark.parametrize("case", VALUE_DIM_CASES)
+def test_attention_value_head_dim_matches_f64(case):
+    dtype, b, sq, sk, hq, hkv, dqk, dv, causal = case
+    q = torch.randn(b, sq, hq, dqk, dtype=dtype, device=DEV)
+    k = torch.randn(b, sk, hkv, dqk, dtype=dtype, device=DEV)
+    v = torch.randn(b, sk, hkv, dv, dtype=dtype, device=DEV)
+    poison_pool()
+    o, lse = flashmoe.attention(q, k, v, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == (b, sq, hq, dv) and o.is_contiguous() and lse.shape == (b, hq, sq)
+    ro, rlse = windowed_ref(q, k, v, 1.0 / math.sqrt(dqk), causal, (-1, -1), 0.0)
+    gate(o, ro, dtype, f"o ({dqk}/{dv})")
+    check_lse(lse, rlse, "lse")
+    # exactly the padded call made by hand
+    pad = max(dqk, dv)
+    if dv < dqk:
+        want = flashmoe.attention(q, k, F.pad(v, (0, pad - dv)), causal=causal)[..., :dv]
+    else:
+        want = flashmoe.attention(F.pad(q, (0, pad - dqk)), F.pad(k, (0, pad - dqk)), v, causal=causal,
+                                  softmax_scale=f32_scale(dqk))
+    assert torch.equal(o, want)
+
+
+def test_attention_value_head_dim_strided_views_and_interface():
+    # an MLA-style packed projection: q, k views at 192 (the portable kernel takes the views), v its own
+    b, s, h, dqk, dv = 2, 129, 4, 192, 128
+    qk = torch.randn(b, s, 2 * h, dqk, dtype=torch.bfloat16, device=DEV)
+    q, k = qk.split([h, h], dim=2)
+    v = torch.randn(b, s, h, dv, dtype=torch.bfloat16, device=DEV)
+    o = flashmoe.attention(q, k, v, causal=True, softmax_scale=0.07)
+    assert torch.equal(o, flashmoe.attention(q.contiguous(), k.contiguous(), v, causal=True, softmax_scale=0.07))
+    gate(o, windowed_ref(q, k, v, 0.07, True, (-1, -1), 0.0)[0], torch.bfloat16, "strided 192/128")
+    assert torch.equal(flash_attn_interface.flash_attn_func(q, k, v, 0.0, 0.07, True), o)
+
+
+VALUE_DIM_GRAD_CASES = [
+    # dtype, b, sq, sk, hq, hkv, d_qk, d_v, causal
+    (torch.bfloat16, 2, 200, 200, 8, 2, 64, 32, True),
+    (torch.float16, 2, 77, 130, 4, 4, 96, 128, True),
+    (torch.bfloat16, 1, 120, 120, 4, 1, 128, 64, False),
+]
+
+
+@pytest.mark.parametrize("case", VALUE_DIM_GRAD_CASES)
+def test_attention_value_head_dim_grads_match_f64(case):
+    dtype, b, sq, sk, hq, hkv, dqk, dv, causal = case
+    q = torch.randn(b, sq, hq, dqk, dtype=dtype, device=DEV, requires_grad=True)
+    k = torch.randn(b, sk, hkv, dqk, dtype=dtype, device=DEV, requires_grad=True)
+    v = torch.randn(b, sk, hkv, dv, dtype=dtype, device=DEV, requires_grad=True)
+    do = torch.randn(b, sq, hq, dv, dtype=dtype, device=DEV)
+    poison_pool()
+    o = flashmoe.attention(q, k, v, causal=causal)
+    o.backward(do)
+    refs = grad_ref(q, k, v, do, 1.0 / math.sqrt(dqk), causal, (-1, -1), 0.0)
+    for name, t, ref in zip("qkv", (q, k, v), refs):
+        g = t.grad
+        assert g.shape == t.shape and g.dtype == dtype and torch.isfinite(g).all(), name
+        err = rel_l2(g, ref)
+        print(f"d{name} ({dqk}/{dv}): rel L2 {err:.2e}")
+        assert err <= TOL[dtype][0], f"d{name}: rel L2 {err:.3e}"
+
+
+def test_attention_value_head_dim_without_backward_raises():
+    # MLA's 192: the forward runs (portable kernel), the backward plan has no head dim 192
+    q = torch.randn(1, 16, 2, 192, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(1, 16, 2, 128, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match="no backward pass for head_dim 192"):
+        flashmoe.attention(q, q, v)
+    with torch.no_grad():
+        assert flashmoe.attention(q, q, v).shape == (1, 16, 2, 128)
+
+
+VARLEN_VALUE_DIM_CASES = [
+    # dtype, d_qk, d_v, hq, hkv, causal, q lengths, k lengths
+    (torch.bfloat16, 64, 32, 8, 2, True, [1, 7, 130, 61], None),
+    (torch.float16, 96, 128, 4, 1, True, [3, 1, 97], [5, 13, 200]),
+    (torch.bfloat16, 128, 64, 4, 4, False, [33, 100], None),
+]
+
+
+@pytest.mark.parametrize("case", VARLEN_VALUE_DIM_CASES)
+def test_attention_varlen_value_head_dim_matches_f64(case):
+    dtype, dqk, dv, hq, hkv, causal, lq, lk = case
+    lk = lk or lq
+    cu_q, cu_q_t = offsets(lq)
+    cu_k, cu_k_t = offsets(lk)
+    q = torch.randn(cu_q[-1], hq, dqk, dtype=dtype, device=DEV, requires_grad=True)
+    k = torch.randn(cu_k[-1], hkv, dqk, dtype=dtype, device=DEV, requires_grad=True)
+    v = torch.randn(cu_k[-1], hkv, dv, dtype=dtype, device=DEV, requires_grad=True)
+    do = torch.randn(cu_q[-1], hq, dv, dtype=dtype, device=DEV)
+    poison_pool()
+    o, lse = flashmoe.attention_varlen(q, k, v, cu_q_t, cu_k_t, max(lq), max(lk), causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.shape == (cu_q[-1], hq, dv) and lse.shape == (hq, cu_q[-1])
+    scale = 1.0 / math.sqrt(dqk)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs = []
+    for b in range(len(lq)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ro, rlse = masked_attention_ref(q64[qs], k64[ks], v64[ks], scale, causal)
+        check_lse(lse[:, qs], rlse.detach(), f"sequence {b} lse")
+        gate(o[qs].detach(), ro.detach(), dtype, f"sequence {b} ({dqk}/{dv})")
+        outs.append(ro)
+    o.backward(do)
+    refs = torch.autograd.grad(torch.cat(outs), (q64, k64, v64), do.double())
+    for name, t, ref in zip("qkv", (q, k, v), refs):
+        err = rel_l2(t.grad, ref)
+        assert torch.isfinite(t.grad).all() and err <= TOL[dtype][0], f"d{name}: rel L2 {err:.3e}"
+
+
+def test_attention_varlen_mla_head_dims_say_what_is_missing():
+    # padded to 192, which the sm_90a varlen kernel (64/128) does not serve
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEV)
+    q = torch.randn(16, 2, 192, dtype=torch.bfloat16, device=DEV)
+    v = torch.randn(16, 2, 128, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(NotImplementedError, match="head dim 192"):
+        flashmoe.attention_varlen(q, q, v, cu, cu, 16, 16)
+
+
+def test_attention_value_head_dim_compile_and_graph():
+    q = torch.randn(2, 96, 8, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    k = torch.randn(2, 96, 2, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    v = torch.randn(2, 96, 2, 128, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    fn = torch.compile(lambda q, k, v: flashmoe.attention(q, k, v, causal=True).float().square().sum(),
+                       fullgraph=True)
+    fn(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flashmoe.attention(q, k, v, causal=True).float().square().sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v)))
+    # inference in a CUDA graph (192/128: the pad and the cut are captured with the kernel)
+    q2 = torch.randn(1, 64, 4, 192, dtype=torch.bfloat16, device=DEV)
+    v2 = torch.randn(1, 64, 4, 128, dtype=torch.bfloat16, device=DEV)
+    with torch.no_grad():
+        want = flashmoe.attention(q2, q2, v2, causal=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flashmoe.attention(q2, q2, v2, causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flashmoe.attention(q2, q2, v2, causal=True)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -120,6 +120,8 @@ def flash_attn_func(
     multiple of nheads_k (MQA/GQA). ``causal`` is bottom-right aligned; ``window_size`` (left,
     right) around that diagonal, -1 unbounded; ``softcap`` > 0 turns on softcapping;
     ``softmax_scale`` defaults to 1/sqrt(headdim). Returns out (batch, seqlen_q, nheads, headdim).
+    v may have a head dim of its own (headdim_v ≠ headdim, as FA3 allows; out then has headdim_v):
+    see ``flashmoe.attention``.
     Differentiable (dq, dk, dv by flashmoe's deterministic backward). ``dropout_p`` must be 0;
     ``return_attn_probs=True`` and (for now) ``alibi_slopes`` raise NotImplementedError.
     """
@@ -156,6 +158,7 @@ def flash_attn_varlen_func(
     q (total_q, nheads, headdim); k, v (total_k, nheads_k, headdim); int32 ``cu_seqlens_q`` /
     ``cu_seqlens_k`` (batch + 1,); ``max_seqlen_q`` / ``max_seqlen_k`` host ints. Masks per
     sequence as in ``flash_attn_func``. Returns out (total_q, nheads, headdim). Differentiable.
+    v may have a head dim of its own, as in ``flash_attn_func``.
     ``dropout_p`` must be 0; ``return_attn_probs=True``, a paged ``block_table`` and (for now)
     ``alibi_slopes`` raise NotImplementedError.
     """
