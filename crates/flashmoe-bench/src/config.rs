@@ -777,61 +777,6 @@ dtype = "f16"
         }
     }
 
-    fn decode_rows(gpu: bool) -> Vec<DecodeProblem> {
-        preset(Suite::Decode, "decode", gpu)
-            .unwrap()
-            .into_iter()
-            .map(|c| match c {
-                ProblemSpec::Decode(p) => p,
-                _ => panic!("non-decode config in the decode preset"),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn decode_preset_is_the_issue_table() {
-        let rows: Vec<_> = decode_rows(true)
-            .iter()
-            .map(|p| (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k))
-            .collect();
-        assert_eq!(
-            rows,
-            [
-                (1, 32, 8, 1, 8192),
-                (8, 32, 8, 1, 4096),
-                (64, 32, 8, 1, 8192),
-                (128, 32, 8, 1, 2048),
-                (16, 64, 8, 1, 32768),
-                (32, 32, 32, 1, 4096),
-                (64, 32, 8, 4, 4096),
-            ]
-        );
-        for gpu in [true, false] {
-            let v = decode_rows(gpu);
-            assert_eq!(v.len(), 7);
-            for p in &v {
-                p.validate().unwrap();
-                // Every GPU and CPU shape has a decode kernel (the class is valid).
-                p.class().validate().unwrap();
-                assert_eq!((p.head_dim, p.page_size, p.dtype), (128, 16, DType::Bf16));
-            }
-            // The same structure: GQA ratios, the MHA row and the Sq = 4 row.
-            let ratios: Vec<_> = v.iter().map(|p| p.heads_q / p.heads_kv).collect();
-            assert_eq!(ratios, [4, 4, 4, 4, 8, 1, 4], "gpu={gpu}");
-            let sq: Vec<_> = v.iter().map(|p| p.seqlen_q).collect();
-            assert_eq!(sq, [1, 1, 1, 1, 1, 1, 4], "gpu={gpu}");
-        }
-        // The CPU shapes stay small (the f64 reference runs them) and one has a ragged
-        // last page.
-        let cpu = decode_rows(false);
-        assert!(cpu.iter().all(|p| p.flops() < 5e7));
-        assert!(cpu.iter().any(|p| p.seqlen_k % p.page_size != 0));
-        assert!(preset(Suite::Decode, "quick", false)
-            .unwrap_err()
-            .to_string()
-            .contains("decode"));
-    }
-
     #[test]
     fn decode_config_file_and_check_matrix() {
         let text = r#"
@@ -895,36 +840,6 @@ page_size = [16, 128]
                 assert!(has(&|p| p.dtype == DType::F16));
             } else {
                 assert!(m.len() <= 12, "quick stays small: {}", m.len());
-            }
-        }
-    }
-
-    #[test]
-    fn paged_preset_is_the_decode_table_at_three_page_sizes() {
-        for gpu in [true, false] {
-            let decode = decode_rows(gpu);
-            let paged: Vec<DecodeProblem> = preset(Suite::Decode, "paged", gpu)
-                .unwrap()
-                .into_iter()
-                .map(|c| match c {
-                    ProblemSpec::Decode(p) => p,
-                    _ => panic!("non-decode config in the paged preset"),
-                })
-                .collect();
-            assert_eq!(paged.len(), 3 * decode.len());
-            for (d, three) in decode.iter().zip(paged.chunks(3)) {
-                let pages: Vec<usize> = three.iter().map(|p| p.page_size).collect();
-                assert_eq!(pages, [16, 128, d.seqlen_k.next_multiple_of(16)]);
-                for p in three {
-                    p.validate().unwrap();
-                    assert_eq!(
-                        DecodeProblem {
-                            page_size: 16,
-                            ..p.clone()
-                        },
-                        *d
-                    );
-                }
             }
         }
     }

@@ -11,27 +11,72 @@ use serde::Deserialize;
 pub const DECODE_PAGE_SIZE: usize = 16;
 
 /// The decode preset: issue 22's decode table (bf16, D = 128, causal, Sq = 1 but the last
-/// row's 4, page 16) on a GPU; without one, shapes of the same structure (the same GQA
-/// ratios, one Sq = 4 row, ragged last pages) small enough for the CPU f64 reference.
+/// row's 4, page 16), then issue 35's shape classes ([`class_rows`]) on a GPU; without one,
+/// shapes of the same structure (the same GQA ratios, head dims and Sq, ragged last pages)
+/// small enough for the CPU f64 reference.
 pub(crate) fn decode_table(gpu: bool) -> Vec<ProblemSpec> {
-    decode_rows(gpu)
+    let issue22 = decode_rows(gpu)
         .iter()
-        .map(|&(b, hq, hkv, sq, sk)| {
+        .map(|&(b, hq, hkv, sq, sk)| (b, hq, hkv, sq, sk, 128, DType::Bf16));
+    issue22
+        .chain(class_rows(gpu).iter().copied())
+        .map(|(b, hq, hkv, sq, sk, d, dtype)| {
             ProblemSpec::Decode(DecodeProblem::new(
                 b,
                 hq,
                 hkv,
                 sq,
                 sk,
-                128,
+                d,
                 DECODE_PAGE_SIZE,
-                DType::Bf16,
+                dtype,
             ))
         })
         .collect()
 }
 
-/// The paged preset: each decode-preset shape at page 16, page 128 and one page of Sk keys
+/// (B, Hq, Hkv, Sq, Sk, D, dtype) of issue 35's decode classes, each where a shape class
+/// differs from issue 22's table: one sequence of a long cache (the per-CTA prologue and
+/// the split merge), very wide groups and MQA (16, 32 and 64 query heads on one KV head),
+/// MHA, head dims 64 and 256, the largest batches, speculative and chunked rows (Sq 2, 8,
+/// 16) and fp16.
+fn class_rows(gpu: bool) -> &'static [(usize, usize, usize, usize, usize, usize, DType)] {
+    use DType::{Bf16, F16};
+    if gpu {
+        &[
+            (1, 32, 8, 1, 32768, 128, Bf16),
+            (1, 32, 8, 1, 131072, 128, Bf16),
+            (4, 32, 8, 1, 131072, 128, Bf16),
+            (32, 32, 2, 1, 8192, 128, Bf16),
+            (32, 32, 1, 1, 8192, 128, Bf16),
+            (16, 64, 1, 1, 8192, 128, Bf16),
+            (32, 32, 32, 1, 8192, 128, Bf16),
+            (64, 32, 8, 1, 8192, 64, Bf16),
+            (32, 16, 8, 1, 8192, 256, Bf16),
+            (256, 32, 8, 1, 2048, 128, Bf16),
+            (256, 32, 8, 1, 8192, 128, Bf16),
+            (64, 32, 8, 2, 4096, 128, Bf16),
+            (64, 32, 8, 8, 4096, 128, Bf16),
+            (64, 32, 8, 16, 4096, 128, Bf16),
+            (64, 32, 8, 1, 8192, 128, F16),
+        ]
+    } else {
+        &[
+            (1, 8, 2, 1, 2000, 128, Bf16),
+            (4, 16, 1, 1, 300, 128, Bf16),
+            (2, 32, 1, 1, 300, 128, Bf16),
+            (4, 8, 8, 1, 300, 128, Bf16),
+            (4, 8, 2, 1, 300, 64, Bf16),
+            (2, 4, 2, 1, 300, 256, Bf16),
+            (16, 8, 2, 1, 100, 128, Bf16),
+            (4, 8, 2, 8, 300, 128, Bf16),
+            (2, 8, 2, 16, 300, 128, Bf16),
+            (4, 8, 2, 1, 300, 128, F16),
+        ]
+    }
+}
+
+/// The paged preset: each of issue 22's decode-table shapes at page 16, page 128 and one page of Sk keys
 /// per sequence (the contiguous cache through the same kernel, the "dense" row: flashmoe
 /// has no separate dense-cache decode path). Issue 22: pages cost at most 5% over dense.
 pub(crate) fn paged_table(gpu: bool) -> Vec<ProblemSpec> {
@@ -54,7 +99,7 @@ pub(crate) fn paged_table(gpu: bool) -> Vec<ProblemSpec> {
     v
 }
 
-/// (B, Hq, Hkv, Sq, Sk) of the decode preset (see [`decode_table`]).
+/// (B, Hq, Hkv, Sq, Sk) of issue 22's decode table (see [`decode_table`]).
 fn decode_rows(gpu: bool) -> &'static [(usize, usize, usize, usize, usize)] {
     if gpu {
         &[
@@ -79,9 +124,10 @@ fn decode_rows(gpu: bool) -> &'static [(usize, usize, usize, usize, usize)] {
     }
 }
 
-/// The decode check matrix (issue 22): every config against the f64 paged reference on a
-/// shuffled block table. Plain steps over GQA ratios 1/2/4/7/8/16 × Sq 1/4/16 × pages
-/// 16/48/128/256 × bf16/f16 with ragged cache lengths (1 or Sq, page ± 1, primes); windows
+/// The decode check matrix (issues 22 and 35): every config against the f64 paged reference
+/// on a shuffled block table. Plain steps over GQA ratios 1/2/4/7/8/16 × Sq 1/4/16 × pages
+/// 16/48/128/256 × bf16/f16 with ragged cache lengths (1 or Sq, page ± 1, primes); head
+/// dims 64 and 256 and groups of 32 and 64 query heads on one KV head; windows
 /// touching both ends of the keys (left past key 0, right past the last key, both), with
 /// and without softcap; mixed batches (cu_seqlens_q: 0..16 rows a sequence); and one long
 /// ragged batch that the heuristic splits many ways. `quick` keeps one of each kind.
@@ -129,6 +175,30 @@ pub(crate) fn decode_check_matrix(quick: bool) -> Vec<ProblemSpec> {
                     v.push(mk(4, hq, hkv, sq, page, dtype, &ragged(sq, page)));
                 }
             }
+        }
+    }
+    // Head dims 64 and 256 (issue 35's classes besides 128), and groups of 32 and 64
+    // query heads on one KV head (MQA).
+    let classes: &[(usize, usize, usize)] = if quick {
+        &[(32, 1, 256)]
+    } else {
+        &[
+            (8, 2, 64),
+            (8, 2, 256),
+            (16, 1, 256),
+            (32, 1, 128),
+            (64, 1, 64),
+        ]
+    };
+    for &(hq, hkv, d) in classes {
+        for &sq in if quick {
+            &[1usize][..]
+        } else {
+            &[1usize, 4][..]
+        } {
+            let mut p = mk(4, hq, hkv, sq, 16, DType::Bf16, &ragged(sq, 16));
+            p.head_dim = d;
+            v.push(p);
         }
     }
     // Windows (left, right) touching key 0 and the last key, softcap 0 / 2 / 30.
@@ -208,7 +278,6 @@ pub(crate) fn decode_check_matrix(quick: bool) -> Vec<ProblemSpec> {
     v.into_iter().map(ProblemSpec::Decode).collect()
 }
 
-/// Sequences of the varlen check: the edges of the kernels' tiles (64, 128, 192 rows; 128
 /// A `[[decode]]` entry: one config per (batch, seqlen_k, page_size) value.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -264,4 +333,118 @@ pub(crate) fn expand_decode(e: &DecodeEntry, index: usize) -> anyhow::Result<Vec
         }
     }
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problems(v: Vec<ProblemSpec>) -> Vec<DecodeProblem> {
+        v.into_iter()
+            .map(|c| match c {
+                ProblemSpec::Decode(p) => p,
+                _ => panic!("non-decode config in a decode preset"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_preset_is_the_issue_table_then_the_classes() {
+        let rows: Vec<_> = problems(decode_table(true))
+            .iter()
+            .take(7)
+            .map(|p| (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                (1, 32, 8, 1, 8192),
+                (8, 32, 8, 1, 4096),
+                (64, 32, 8, 1, 8192),
+                (128, 32, 8, 1, 2048),
+                (16, 64, 8, 1, 32768),
+                (32, 32, 32, 1, 4096),
+                (64, 32, 8, 4, 4096),
+            ]
+        );
+        for gpu in [true, false] {
+            let v = problems(decode_table(gpu));
+            assert_eq!(v.len(), 7 + class_rows(gpu).len());
+            for p in &v {
+                p.validate().unwrap();
+                // Every GPU and CPU shape has a decode kernel (the class is valid).
+                p.class().validate().unwrap();
+                assert_eq!(p.page_size, 16);
+            }
+            // Issue 22's rows: the same structure on both machines (GQA ratios, the MHA
+            // row and the Sq = 4 row), D = 128, bf16.
+            let (issue22, classes) = v.split_at(7);
+            let ratios: Vec<_> = issue22.iter().map(|p| p.heads_q / p.heads_kv).collect();
+            assert_eq!(ratios, [4, 4, 4, 4, 8, 1, 4], "gpu={gpu}");
+            let sq: Vec<_> = issue22.iter().map(|p| p.seqlen_q).collect();
+            assert_eq!(sq, [1, 1, 1, 1, 1, 1, 4], "gpu={gpu}");
+            assert!(issue22
+                .iter()
+                .all(|p| (p.head_dim, p.dtype) == (128, DType::Bf16)));
+            // Issue 35's classes, on both machines: one sequence of a long cache, groups of
+            // 16 query heads or more on one KV head, MHA, head dims 64 and 256, Sq 8 and
+            // 16, fp16.
+            let has = |f: &dyn Fn(&DecodeProblem) -> bool| classes.iter().any(f);
+            assert!(has(&|p| p.batch == 1 && p.seqlen_k >= 2000), "gpu={gpu}");
+            assert!(has(&|p| p.heads_kv == 1 && p.heads_q >= 16));
+            assert!(has(&|p| p.heads_q / p.heads_kv >= 32));
+            assert!(has(&|p| p.heads_q == p.heads_kv));
+            assert!(has(&|p| p.head_dim == 64) && has(&|p| p.head_dim == 256));
+            assert!(has(&|p| p.seqlen_q == 8) && has(&|p| p.seqlen_q == 16));
+            assert!(has(&|p| p.dtype == DType::F16));
+        }
+        let gpu = problems(decode_table(true));
+        assert!(gpu.iter().any(|p| p.seqlen_k >= 131072));
+        assert!(gpu.iter().any(|p| p.batch >= 256));
+        // The CPU shapes stay small (the f64 reference runs them) and one has a ragged
+        // last page.
+        let cpu = problems(decode_table(false));
+        assert!(cpu.iter().all(|p| p.flops() < 5e7));
+        assert!(cpu.iter().any(|p| p.seqlen_k % p.page_size != 0));
+        let e = crate::config::preset(crate::config::Suite::Decode, "quick", false);
+        assert!(e.unwrap_err().to_string().contains("decode"));
+    }
+
+    #[test]
+    fn check_matrix_has_every_head_dim_and_the_widest_groups() {
+        for quick in [true, false] {
+            let m = problems(decode_check_matrix(quick));
+            for p in &m {
+                p.validate().unwrap();
+                p.class().validate().unwrap();
+            }
+            let dims: std::collections::BTreeSet<usize> = m.iter().map(|p| p.head_dim).collect();
+            let want: &[usize] = if quick { &[128, 256] } else { &[64, 128, 256] };
+            assert_eq!(dims.into_iter().collect::<Vec<_>>(), want);
+            assert!(m.iter().any(|p| p.heads_kv == 1 && p.heads_q >= 32));
+        }
+    }
+
+    #[test]
+    fn paged_preset_is_the_issue_table_at_three_page_sizes() {
+        for gpu in [true, false] {
+            let decode = problems(decode_table(gpu));
+            let paged = problems(paged_table(gpu));
+            assert_eq!(paged.len(), 3 * 7);
+            for (d, three) in decode.iter().zip(paged.chunks(3)) {
+                let pages: Vec<usize> = three.iter().map(|p| p.page_size).collect();
+                assert_eq!(pages, [16, 128, d.seqlen_k.next_multiple_of(16)]);
+                for p in three {
+                    p.validate().unwrap();
+                    assert_eq!(
+                        DecodeProblem {
+                            page_size: 16,
+                            ..p.clone()
+                        },
+                        *d
+                    );
+                }
+            }
+        }
+    }
 }
