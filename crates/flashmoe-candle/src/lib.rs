@@ -38,6 +38,16 @@
 //!   block table and cache lengths, up to 16 query rows per sequence): `MlaDecodePlan`
 //!   (`mla.rs`, which holds its own plan and workspace caches).
 //!
+//! - A value head dim other than the query/key one (v `(.., heads_kv, head_size_v)`, e.g.
+//!   DeepSeek MLA prefill at 192/128) in the dense and varlen functions: output
+//!   `(.., num_heads_q, head_size_v)`, run exactly on the kernels of head dim
+//!   max(head_size, head_size_v) over zero-padded copies of v (or of q and k), by the
+//!   library router's rule (`value_dim.rs`; both head dims multiples of 8 up to 256; the
+//!   padded head dim goes where any call of it goes: varlen only at 64/128). Costs a padded
+//!   copy, the padded product's FLOPs and, when v is padded, a copy of the output's first
+//!   head_size_v columns. A paged V cache of its own head dim is an error (`mla_decode`
+//!   serves MLA decode).
+//!
 //! Everything else (ALiBi with variable-length or paged batches, prefill-sized windows or
 //! softcap at head dims above 128 off Hopper, chunked prefill on a paged
 //! cache, `mm_prefix_ranges`) returns an error that names the feature and the kernels'
@@ -47,7 +57,8 @@
 //! `flashmoe::attention::route` for the window, softcap and plan-cache key; GPU-free),
 //! `cuda_fwd` (the `CustomOp3::cuda_fwd` body: candle storage → cudarc views),
 //! `plans` (plans and workspaces cached per device/stream), `flashmoe_api` (the only
-//! code that names flashmoe's attention API).
+//! code that names flashmoe's attention API), `value_dim` (the padding of a value head dim
+//! other than the query/key one).
 
 pub mod check;
 #[cfg(feature = "cuda")]
@@ -57,6 +68,7 @@ mod flashmoe_api;
 mod mla;
 #[cfg(feature = "cuda")]
 mod plans;
+mod value_dim;
 
 pub use mla::mla_decode;
 #[cfg(feature = "cuda")]
@@ -160,9 +172,10 @@ cuda_only_op!(FlashAttnPaged, "flashmoe-flash-attn-paged", paged);
 /// Flash attention: `softmax(Q Kᵀ · softmax_scale) V`, causal (bottom-right) or not.
 ///
 /// * `q` - (batch, seq_len_q, num_heads_q, head_size)
-/// * `k`, `v` - (batch, seq_len_kv, num_heads_kv, head_size), num_heads_kv dividing num_heads_q
+/// * `k`, `v` - (batch, seq_len_kv, num_heads_kv, head_size), num_heads_kv dividing num_heads_q;
+///   v may have a head size of its own (crate docs)
 ///
-/// Returns (batch, seq_len_q, num_heads_q, head_size).
+/// Returns (batch, seq_len_q, num_heads_q, head_size of v).
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,
@@ -202,7 +215,9 @@ pub fn flash_attn_windowed(
         window_size_right,
         softcap: None,
     };
-    q.apply_op3(k, v, op)
+    value_dim::with_value_head_dim("flash_attn", q, k, v, softmax_scale, |q, k, v| {
+        q.apply_op3(k, v, op)
+    })
 }
 
 /// Flash attention with ALiBi ([`flash_attn`] plus biases), FlashAttention's convention:
@@ -250,7 +265,9 @@ pub fn flash_attn_alibi_windowed(
         softcap: None,
         alibi_slopes: alibi_slopes.clone(),
     };
-    q.apply_op3(k, v, op)
+    value_dim::with_value_head_dim("flash_attn_alibi", q, k, v, softmax_scale, |q, k, v| {
+        q.apply_op3(k, v, op)
+    })
 }
 
 /// Softcapped attention (`softcap · tanh(scores / softcap)` before the softmax; 0 is off)
@@ -278,7 +295,14 @@ pub fn flash_attn_alibi_windowed_softcap(
             softcap: Some(softcap),
             alibi_slopes: slopes.clone(),
         };
-        return q.apply_op3(k, v, op);
+        return value_dim::with_value_head_dim(
+            "flash_attn_alibi_windowed_softcap",
+            q,
+            k,
+            v,
+            softmax_scale,
+            |q, k, v| q.apply_op3(k, v, op),
+        );
     }
     let op = FlashAttn {
         softmax_scale,
@@ -286,7 +310,14 @@ pub fn flash_attn_alibi_windowed_softcap(
         window_size_right,
         softcap: Some(softcap),
     };
-    q.apply_op3(k, v, op)
+    value_dim::with_value_head_dim(
+        "flash_attn_alibi_windowed_softcap",
+        q,
+        k,
+        v,
+        softmax_scale,
+        |q, k, v| q.apply_op3(k, v, op),
+    )
 }
 
 /// Variable-length (packed) attention, candle-flash-attn's `flash_attn_varlen`.
@@ -355,7 +386,9 @@ pub fn flash_attn_varlen_windowed(
         window_size_right,
         softcap: None,
     };
-    q.apply_op3(k, v, op)
+    value_dim::with_value_head_dim("flash_attn_varlen", q, k, v, softmax_scale, |q, k, v| {
+        q.apply_op3(k, v, op)
+    })
 }
 
 /// Packed queries against a paged K/V cache, candle-flash-attn's
@@ -398,6 +431,7 @@ pub fn flash_attn_varlen_paged_windowed(
             "mm_prefix_ranges (flash_attn_varlen_paged_windowed)",
         ));
     }
+    value_dim::check_paged_caches(k, v)?;
     let op = FlashAttnPaged {
         softmax_scale,
         max_seqlen_q,
@@ -485,7 +519,14 @@ pub fn flash_attn_varlen_alibi_windowed_softcap(
         window_size_right,
         softcap: Some(softcap),
     };
-    q.apply_op3(k, v, op)
+    value_dim::with_value_head_dim(
+        "flash_attn_varlen_alibi_windowed_softcap",
+        q,
+        k,
+        v,
+        softmax_scale,
+        |q, k, v| q.apply_op3(k, v, op),
+    )
 }
 
 #[cfg(test)]

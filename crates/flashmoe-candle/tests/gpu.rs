@@ -6,7 +6,8 @@
 //! tables); sliding windows and softcap of prefill-sized dense and varlen calls (the sm_90a
 //! kernel: these tests expect a Hopper GPU, as the varlen ones do); decode-shaped softcap /
 //! sliding windows of the dense functions (the decode plan at head dims 128 and 256);
-//! `mla_decode` (module `mla`: shuffled latent pages, Sq 1..4, Hq 16/128). Each test returns
+//! `mla_decode` (module `mla`: shuffled latent pages, Sq 1..4, Hq 16/128); a value head dim
+//! other than the query/key one (dense and varlen, 192/128, 64/32, 96/128). Each test returns
 //! early with a note when there is no CUDA device (the CPU CI machine).
 #![cfg(feature = "cuda")]
 
@@ -59,12 +60,14 @@ fn reference_masked(
     window: (i64, i64),
     softcap: Option<f32>,
 ) -> Result<Tensor> {
-    let (b, sq, hq, d) = q.dims4()?;
+    let (b, sq, hq, _) = q.dims4()?;
     let (_, sk, hkv, _) = k.dims4()?;
     let group = hq / hkv;
     let q = q.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?; // (b, hq, sq, d)
     let expand = |t: &Tensor| -> Result<Tensor> {
-        // (b, sk, hkv, d) -> (b, hq, sk, d), kv head h serving q heads h*group..
+        // (b, sk, hkv, d) -> (b, hq, sk, d), kv head h serving q heads h*group.. (v may
+        // have a head dim of its own)
+        let d = t.dim(3)?;
         t.to_dtype(DType::F32)?
             .transpose(1, 2)? // (b, hkv, sk, d)
             .unsqueeze(2)?
@@ -1011,4 +1014,103 @@ mod mla {
         assert_eq!(got.dims(), &[2, 1, 16, 512]);
         Ok(())
     }
+}
+
+/// A value head dim other than the query/key one (DeepSeek MLA prefill 192/128, and both
+/// directions of the padding): against the reference, bit-identical to the call padded by
+/// hand, on strided q/k views, and through the varlen function.
+#[test]
+fn value_head_dim_matches_candle_reference() -> Result<()> {
+    let Some(dev) = cuda() else { return Ok(()) };
+    // (batch, seq_q, seq_k, heads_q, heads_kv, d_qk, d_v, causal)
+    let cases = [
+        (2, 130, 130, 8, 2, 192, 128, true),
+        (1, 77, 200, 4, 4, 192, 128, false),
+        (2, 97, 97, 4, 1, 64, 32, true),
+        (2, 60, 150, 4, 2, 96, 128, true),
+    ];
+    let mut seed = 5000;
+    for (b, sq, sk, hq, hkv, dqk, dv, causal) in cases {
+        for dtype in [DType::BF16, DType::F16] {
+            seed += 1;
+            let r =
+                |shape, s| -> Result<Tensor> { random(shape, s)?.to_dtype(dtype)?.to_device(&dev) };
+            let q = r((b, sq, hq, dqk), seed)?;
+            let k = r((b, sk, hkv, dqk), seed + 100)?;
+            let v = r((b, sk, hkv, dv), seed + 200)?;
+            let scale = 1.0 / (dqk as f32).sqrt();
+            let got = flash_attn(&q, &k, &v, scale, causal)?;
+            assert_eq!(got.dims4()?, (b, sq, hq, dv));
+            assert!(got.is_contiguous());
+            let want = reference(&q, &k, &v, scale, causal)?;
+            let (err, nan) = rel_l2(&got, &want)?;
+            println!("value head dim {dqk}/{dv} b={b} sq={sq} sk={sk} {dtype:?} causal={causal}: rel L2 {err:.2e}");
+            assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+            // exactly the call padded by hand
+            let pad = dqk.max(dv);
+            let by_hand = if dv < dqk {
+                let vp = v.pad_with_zeros(D::Minus1, 0, pad - dv)?;
+                flash_attn(&q, &k, &vp, scale, causal)?.narrow(D::Minus1, 0, dv)?
+            } else {
+                let qp = q.pad_with_zeros(D::Minus1, 0, pad - dqk)?;
+                let kp = k.pad_with_zeros(D::Minus1, 0, pad - dqk)?;
+                flash_attn(&qp, &kp, &v, scale, causal)?
+            };
+            let diff = (got.to_dtype(DType::F32)? - by_hand.to_dtype(DType::F32)?)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "{dqk}/{dv}: differs from the hand-padded call");
+        }
+    }
+    // strided q/k views of one packed projection (only v is padded and copied)
+    let (b, s, h) = (2, 77, 4);
+    let qk = random((b, s, 2 * h, 192), 77)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let (q, k) = (qk.narrow(2, 0, h)?, qk.narrow(2, h, h)?);
+    let v = random((b, s, h, 128), 78)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let got = flash_attn(&q, &k, &v, 0.07, true)?;
+    let (err, nan) = rel_l2(&got, &reference(&q, &k, &v, 0.07, true)?)?;
+    println!("value head dim 192/128 on strided views: rel L2 {err:.2e}");
+    assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    // varlen: padded head dims the sm_90a varlen kernel serves (64, 128)
+    let lens = [1usize, 37, 130];
+    let cu = cumulative(&lens);
+    let total = *cu.last().unwrap() as usize;
+    let seqlens = Tensor::new(cu.as_slice(), &dev)?;
+    for (dqk, dv) in [(64, 32), (96, 128)] {
+        seed += 1;
+        let r = |h, d, s| -> Result<Tensor> {
+            random((1, total, h, d), s)?
+                .squeeze(0)?
+                .to_dtype(DType::BF16)?
+                .to_device(&dev)
+        };
+        let (q, k, v) = (r(4, dqk, seed)?, r(2, dqk, seed + 1)?, r(2, dv, seed + 2)?);
+        let scale = 1.0 / (dqk as f32).sqrt();
+        let got = flash_attn_varlen(&q, &k, &v, &seqlens, &seqlens, 130, 130, scale, true)?;
+        assert_eq!(got.dims3()?, (total, 4, dv));
+        let (qc, kc, vc) = (
+            q.to_device(&Device::Cpu)?,
+            k.to_device(&Device::Cpu)?,
+            v.to_device(&Device::Cpu)?,
+        );
+        let mut want = Vec::new();
+        for (i, &n) in lens.iter().enumerate() {
+            let (qb, kb, vb) = (
+                rows(&qc, cu[i], n)?,
+                rows(&kc, cu[i], n)?,
+                rows(&vc, cu[i], n)?,
+            );
+            want.push(reference(&qb, &kb, &vb, scale, true)?.squeeze(0)?);
+        }
+        let (err, nan) = rel_l2(&got.to_device(&Device::Cpu)?, &Tensor::cat(&want, 0)?)?;
+        println!("varlen value head dim {dqk}/{dv}: rel L2 {err:.2e}");
+        assert!(!nan && err < 1e-2, "relative L2 error {err}, nan {nan}");
+    }
+    Ok(())
 }
