@@ -1629,3 +1629,22 @@ def test_attention_value_head_dim_compile_and_graph():
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+def test_attention_value_head_dim_with_masks_and_alibi():
+    # window + softcap (64/32 on the sm_90a kernel) and ALiBi (192/128 on the portable kernel)
+    dtype = torch.bfloat16
+    q = torch.randn(2, 256, 4, 64, dtype=dtype, device=DEV)
+    k = torch.randn(2, 256, 2, 64, dtype=dtype, device=DEV)
+    v = torch.randn(2, 256, 2, 32, dtype=dtype, device=DEV)
+    o = flashmoe.attention(q, k, v, causal=True, window_size=(64, -1), softcap=20.0)
+    gate(o, windowed_ref(q, k, v, 1.0 / math.sqrt(64), True, (64, -1), 20.0)[0], dtype, "64/32 window softcap")
+    q = torch.randn(2, 100, 4, 192, dtype=dtype, device=DEV)
+    k = torch.randn(2, 130, 2, 192, dtype=dtype, device=DEV)
+    v = torch.randn(2, 130, 2, 128, dtype=dtype, device=DEV)
+    slopes = fa_slopes(2, 4, False)
+    o = flashmoe.attention(q, k, v, causal=True, alibi_slopes=slopes)
+    assert o.shape == (2, 100, 4, 128)
+    scale = 1.0 / math.sqrt(192)
+    for i in range(2):
+        gate(o[i], alibi_ref(q[i], k[i], v[i], scale, slopes, True)[0], dtype, f"192/128 ALiBi {i}")

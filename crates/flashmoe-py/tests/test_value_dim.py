@@ -331,3 +331,23 @@ def test_kvcache_with_another_value_head_dim_is_refused():
         flashmoe.attention_with_kvcache(q, kc, vc, block_table=bt, cache_seqlens=lens)
     with pytest.raises(NotImplementedError, match="v_cache has head dim 128"):
         fai.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=8)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (96, 128)])
+def test_alibi_calls_are_padded_too(monkeypatch, dims):
+    # ALiBi (forward only) takes the same composition: the slopes pass through, o is cut back
+    dqk, dv = dims
+    seen = []
+
+    def alibi(q, k, v, slopes, causal, softmax_scale, *rest):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], softmax_scale, slopes))
+        b, sq, hq, d = q.shape
+        return torch.full((b, sq, hq, d), 1.0, dtype=q.dtype), torch.zeros(b, hq, sq)
+
+    monkeypatch.setattr(_torch, "_attention_alibi_impl", alibi)
+    slopes = torch.rand(4)
+    q, k = torch.randn(1, 5, 4, dqk, dtype=torch.bfloat16), torch.randn(1, 5, 2, dqk, dtype=torch.bfloat16)
+    o = flashmoe.attention(q, k, torch.randn(1, 5, 2, dv, dtype=torch.bfloat16), causal=True, alibi_slopes=slopes)
+    pad = max(dqk, dv)
+    assert seen == [(pad, pad, pad, None if pad == dqk else f32_default_scale(dqk), slopes)]
+    assert o.shape == (1, 5, 4, dv) and o.is_contiguous()
