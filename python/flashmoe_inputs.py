@@ -52,12 +52,14 @@ TENSOR_IDS = {
     "q": 1,
     "k": 2,
     "v": 3,
+    "d_out": 4,
     "moe_x": 10,
     "moe_router": 11,
     "moe_w13": 12,
     "moe_w2": 13,
     "moe_shared_w13": 14,
     "moe_shared_w2": 15,
+    "moe_d_out": 16,
 }
 
 DTYPES = ("f16", "bf16", "f32")
@@ -383,8 +385,32 @@ def mla_specs(problem):
     ]
 
 
+def problem_dtype(problem):
+    """The element type of a problem's inputs (a gradient config's: its layer's)."""
+    if problem.get("kind") == "grad":
+        return problem["layer"]["dtype"]
+    return problem["dtype"]
+
+
+def grad_specs(problem):
+    """A gradient config (kind "grad"): its layer's tensors, then the upstream gradient
+    d_out of the layer's output (attention and varlen: o's layout; MoE: (tokens, hidden))."""
+    layer = dict(problem["layer"])
+    specs = problem_specs(layer)
+    kind = layer.get("kind")
+    if kind == "moe":
+        shape, tid = (layer["tokens"], layer["hidden"]), TENSOR_IDS["moe_d_out"]
+    elif kind in ("attention", "varlen"):
+        shape, tid = specs[0][2], TENSOR_IDS["d_out"]
+    else:
+        raise ValueError(f"gradient configs wrap attention, varlen or moe, not {kind!r}")
+    return specs + [("d_out", tid, shape, 1.0)]
+
+
 def problem_specs(problem):
     kind = problem.get("kind")
+    if kind == "grad":
+        return grad_specs(problem)
     if kind == "attention":
         return attention_specs(problem)
     if kind == "moe":
@@ -403,7 +429,7 @@ def generate_problem(problem, seed, threads=None):
     per-tensor checksums, in the order of ``problem_specs``. Per-tensor checksums are
     independent and run on threads.
     """
-    dtype = problem["dtype"]
+    dtype = problem_dtype(problem)
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype '{dtype}': expected one of f16, bf16, f32")
     tensors = {}

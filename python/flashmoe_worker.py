@@ -73,6 +73,7 @@ F = None
 np = None
 fi = None  # flashmoe_inputs
 pk = None  # flashmoe_packages
+gr = None  # flashmoe_grad
 
 
 def log(*args):
@@ -120,7 +121,7 @@ def build_hello(device):
         "packages": [],
         "pid": os.getpid(),
     }
-    global np, fi, pk, torch, F
+    global np, fi, pk, gr, torch, F
     try:
         import numpy
         np = numpy
@@ -132,7 +133,8 @@ def build_hello(device):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import flashmoe_inputs
         import flashmoe_packages
-        fi, pk = flashmoe_inputs, flashmoe_packages
+        import flashmoe_grad
+        fi, pk, gr = flashmoe_inputs, flashmoe_packages, flashmoe_grad
     except Exception as e:  # noqa: BLE001
         hello["reason"] = f"cannot import flashmoe_inputs.py / flashmoe_packages.py next to the worker ({first_line(e)})"
         return hello
@@ -461,7 +463,7 @@ class Worker:
                 del self.input_sets[k]
             self.cleanup()
             t0 = time.perf_counter()
-            dtype = problem["dtype"]
+            dtype = fi.problem_dtype(problem)
             if dtype not in fi.DTYPES:
                 raise NotApplicable(f"unknown dtype '{dtype}'")
             specs = fi.problem_specs(problem)
@@ -510,7 +512,11 @@ class Worker:
         if not isinstance(problem, dict):
             raise ValueError("prepare needs a 'problem' object")
         kind = problem.get("kind")
-        if (impl in ATTENTION_IMPLS + DECODE_IMPLS and kind != "attention"
+        # Gradient configs (``flashmoe_grad.py``): the baselines with a backward.
+        if kind == "grad":
+            if impl not in gr.ATTENTION + gr.MOE:
+                raise NotApplicable(f"{impl} has no backward baseline")
+        elif (impl in ATTENTION_IMPLS + DECODE_IMPLS and kind != "attention"
                 or impl in MOE_IMPLS and kind != "moe"
                 or impl in VARLEN_IMPLS and kind != "varlen"
                 or impl in MLA_IMPLS and kind != "mla"):
@@ -521,7 +527,9 @@ class Worker:
         inputs = self.acquire_inputs(problem, seed)
         try:
             p = Prepared(impl, problem, inputs)
-            if kind == "attention":
+            if kind == "grad":
+                gr.build(self, p, torch, F, NotApplicable)
+            elif kind == "attention":
                 self.build_attention(p)
             elif kind == "varlen":
                 self.build_varlen(p)

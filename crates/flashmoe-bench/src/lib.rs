@@ -10,6 +10,7 @@ pub mod config;
 pub mod decode;
 pub mod ep;
 pub mod gpu;
+pub mod grad;
 pub mod grades;
 pub mod manifest;
 pub mod measure;

@@ -87,6 +87,9 @@ pub enum ProblemSpec {
     Varlen(VarlenProblem),
     /// A DeepSeek MLA decode step over a paged latent cache (`flashmoe bench mla`).
     Mla(MlaProblem),
+    /// The backward (or forward + backward) of an attention, varlen or MoE layer
+    /// (`bench --pass bwd|fwd+bwd`, `check --pass bwd`; `crate::grad`).
+    Grad(crate::grad::GradProblem),
 }
 
 impl ProblemSpec {

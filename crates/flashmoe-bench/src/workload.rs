@@ -232,6 +232,7 @@ impl ProblemSpec {
             ProblemSpec::Decode(p) => p,
             ProblemSpec::Varlen(p) => p,
             ProblemSpec::Mla(p) => p,
+            ProblemSpec::Grad(p) => p,
         }
     }
 }

@@ -76,12 +76,14 @@ fn tensor_id(n: u64) -> TensorId {
         1 => TensorId::Q,
         2 => TensorId::K,
         3 => TensorId::V,
+        4 => TensorId::DOut,
         10 => TensorId::MoeX,
         11 => TensorId::MoeRouter,
         12 => TensorId::MoeW13,
         13 => TensorId::MoeW2,
         14 => TensorId::MoeSharedW13,
         15 => TensorId::MoeSharedW2,
+        16 => TensorId::MoeDOut,
         _ => panic!("unknown tensor id {n}"),
     }
 }
@@ -319,15 +321,22 @@ fn problem_checksum_matches_inputs_checksum() {
         m.seqlens_k = vec![70, 5];
         problems.push(ProblemSpec::Mla(m));
     }
+    // Gradient configs: the forward's tensors, then d_out (`grad_specs`).
+    {
+        use flashmoe_bench::grad::{GradLayer, GradProblem, Pass};
+        let mut v = VarlenProblem::new(&[], 4, 2, 32, true, DType::F16);
+        v.seqlens = vec![(9, 30), (0, 5), (17, 17)];
+        for layer in [
+            GradLayer::Attention(attention_problem()),
+            GradLayer::Moe(moe_problem(DType::Bf16, true)),
+            GradLayer::Varlen(v),
+        ] {
+            problems.push(ProblemSpec::Grad(GradProblem::new(Pass::Bwd, layer)));
+        }
+    }
     for (i, p) in problems.iter().enumerate() {
         let seed = 0x5eed + i as u64;
-        let dtype = match p {
-            ProblemSpec::Attention(a) => a.dtype,
-            ProblemSpec::Moe(m) => m.dtype,
-            ProblemSpec::Decode(d) => d.dtype,
-            ProblemSpec::Varlen(v) => v.dtype,
-            ProblemSpec::Mla(m) => m.dtype,
-        };
+        let dtype = p.workload().dtype();
         let inputs = SuiteInputs::generate(p, seed);
         let want = generated_inputs_checksum(p, seed, &inputs);
         if !matches!(p, ProblemSpec::Mla(_)) {

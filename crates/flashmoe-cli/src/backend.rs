@@ -4,6 +4,9 @@
 use flashmoe::gpu::DeviceInfo;
 use flashmoe_bench::config::Suite;
 use flashmoe_bench::decode::gpu::GpuDecode;
+use flashmoe_bench::grad::cpu::GradCpu;
+use flashmoe_bench::grad::gpu::GpuGrad;
+use flashmoe_bench::grad::GradReference;
 use flashmoe_bench::manifest::{GpuManifest, Manifest};
 use flashmoe_bench::mla::gpu::GpuMla;
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
@@ -325,4 +328,49 @@ pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
         gemm_desc: gemm.description,
         copy_gbps: copy.value,
     })
+}
+
+/// The gradient lab of `--pass bwd|fwd+bwd` (`flashmoe_bench::grad`): on the CPU the f64
+/// backward (the reference) and the f32 backward under test (`cpu-tiled` for attention and
+/// varlen, `cpu-grouped` for MoE); on a GPU the plan-backed `flashmoe-grad` and, given a
+/// Python, the baselines that have a backward. The reference is the f64 backward on the
+/// host ([`GradReference`]).
+pub fn select_grad(suite: Suite, force_cpu: bool, seed: u64, python: Option<&Path>) -> Lab {
+    let session = if force_cpu {
+        eprintln!("CPU mode (--cpu): running the CPU backward implementations.");
+        None
+    } else {
+        match GpuSession::open(0) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("{e}: running the CPU backward implementations instead.");
+                None
+            }
+        }
+    };
+    let reference: Box<dyn ReferenceProvider> = Box::new(GradReference::default());
+    match session {
+        None => {
+            let mut lab = cpu_lab(suite, seed);
+            let under_test = if suite == Suite::Moe {
+                GradCpu::grouped()
+            } else {
+                GradCpu::tiled()
+            };
+            lab.default_candidate = under_test.name().to_string();
+            lab.implementations = vec![Box::new(GradCpu::reference()), Box::new(under_test)];
+            lab.reference = reference;
+            lab
+        }
+        Some(session) => {
+            let mut lab = gpu_lab(suite, seed, session.clone(), false);
+            lab.implementations = vec![Box::new(GpuGrad { session })];
+            lab.default_candidate = "flashmoe-grad".into();
+            lab.reference = reference;
+            if let Some(python) = python {
+                add_baselines(&mut lab, suite, python, seed);
+            }
+            lab
+        }
+    }
 }

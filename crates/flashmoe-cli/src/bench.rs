@@ -4,6 +4,7 @@ use crate::backend;
 use crate::BenchArgs;
 use anyhow::{bail, Context};
 use flashmoe_bench::config::{self, Suite};
+use flashmoe_bench::grad::{self, Pass};
 use flashmoe_bench::report;
 use flashmoe_bench::results::{RunResults, SCHEMA_VERSION};
 use flashmoe_bench::runner::pipeline::{flag_implausible_drops, Pipeline};
@@ -55,8 +56,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         return crate::ep::run(args, gpus);
     }
     let suite: Suite = args.suite.lab_suite()?;
+    if args.pass != Pass::Fwd && !grad::config::suite_has_backward(suite) {
+        bail!(
+            "--pass {}: the {} suite has no backward (attention, varlen and moe do)",
+            args.pass,
+            suite.name()
+        );
+    }
     let python = (!args.no_baselines).then_some(args.python.as_path());
-    let lab = backend::select(suite, args.cpu, args.seed, false, python);
+    let lab = if args.pass == Pass::Fwd {
+        backend::select(suite, args.cpu, args.seed, false, python)
+    } else {
+        backend::select_grad(suite, args.cpu, args.seed, python)
+    };
     let (configs, source) = match (&args.preset, &args.config) {
         (_, Some(path)) => (
             config::load_config(path, suite)?,
@@ -71,6 +83,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             format!("preset:{}", suite.default_preset()),
         ),
     };
+    if args.pass != Pass::Fwd && args.against.is_some() {
+        bail!("--against compares forward passes only (serve runs the forward suites)");
+    }
+    // --pass bwd / fwd+bwd: the same configs as gradient configs (`crate::grad`).
+    let configs = grad::config::wrap(suite, configs, args.pass)?;
     ensure_writable(&args.out)?;
 
     // Python plug-ins (--impl py:MODULE:FUNCTION), hosted next to the built-in ones.

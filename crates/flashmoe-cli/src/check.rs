@@ -3,6 +3,7 @@
 use crate::backend;
 use crate::CheckArgs;
 use flashmoe_bench::config::{self, Suite};
+use flashmoe_bench::grad::{self, Pass};
 use flashmoe_bench::runner::check::{render, run_checks, CheckRow};
 use flashmoe_bench::runner::Implementation;
 use std::process::ExitCode;
@@ -21,6 +22,12 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     println!("check seed {seed} (replay with --seed {seed})");
     let mut all: Vec<CheckRow> = Vec::new();
     for suite in suites {
+        if args.pass != Pass::Fwd {
+            all.extend(check_gradients(suite, args, seed)?);
+            if args.pass == Pass::Bwd {
+                continue;
+            }
+        }
         let lab = backend::select(suite, args.cpu, seed, true, None);
         // The reference itself is not "checked" against itself.
         let under_test: Vec<&dyn Implementation> = lab
@@ -70,6 +77,13 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
         all.extend(rows);
     }
     println!("{}", render(&all));
+    if args.pass != Pass::Fwd {
+        println!(
+            "gradient configs: one row per gradient against the f64 backward (rel-L2 within \
+             the forward's tolerance, every row within {}x it)",
+            flashmoe::accuracy::GRADIENT_ROW_FACTOR
+        );
+    }
     let failed = all.iter().filter(|r| !r.passed()).count();
     let skipped = all.iter().filter(|r| r.is_skip()).count();
     let passed = all.len() - failed - skipped;
@@ -79,4 +93,35 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The gradient check of one suite: its gradient matrix (`grad::config::check_matrix`)
+/// against the f64 backward, every implementation of the gradient lab but the reference.
+fn check_gradients(suite: Suite, args: &CheckArgs, seed: u64) -> anyhow::Result<Vec<CheckRow>> {
+    let problems = grad::config::check_matrix(suite, args.quick, args.pass)?;
+    let lab = backend::select_grad(suite, args.cpu, seed, None);
+    let under_test: Vec<&dyn Implementation> = lab
+        .implementations
+        .iter()
+        .filter(|i| i.name() != "cpu-reference")
+        .map(|b| b.as_ref())
+        .collect();
+    Ok(run_checks(
+        &problems,
+        &under_test,
+        lab.reference.as_ref(),
+        seed,
+        |case| {
+            for r in case.iter().filter(|r| !r.passed()) {
+                eprintln!(
+                    "FAIL {} / {}: {:?}",
+                    r.config,
+                    r.implementation,
+                    r.error
+                        .clone()
+                        .or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone()))
+                );
+            }
+        },
+    ))
 }

@@ -10,6 +10,7 @@ mod profile;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use flashmoe_bench::config::Suite;
+use flashmoe_bench::grad::Pass;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -178,6 +179,11 @@ pub struct BenchArgs {
     /// File name (no extension) of the --gpus report (default ep-PRESET-NGPUgpu).
     #[arg(long)]
     name: Option<String>,
+    /// Which pass to measure (attention, varlen, moe): fwd (the layer), bwd (its backward
+    /// alone over a retained forward; FLOPs 2.5 × the forward's for attention, 2 × for
+    /// MoE) or fwd+bwd (both; 3.5 × / 3 ×).
+    #[arg(long, default_value = "fwd", value_parser = parse_pass)]
+    pass: Pass,
     /// e2e only: time training steps (forward, backward, AdamW) and check that every
     /// implementation's loss curve follows the reference's, instead of the inference forward.
     #[arg(long)]
@@ -201,6 +207,15 @@ pub struct CheckArgs {
     /// Check the CPU implementations even when a GPU is present.
     #[arg(long)]
     cpu: bool,
+    /// fwd (the layers' outputs), bwd (their gradients: dq, dk, dv / MoE dx and the
+    /// weight gradients, against the f64 backward) or fwd+bwd (both matrices).
+    #[arg(long, default_value = "fwd", value_parser = parse_pass)]
+    pass: Pass,
+}
+
+/// "fwd" | "bwd" | "fwd+bwd".
+fn parse_pass(s: &str) -> Result<Pass, String> {
+    s.parse()
 }
 
 #[derive(Args)]

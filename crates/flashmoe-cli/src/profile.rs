@@ -212,6 +212,7 @@ pub fn target(args: &ProfileTargetArgs) -> anyhow::Result<ExitCode> {
         ProblemSpec::Decode(_) => Suite::Decode,
         ProblemSpec::Varlen(_) => Suite::Varlen,
         ProblemSpec::Mla(_) => Suite::Mla,
+        ProblemSpec::Grad(_) => bail!("flashmoe profile does not run gradient configs"),
     };
     let baseline = is_python_baseline(&args.implementation);
     let python = baseline.then_some(args.python.as_path());

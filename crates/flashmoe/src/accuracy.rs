@@ -152,13 +152,16 @@ struct Acc {
 }
 
 /// Compare `out` against `reference` element-wise. With `lse`, a −inf reference matched by
-/// a −inf output counts as exact. With `row_len` (> 0), also the per-row metric.
+/// a −inf output counts as exact. With `rows = Some((row_len, floor_divisor))` (row_len
+/// > 0), also the per-row metric, rows judged against max(‖ref_r‖, RMS / floor_divisor).
 fn compare<T: Copy + Into<f64>>(
     out: &[T],
     reference: &[f64],
     lse: bool,
-    row_len: Option<usize>,
+    rows: Option<(usize, f64)>,
 ) -> Acc {
+    let floor_divisor = rows.map_or(ROW_FLOOR_DIVISOR, |r| r.1);
+    let row_len = rows.map(|r| r.0);
     let n = out.len().min(reference.len());
     let (out, reference) = (&out[..n], &reference[..n]);
     let max_ref = reference
@@ -222,11 +225,7 @@ fn compare<T: Copy + Into<f64>>(
         m.rows = row_sums.len();
         let total_ref: f64 = row_sums.iter().map(|r| r.1).sum();
         let rms = (total_ref / row_sums.len() as f64).sqrt();
-        let floor = if rms > 0.0 {
-            rms / ROW_FLOOR_DIVISOR
-        } else {
-            1.0
-        };
+        let floor = if rms > 0.0 { rms / floor_divisor } else { 1.0 };
         for (i, &(err_sq, ref_sq)) in row_sums.iter().enumerate() {
             let e = err_sq.sqrt() / ref_sq.sqrt().max(floor);
             // `>` keeps the first worst row; a NaN error (impossible over finite pairs)
@@ -266,7 +265,7 @@ pub fn error_metrics_f64(out: &[f64], reference: &[f64]) -> ErrorMetrics {
 
 /// [`error_metrics`] with the per-row metric over rows of `row_len` elements.
 pub fn error_metrics_rows(out: &[f32], reference: &[f64], row_len: usize) -> ErrorMetrics {
-    compare(out, reference, false, Some(row_len)).metrics
+    compare(out, reference, false, Some((row_len, ROW_FLOOR_DIVISOR))).metrics
 }
 
 fn verdict(acc: Acc, tol: Tolerance, out_len: usize, ref_len: usize, lse: bool) -> Check {
@@ -347,7 +346,7 @@ pub fn check_f64(out: &[f64], reference: &[f64], dtype: DType) -> Check {
 /// be within `tolerance(dtype).row_rel_l2`; a failure names the row. `row_len` 0 means no
 /// rows (as [`check`]); a length that is not a multiple of `row_len` ends in a short row.
 pub fn check_rows(out: &[f32], reference: &[f64], dtype: DType, row_len: usize) -> Check {
-    let acc = compare(out, reference, false, Some(row_len));
+    let acc = compare(out, reference, false, Some((row_len, ROW_FLOOR_DIVISOR)));
     verdict(acc, tolerance(dtype), out.len(), reference.len(), false)
 }
 
@@ -357,6 +356,58 @@ pub fn check_rows(out: &[f32], reference: &[f64], dtype: DType, row_len: usize) 
 pub fn check_lse(out: &[f32], reference: &[f64]) -> Check {
     let acc = compare(out, reference, true, None);
     verdict(acc, LSE_TOLERANCE, out.len(), reference.len(), true)
+}
+
+/// Per-row bound of a gradient as a multiple of the global `rel_l2` tolerance
+/// ([`check_gradient`]).
+pub const GRADIENT_ROW_FACTOR: f64 = 8.0;
+
+/// Gradient rows whose reference norm is below the RMS row norm divided by this are judged
+/// against RMS / GRADIENT_ROW_FLOOR_DIVISOR ([`check_gradient`]).
+pub const GRADIENT_ROW_FLOOR_DIVISOR: f64 = 4.0;
+
+/// Tolerances of a gradient stored in `dtype` ([`check_gradient`]): the forward's global
+/// `rel_l2`, a per-row bound of [`GRADIENT_ROW_FACTOR`] × that, and no `max_abs` bound
+/// (infinite).
+///
+/// Why they differ from the forward's: a gradient is not O(1) — dk and dv sum over every
+/// query row that sees a key, dW over every token of an expert — so an absolute bound has
+/// no fixed scale, and the per-row bound (row floor RMS / [`GRADIENT_ROW_FLOOR_DIVISOR`])
+/// is what catches isolated garbage instead. Many gradient rows are small by cancellation:
+/// dq of a causal row that sees one key is exactly 0 (dS = P·(dP − Δ) vanishes when P = 1),
+/// and a few keys give a near-zero dq built from terms of ordinary size; a backward that
+/// takes Δ = rowsum(dO ∘ O) from the forward's dtype-rounded O (as every FlashAttention
+/// backward does) carries O's rounding into those rows. The bounds are the library's GPU
+/// backward tests' (attention/backward_gpu_tests.rs: rows within 8 × tol with the RMS/4
+/// floor after the forward plan); a wrong mask, scale, GQA reduction or tile leaves row
+/// errors of order 1.
+pub fn gradient_tolerance(dtype: DType) -> Tolerance {
+    let rel_l2 = tolerance(dtype).rel_l2;
+    Tolerance {
+        rel_l2,
+        max_abs: f64::INFINITY,
+        row_rel_l2: GRADIENT_ROW_FACTOR * rel_l2,
+    }
+}
+
+/// Gate a gradient stored in `dtype` against the f64 reference: global relative L2 and
+/// the per-row bound of [`gradient_tolerance`], rows of `row_len` elements judged against
+/// max(‖ref_r‖, RMS / [`GRADIENT_ROW_FLOOR_DIVISOR`]). NaN/inf in the output, a non-finite
+/// reference or a length mismatch always fail.
+pub fn check_gradient(out: &[f32], reference: &[f64], dtype: DType, row_len: usize) -> Check {
+    let acc = compare(
+        out,
+        reference,
+        false,
+        Some((row_len, GRADIENT_ROW_FLOOR_DIVISOR)),
+    );
+    verdict(
+        acc,
+        gradient_tolerance(dtype),
+        out.len(),
+        reference.len(),
+        false,
+    )
 }
 
 #[cfg(test)]

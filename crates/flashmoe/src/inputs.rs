@@ -27,6 +27,8 @@ pub enum TensorId {
     Q = 1,
     K = 2,
     V = 3,
+    /// Upstream gradient of an attention output (o's layout), for the lab's backward.
+    DOut = 4,
     /// MoE input activations (tokens, hidden).
     MoeX = 10,
     /// Router weight (hidden, experts).
@@ -39,6 +41,8 @@ pub enum TensorId {
     MoeSharedW13 = 14,
     /// Shared expert down (intermediate, hidden).
     MoeSharedW2 = 15,
+    /// Upstream gradient of the MoE layer output (tokens, hidden).
+    MoeDOut = 16,
 }
 
 #[inline]

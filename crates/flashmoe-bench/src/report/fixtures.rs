@@ -52,6 +52,7 @@ pub fn flops_bytes(p: &ProblemSpec) -> (f64, f64) {
         ProblemSpec::Decode(d) => (d.flops(), d.kv_bytes()),
         ProblemSpec::Varlen(v) => (v.flops(), v.min_bytes()),
         ProblemSpec::Mla(m) => (m.flops(), m.kv_bytes()),
+        ProblemSpec::Grad(g) => (g.flops(), g.min_bytes()),
     }
 }
 

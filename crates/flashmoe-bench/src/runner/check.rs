@@ -1,7 +1,7 @@
 //! `flashmoe check`: every implementation against the reference over a shape matrix.
 
 use super::pipeline::gate;
-use super::{Implementation, ReferenceProvider, SuiteInputs};
+use super::{Implementation, Outputs, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::results::{AccuracyResult, ProblemSpec};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 
@@ -82,6 +82,23 @@ pub fn run_checks(
             let outputs = imp
                 .prepare(problem, &inputs)
                 .and_then(|mut p| p.run_for_check());
+            // Gradients: one row per gradient (dq, dk, dv; MoE dx, d_router, ...).
+            if let (
+                ProblemSpec::Grad(p),
+                Ok(Outputs::Gradients(out)),
+                ReferenceOutputs::Gradients(r),
+            ) = (problem, &outputs, &reference)
+            {
+                for (name, acc) in crate::grad::gate_each(p, out, r, &ref_name) {
+                    rows.push(CheckRow {
+                        config: format!("{config} {name}"),
+                        implementation: imp.name().to_string(),
+                        accuracy: Some(acc),
+                        error: None,
+                    });
+                }
+                continue;
+            }
             rows.push(match outputs {
                 Ok(out) => row(
                     imp.name(),

@@ -166,6 +166,11 @@ impl Implementation for CpuImplementation {
                 | ProblemSpec::Mla(_),
                 CpuAlgorithm::Grouped,
             ) => Err("the grouped CPU algorithm is MoE-only".into()),
+            (ProblemSpec::Grad(_), _) => Err(
+                "a forward implementation: gradient configs run on the backward ones \
+                 (crate::grad::cpu)"
+                    .into(),
+            ),
             (ProblemSpec::Decode(p), CpuAlgorithm::Tiled) if !p.is_plain() => Err(
                 "the tiled CPU algorithm runs the plain causal step (no window, softcap or \
                  ragged lengths)"
@@ -255,6 +260,9 @@ impl ReferenceProvider for CpuReference {
             ),
             (ProblemSpec::Mla(p), SuiteInputs::Attention(x)) => ReferenceOutputs::Attention(
                 mla::reference_f64(p, x).context("CPU f64 MLA reference (per sequence)")?,
+            ),
+            (ProblemSpec::Grad(p), SuiteInputs::Grad(x)) => ReferenceOutputs::Gradients(
+                crate::grad::reference_f64(p, x).context("CPU f64 backward reference")?,
             ),
             _ => anyhow::bail!("inputs do not match the problem kind"),
         })

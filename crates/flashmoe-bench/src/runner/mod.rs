@@ -26,6 +26,9 @@ use flashmoe::reference::moe::{MoeInputs, MoeOutput};
 pub enum SuiteInputs {
     Attention(AttentionInputs),
     Moe(MoeInputs),
+    /// A gradient config's: the forward's inputs and the upstream gradient
+    /// ([`crate::grad::GradInputs`]).
+    Grad(Box<crate::grad::GradInputs>),
 }
 
 impl SuiteInputs {
@@ -40,6 +43,9 @@ impl SuiteInputs {
                 SuiteInputs::Attention(AttentionInputs::generate(&p.packed(), seed))
             }
             ProblemSpec::Mla(p) => SuiteInputs::Attention(crate::mla::generate_inputs(p, seed)),
+            ProblemSpec::Grad(p) => {
+                SuiteInputs::Grad(Box::new(crate::grad::GradInputs::generate(p, seed)))
+            }
         }
     }
 }
@@ -56,12 +62,16 @@ pub enum Outputs {
         /// (aux loss, z-loss) when the implementation computes them.
         losses: Option<(f64, f64)>,
     },
+    /// Named gradients (`crate::grad`).
+    Gradients(Vec<crate::grad::GradTensor>),
 }
 
 /// The high-precision reference a config is checked against.
 pub enum ReferenceOutputs {
     Attention(AttentionOutput<f64>),
     Moe(MoeOutput),
+    /// The f64 gradients (`crate::grad::reference_f64`).
+    Gradients(Vec<crate::grad::RefTensor>),
 }
 
 /// An implementation bound to one config, with its buffers allocated and inputs loaded.
@@ -149,6 +159,7 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
         }
         // q, the dense latent, one paged copy (f32), the f64 reference's o and lse and the
         // f32 outputs read back.
+        ProblemSpec::Grad(p) => crate::grad::host_bytes_needed(p),
         ProblemSpec::Mla(p) => {
             let paged = p.num_blocks() * p.page_size * flashmoe::attention::mla::D_QK;
             ((p.q_elems() + p.latent_elems() + paged) * 4 + (p.o_elems() + p.lse_elems()) * 12)

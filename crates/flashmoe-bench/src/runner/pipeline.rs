@@ -34,7 +34,12 @@ fn dtype_of(problem: &ProblemSpec) -> DType {
 
 /// Checksum over every input tensor, as `dtype`-encoded bytes.
 pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
-    let parts: Vec<u64> = match inputs {
+    fold_checksums(&input_parts(inputs, dtype))
+}
+
+/// The per-tensor checksums [`inputs_checksum`] folds, in the worker's order.
+fn input_parts(inputs: &SuiteInputs, dtype: DType) -> Vec<u64> {
+    match inputs {
         SuiteInputs::Attention(x) => vec![
             checksum(&x.q, dtype),
             checksum(&x.k, dtype),
@@ -53,8 +58,13 @@ pub fn inputs_checksum(inputs: &SuiteInputs, dtype: DType) -> String {
             }
             v
         }
-    };
-    fold_checksums(&parts)
+        // The forward's tensors, then d_out (`flashmoe_inputs.grad_specs`).
+        SuiteInputs::Grad(g) => {
+            let mut v = input_parts(&g.forward, dtype);
+            v.push(checksum(&g.d_out, dtype));
+            v
+        }
+    }
 }
 
 /// The per-tensor checksums folded into one (FNV-1a over the 64-bit parts).
@@ -73,15 +83,26 @@ fn fold_checksums(parts: &[u64]) -> String {
 /// tens of GB of them takes tens of seconds, so their checksums are computed once per
 /// process and reused. The activations are always checksummed afresh.
 pub fn generated_inputs_checksum(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs) -> String {
+    fold_checksums(&generated_input_parts(problem, seed, inputs))
+}
+
+/// The per-tensor checksums [`generated_inputs_checksum`] folds.
+fn generated_input_parts(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs) -> Vec<u64> {
     use std::collections::HashMap;
     use std::sync::Mutex;
     static WEIGHTS: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
     // MLA has no value tensor: q and the latent cache only (`flashmoe_inputs.mla_specs`).
     if let (ProblemSpec::Mla(p), SuiteInputs::Attention(x)) = (problem, inputs) {
-        return fold_checksums(&[checksum(&x.q, p.dtype), checksum(&x.k, p.dtype)]);
+        return vec![checksum(&x.q, p.dtype), checksum(&x.k, p.dtype)];
+    }
+    // A gradient config: its forward's parts (MoE weights cached as there), then d_out.
+    if let (ProblemSpec::Grad(p), SuiteInputs::Grad(x)) = (problem, inputs) {
+        let mut parts = generated_input_parts(&p.layer.forward(), seed, &x.forward);
+        parts.push(checksum(&x.d_out, p.dtype()));
+        return parts;
     }
     let (ProblemSpec::Moe(p), SuiteInputs::Moe(x)) = (problem, inputs) else {
-        return inputs_checksum(inputs, dtype_of(problem));
+        return input_parts(inputs, dtype_of(problem));
     };
     let dtype = p.dtype;
     let weight = |name: &str, v: &[f32]| -> u64 {
@@ -118,7 +139,7 @@ pub fn generated_inputs_checksum(problem: &ProblemSpec, seed: u64, inputs: &Suit
         parts.push(weight("shared_w13", a));
         parts.push(weight("shared_w2", b));
     }
-    fold_checksums(&parts)
+    parts
 }
 
 fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> AccuracyResult {
@@ -156,6 +177,12 @@ pub fn gate(
     reference: &ReferenceOutputs,
     reference_name: &str,
 ) -> AccuracyResult {
+    // Gradients: every named tensor with its own row length (`crate::grad::gate`).
+    if let (ProblemSpec::Grad(p), Outputs::Gradients(out), ReferenceOutputs::Gradients(r)) =
+        (problem, outputs, reference)
+    {
+        return crate::grad::gate(p, out, r, reference_name);
+    }
     let dtype = dtype_of(problem);
     let row_len = gate_row_len(problem);
     match (outputs, reference) {
@@ -215,7 +242,8 @@ pub fn gate(
                     ProblemSpec::Attention(_)
                     | ProblemSpec::Decode(_)
                     | ProblemSpec::Varlen(_)
-                    | ProblemSpec::Mla(_) => 0,
+                    | ProblemSpec::Mla(_)
+                    | ProblemSpec::Grad(_) => 0,
                 };
                 let c = compare_routing(ids, &r.routing, experts);
                 let note = if c.mismatched > 0 {
@@ -273,6 +301,7 @@ fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64
         ProblemSpec::Varlen(p) => p.min_bytes(),
         // MLA: the latent cache read once (GB/s of the cache, as decode).
         ProblemSpec::Mla(p) => p.kv_bytes(),
+        ProblemSpec::Grad(p) => p.min_bytes(),
         ProblemSpec::Moe(p) => {
             let touched = match reference {
                 Some(ReferenceOutputs::Moe(r)) => {

@@ -102,6 +102,14 @@ pub const MOE_BASELINES: &[&str] = &[
     "quack-grouped-gemm",
 ];
 
+/// Gradient baselines (`bench --pass bwd|fwd+bwd`; names of the forward suites' lists,
+/// the worker's `build_grad`): the backward of SDPA with the flash, cuDNN or efficient
+/// backend forced over a retained forward graph (`torch.autograd.grad`; window and
+/// softcap configs n/a), and the MoE layer's autograd backward through `torch._grouped_mm`
+/// or the per-expert loop (configs training the aux/z losses n/a). Varlen: none yet.
+pub const GRAD_ATTENTION_BASELINES: &[&str] = &["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"];
+pub const GRAD_MOE_BASELINES: &[&str] = &["moe-grouped-mm", "moe-naive-loop"];
+
 /// Baselines whose timed call is a throughput ceiling, not the layer: their output is not
 /// comparable with the reference (run_for_check returns an empty output for them).
 pub const CEILING_ONLY: &[&str] = &["moe-dense-chain"];
@@ -851,6 +859,22 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
             ProblemSpec::Varlen(_) => (VARLEN_BASELINES, "varlen"),
             ProblemSpec::Mla(_) => (MLA_BASELINES, "MLA"),
+            ProblemSpec::Grad(g) => match &g.layer {
+                crate::grad::GradLayer::Attention(a) => {
+                    if a.has_window() || a.softcap > 0.0 {
+                        return Err("the SDPA backward baselines have no window or softcap".into());
+                    }
+                    (GRAD_ATTENTION_BASELINES, "attention-gradient")
+                }
+                crate::grad::GradLayer::Moe(_) if g.trains_losses() => {
+                    return Err("the PyTorch MoE baselines compute no aux / z-loss".into())
+                }
+                crate::grad::GradLayer::Moe(_) if g.router != crate::grad::RouterShape::Random => {
+                    return Err("a shaped router weight is the lab's, not the worker's".into())
+                }
+                crate::grad::GradLayer::Moe(_) => (GRAD_MOE_BASELINES, "MoE-gradient"),
+                crate::grad::GradLayer::Varlen(_) => (&[][..], "varlen-gradient"),
+            },
         };
         if let ProblemSpec::Decode(p) = problem {
             if !p.is_plain() {
@@ -1056,6 +1080,19 @@ impl Prepared for PythonPrepared {
                 Outputs::Attention { o, lse }
             }
             ProblemSpec::Decode(_) => bail!("a decode config reached the worker undensified"),
+            // One file per gradient, named as `GradProblem::tensors`.
+            ProblemSpec::Grad(p) => Outputs::Gradients(
+                p.tensors()
+                    .iter()
+                    .map(|t| {
+                        let path = file_field(&files, t.name).ok_or_else(|| missing(t.name))?;
+                        Ok(crate::grad::GradTensor {
+                            name: t.name.to_string(),
+                            values: read_le(&path, t.len, t.name, f32_of)?,
+                        })
+                    })
+                    .collect::<anyhow::Result<_>>()?,
+            ),
             ProblemSpec::Mla(p) => {
                 let o = read_le(
                     &file_field(&files, "o").ok_or_else(|| missing("o"))?,

@@ -361,6 +361,13 @@ fn write_outputs(out: &Outputs, dir: &Path, handle: u64) -> anyhow::Result<Value
                 extra["losses"] = json!([aux, z]);
             }
         }
+        // One file per gradient, named as the client reads them (`GradProblem::tensors`).
+        Outputs::Gradients(grads) => {
+            for g in grads {
+                let (k, v) = write(&g.name, f32s(&g.values), g.values.len())?;
+                files.insert(k, v);
+            }
+        }
     }
     extra["files"] = Value::Object(files);
     Ok(extra)

@@ -352,6 +352,18 @@ impl MoeRunner {
         }
     }
 
+    /// The routing regions the forward leaves in the workspace ([`super::backward::SavedRouting`]),
+    /// for a [`super::backward::MoeBackwardPlan`] over the same call; they hold the
+    /// forward's values after [`MoeRunner::run`] and until the next poison or run.
+    pub fn saved_routing(&self, dev: &Device) -> Result<super::backward::SavedRouting> {
+        super::backward::SavedRouting::from_forward_workspace(
+            self.plan.class(),
+            self.problem.tokens,
+            &self.layout,
+            self.workspace_raw(dev),
+        )
+    }
+
     /// Enqueue the router alone (contract steps 1–3b: logits, scoring + top-k, per-expert
     /// statistics, losses): timed separately to report the router's share of the layer.
     pub fn run_router(&mut self, dev: &Device) -> Result<()> {

@@ -1,0 +1,195 @@
+//! The gradient family's reference provider: the library's f64 backward on the host, for
+//! the CPU and the GPU lab alike (there is no GPU backward reference kernel).
+//!
+//! Dense attention above [`GradReference::max_flops`] backward FLOPs is checked on a slice
+//! whose f64 backward fits the budget: batch 0 and its first KV heads (with their query
+//! heads), at least one — the batches and KV-head groups of attention are independent, so
+//! the slice's gradients are exactly the full problem's there. Its name says so
+//! ("cpu-f64 (batch 0, KV heads 0..n of H)"). Varlen and MoE configs are checked whole.
+
+use super::{reference_f64, GradInputs, GradLayer, RefTensor};
+use crate::results::ProblemSpec;
+use crate::runner::{ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use anyhow::Context;
+use flashmoe::reference::attention::AttentionInputs;
+use flashmoe::reference::attention_backward::attention_backward_f64;
+use flashmoe::AttentionProblem;
+
+/// The f64 backward reference (module docs).
+pub struct GradReference {
+    /// Backward FLOPs (the problem's convention) above which dense attention is checked
+    /// on a slice.
+    pub max_flops: f64,
+}
+
+impl Default for GradReference {
+    /// 5e10 FLOPs: a few seconds of the f64 backward on a many-core host.
+    fn default() -> GradReference {
+        GradReference { max_flops: 5e10 }
+    }
+}
+
+/// KV heads of batch 0 the slice keeps (all of batch 0 when it fits; at least one).
+fn slice_heads(p: &AttentionProblem, backward_flops: f64, max_flops: f64) -> Option<usize> {
+    if backward_flops <= max_flops {
+        return None;
+    }
+    let per_head = backward_flops / (p.batch * p.heads_kv) as f64;
+    Some(((max_flops / per_head) as usize).clamp(1, p.heads_kv))
+}
+
+/// The sliced problem and inputs: batch 0, KV heads 0..n.
+fn slice(
+    p: &AttentionProblem,
+    x: &AttentionInputs,
+    n: usize,
+) -> (AttentionProblem, AttentionInputs) {
+    let g = p.group_size();
+    let (d, sq, sk) = (p.head_dim, p.seqlen_q, p.seqlen_k);
+    let sub = AttentionProblem {
+        batch: 1,
+        heads_q: n * g,
+        heads_kv: n,
+        ..p.clone()
+    };
+    let rows = |v: &[f32], seq: usize, heads: usize, keep: usize| -> Vec<f32> {
+        (0..seq)
+            .flat_map(|i| v[i * heads * d..(i * heads + keep) * d].iter().copied())
+            .collect()
+    };
+    let xs = AttentionInputs {
+        q: rows(&x.q, sq, p.heads_q, n * g),
+        k: rows(&x.k, sk, p.heads_kv, n),
+        v: rows(&x.v, sk, p.heads_kv, n),
+    };
+    (sub, xs)
+}
+
+/// The element ranges of the full tensors the slice covers: per row of batch 0, its first
+/// `keep` heads.
+fn ranges(seq: usize, heads: usize, keep: usize, d: usize) -> Vec<(usize, usize)> {
+    (0..seq).map(|i| (i * heads * d, keep * d)).collect()
+}
+
+impl GradReference {
+    fn slice_of(&self, problem: &ProblemSpec) -> Option<(AttentionProblem, usize)> {
+        let ProblemSpec::Grad(g) = problem else {
+            return None;
+        };
+        let GradLayer::Attention(a) = &g.layer else {
+            return None;
+        };
+        let bwd = 2.5 * a.flops();
+        slice_heads(a, bwd, self.max_flops).map(|n| (a.clone(), n))
+    }
+}
+
+impl ReferenceProvider for GradReference {
+    fn name(&self, problem: &ProblemSpec) -> String {
+        match self.slice_of(problem) {
+            Some((a, n)) => format!(
+                "cpu-f64 (batch 0, KV heads 0..{n} of {} x {})",
+                a.heads_kv, a.batch
+            ),
+            None => "cpu-f64".into(),
+        }
+    }
+    fn compute(
+        &self,
+        problem: &ProblemSpec,
+        inputs: &SuiteInputs,
+    ) -> anyhow::Result<ReferenceOutputs> {
+        let (ProblemSpec::Grad(g), SuiteInputs::Grad(x)) = (problem, inputs) else {
+            anyhow::bail!("the gradient reference given a config without gradient inputs");
+        };
+        let tensors = match self.slice_of(problem) {
+            Some((a, n)) => sliced(&a, x, n)?,
+            None => reference_f64(g, x).context("CPU f64 backward reference")?,
+        };
+        Ok(ReferenceOutputs::Gradients(tensors))
+    }
+}
+
+fn sliced(a: &AttentionProblem, x: &GradInputs, n: usize) -> anyhow::Result<Vec<RefTensor>> {
+    let (sub, xs) = slice(a, x.attention()?, n);
+    let d = a.head_dim;
+    let d_o: Vec<f32> = (0..a.seqlen_q)
+        .flat_map(|i| {
+            x.d_out[i * a.heads_q * d..(i * a.heads_q + n * a.group_size()) * d]
+                .iter()
+                .copied()
+        })
+        .collect();
+    let r = attention_backward_f64(&sub, &xs, &d_o).context("CPU f64 backward (slice)")?;
+    Ok(vec![
+        RefTensor {
+            name: "dq".into(),
+            values: r.dq,
+            select: Some(ranges(a.seqlen_q, a.heads_q, n * a.group_size(), d)),
+        },
+        RefTensor {
+            name: "dk".into(),
+            values: r.dk,
+            select: Some(ranges(a.seqlen_k, a.heads_kv, n, d)),
+        },
+        RefTensor {
+            name: "dv".into(),
+            values: r.dv,
+            select: Some(ranges(a.seqlen_k, a.heads_kv, n, d)),
+        },
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::grad::{GradProblem, GradTensor, Pass};
+    use flashmoe::DType;
+
+    /// The slice's gradients are the full problem's on batch 0's first KV heads, and the
+    /// gate compares exactly those elements.
+    #[test]
+    fn slice_equals_the_full_reference_there() {
+        let mut a = AttentionProblem::new(2, 6, 19, 32, true, DType::Bf16);
+        a.heads_kv = 3;
+        a.seqlen_k = 27;
+        let g = GradProblem::new(Pass::Bwd, GradLayer::Attention(a.clone()));
+        let x = GradInputs::generate(&g, 11);
+        let full = reference_f64(&g, &x).unwrap();
+        let spec = ProblemSpec::Grad(g.clone());
+        let inputs = SuiteInputs::Grad(Box::new(x));
+        let small = GradReference {
+            max_flops: 2.5 * a.flops() / 6.0 * 2.0,
+        };
+        assert_eq!(
+            small.name(&spec),
+            "cpu-f64 (batch 0, KV heads 0..2 of 3 x 2)"
+        );
+        let ReferenceOutputs::Gradients(sliced) = small.compute(&spec, &inputs).unwrap() else {
+            panic!()
+        };
+        let exact: Vec<GradTensor> = full
+            .iter()
+            .map(|t| GradTensor {
+                name: t.name.clone(),
+                values: t.values.iter().map(|&v| v as f32).collect(),
+            })
+            .collect();
+        for (s, f) in sliced.iter().zip(&full) {
+            let full32: Vec<f32> = f.values.iter().map(|&v| v as f32).collect();
+            let picked = s.pick(&full32);
+            let want: Vec<f32> = s.values.iter().map(|&v| v as f32).collect();
+            assert_eq!(picked.as_ref(), want.as_slice(), "{}", s.name);
+        }
+        let res = crate::grad::gate(&g, &exact, &sliced, "slice");
+        assert!(res.passed, "{:?}", res.note);
+        // A wrong value outside the slice is not seen; inside it is.
+        let mut bad = exact.clone();
+        let d = a.head_dim;
+        bad[0].values[5 * d] += 10.0; // row 0, query head 5: outside (heads 0..4)
+        assert!(crate::grad::gate(&g, &bad, &sliced, "slice").passed);
+        bad[0].values[d] += 10.0; // row 0, query head 1: inside
+        assert!(!crate::grad::gate(&g, &bad, &sliced, "slice").passed);
+        assert_eq!(GradReference::default().name(&spec), "cpu-f64");
+    }
+}

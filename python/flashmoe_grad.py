@@ -1,0 +1,187 @@
+"""Gradient baselines of the flashmoe worker (``flashmoe bench --pass bwd|fwd+bwd``).
+
+Problems of kind "grad": ``{"pass": "bwd" | "fwd+bwd", "layer": {the forward problem}}``
+with the inputs of the layer plus ``d_out`` (the upstream gradient of its output, in the
+output's layout). The timed call is ``torch.autograd.grad`` of the output against d_out:
+
+* pass ``bwd``: over a forward graph built once in ``prepare`` and retained
+  (``retain_graph=True``): the backward alone, as FlashAttention's and cuDNN's backward
+  benchmarks time it;
+* pass ``fwd+bwd``: the forward, then the backward.
+
+Outputs (check run): the gradients in flashmoe's layouts — dq, dk, dv (B, S, H, D) for
+attention; dx, d_router, dw13, dw2 (+ d_shared_w13, d_shared_w2) for MoE.
+
+Baselines: ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient`` (SDPA with the backend forced;
+no window or softcap), ``moe-grouped-mm`` (the ``torch._grouped_mm`` path's autograd) and
+``moe-naive-loop`` (the per-expert loop's autograd). The routing (top-k ids) is an integer
+decision, outside the derivative, as in the reference (``reference/moe_backward.rs``);
+the routing weights are differentiated through the renormalisation and the scores.
+"""
+
+ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+MOE = ("moe-grouped-mm", "moe-naive-loop")
+
+
+def build(w, p, torch, F, not_applicable):
+    """Fill ``p.fn`` / ``p.check`` / ``p.outputs`` for a gradient problem. ``w``: the worker
+    (device, sync, attention layouts); ``not_applicable``: the worker's exception class."""
+    pr = p.problem
+    layer = pr["layer"]
+    kind = layer.get("kind")
+    fwd_too = pr.get("pass") == "fwd+bwd"
+    if pr.get("pass") not in ("bwd", "fwd+bwd"):
+        raise not_applicable(f"pass {pr.get('pass')!r}: expected bwd or fwd+bwd")
+    if kind == "attention" and p.impl in ATTENTION:
+        _attention(w, p, layer, fwd_too, torch, F, not_applicable)
+    elif kind == "moe" and p.impl in MOE:
+        if pr.get("d_aux") or pr.get("d_z") or pr.get("router", "random") != "random":
+            raise not_applicable("the PyTorch MoE baselines train no aux / z-loss and take the "
+                                 "generated router")
+        _moe(w, p, layer, fwd_too, torch, F, not_applicable)
+    else:
+        raise not_applicable(f"{p.impl} has no backward for {kind} problems")
+
+
+def _grad_call(torch, forward, leaves, d_out, fwd_too):
+    """The timed call: (forward +) autograd.grad of the output against d_out."""
+    if fwd_too:
+        def fn():
+            return torch.autograd.grad(forward(), leaves, d_out)
+        return fn
+    out = forward()
+
+    def fn():
+        return torch.autograd.grad(out, leaves, d_out, retain_graph=True)
+    return fn
+
+
+def _attention(w, p, pr, fwd_too, torch, F, not_applicable):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[p.impl]
+    b, hq, hkv = pr["batch"], pr["heads_q"], pr["heads_kv"]
+    sq, sk, d = pr["seqlen_q"], pr["seqlen_k"], pr["head_dim"]
+    causal = bool(pr["causal"])
+    window = tuple(pr.get("window") or (-1, -1))
+    if window[0] >= 0 or (not causal and window[1] > 0) or float(pr.get("softcap") or 0.0) > 0:
+        raise not_applicable("no sliding-window or softcap option in SDPA")
+    scale = pr.get("softmax_scale")
+    scale = float(scale) if scale is not None else d ** -0.5
+    t = p.inputs.tensors
+    # (B, S, H, D) → (B, H, S, D) leaves that require grad (copies outside the timed call).
+    q, k, v = (t[n].transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
+    d_out = t["d_out"].transpose(1, 2).contiguous()
+    gqa = hq != hkv
+    kw = {"scale": scale}
+    if causal and sq == sk:
+        kw["is_causal"] = True
+    elif causal:
+        # Bottom-right aligned (SDPA's is_causal is top-left when Sq != Sk).
+        i = torch.arange(sq, device=q.device).unsqueeze(1)
+        j = torch.arange(sk, device=q.device).unsqueeze(0)
+        kw["attn_mask"] = j <= i + (sk - sq)
+    state = {"expand": False}
+
+    def forward():
+        kk, vv = k, v
+        if gqa and state["expand"]:
+            g = hq // hkv
+            kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        extra = {"enable_gqa": True} if gqa and not state["expand"] else {}
+        return F.scaled_dot_product_attention(q, kk, vv, **kw, **extra)
+
+    p.context = lambda: sdpa_kernel([backend])
+    with sdpa_kernel([backend]):
+        try:
+            fn = _grad_call(torch, forward, (q, k, v), d_out, fwd_too)
+            fn()
+            w.sync()
+        except Exception as e:  # noqa: BLE001
+            if not gqa or "out of memory" in str(e):
+                raise
+            state["expand"] = True
+            p.notes.append(f"backend rejected enable_gqa ({str(e).splitlines()[0][:120]}): K/V "
+                           "heads expanded with repeat_interleave inside the graph")
+            fn = _grad_call(torch, forward, (q, k, v), d_out, fwd_too)
+    p.fn = fn
+    p.outputs = ["dq", "dk", "dv"]
+
+    def check():
+        dq, dk, dv = fn()
+        return {"dq": dq.transpose(1, 2), "dk": dk.transpose(1, 2), "dv": dv.transpose(1, 2)}
+
+    p.check = check
+    p.notes.append("autograd.grad of SDPA (" + ("forward + backward" if fwd_too else
+                   "backward over a retained forward graph") + ")")
+
+
+def _moe(w, p, pr, fwd_too, torch, F, not_applicable):
+    t_, h_, i_, e_, k_ = pr["tokens"], pr["hidden"], pr["intermediate"], pr["experts"], pr["top_k"]
+    scoring, renorm = pr["scoring"], bool(pr["renormalize"])
+    shared = bool(pr.get("shared_expert"))
+    dt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[pr["dtype"]]
+    t = p.inputs.tensors
+    leaves = {n: t[n].clone().requires_grad_(True) for n in ("x", "router", "w13", "w2")}
+    if shared:
+        leaves["shared_w13"] = t["shared_w13"].clone().requires_grad_(True)
+        leaves["shared_w2"] = t["shared_w2"].clone().requires_grad_(True)
+    x, router, w13, w2 = (leaves[n] for n in ("x", "router", "w13", "w2"))
+    d_out = t["d_out"]
+
+    def swiglu(h):
+        return F.silu(h[:, :i_]) * h[:, i_:]
+
+    def route():
+        logits = torch.matmul(x.float(), router.float())
+        scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+        # The ids are integers (no gradient); the weights gather the differentiable scores.
+        ids = torch.sort(scores.detach(), dim=-1, descending=True, stable=True)[1][:, :k_]
+        wts = scores.gather(1, ids)
+        if renorm:
+            wts = wts / wts.sum(dim=-1, keepdim=True)
+        return wts, ids
+
+    def shared_out():
+        return torch.matmul(swiglu(torch.matmul(x, leaves["shared_w13"])), leaves["shared_w2"]).float()
+
+    if p.impl == "moe-grouped-mm":
+        if not hasattr(torch, "_grouped_mm"):
+            raise not_applicable(f"torch._grouped_mm not in torch {torch.__version__}")
+
+        def forward():
+            wts, ids = route()
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            offs = torch.cumsum(torch.bincount(flat, minlength=e_), 0, dtype=torch.int32)
+            tok = torch.div(order, k_, rounding_mode="floor")
+            xs = x.index_select(0, tok)
+            ys = torch._grouped_mm(swiglu(torch._grouped_mm(xs, w13, offs=offs)), w2, offs=offs)
+            y = torch.empty_like(ys).index_copy(0, order, ys)
+            out = (y.view(t_, k_, h_).float() * wts.unsqueeze(-1)).sum(dim=1)
+            if shared:
+                out = out + shared_out()
+            return out.to(dt)
+        p.notes.append("torch._grouped_mm autograd (tokens sorted by expert)")
+    else:
+        def forward():
+            wts, ids = route()
+            out = torch.zeros(t_, h_, dtype=torch.float32, device=x.device)
+            for e in range(e_):
+                tok, slot = torch.where(ids == e)
+                if tok.numel() == 0:
+                    continue
+                y = torch.matmul(swiglu(torch.matmul(x[tok], w13[e])), w2[e])
+                out = out.index_add(0, tok, y.float() * wts[tok, slot].unsqueeze(1))
+            if shared:
+                out = out + shared_out()
+            return out.to(dt)
+        p.notes.append("per-expert Python loop's autograd (host syncs included)")
+
+    names = list(leaves)
+    fn = _grad_call(torch, forward, tuple(leaves.values()), d_out, fwd_too)
+    p.fn = fn
+    out_names = {"x": "dx", "router": "d_router", "w13": "dw13", "w2": "dw2",
+                 "shared_w13": "d_shared_w13", "shared_w2": "d_shared_w2"}
+    p.outputs = [out_names[n] for n in names]
+    p.check = lambda: {out_names[n]: g for n, g in zip(names, fn())}
