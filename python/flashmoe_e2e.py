@@ -8,8 +8,8 @@ the implementations differ only in the attention op and the MoE op, so every oth
 projections, RMSNorm, RoPE, the LM head) is the same PyTorch code in all of them.
 
 Method, as in the rest of the lab: every implementation of a config is timed in the same
-process, interleaved round by round (A B C A B C ...), with CUDA events on one stream; the
-figure is the median with a 95% bootstrap CI. Before timing, each implementation's logits
+process, interleaved round by round (A B C A B C ...), with CUDA events on one stream. Before
+timing, each implementation's logits
 pass a correctness gate against an fp32 forward of the same weights (attention by explicit
 softmax, MoE by a per-expert loop, routing in fp32), within 1.5x the error of PyTorch's own
 bf16 forward of the model (GATE_FACTOR below). Peak memory is the growth of
@@ -18,8 +18,12 @@ bf16 forward of the model (GATE_FACTOR below). Peak memory is the growth of
 With --train, flashmoe_e2e_train.py times training steps (forward, backward, AdamW) of the
 same models and implementations and checks their loss curves against each other.
 
-`flashmoe bench e2e` runs this script; it can also be run directly:
+The script writes the raw record, OUT/e2e-samples.json (schema "flashmoe-e2e-samples/1":
+every timed sample in ms, the gate's metrics and outcome, peak memory, the loss curves);
+`flashmoe bench e2e` runs it and turns that file into the lab's results (statistics,
+results.json / .md / .csv / report.html, `flashmoe compare`). Run directly:
     python3 python/flashmoe_e2e.py --preset seed003 --out out/e2e
+    flashmoe bench e2e --from-samples out/e2e/e2e-samples.json --out out/e2e
 """
 import argparse
 import contextlib
@@ -72,6 +76,8 @@ PRESETS["all"] = PRESETS["seed003"] + PRESETS["moe"]
 IMPLS = {
     "eager": ("math", "loop", False),
     "sdpa-flash": ("sdpa-flash", "grouped-mm", False),
+    # SDPA's math backend: runs on any device (a CPU smoke run's second implementation).
+    "sdpa-math": ("sdpa-math", "grouped-mm", False),
     "sdpa-cudnn": ("sdpa-cudnn", "grouped-mm", False),
     "flashmoe": ("flashmoe", "flashmoe", False),
     # flashmoe's attention with the PyTorch MoE: the training comparison while an MoE op
@@ -141,6 +147,14 @@ class Model:
             self.layers.append(lw)
         self.ln_f = torch.ones(h, dtype=dtype, device=device)
         self.lm_head = w(h, VOCAB, fan_in=h)
+
+    def shape(self):
+        """The shape as the samples file records it (crates/flashmoe-bench/src/e2e.rs)."""
+        c = self.cfg
+        return dict(layers=c["layers"], hidden=self.hidden, heads=self.heads,
+                    kv_heads=self.kv_heads, head_dim=self.head_dim, ffn=c.get("ffn"),
+                    experts=c.get("experts"), top_k=c.get("top_k"), moe_ffn=c.get("moe_ffn"),
+                    vocab=VOCAB)
 
     def weight_bytes(self):
         n = self.embed.numel() + self.ln_f.numel() + self.lm_head.numel()
@@ -348,8 +362,32 @@ def rel_l2(a, b):
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
+def logits_error(out, ref):
+    """The logits against the reference: the gate's rel L2 and the lab's other metrics
+    (crates/flashmoe/src/accuracy.rs), a row being one token's logits; None for non-finite
+    values in JSON."""
+    o, r = out.double().reshape(-1, out.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
+    finite = torch.isfinite(o)
+    non_finite = int((~finite).sum())
+    d = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
+    ref_max = float(r.abs().max())
+    row_ref = torch.linalg.vector_norm(r, dim=-1)
+    rms_row = float(torch.sqrt((row_ref ** 2).mean()))
+    row_err = torch.linalg.vector_norm(d, dim=-1) / torch.clamp(row_ref, min=max(rms_row / 16, 1e-30))
+    worst = int(torch.argmax(row_err))
+    err = rel_l2(out, ref) if non_finite == 0 else float("nan")
+    return dict(rel_l2=finite_or_none(err), max_abs=float(d.max()), mean_abs=float(d.mean()),
+                max_rel=float((d / torch.clamp(r.abs(), min=max(1e-3 * ref_max, 1e-30))).max()),
+                non_finite=non_finite, max_row_rel_l2=float(row_err[worst]), worst_row=worst)
+
+
+def finite_or_none(x):
+    """JSON has no NaN: a non-finite measurement is written as null."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 # ---------------------------------------------------------------------------------------
-# Timing and statistics
+# Timing
 # ---------------------------------------------------------------------------------------
 
 class Timer:
@@ -371,13 +409,6 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def bootstrap_median_ci(x, rng, reps=2000, level=0.95):
-    x = np.asarray(x)
-    meds = np.median(rng.choice(x, size=(reps, len(x)), replace=True), axis=1)
-    lo, hi = np.quantile(meds, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(np.median(x)), float(lo), float(hi)
-
-
 def peak_extra_bytes(device, fn):
     if device.type != "cuda":
         return None
@@ -391,7 +422,7 @@ def peak_extra_bytes(device, fn):
     return int(peak)
 
 
-def run_config(model, batch, seq, impls, args, rng):
+def run_config(model, batch, seq, impls, args):
     device = model.device
     g = torch.Generator(device=device)
     g.manual_seed(args.seed + 7919 * batch + seq)
@@ -404,7 +435,7 @@ def run_config(model, batch, seq, impls, args, rng):
     gate = min(GATE_CAP, max(GATE_FLOOR, GATE_FACTOR * bf16_err)) if math.isfinite(bf16_err) else GATE_CAP
     rows, live = {}, {}
     for name in impls:
-        row = rows[name] = dict(impl=name, status="ok", notes=[])
+        row = rows[name] = dict(name=name, status="ok", notes=[], samples_ms=[])
         try:
             fwd = build_impl(name, model)
             with torch.no_grad():
@@ -412,15 +443,14 @@ def run_config(model, batch, seq, impls, args, rng):
                 logits = fwd(ids)  # first call: compiles where compiled
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                row["first_call_s"] = time.perf_counter() - t1
-                finite = bool(torch.isfinite(logits).all())
-                err = rel_l2(logits, ref) if finite else float("nan")
+                row["first_call_ms"] = (time.perf_counter() - t1) * 1e3
+                row["logits"] = logits_error(logits, ref)
                 del logits
-            row["rel_l2"] = err
-            if not finite or not err <= gate:
+            err = row["logits"]["rel_l2"]
+            if err is None or not err <= gate:
                 row["status"] = "failed-gate"
                 row["notes"].append(f"logits rel L2 {err:.3g} vs fp32 forward (gate {gate:.3g})"
-                                    if finite else "non-finite logits")
+                                    if err is not None else "non-finite logits")
                 continue
             with torch.no_grad():
                 for _ in range(args.warmup):
@@ -435,150 +465,80 @@ def run_config(model, batch, seq, impls, args, rng):
         except Exception as e:  # noqa: BLE001 - reported per implementation, the run goes on
             row.update(status="error", notes=[f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"])
     # Interleaved rounds until the time budget or the round cap.
-    timer, samples = Timer(device), {n: [] for n in live}
+    timer = Timer(device)
     t_start = time.perf_counter()
     rounds = 0
     with torch.no_grad():
         while live and rounds < args.max_rounds and (
                 rounds < args.min_rounds or time.perf_counter() - t_start < args.max_time):
             for name, fwd in live.items():
-                samples[name].append(timer(lambda: fwd(ids)))
+                rows[name]["samples_ms"].append(timer(lambda: fwd(ids)) * 1e3)
             rounds += 1
-    tokens = batch * seq
-    for name, xs in samples.items():
-        med, lo, hi = bootstrap_median_ci(xs, rng)
-        rows[name].update(samples=len(xs), median_s=med, ci_lo_s=lo, ci_hi_s=hi,
-                          tokens_per_s=tokens / med, tokens_per_s_ci=[tokens / hi, tokens / lo])
-    derive(rows)
-    return dict(model=model.name, layers=model.cfg["layers"], batch=batch, seq=seq,
-                tokens=tokens, reference_s=ref_s, rounds=rounds, bf16_rel_l2=bf16_err,
-                gate_rel_l2=gate,
+    return dict(model=model.name, shape=model.shape(), batch=batch, seq=seq,
+                weight_bytes=model.weight_bytes(), reference_s=ref_s, rounds=rounds,
+                sampling_s=time.perf_counter() - t_start,
+                bf16_rel_l2=finite_or_none(bf16_err), gate_rel_l2=gate,
                 implementations=[rows[n] for n in impls])
 
 
-def derive(rows):
-    """Seed 003's columns: speedup vs PyTorch native (eager), % of the best baseline."""
-    timed = {n: r for n, r in rows.items() if "median_s" in r}
-    eager = timed.get("eager")
-    base = [r for n, r in timed.items() if n in BASELINES]
-    best = min(base, key=lambda r: r["median_s"]) if base else None
-    for r in timed.values():
-        if eager:
-            r["speedup_vs_eager"] = eager["median_s"] / r["median_s"]
-        if best:
-            r["reference"] = best["impl"]
-            r["pct_of_reference"] = 100.0 * best["median_s"] / r["median_s"]
-
-
 # ---------------------------------------------------------------------------------------
-# Reports
+# The samples file
 # ---------------------------------------------------------------------------------------
 
-def fmt_ms(s):
-    return f"{s * 1e3:.2f}"
+SAMPLES_SCHEMA = "flashmoe-e2e-samples/1"
+SAMPLES_FILE = "e2e-samples.json"
 
 
-def markdown(result):
-    out = [f"# End-to-end inference ({result['preset']})", "",
-           f"Device: {result['device']}; torch {result['torch']}; dtype {result['dtype']}; "
-           f"one prefill forward of batch x seq tokens, logits of every token; median of interleaved "
-           f"rounds with a 95% bootstrap CI; gate: logits rel L2 vs an fp32 forward of the same weights "
-           f"at most {GATE_FACTOR}x that of PyTorch's eager bf16 forward (and <= {GATE_CAP}).",
-           ""]
-    for c in result["configs"]:
-        out.append(f"## {c['model']} ({c['layers']} layers), batch {c['batch']} x seq {c['seq']}")
-        out.append("")
-        out.append(f"Gate: rel L2 <= {c['gate_rel_l2']:.3g} (eager bf16: {c['bf16_rel_l2']:.3g}).")
-        out.append("")
-        out.append("| implementation | ms (95% CI) | tokens/s | vs eager | % of ref | logits rel L2 "
-                   "| peak extra MiB | status |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for r in c["implementations"]:
-            if "median_s" in r:
-                ms = f"{fmt_ms(r['median_s'])} ({fmt_ms(r['ci_lo_s'])}–{fmt_ms(r['ci_hi_s'])})"
-                tps = f"{r['tokens_per_s']:,.0f}"
-                sp = f"{r['speedup_vs_eager']:.2f}×" if "speedup_vs_eager" in r else "–"
-                pct = f"{r['pct_of_reference']:.0f}% ({r['reference']})" if "reference" in r else "–"
-            else:
-                ms = tps = sp = pct = "–"
-            err = f"{r['rel_l2']:.2e}" if "rel_l2" in r else "–"
-            mem = (f"{r['peak_extra_bytes'] / 2**20:,.0f}"
-                   if r.get("peak_extra_bytes") is not None else "–")
-            status = r["status"] + ("" if not r["notes"] else ": " + "; ".join(r["notes"]))
-            out.append(f"| {r['impl']} | {ms} | {tps} | {sp} | {pct} | {err} | {mem} | {status} |")
-        out.append("")
-    return "\n".join(out)
+def samples_header(mode, args, device, dtype, settings):
+    """The run's part of the samples file: what the Rust side needs besides the configs."""
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: not recorded
+            return ""
+    cuda = device.type == "cuda"
+    return dict(schema=SAMPLES_SCHEMA, mode=mode, preset=args.preset, seed=args.seed,
+                dtype=str(dtype).replace("torch.", ""),
+                timer="cuda events (torch.cuda.Event) on one stream" if cuda
+                else "host clock (time.perf_counter)",
+                python=dict(python=platform.python_version(), torch=torch.__version__,
+                            cuda=torch.version.cuda or "",
+                            cudnn=str(torch.backends.cudnn.version() or "") if cuda else "",
+                            triton=version("triton") if cuda else "",
+                            device=device_name(device)),
+                settings=settings, configs=[])
 
 
-def html(result, md):
-    """A Markdown report `md` of `result` as one self-contained HTML page (tables only)."""
-    import html as h
-    body, table = [], None
-    for line in md.split("\n"):
-        if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if all(set(c) <= set("-: ") for c in cells):
-                continue
-            tag = "th" if table is None else "td"
-            if table is None:
-                table = []
-            table.append("<tr>" + "".join(f"<{tag}>{h.escape(c)}</{tag}>" for c in cells) + "</tr>")
-            continue
-        if table is not None:
-            body.append("<table>" + "".join(table) + "</table>")
-            table = None
-        if line.startswith("## "):
-            body.append(f"<h2>{h.escape(line[3:])}</h2>")
-        elif line.startswith("# "):
-            body.append(f"<h1>{h.escape(line[2:])}</h1>")
-        elif line:
-            body.append(f"<p>{h.escape(line)}</p>")
-    if table is not None:
-        body.append("<table>" + "".join(table) + "</table>")
-    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;"
-             "text-align:right}td:first-child,th:first-child{text-align:left}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>flashmoe e2e "
-            f"({h.escape(result['preset'])})</title><style>{style}</style></head><body>"
-            + "\n".join(body) + "</body></html>\n")
+def jsonable(x):
+    """`x` with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(x, float):
+        return finite_or_none(x)
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
 
 
-def write_reports(result, out, to_markdown=markdown):
-    md = to_markdown(result)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(out, "report.html"), "w") as f:
-        f.write(html(result, md))
+def write_samples(result, out):
+    """OUT/e2e-samples.json, replaced atomically (a config at a time)."""
+    path = os.path.join(out, SAMPLES_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(jsonable(result), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+    return path
 
 
 def device_name(device):
     return torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def report_renderer(result):
-    """The Markdown renderer of a results.json: inference or training steps."""
-    if result.get("mode") == "train":
-        import flashmoe_e2e_train
-        return flashmoe_e2e_train.markdown
-    return markdown
+def median_line(r, unit="ms"):
+    return f"{float(np.median(r['samples_ms'])):.2f} {unit}" if r["samples_ms"] else r["status"]
 
 
 def main(argv):
-    if argv[:1] == ["--render"]:
-        # Re-render a results.json's Markdown and HTML next to it: NAME.md, NAME.html.
-        for path in argv[1:]:
-            with open(path) as f:
-                result = json.load(f)
-            stem = path[:-5] if path.endswith(".json") else path
-            md = report_renderer(result)(result)
-            with open(stem + ".md", "w") as f:
-                f.write(md + "\n")
-            with open(stem + ".html", "w") as f:
-                f.write(html(result, md))
-            log(f"wrote {stem}.md, {stem}.html")
-        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="seed003", choices=sorted(PRESETS))
     ap.add_argument("--models", help="comma-separated model names: only these of the preset")
@@ -621,11 +581,10 @@ def main(argv):
             ap.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
         import flashmoe_e2e_train
         return flashmoe_e2e_train.run(args, configs, device, dtype, impls, args.out)
-    rng = np.random.default_rng(args.seed)
-    result = dict(schema="flashmoe-e2e/1", preset=args.preset,
-                  device=device_name(device),
-                  torch=torch.__version__, dtype=str(dtype).replace("torch.", ""),
-                  gate_factor=GATE_FACTOR, gate_cap=GATE_CAP, configs=[])
+    result = samples_header("inference", args, device, dtype, dict(
+        warmup=args.warmup, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+        max_time_s=args.max_time, gate_factor=GATE_FACTOR, gate_floor=GATE_FLOOR,
+        gate_cap=GATE_CAP))
     model = None
     for name, batch, seq in configs:
         if model is None or model.name != name:
@@ -634,16 +593,13 @@ def main(argv):
                 torch.cuda.empty_cache()
             model = Model(name, MODELS[name], dtype, device, args.seed)
             log(f"model {name}: {model.weight_bytes() / 2**30:.2f} GiB of weights")
-        c = run_config(model, batch, seq, impls, args, rng)
-        c["weight_bytes"] = model.weight_bytes()
+        c = run_config(model, batch, seq, impls, args)
         result["configs"].append(c)
         for r in c["implementations"]:
-            t = f"{fmt_ms(r['median_s'])} ms" if "median_s" in r else r["status"]
-            log(f"  {name} b{batch} s{seq} {r['impl']:>20}: {t} {'; '.join(r['notes'])}")
-        write_reports(result, args.out)
-    write_reports(result, args.out)
-    print(markdown(result))
-    failed = [(c["model"], r["impl"]) for c in result["configs"] for r in c["implementations"]
+            log(f"  {name} b{batch} s{seq} {r['name']:>20}: {median_line(r)} {'; '.join(r['notes'])}")
+        write_samples(result, args.out)
+    log(f"wrote {write_samples(result, args.out)}")
+    failed = [(c["model"], r["name"]) for c in result["configs"] for r in c["implementations"]
               if r["status"] in ("failed-gate", "error")]
     if failed:
         log(f"FAILED: {failed}")

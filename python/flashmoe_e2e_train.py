@@ -10,13 +10,13 @@ Method:
   sees the same data: a fixed cycle of DATA_BATCHES random-token batches, which the model
   memorises, so the loss falls and a wrong gradient shows as a different curve.
 - The implementations step round-robin (A B C A B C ...) on one stream, so drift hits them
-  alike; a step is timed with CUDA events (forward + backward + optimiser), the figure is
-  the median over the steps after the warm-up with a 95% bootstrap CI.
+  alike; a step is timed with CUDA events (forward + backward + optimiser); every step after
+  the warm-up is a sample (the statistics are the lab's: `flashmoe bench e2e --train`).
 - Loss-curve gate: each implementation's per-step loss against the reference's (the first
   baseline that ran, eager where asked), max over the steps of |Δ| at most
   max(LOSS_FLOOR, LOSS_RELATIVE · loss) — the curves of two correct bf16 implementations
-  drift apart by rounding alone, and the baselines' own spread is reported beside it so the
-  bound can be read against measured noise.
+  drift apart by rounding alone, and the baselines' own deviations are reported beside it
+  so the bound can be read against measured noise.
 - Peak memory: the growth of `torch.cuda.max_memory_allocated` over one step above the
   parameters, gradients and optimiser state.
 """
@@ -106,13 +106,13 @@ def curve_gate(losses, ref):
     return float(dev.max()), worst, bool((dev <= bound).all())
 
 
-def run_config(model, batch, seq, impls, args, rng):
+def run_config(model, batch, seq, impls, args):
     device = model.device
     batches = data(model, batch, seq, args.seed)
     fused = device.type == "cuda"
     rows, live = {}, {}
     for name in impls:
-        row = rows[name] = dict(impl=name, status="ok", notes=[])
+        row = rows[name] = dict(name=name, status="ok", notes=[], samples_ms=[])
         try:
             live[name] = Trainee(name, model, fused)
         except e2e.NotApplicable as e:
@@ -121,6 +121,7 @@ def run_config(model, batch, seq, impls, args, rng):
             row.update(status="oom", notes=[str(e).splitlines()[0]])
             torch.cuda.empty_cache()
     timer = e2e.Timer(device)
+    t_start = time.perf_counter()
     losses = {n: [] for n in live}
     times = {n: [] for n in live}
     peak = {}
@@ -139,7 +140,7 @@ def run_config(model, batch, seq, impls, args, rng):
                 else:
                     dt = timer(lambda: losses[name].append(t.step(ids)))
                 if step >= args.warmup:
-                    times[name].append(dt)
+                    times[name].append(dt * 1e3)
             except torch.cuda.OutOfMemoryError as e:
                 rows[name].update(status="oom", notes=[str(e).splitlines()[0]])
             except Exception as e:  # noqa: BLE001 - reported per implementation, the run goes on
@@ -151,38 +152,29 @@ def run_config(model, batch, seq, impls, args, rng):
                 times.pop(name, None)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    tokens = batch * seq
+    sampling_s = time.perf_counter() - t_start
     for name, t in live.items():
-        curve = [float(x) for x in torch.stack(losses[name]).cpu()]
         r = rows[name]
-        r["loss_curve"] = curve
+        r["loss_curve"] = [float(x) for x in torch.stack(losses[name]).cpu()]
         r["state_bytes"] = t.state_bytes()
         r["peak_extra_bytes"] = peak.get(name)
-        med, lo, hi = e2e.bootstrap_median_ci(times[name], rng)
-        r.update(samples=len(times[name]), median_s=med, ci_lo_s=lo, ci_hi_s=hi,
-                 tokens_per_s=tokens / med, tokens_per_s_ci=[tokens / hi, tokens / lo])
+        r["samples_ms"] = times[name]
     live.clear()
     ref_name = next((n for n in impls if n in e2e.BASELINES and "loss_curve" in rows[n]), None)
-    spread = None
     if ref_name:
         ref = rows[ref_name]["loss_curve"]
-        base_devs = []
         for name in impls:
             r = rows[name]
             if "loss_curve" not in r:
                 continue
             dev, worst, ok = curve_gate(r["loss_curve"], ref)
-            r["loss_reference"] = ref_name
-            r["loss_max_dev"] = dev
-            if name in e2e.BASELINES and name != ref_name:
-                base_devs.append(dev)
+            r["loss_worst_step"] = worst if worst >= 0 and name != ref_name else None
             if not ok:
                 r["status"] = "failed-gate"
-                r["notes"].append(
+                r["notes"].insert(0,
                     f"loss curve off {ref_name}'s: |Δ| {dev:.3g} at step {worst} "
                     f"(bound max({LOSS_FLOOR}, {LOSS_RELATIVE}·loss))" if math.isfinite(dev)
                     else "non-finite loss")
-        spread = max(base_devs) if base_devs else None
         first, last = ref[0], float(np.mean(ref[-DATA_BATCHES:]))
         if not last < first - 0.5:
             for name in impls:
@@ -193,64 +185,18 @@ def run_config(model, batch, seq, impls, args, rng):
         for r in rows.values():
             if "loss_curve" in r:
                 r["notes"].append("no baseline ran: loss curve not checked")
-    e2e.derive(rows)
-    return dict(model=model.name, layers=model.cfg["layers"], batch=batch, seq=seq,
-                tokens=tokens, steps=args.steps, warmup=args.warmup, lr=LEARNING_RATE,
-                loss_reference=ref_name, baseline_loss_spread=spread,
+    return dict(model=model.name, shape=model.shape(), batch=batch, seq=seq,
+                weight_bytes=model.weight_bytes(), rounds=max(args.steps - args.warmup, 0),
+                sampling_s=sampling_s, loss_reference=ref_name,
                 implementations=[rows[n] for n in impls])
 
 
-def markdown(result):
-    out = [f"# End-to-end training steps ({result['preset']})", "",
-           f"Device: {result['device']}; torch {result['torch']}; dtype {result['dtype']}; "
-           f"one step = forward + next-token cross-entropy + backward + AdamW (lr "
-           f"{LEARNING_RATE}) over batch x seq tokens; every implementation from the same "
-           f"initialisation on the same {DATA_BATCHES} cycled batches, stepped round-robin; "
-           f"median step time after the warm-up with a 95% bootstrap CI; loss-curve gate: "
-           f"per-step |Δloss| vs the reference at most max({LOSS_FLOOR}, {LOSS_RELATIVE}·loss).",
-           ""]
-    for c in result["configs"]:
-        out.append(f"## {c['model']} ({c['layers']} layers), batch {c['batch']} x seq {c['seq']}, "
-                   f"{c['steps']} steps")
-        out.append("")
-        spread = c.get("baseline_loss_spread")
-        ref = c.get("loss_reference")
-        if ref:
-            curve = next(r["loss_curve"] for r in c["implementations"] if r["impl"] == ref)
-            out.append(f"Reference curve: {ref}, loss {curve[0]:.3f} → {curve[-1]:.3f}; "
-                       f"max |Δ| between baselines: "
-                       f"{'–' if spread is None else f'{spread:.3g}'}.")
-            out.append("")
-        out.append("| implementation | ms/step (95% CI) | tokens/s | vs eager | % of ref "
-                   "| max |Δloss| | final loss | state MiB | peak extra MiB | status |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
-        for r in c["implementations"]:
-            if "median_s" in r:
-                ms = f"{e2e.fmt_ms(r['median_s'])} ({e2e.fmt_ms(r['ci_lo_s'])}–{e2e.fmt_ms(r['ci_hi_s'])})"
-                tps = f"{r['tokens_per_s']:,.0f}"
-                sp = f"{r['speedup_vs_eager']:.2f}×" if "speedup_vs_eager" in r else "–"
-                pct = f"{r['pct_of_reference']:.0f}% ({r['reference']})" if "reference" in r else "–"
-            else:
-                ms = tps = sp = pct = "–"
-            dev = f"{r['loss_max_dev']:.3g}" if "loss_max_dev" in r else "–"
-            fin = f"{r['loss_curve'][-1]:.3f}" if "loss_curve" in r else "–"
-            st = f"{r['state_bytes'] / 2**20:,.0f}" if "state_bytes" in r else "–"
-            mem = (f"{r['peak_extra_bytes'] / 2**20:,.0f}"
-                   if r.get("peak_extra_bytes") is not None else "–")
-            status = r["status"] + ("" if not r["notes"] else ": " + "; ".join(r["notes"]))
-            out.append(f"| {r['impl']} | {ms} | {tps} | {sp} | {pct} | {dev} | {fin} | {st} "
-                       f"| {mem} | {status} |")
-        out.append("")
-    return "\n".join(out)
-
-
 def run(args, configs, device, dtype, impls, out_dir):
-    """The --train run: every config, reports written after each; returns the exit code."""
-    rng = np.random.default_rng(args.seed)
-    result = dict(schema="flashmoe-e2e-train/1", preset=args.preset, mode="train",
-                  device=e2e.device_name(device), torch=torch.__version__,
-                  dtype=str(dtype).replace("torch.", ""), lr=LEARNING_RATE,
-                  loss_floor=LOSS_FLOOR, loss_relative=LOSS_RELATIVE, configs=[])
+    """The --train run: every config, the samples file written after each; returns the exit
+    code."""
+    result = e2e.samples_header("train", args, device, dtype, dict(
+        warmup=args.warmup, steps=args.steps, loss_floor=LOSS_FLOOR,
+        loss_relative=LOSS_RELATIVE, lr=LEARNING_RATE))
     model = None
     for name, batch, seq in configs:
         if model is None or model.name != name:
@@ -259,17 +205,14 @@ def run(args, configs, device, dtype, impls, out_dir):
                 torch.cuda.empty_cache()
             model = e2e.Model(name, e2e.MODELS[name], dtype, device, args.seed)
             e2e.log(f"model {name}: {model.weight_bytes() / 2**30:.2f} GiB of weights")
-        t0 = time.perf_counter()
-        c = run_config(model, batch, seq, impls, args, rng)
-        c["wall_s"] = time.perf_counter() - t0
+        c = run_config(model, batch, seq, impls, args)
         result["configs"].append(c)
         for r in c["implementations"]:
-            t = f"{e2e.fmt_ms(r['median_s'])} ms/step" if "median_s" in r else r["status"]
-            e2e.log(f"  {name} b{batch} s{seq} {r['impl']:>20}: {t} {'; '.join(r['notes'])}")
-        e2e.write_reports(result, out_dir, markdown)
-    e2e.write_reports(result, out_dir, markdown)
-    print(markdown(result))
-    failed = [(c["model"], r["impl"]) for c in result["configs"] for r in c["implementations"]
+            e2e.log(f"  {name} b{batch} s{seq} {r['name']:>20}: {e2e.median_line(r, 'ms/step')} "
+                    f"{'; '.join(r['notes'])}")
+        e2e.write_samples(result, out_dir)
+    e2e.log(f"wrote {e2e.write_samples(result, out_dir)}")
+    failed = [(c["model"], r["name"]) for c in result["configs"] for r in c["implementations"]
               if r["status"] in ("failed-gate", "error")]
     if failed:
         e2e.log(f"FAILED: {failed}")

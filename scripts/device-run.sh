@@ -84,17 +84,19 @@ for s in "$@"; do
     # The launcher sets NCCL_NVLS_ENABLE=0 etc. in every rank; topology goes in the report.
     ep-smoke)     stage ep-smoke 240 $BIN bench moe --gpus 2 --preset deepseek-v3 --tokens 512,2048 \
                     --rounds 3 --timeout 60 --out /tmp/ep-smoke
-                  cp /tmp/ep-smoke/ep-*.md /tmp/ep-smoke/ep-*.json "$OUT/" 2>/dev/null ;;
+                  for f in results.md results.json; do cp /tmp/ep-smoke/$f "$OUT/ep-smoke-$f" 2>/dev/null; done ;;
     ep)           for p in deepseek-v3 seed003; do
                     stage "ep-$p" 300 $BIN bench moe --gpus 2 --preset $p --tokens 4096,8192,16384 \
-                      --rounds 10 --timeout 60 --out /tmp/ep
-                  done
-                  cp /tmp/ep/ep-*.md /tmp/ep/ep-*.json /tmp/ep/ep-*.html "$OUT/" 2>/dev/null ;;
+                      --rounds 10 --timeout 60 --out /tmp/ep-$p
+                    for f in results.md results.json report.html; do
+                      cp /tmp/ep-$p/$f "$OUT/ep-$p-2gpu-$f" 2>/dev/null
+                    done
+                  done ;;
     # Overlap knobs at DeepSeek-V3, 8192 tokens per GPU: expert chunks, NCCL's CTA cap.
     ep-knobs)     for p in deepseek-v3 seed003; do for k in "--chunks 1" "--chunks 4"; do
                     n=ep-knob-$p$(echo $k | tr -d ' -')
                     stage "$n" 200 $BIN bench moe --gpus 2 --preset $p --tokens 4096,8192,16384 \
-                      $k --rounds 10 --timeout 60 --name $n --out /tmp/ep-knobs
+                      $k --rounds 10 --timeout 60 --out /tmp/ep-knobs/$n
                   done; done
                   tar -C /tmp/ep-knobs -czf "$OUT/ep-knobs.tgz" . 2>/dev/null ;;
     # Failure handling: rank 1 exits / hangs before its first call; rank 0 must report an
@@ -102,7 +104,7 @@ for s in "$@"; do
     ep-fault)     for f in exit hang; do
                     stage "ep-fault-$f" 120 env FLASHMOE_EP_FAULT=1:$f $BIN bench moe --gpus 2 \
                       --preset deepseek-v3 --tokens 512 --rounds 1 --timeout 20 --out /tmp/ep-fault-$f
-                    cp /tmp/ep-fault-$f/ep-deepseek-v3-2gpu.md "$OUT/ep-fault-$f.md" 2>/dev/null
+                    cp /tmp/ep-fault-$f/results.md "$OUT/ep-fault-$f.md" 2>/dev/null
                   done ;;
     # A Python plug-in on the GPU (issue 24 item 2): torch SDPA as `py:` implementations, one
     # correct (forward) and one with SDPA's top-left causal mask (top_left: the gate must
@@ -113,7 +115,7 @@ for s in "$@"; do
                   cp /tmp/plugin-gpu/results.md "$OUT/plugin-gpu.md" 2>/dev/null ;;
     ep-1gpu)      stage ep-1gpu 200 $BIN bench moe --gpus 1 --preset deepseek-v3 --tokens 4096 \
                     --rounds 5 --timeout 60 --out /tmp/ep-1gpu
-                  cp /tmp/ep-1gpu/ep-deepseek-v3-1gpu.md "$OUT/" 2>/dev/null ;;
+                  cp /tmp/ep-1gpu/results.md "$OUT/ep-deepseek-v3-1gpu.md" 2>/dev/null ;;
     # the Python package: carry target/py-device (scripts/device-python.sh --pack)
     python)       stage python 420 bash scripts/device-python.sh target/py-device ;;
     # bench e2e (python/flashmoe_e2e.py) with the Python package installed from target/py-device
@@ -128,11 +130,13 @@ for s in "$@"; do
                     e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
                     e2e-train) stage e2e-train 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --train --steps 100 \
                                --preset all --only small:4x512,medium:4x512,qwen3-30b-a3b:4x512 \
-                               --impl eager,sdpa-cudnn,sdpa-cudnn+compile,flashmoe-attn,flashmoe,flashmoe+compile --out /tmp/$s ;;
+                               --impl eager,sdpa-cudnn,sdpa-cudnn+compile,flashmoe-attn,flashmoe,flashmoe+compile --out /tmp/$s
+                               $BIN bench e2e --from-samples /tmp/$s/e2e-samples.json --out /tmp/$s >>"$LOG" 2>&1 ;;
                     *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
-                               --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s ;;
+                               --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s
+                               $BIN bench e2e --from-samples /tmp/$s/e2e-samples.json --out /tmp/$s >>"$LOG" 2>&1 ;;
                   esac
-                  for f in results.json results.md; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
+                  for f in results.json results.md e2e-samples.json; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     # The attention plans' GPU tests (dense, varlen, decode; windows and softcap included).
     unit-attn)    stage unit-attn 300 ./target/release/flashmoe-gpu-tests attention:: --test-threads=1 --nocapture ;;

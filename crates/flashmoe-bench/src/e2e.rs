@@ -392,17 +392,20 @@ fn settings_of(f: &SamplesFile) -> MeasureSettings {
     }
 }
 
-fn logits_accuracy(c: &SampledConfig, i: &SampledImpl, s: &ScriptSettings) -> Option<AccuracyResult> {
+fn logits_accuracy(
+    c: &SampledConfig,
+    i: &SampledImpl,
+    s: &ScriptSettings,
+) -> Option<AccuracyResult> {
     let l = i.logits.as_ref()?;
     let nan = f64::NAN;
     let gate = c.gate_rel_l2.unwrap_or(nan);
     let note = format!(
-        "gate: logits rel L2 ≤ {:.3} × eager bf16's {} (clamped to [{}, {}]) = {}",
+        "gate: logits rel L2 ≤ {} × eager's {} (clamped to [{}, {}]) = {gate:.3e}",
         s.gate_factor.unwrap_or(nan),
         c.bf16_rel_l2.map_or("—".into(), |e| format!("{e:.3e}")),
         s.gate_floor.unwrap_or(nan),
         s.gate_cap.unwrap_or(nan),
-        format!("{gate:.3e}")
     );
     let failed_note = i.notes.first().filter(|_| i.status == "failed-gate");
     Some(AccuracyResult {
@@ -501,7 +504,13 @@ fn impl_row(f: &SamplesFile, c: &SampledConfig, i: &SampledImpl) -> ImplResult {
     match i.status.as_str() {
         "n/a" => row.error = Some(format!("n/a: {notes}")),
         "oom" => row.error = Some(format!("out of memory: {notes}")),
-        "error" => row.error = Some(if notes.is_empty() { "error".into() } else { notes }),
+        "error" => {
+            row.error = Some(if notes.is_empty() {
+                "error".into()
+            } else {
+                notes
+            })
+        }
         _ => {}
     }
     row.accuracy = match f.mode {
@@ -522,7 +531,10 @@ fn impl_row(f: &SamplesFile, c: &SampledConfig, i: &SampledImpl) -> ImplResult {
     if !i.samples_ms.is_empty() {
         let med = crate::stats::median(&i.samples_ms);
         if med > 0.0 {
-            m.insert("tokens_per_s".into(), (c.batch * c.seq) as f64 / (med * 1e-3));
+            m.insert(
+                "tokens_per_s".into(),
+                (c.batch * c.seq) as f64 / (med * 1e-3),
+            );
         }
     }
     if let Some(t) = i.first_call_ms {
@@ -534,9 +546,9 @@ fn impl_row(f: &SamplesFile, c: &SampledConfig, i: &SampledImpl) -> ImplResult {
     if let Some(curve) = &i.loss_curve {
         let (kept, cut) = finite_curve(curve);
         match cut {
-            Some(step) => row
-                .flags
-                .push(format!("the loss is not finite from step {step}: the curve stops there")),
+            Some(step) => row.flags.push(format!(
+                "the loss is not finite from step {step}: the curve stops there"
+            )),
             None => {
                 if let Some(last) = kept.last() {
                     m.insert("final_loss".into(), *last);
@@ -552,7 +564,13 @@ fn impl_row(f: &SamplesFile, c: &SampledConfig, i: &SampledImpl) -> ImplResult {
 /// The run as the lab's results: one config per model × shape, the script's gate as
 /// each row's accuracy, the pipeline's statistics. `manifest` is the host's (written by
 /// `bench e2e` before the script ran); the script's Python/torch versions are added.
-pub fn to_run_results(f: &SamplesFile, mut manifest: Manifest) -> anyhow::Result<RunResults> {
+/// `candidate`: the implementation whose speedups are reported (default: flashmoe, else
+/// flashmoe+compile, flashmoe-attn, else the first implementation).
+pub fn to_run_results(
+    f: &SamplesFile,
+    mut manifest: Manifest,
+    candidate: Option<&str>,
+) -> anyhow::Result<RunResults> {
     let dtype = dtype_of(&f.dtype)?;
     manifest.python = Some(PythonManifest {
         python: f.python.python.clone(),
@@ -565,12 +583,23 @@ pub fn to_run_results(f: &SamplesFile, mut manifest: Manifest) -> anyhow::Result
         skipped: Vec::new(),
     });
     let settings = settings_of(f);
-    let candidate = recorded::pick_candidate(
+    let names = || {
         f.configs
             .iter()
-            .flat_map(|c| c.implementations.iter().map(|i| i.name.as_str())),
-        &CANDIDATES,
-    );
+            .flat_map(|c| c.implementations.iter().map(|i| i.name.as_str()))
+    };
+    let candidate = match candidate {
+        Some(c) if names().any(|n| n == c) => c.to_string(),
+        Some(c) => bail!(
+            "--candidate {c}: the samples have no such implementation (they have: {})",
+            names()
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None => recorded::pick_candidate(names(), &CANDIDATES),
+    };
     let configs = f
         .configs
         .iter()
@@ -594,7 +623,11 @@ pub fn to_run_results(f: &SamplesFile, mut manifest: Manifest) -> anyhow::Result
                 dtype,
                 steps: f.settings.steps.filter(|_| f.mode == E2eMode::Train),
             };
-            let rows = c.implementations.iter().map(|i| impl_row(f, c, i)).collect();
+            let rows = c
+                .implementations
+                .iter()
+                .map(|i| impl_row(f, c, i))
+                .collect();
             let max = settings.max_samples;
             recorded::finish_config(
                 RecordedConfig {
@@ -743,8 +776,11 @@ mod tests {
         let text = serde_json::to_string(&f).unwrap();
         let f = SamplesFile::parse(&text).unwrap();
         assert!(f.any_failed());
-        let r = to_run_results(&f, Manifest::default()).unwrap();
-        assert_eq!((r.suite.as_str(), r.candidate.as_str()), ("e2e", "flashmoe"));
+        let r = to_run_results(&f, Manifest::default(), None).unwrap();
+        assert_eq!(
+            (r.suite.as_str(), r.candidate.as_str()),
+            ("e2e", "flashmoe")
+        );
         let c = &r.configs[0];
         assert_eq!(c.id, "e2e_tiny_b2_s64_bf16");
         assert_eq!(c.problem.x_value(), 128.0);
@@ -755,7 +791,11 @@ mod tests {
         assert_eq!(fm.summary.as_ref().unwrap().n, 20);
         let tps = fm.metrics["tokens_per_s"];
         assert!((tps - 128.0 / (crate::stats::median(&fm.samples_ms) * 1e-3)).abs() < 1e-6);
-        assert!(row("sdpa-cudnn").error.as_deref().unwrap().starts_with("n/a: "));
+        assert!(row("sdpa-cudnn")
+            .error
+            .as_deref()
+            .unwrap()
+            .starts_with("n/a: "));
         let bad = row("flashmoe+compile");
         assert!(!bad.accuracy.as_ref().unwrap().passed);
         assert!(bad.error.as_deref().unwrap().contains("gate failed"));
@@ -785,8 +825,11 @@ mod tests {
         bad.loss_curve = Some(vec![Some(10.0), Some(9.5), None]);
         bad.loss_worst_step = Some(2);
         let f = file(E2eMode::Train, vec![eager, fm, bad]);
-        let r = to_run_results(&f, Manifest::default()).unwrap();
-        assert_eq!((r.suite.as_str(), r.candidate.as_str()), ("e2e-train", "flashmoe"));
+        let r = to_run_results(&f, Manifest::default(), None).unwrap();
+        assert_eq!(
+            (r.suite.as_str(), r.candidate.as_str()),
+            ("e2e-train", "flashmoe")
+        );
         assert_eq!((r.settings.min_samples, r.settings.max_samples), (8, 8));
         let c = &r.configs[0];
         assert!(c.id.ends_with("_train"));
@@ -804,12 +847,16 @@ mod tests {
         assert!(c.comparisons.is_empty());
         assert_eq!(c.implementations[0].metrics["final_loss"], 8.0);
         assert_eq!(c.implementations[0].loss_curve.as_ref().unwrap().len(), 3);
-        assert!((c.flops - 3.0 * match &c.problem {
-            ProblemSpec::E2e(p) => p.forward_flops(),
-            _ => unreachable!(),
-        })
-        .abs()
-            < 1.0);
+        assert!(
+            (c.flops
+                - 3.0
+                    * match &c.problem {
+                        ProblemSpec::E2e(p) => p.forward_flops(),
+                        _ => unreachable!(),
+                    })
+            .abs()
+                < 1.0
+        );
     }
 
     #[test]

@@ -54,6 +54,16 @@ pub struct EpCorrectness {
     pub out_mismatched: usize,
     pub out_max_abs_diff: f64,
     pub out_finite: bool,
+    /// Non-finite values in either output; mean |Δ|, max |Δ| / max(|ref|, 1e-3·max|ref|)
+    /// and ‖Δ‖/‖ref‖ against the single-GPU output (0 when bit-identical).
+    #[serde(default)]
+    pub out_non_finite: usize,
+    #[serde(default)]
+    pub out_mean_abs_diff: f64,
+    #[serde(default)]
+    pub out_max_rel_diff: f64,
+    #[serde(default)]
+    pub out_rel_l2: f64,
     pub topk_ids_identical: bool,
     pub topk_w_identical: bool,
     pub counts_identical: bool,
@@ -450,15 +460,35 @@ fn compare(
     let ob: Vec<u16> = s.clone_dtoh(&b.out.slice(0..t * h))?;
     let f = |v: u16| half::bf16::from_bits(v).to_f32();
     let mut mismatched = 0;
-    let mut max_abs = 0f64;
-    let mut finite = true;
+    let (mut max_abs, mut sum_abs, mut d2, mut r2, mut ref_max) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    let mut non_finite = 0;
     for (&x, &y) in oa.iter().zip(&ob) {
-        finite &= f(x).is_finite() && f(y).is_finite();
+        let (r, o) = (f(x) as f64, f(y) as f64);
+        if !(r.is_finite() && o.is_finite()) {
+            non_finite += 1;
+            continue;
+        }
+        ref_max = ref_max.max(r.abs());
+        r2 += r * r;
         if x != y {
             mismatched += 1;
-            max_abs = max_abs.max((f(x) as f64 - f(y) as f64).abs());
+            let d = (o - r).abs();
+            max_abs = max_abs.max(d);
+            sum_abs += d;
+            d2 += d * d;
         }
     }
+    let floor = 1e-3 * ref_max;
+    let max_rel = oa
+        .iter()
+        .zip(&ob)
+        .filter(|(x, y)| x != y)
+        .map(|(&x, &y)| {
+            let (r, o) = (f(x) as f64, f(y) as f64);
+            (o - r).abs() / r.abs().max(floor).max(f64::MIN_POSITIVE)
+        })
+        .filter(|v| v.is_finite())
+        .fold(0f64, f64::max);
     let eq_u32 = |x: &CudaSlice<u32>, y: &CudaSlice<u32>, n: usize| -> Result<bool> {
         Ok(s.clone_dtoh(&x.slice(0..n))? == s.clone_dtoh(&y.slice(0..n))?)
     };
@@ -471,7 +501,11 @@ fn compare(
         out_elems: t * h,
         out_mismatched: mismatched,
         out_max_abs_diff: max_abs,
-        out_finite: finite,
+        out_finite: non_finite == 0,
+        out_non_finite: non_finite,
+        out_mean_abs_diff: sum_abs / (t * h).max(1) as f64,
+        out_max_rel_diff: max_rel,
+        out_rel_l2: if r2 > 0.0 { (d2 / r2).sqrt() } else { 0.0 },
         topk_ids_identical: eq_u32(&a.ids, &b.ids, t * k)?,
         topk_w_identical: wa == wb,
         counts_identical: eq_u32(&a.counts, &b.counts, a.counts.len())?,
@@ -487,190 +521,52 @@ pub fn write_rank_result(path: &Path, r: &EpRankResult) -> Result<()> {
         .with_context(|| format!("writing {}", path.display()))
 }
 
-/// The gathered run: every rank's result, the machine and the per-config summary.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EpReport {
-    pub manifest: crate::manifest::Manifest,
-    /// `nvidia-smi topo -m` as printed (or why it could not run).
-    pub topology: String,
-    pub world: usize,
-    pub preset: String,
-    pub ranks: Vec<EpRankResult>,
-    /// Ranks that failed (exit status, error), in rank order.
-    pub failures: Vec<String>,
-    pub summary: Vec<EpSummary>,
-}
-
-/// One config over all ranks.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EpSummary {
-    pub tokens_per_gpu: usize,
-    /// Mean over ranks of each rank's median single-GPU time, ms.
-    pub single_ms: f64,
-    /// Slowest rank's median expert-parallel time, ms (the layer is done when it is).
-    pub ep_ms: f64,
-    /// Weak scaling: (world · T / ep_ms) / (world · T / single_ms) = single_ms / ep_ms.
-    pub efficiency: f64,
-    /// Slowest rank's median dispatch / return alone, ms, and the bus bandwidth: bytes a
-    /// rank sends to the other ranks per second (nccl-tests' busbw for an all-to-all).
-    pub dispatch_ms: f64,
-    pub return_ms: f64,
-    pub dispatch_busbw_gbs: f64,
-    pub return_busbw_gbs: f64,
-    pub rows_sent: usize,
-    pub rows_received: usize,
-    /// Every rank's output, routing and losses bit-identical to the single-GPU layer.
-    pub correct: bool,
-}
-
-impl EpReport {
-    pub fn new(
-        manifest: crate::manifest::Manifest,
-        topology: String,
-        world: usize,
-        preset: &str,
-        ranks: Vec<EpRankResult>,
-        failures: Vec<String>,
-    ) -> EpReport {
-        use crate::stats::{mean, median};
-        let mut summary = Vec::new();
-        if let Some(first) = ranks.first() {
-            for (ci, c) in first.configs.iter().enumerate() {
-                let per: Vec<&EpConfigResult> =
-                    ranks.iter().filter_map(|r| r.configs.get(ci)).collect();
-                if per.len() != ranks.len() {
-                    continue;
-                }
-                let max_of = |f: &dyn Fn(&EpConfigResult) -> f64| {
-                    per.iter().map(|c| f(c)).fold(0f64, f64::max)
-                };
-                let single_ms = mean(&per.iter().map(|c| median(&c.single_ms)).collect::<Vec<_>>());
-                let ep_ms = max_of(&|c| median(&c.ep_ms));
-                let dispatch_ms = max_of(&|c| median(&c.dispatch_ms));
-                let return_ms = max_of(&|c| median(&c.return_ms));
-                let bw = |bytes: usize, ms: f64| {
-                    if ms > 0.0 {
-                        bytes as f64 / ms / 1e6
-                    } else {
-                        0.0
-                    }
-                };
-                let dbytes = per.iter().map(|c| c.dispatch_bytes).max().unwrap_or(0);
-                let rbytes = per.iter().map(|c| c.return_bytes).max().unwrap_or(0);
-                summary.push(EpSummary {
-                    tokens_per_gpu: c.tokens,
-                    single_ms,
-                    ep_ms,
-                    efficiency: if ep_ms > 0.0 { single_ms / ep_ms } else { 0.0 },
-                    dispatch_ms,
-                    return_ms,
-                    dispatch_busbw_gbs: bw(dbytes, dispatch_ms),
-                    return_busbw_gbs: bw(rbytes, return_ms),
-                    rows_sent: c.rows_sent,
-                    rows_received: c.rows_received,
-                    correct: per.iter().all(|c| c.correctness.passed()),
-                });
-            }
-        }
-        EpReport {
-            manifest,
-            topology,
-            world,
-            preset: preset.to_string(),
-            ranks,
-            failures,
-            summary,
-        }
-    }
-
+/// How a gathered run ended (the launcher's exit code: 0, 1, 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EpOutcome {
     /// Every rank finished and every config was correct on every rank.
-    pub fn passed(&self) -> bool {
-        self.failures.is_empty()
-            && self.ranks.iter().all(|r| r.error.is_none())
-            && !self.summary.is_empty()
-            && self.summary.iter().all(|s| s.correct)
-    }
+    Correct,
+    /// Every rank finished, and some rank's output differed from the single-GPU layer.
+    Incorrect,
+    /// A rank failed, or a config is missing from some rank.
+    RankFailed,
+}
 
-    pub fn markdown(&self) -> String {
-        let mut m = String::new();
-        let o = self.ranks.first().map(|r| &r.options);
-        m.push_str(&format!(
-            "# Expert-parallel MoE: {} GPUs, preset {}\n\n",
-            self.world, self.preset
-        ));
-        if let Some(o) = o {
-            m.push_str(&format!(
-                "bf16, hidden {}, intermediate {}, {} experts, top-{}, {:?} scoring; experts split evenly; {} chunk(s); NCCL maxCTAs {}; {} timed rounds per config.\n\n",
-                o.hidden, o.intermediate, o.experts, o.top_k, o.scoring, o.chunks,
-                o.comm_ctas.map_or("default".to_string(), |n| n.to_string()), o.rounds
-            ));
-        }
-        if let Some(r) = self.ranks.first() {
-            m.push_str(&format!(
-                "Device: {} · NCCL {} · flashmoe {} ({})\n\n",
-                r.device,
-                r.nccl.as_deref().unwrap_or("absent"),
-                self.manifest.flashmoe_version,
-                self.manifest.build_commit
-            ));
-        }
-        m.push_str("Weak scaling: every GPU keeps `T` tokens. `single` is one GPU running the whole layer (all experts) on its T tokens; `EP` is the expert-parallel layer (slowest rank); efficiency = single / EP (1.0 = twice the throughput on two GPUs). Dispatch and return are the all-to-all alone, bus bandwidth = bytes a rank sends to the others per second. Correct = every rank's output, routing and losses bit-identical to the single-GPU layer on its tokens.\n\n");
-        m.push_str("| T / GPU | single ms | EP ms | efficiency | dispatch ms | dispatch GB/s | return ms | return GB/s | rows sent / received (rank 0) | correct |\n");
-        m.push_str("|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|\n");
-        for s in &self.summary {
-            m.push_str(&format!(
-                "| {} | {:.3} | {:.3} | {:.1}% | {:.3} | {:.0} | {:.3} | {:.0} | {} / {} | {} |\n",
-                s.tokens_per_gpu,
-                s.single_ms,
-                s.ep_ms,
-                100.0 * s.efficiency,
-                s.dispatch_ms,
-                s.dispatch_busbw_gbs,
-                s.return_ms,
-                s.return_busbw_gbs,
-                s.rows_sent,
-                s.rows_received,
-                if s.correct { "yes" } else { "**NO**" }
-            ));
-        }
-        for r in &self.ranks {
-            for c in &r.configs {
-                let k = &c.correctness;
-                m.push_str(&format!(
-                    "\nrank {} T={}: {} of {} output elements differ (max |Δ| {:.3e}), ids {}, weights {}, counts {}, losses {} (aux {:.6}, z {:.6})",
-                    r.rank, c.tokens, k.out_mismatched, k.out_elems, k.out_max_abs_diff,
-                    same(k.topk_ids_identical), same(k.topk_w_identical), same(k.counts_identical),
-                    same(k.losses_identical), k.aux_loss, k.z_loss
-                ));
-            }
-            if let Some(e) = &r.error {
-                m.push_str(&format!("\n\nrank {} failed: {e}", r.rank));
-            }
-        }
-        for f in &self.failures {
-            m.push_str(&format!("\n\nfailure: {f}"));
-        }
-        m.push_str(&format!(
-            "\n\n## Topology (`nvidia-smi topo -m`)\n\n```\n{}\n```\n",
-            self.topology.trim_end()
-        ));
-        m
-    }
-
-    /// A self-contained HTML page of the Markdown (pre-formatted: no renderer needed).
-    pub fn html(&self) -> String {
-        let esc = self
-            .markdown()
-            .replace('&', "&amp;")
-            .replace('<', "&lt;")
-            .replace('>', "&gt;");
-        format!(
-            "<!doctype html><meta charset=\"utf-8\"><title>flashmoe expert-parallel MoE</title>\n<pre style=\"font: 13px/1.4 monospace\">\n{esc}\n</pre>\n"
-        )
+/// The outcome of `ranks` (the results the launcher could read) for `tokens` configs.
+pub fn outcome(
+    world: usize,
+    tokens: &[usize],
+    ranks: &[EpRankResult],
+    failures: &[String],
+) -> EpOutcome {
+    let complete = failures.is_empty()
+        && ranks.len() == world
+        && ranks.iter().all(|r| r.error.is_none())
+        && !tokens.is_empty()
+        && tokens.iter().all(|&t| {
+            ranks
+                .iter()
+                .all(|r| r.configs.iter().any(|c| c.tokens == t))
+        });
+    if !complete {
+        EpOutcome::RankFailed
+    } else if ranks
+        .iter()
+        .flat_map(|r| &r.configs)
+        .all(|c| c.correctness.passed())
+    {
+        EpOutcome::Correct
+    } else {
+        EpOutcome::Incorrect
     }
 }
 
-fn same(b: bool) -> &'static str {
+/// Implementation names of an expert-parallel run.
+pub const SINGLE_GPU: &str = "single-gpu";
+pub const EXPERT_PARALLEL: &str = "expert-parallel";
+pub const ALL_TO_ALL: &str = "all-to-all";
+
+fn identical(b: bool) -> &'static str {
     if b {
         "identical"
     } else {
@@ -678,11 +574,264 @@ fn same(b: bool) -> &'static str {
     }
 }
 
+/// Round `r`'s value over the ranks: `f` of their samples (rounds all ranks have).
+fn per_round(
+    per: &[&EpConfigResult],
+    f: impl Fn(&EpConfigResult, usize) -> f64,
+    fold: fn(&[f64]) -> f64,
+) -> Vec<f64> {
+    let n = per
+        .iter()
+        .map(|c| c.ep_ms.len().min(c.single_ms.len()))
+        .min()
+        .unwrap_or(0);
+    (0..n)
+        .map(|r| fold(&per.iter().map(|c| f(c, r)).collect::<Vec<_>>()))
+        .collect()
+}
+
+fn max_of(xs: &[f64]) -> f64 {
+    xs.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+}
+
+/// The gathered ranks as the lab's results (suite `ep`, candidate `expert-parallel`).
+///
+/// One config per token count (per GPU): the MoE problem one rank runs. Its rows:
+/// `single-gpu` (every rank runs the whole layer on its tokens; a round's sample is the
+/// ranks' mean), `expert-parallel` (a round's sample is its slowest rank's: the layer is
+/// done when every rank is; the accuracy is the ranks' bit-for-bit check against the
+/// single-GPU layer) and `all-to-all` (the exchange alone, dispatch then return, a
+/// ceiling-only row with the bus bandwidths as metrics). The candidate's speedup against
+/// `single-gpu` is the weak-scaling efficiency.
+pub fn to_run_results(
+    manifest: crate::manifest::Manifest,
+    options: &EpRankOptions,
+    ranks: &[EpRankResult],
+    failures: &[String],
+) -> crate::results::RunResults {
+    use crate::recorded::{finish_config, RecordedConfig};
+    use crate::results::{
+        AccuracyResult, ImplResult, MeasureSettings, ProblemSpec, RunResults, CEILING_ONLY_FLAG,
+        SCHEMA_VERSION,
+    };
+    let world = options.world;
+    let settings = MeasureSettings {
+        warmup_ms: 0.0,
+        target_rel_ci: 0.0,
+        min_samples: options.rounds,
+        max_samples: options.rounds,
+        max_time_ms: 0.0,
+        confidence: 0.95,
+        bootstrap_resamples: 2000,
+        seed: options.seed,
+        threshold: 0.02,
+        cache_policy: "none: 2 untimed warm-up rounds; a barrier before every \
+                       expert-parallel call"
+            .into(),
+        timer: "cuda events on each rank's stream; a round's expert-parallel sample is its \
+                slowest rank's, its single-GPU sample the ranks' mean"
+            .into(),
+        against_max_time_ms: None,
+    };
+    let mut run_problems = Vec::new();
+    for &t in &options.tokens {
+        let p = flashmoe::MoeProblem {
+            tokens: t,
+            hidden: options.hidden,
+            intermediate: options.intermediate,
+            experts: options.experts,
+            top_k: options.top_k,
+            scoring: options.scoring,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        };
+        let per: Vec<&EpConfigResult> = ranks
+            .iter()
+            .filter_map(|r| r.configs.iter().find(|c| c.tokens == t))
+            .collect();
+        let mut missing: Vec<String> = ranks
+            .iter()
+            .filter(|r| !r.configs.iter().any(|c| c.tokens == t))
+            .map(|r| match &r.error {
+                Some(e) => e.clone(),
+                None => format!("rank {} did not measure T={t}", r.rank),
+            })
+            .collect();
+        missing.extend(failures.iter().cloned());
+        let error = (per.len() < world).then(|| {
+            format!(
+                "{} of {world} ranks measured T={t}: {}",
+                per.len(),
+                if missing.is_empty() {
+                    "no rank result".to_string()
+                } else {
+                    missing.join("; ")
+                }
+            )
+        });
+        let backend = "cuda";
+        let mut single = ImplResult::new(SINGLE_GPU, backend);
+        let mut ep = ImplResult::new(EXPERT_PARALLEL, backend);
+        let mut a2a = ImplResult::new(ALL_TO_ALL, backend);
+        if per.is_empty() {
+            for row in [&mut single, &mut ep, &mut a2a] {
+                row.error = Some("not measured: no rank reported this config".into());
+            }
+        } else {
+            single.samples_ms = per_round(&per, |c, r| c.single_ms[r], crate::stats::mean);
+            if let Some(e) = &error {
+                ep.error = Some(e.clone());
+                a2a.error = Some(e.clone());
+            } else {
+                ep.samples_ms = per_round(&per, |c, r| c.ep_ms[r], max_of);
+                let reps = per
+                    .iter()
+                    .map(|c| c.dispatch_ms.len().min(c.return_ms.len()))
+                    .min()
+                    .unwrap_or(0);
+                a2a.samples_ms = (0..reps)
+                    .map(|r| {
+                        max_of(
+                            &per.iter()
+                                .map(|c| c.dispatch_ms[r] + c.return_ms[r])
+                                .collect::<Vec<_>>(),
+                        )
+                    })
+                    .collect();
+            }
+            let passed = per.iter().all(|c| c.correctness.passed());
+            let note = per
+                .iter()
+                .zip(
+                    ranks
+                        .iter()
+                        .filter(|r| r.configs.iter().any(|c| c.tokens == t)),
+                )
+                .map(|(c, r)| {
+                    let k = &c.correctness;
+                    format!(
+                        "rank {}: {} of {} output elements differ (max |Δ| {:.3e}), ids {}, \
+                         weights {}, counts {}, losses {} (aux {:.6}, z {:.6})",
+                        r.rank,
+                        k.out_mismatched,
+                        k.out_elems,
+                        k.out_max_abs_diff,
+                        identical(k.topk_ids_identical),
+                        identical(k.topk_w_identical),
+                        identical(k.counts_identical),
+                        identical(k.losses_identical),
+                        k.aux_loss,
+                        k.z_loss
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ");
+            let worst = |f: fn(&EpCorrectness) -> f64| {
+                per.iter().map(|c| f(&c.correctness)).fold(0f64, f64::max)
+            };
+            ep.accuracy = Some(AccuracyResult {
+                max_abs: worst(|k| k.out_max_abs_diff),
+                mean_abs: crate::stats::mean(
+                    &per.iter()
+                        .map(|c| c.correctness.out_mean_abs_diff)
+                        .collect::<Vec<_>>(),
+                ),
+                max_rel: worst(|k| k.out_max_rel_diff),
+                rel_l2: worst(|k| k.out_rel_l2),
+                non_finite: per.iter().map(|c| c.correctness.out_non_finite).sum(),
+                tolerance_rel_l2: 0.0,
+                max_row_rel_l2: None,
+                worst_row: None,
+                tolerance_row_rel_l2: None,
+                passed,
+                reference: "single-gpu layer on the same GPU and tokens (bit-identical)".into(),
+                note: Some(note),
+            });
+            let maxu = |f: fn(&EpConfigResult) -> usize| {
+                per.iter().map(|c| f(c)).max().unwrap_or(0) as f64
+            };
+            ep.metrics.insert("world".into(), world as f64);
+            ep.metrics.insert("chunks".into(), options.chunks as f64);
+            ep.metrics.insert("rows_sent".into(), maxu(|c| c.rows_sent));
+            ep.metrics
+                .insert("rows_received".into(), maxu(|c| c.rows_received));
+            let med_max = |f: fn(&EpConfigResult) -> &Vec<f64>| {
+                per.iter()
+                    .map(|c| crate::stats::median(f(c)))
+                    .fold(0f64, f64::max)
+            };
+            let (dms, rms) = (med_max(|c| &c.dispatch_ms), med_max(|c| &c.return_ms));
+            let (db, rb) = (maxu(|c| c.dispatch_bytes), maxu(|c| c.return_bytes));
+            let bw = |bytes: f64, ms: f64| if ms > 0.0 { bytes / ms / 1e6 } else { 0.0 };
+            a2a.flags.push(format!(
+                "{CEILING_ONLY_FLAG}: the exchange alone (dispatch, then return), no GEMMs"
+            ));
+            for (k, v) in [
+                ("dispatch_ms", dms),
+                ("return_ms", rms),
+                ("dispatch_bytes", db),
+                ("return_bytes", rb),
+                ("dispatch_busbw_gbs", bw(db, dms)),
+                ("return_busbw_gbs", bw(rb, rms)),
+            ] {
+                a2a.metrics.insert(k.into(), v);
+            }
+        }
+        let problem = ProblemSpec::Moe(p.clone());
+        run_problems.push(finish_config(
+            RecordedConfig {
+                id: Some(format!("{}_ep{world}gpu", p.id())),
+                label: Some(format!("{p} per GPU, {world} GPUs")),
+                problem,
+                min_bytes: p.min_bytes(p.experts.min(p.tokens * p.top_k)),
+                implementations: vec![single, ep, a2a],
+                error,
+                sampling: None,
+            },
+            EXPERT_PARALLEL,
+            &settings,
+        ));
+    }
+    RunResults {
+        schema_version: SCHEMA_VERSION,
+        suite: "ep".into(),
+        source: options.preset.clone(),
+        manifest,
+        settings,
+        ceilings: None,
+        candidate: EXPERT_PARALLEL.into(),
+        configs: run_problems,
+        interrupted: false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::results::ProblemSpec;
 
-    fn rank(r: usize, single: f64, ep: f64, ok: bool) -> EpRankResult {
+    fn options() -> EpRankOptions {
+        EpRankOptions {
+            rank: 0,
+            world: 2,
+            rendezvous: PathBuf::from("/tmp"),
+            preset: "deepseek-v3".into(),
+            hidden: 7168,
+            intermediate: 2048,
+            experts: 256,
+            top_k: 8,
+            scoring: Scoring::Sigmoid,
+            tokens: vec![4096],
+            chunks: 4,
+            seed: 1,
+            rounds: 3,
+            timeout_s: 60.0,
+            comm_ctas: None,
+        }
+    }
+
+    fn rank(r: usize, single: [f64; 3], ep: [f64; 3], ok: bool) -> EpRankResult {
         EpRankResult {
             rank: r,
             world: 2,
@@ -690,28 +839,19 @@ mod tests {
             nccl: Some("2.27.7".into()),
             options: EpRankOptions {
                 rank: r,
-                world: 2,
-                rendezvous: PathBuf::from("/tmp"),
-                preset: "deepseek-v3".into(),
-                hidden: 7168,
-                intermediate: 2048,
-                experts: 256,
-                top_k: 8,
-                scoring: Scoring::Sigmoid,
-                tokens: vec![4096],
-                chunks: 4,
-                seed: 1,
-                rounds: 3,
-                timeout_s: 60.0,
-                comm_ctas: None,
+                ..options()
             },
             configs: vec![EpConfigResult {
                 tokens: 4096,
                 correctness: EpCorrectness {
                     out_elems: 10,
                     out_mismatched: if ok { 0 } else { 3 },
-                    out_max_abs_diff: 0.0,
+                    out_max_abs_diff: if ok { 0.0 } else { 0.5 },
                     out_finite: true,
+                    out_non_finite: 0,
+                    out_mean_abs_diff: 0.0,
+                    out_max_rel_diff: 0.0,
+                    out_rel_l2: if ok { 0.0 } else { 0.1 },
                     topk_ids_identical: true,
                     topk_w_identical: true,
                     counts_identical: true,
@@ -720,12 +860,12 @@ mod tests {
                     z_loss: 2.0,
                 },
                 rows_kept: 10,
-                rows_sent: 10,
+                rows_sent: 10 + r,
                 rows_received: 12,
-                single_ms: vec![single, single, single],
-                ep_ms: vec![ep, ep, ep],
-                dispatch_ms: vec![1.0],
-                return_ms: vec![2.0],
+                single_ms: single.to_vec(),
+                ep_ms: ep.to_vec(),
+                dispatch_ms: vec![1.0, 1.0],
+                return_ms: vec![2.0, 2.0 + r as f64],
                 dispatch_bytes: 1_000_000_000,
                 return_bytes: 2_000_000_000,
             }],
@@ -734,40 +874,83 @@ mod tests {
     }
 
     #[test]
-    fn summary_takes_the_slowest_rank_and_flags_incorrect_ranks() {
-        let rep = EpReport::new(
-            Default::default(),
-            "GPU0 X".into(),
-            2,
-            "deepseek-v3",
-            vec![rank(0, 10.0, 11.0, true), rank(1, 12.0, 12.5, true)],
-            vec![],
+    fn rank_samples_become_one_config_with_the_slowest_rank_per_round() {
+        let ranks = vec![
+            rank(0, [10.0, 10.0, 10.0], [11.0, 13.0, 11.0], true),
+            rank(1, [12.0, 12.0, 12.0], [12.5, 12.0, 12.5], true),
+        ];
+        let r = to_run_results(Default::default(), &options(), &ranks, &[]);
+        assert_eq!(
+            (r.suite.as_str(), r.candidate.as_str()),
+            ("ep", EXPERT_PARALLEL)
         );
-        let s = &rep.summary[0];
-        assert_eq!((s.single_ms, s.ep_ms), (11.0, 12.5));
-        assert!((s.efficiency - 0.88).abs() < 1e-12);
-        assert!((s.dispatch_busbw_gbs - 1000.0).abs() < 1e-9);
-        assert!(rep.passed());
-        assert!(rep
-            .markdown()
-            .contains("| 4096 | 11.000 | 12.500 | 88.0% |"));
-        let bad = EpReport::new(
-            Default::default(),
-            String::new(),
-            2,
-            "x",
-            vec![rank(0, 1.0, 1.0, true), rank(1, 1.0, 1.0, false)],
-            vec![],
+        let c = &r.configs[0];
+        assert!(
+            c.id.ends_with("_ep2gpu") && c.label.contains("2 GPUs"),
+            "{}",
+            c.id
         );
-        assert!(!bad.passed() && bad.markdown().contains("**NO**"));
-        let failed = EpReport::new(
-            Default::default(),
-            String::new(),
-            2,
-            "x",
-            vec![rank(0, 1.0, 1.0, true)],
-            vec!["rank 1 exited with status 17".into()],
+        assert!(matches!(c.problem, ProblemSpec::Moe(ref p) if p.tokens == 4096));
+        let row = |n: &str| c.implementations.iter().find(|i| i.name == n).unwrap();
+        assert_eq!(row(SINGLE_GPU).samples_ms, vec![11.0, 11.0, 11.0]);
+        assert_eq!(row(EXPERT_PARALLEL).samples_ms, vec![12.5, 13.0, 12.5]);
+        assert_eq!(row(ALL_TO_ALL).samples_ms, vec![3.0, 4.0]);
+        let acc = row(EXPERT_PARALLEL).accuracy.clone().unwrap();
+        assert!(acc.passed && acc.tolerance_rel_l2 == 0.0);
+        assert!(acc
+            .note
+            .unwrap()
+            .contains("rank 1: 0 of 10 output elements differ"));
+        let a2a = row(ALL_TO_ALL);
+        assert!(a2a.is_ceiling_only());
+        // Slowest rank's median dispatch 1 ms for 1 GB: 1000 GB/s.
+        assert!((a2a.metrics["dispatch_busbw_gbs"] - 1000.0).abs() < 1e-9);
+        assert_eq!(row(EXPERT_PARALLEL).metrics["rows_sent"], 11.0);
+        // Speedup of the candidate against the single GPU = weak-scaling efficiency.
+        let p = c
+            .comparisons
+            .iter()
+            .find(|p| p.baseline == SINGLE_GPU)
+            .unwrap();
+        assert!((p.comparison.speedup.estimate - 11.0 / 12.5).abs() < 1e-12);
+        assert_eq!(outcome(2, &[4096], &ranks, &[]), EpOutcome::Correct);
+        // Every report renders it, and it reads back.
+        let md = crate::report::to_markdown(&r);
+        assert!(md.contains("dispatch busbw 1000 GB/s"), "{md}");
+        let back = crate::report::parse_json(&crate::report::to_json(&r).unwrap()).unwrap();
+        assert_eq!(back.configs[0].implementations.len(), 3);
+    }
+
+    #[test]
+    fn incorrect_or_missing_ranks_are_gate_failures_and_errors() {
+        let bad = vec![
+            rank(0, [1.0; 3], [1.0; 3], true),
+            rank(1, [1.0; 3], [1.0; 3], false),
+        ];
+        let r = to_run_results(Default::default(), &options(), &bad, &[]);
+        let ep = &r.configs[0].implementations[1];
+        let acc = ep.accuracy.as_ref().unwrap();
+        assert!(!acc.passed && acc.max_abs == 0.5 && acc.rel_l2 == 0.1);
+        assert!(!ep.is_usable());
+        assert!(r.configs[0].comparisons.is_empty());
+        assert_eq!(outcome(2, &[4096], &bad, &[]), EpOutcome::Incorrect);
+
+        let failures = vec!["rank 1 exited with status 17".to_string()];
+        let one = vec![rank(0, [1.0; 3], [1.0; 3], true)];
+        let r = to_run_results(Default::default(), &options(), &one, &failures);
+        let c = &r.configs[0];
+        assert!(
+            c.error.as_deref().unwrap().contains("1 of 2 ranks"),
+            "{:?}",
+            c.error
         );
-        assert!(!failed.passed());
+        assert!(c.implementations[1]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("status 17"));
+        assert_eq!(outcome(2, &[4096], &one, &failures), EpOutcome::RankFailed);
+        let none = to_run_results(Default::default(), &options(), &[], &failures);
+        assert!(none.configs[0].implementations[0].error.is_some());
     }
 }

@@ -8,6 +8,7 @@
 pub mod compare;
 pub mod config;
 pub mod decode;
+pub mod e2e;
 pub mod ep;
 pub mod gpu;
 pub mod grad;
@@ -16,6 +17,7 @@ pub mod manifest;
 pub mod measure;
 pub mod mla;
 pub mod profile;
+pub mod recorded;
 pub mod report;
 pub mod results;
 pub mod runner;

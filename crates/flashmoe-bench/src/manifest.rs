@@ -27,6 +27,9 @@ pub struct Manifest {
     pub gpu: Option<GpuManifest>,
     #[serde(default)]
     pub python: Option<PythonManifest>,
+    /// `nvidia-smi topo -m` of a multi-GPU run (`bench moe --gpus N`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<String>,
 }
 
 /// GPU fields, filled by the GPU runner.
@@ -148,6 +151,7 @@ impl Manifest {
                 .collect(),
             gpu: None,
             python: None,
+            topology: None,
         }
     }
 }

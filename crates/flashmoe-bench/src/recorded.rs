@@ -59,10 +59,7 @@ pub fn finish_config(
     };
     let mut comparisons = Vec::new();
     if let Some(cand) = rows.iter().find(|r| r.name == candidate && r.is_usable()) {
-        for other in rows
-            .iter()
-            .filter(|r| r.name != candidate && r.is_usable())
-        {
+        for other in rows.iter().filter(|r| r.name != candidate && r.is_usable()) {
             comparisons.push(PairResult {
                 candidate: cand.name.clone(),
                 baseline: other.name.clone(),

@@ -3,12 +3,14 @@
 //! [`SCHEMA_VERSION`] on any incompatible change.
 
 use crate::decode::DecodeProblem;
+use crate::e2e::E2eProblem;
 use crate::manifest::Manifest;
 use crate::mla::MlaProblem;
 use crate::stats::{Comparison, Summary};
 use crate::varlen::VarlenProblem;
 use flashmoe::{AttentionProblem, MoeProblem};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 pub const SCHEMA_VERSION: u32 = 1;
 
@@ -90,6 +92,9 @@ pub enum ProblemSpec {
     /// The backward (or forward + backward) of an attention, varlen or MoE layer
     /// (`bench --pass bwd|fwd+bwd`, `check --pass bwd`; `crate::grad`).
     Grad(crate::grad::GradProblem),
+    /// A whole decoder model's forward or training step in PyTorch (`flashmoe bench e2e`):
+    /// measured by `python/flashmoe_e2e.py`, never by the kernel pipeline.
+    E2e(E2eProblem),
 }
 
 impl ProblemSpec {
@@ -301,6 +306,13 @@ pub struct ImplResult {
     /// Warnings such as implausible throughput.
     #[serde(default)]
     pub flags: Vec<String>,
+    /// `bench e2e --train`: the loss of every step, in order (absent elsewhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_curve: Option<Vec<f64>>,
+    /// Suite-specific quantities, the unit in the name's suffix (`tokens_per_s`,
+    /// `dispatch_busbw_gbs`, `state_bytes`, ...); empty (and absent) for the kernel suites.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
 }
 
 impl ImplResult {
@@ -321,6 +333,8 @@ impl ImplResult {
             input_checksum: None,
             error: None,
             flags: Vec::new(),
+            loss_curve: None,
+            metrics: BTreeMap::new(),
         }
     }
     pub fn median_ms(&self) -> Option<f64> {

@@ -233,6 +233,7 @@ impl ProblemSpec {
             ProblemSpec::Varlen(p) => p,
             ProblemSpec::Mla(p) => p,
             ProblemSpec::Grad(p) => p,
+            ProblemSpec::E2e(p) => p,
         }
     }
 }

@@ -52,6 +52,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     if args.train {
         anyhow::bail!("--train is for `bench e2e --train` (training steps of the e2e models)");
     }
+    if args.from_samples.is_some() {
+        anyhow::bail!("--from-samples is for `bench e2e` (the e2e script's samples file)");
+    }
     if let Some(gpus) = args.gpus {
         return crate::ep::run(args, gpus);
     }

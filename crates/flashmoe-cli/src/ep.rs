@@ -1,5 +1,6 @@
 //! `flashmoe bench moe --gpus N`: start one rank process per GPU (`flashmoe ep-rank`,
-//! hidden), watch them, gather their results into one report.
+//! hidden), watch them, gather their samples into the lab's results (suite `ep`,
+//! `flashmoe_bench::ep::to_run_results`) and write the standard reports.
 //!
 //! Every rank gets NVLink multicast switched off (NCCL_NVLS_ENABLE=0,
 //! TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1: it can take a shared
@@ -11,8 +12,9 @@
 use crate::BenchArgs;
 use anyhow::{bail, Context, Result};
 use flashmoe_bench::config::{self, Suite};
-use flashmoe_bench::ep::{EpRankOptions, EpRankResult, EpReport};
+use flashmoe_bench::ep::{EpOutcome, EpRankOptions, EpRankResult};
 use flashmoe_bench::manifest::Manifest;
+use flashmoe_bench::report;
 use flashmoe_bench::results::ProblemSpec;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode};
@@ -127,34 +129,24 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_else(|e| format!("nvidia-smi topo -m failed: {e}"));
-    let report = EpReport::new(
-        Manifest::collect(),
-        topology,
-        world,
-        &preset,
-        ranks,
-        failures,
-    );
-    let name = args
-        .name
-        .clone()
-        .unwrap_or_else(|| format!("ep-{preset}-{world}gpu"));
-    std::fs::write(
-        args.out.join(format!("{name}.json")),
-        serde_json::to_string_pretty(&report)?,
-    )?;
-    std::fs::write(args.out.join(format!("{name}.md")), report.markdown())?;
-    std::fs::write(args.out.join(format!("{name}.html")), report.html())?;
+    let mut manifest = Manifest::collect();
+    manifest.topology = Some(topology);
+    for f in &failures {
+        eprintln!("{f}");
+    }
+    let results = flashmoe_bench::ep::to_run_results(manifest, &base, &ranks, &failures);
     let _ = std::fs::remove_dir_all(&scratch);
-    println!("{}", report.markdown());
-    println!("wrote {}/{name}.{{json,md,html}}", args.out.display());
-    Ok(if report.passed() {
-        ExitCode::SUCCESS
-    } else if report.failures.is_empty() && report.ranks.iter().all(|r| r.error.is_none()) {
-        ExitCode::from(1)
-    } else {
-        ExitCode::from(2)
-    })
+    print!("{}", report::terminal_table(&results));
+    for p in report::write_all(&results, &args.out)? {
+        println!("wrote {}", p.display());
+    }
+    Ok(
+        match flashmoe_bench::ep::outcome(world, &args.tokens, &ranks, &failures) {
+            EpOutcome::Correct => ExitCode::SUCCESS,
+            EpOutcome::Incorrect => ExitCode::from(1),
+            EpOutcome::RankFailed => ExitCode::from(2),
+        },
+    )
 }
 
 fn rank_file(out: &Path, rank: usize) -> PathBuf {

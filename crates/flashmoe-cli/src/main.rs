@@ -155,8 +155,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "SECONDS", requires = "against")]
     against_max_time: Option<f64>,
     /// Expert parallelism (moe only): the MoE layer across N GPUs of this host, one rank
-    /// process per GPU over NCCL; writes ep-PRESET-NGPUgpu.{json,md,html} (default preset
-    /// deepseek-v3).
+    /// process per GPU over NCCL; writes the reports of suite `ep` (implementations
+    /// single-gpu, expert-parallel, all-to-all) and each rank's rank-N.json into --out
+    /// (default preset deepseek-v3).
     #[arg(long, value_name = "N")]
     gpus: Option<usize>,
     /// Tokens per GPU for --gpus (comma-separated; one config each).
@@ -176,9 +177,6 @@ pub struct BenchArgs {
     /// Cap on the thread blocks NCCL's kernels use (NCCL maxCTAs) for --gpus.
     #[arg(long)]
     comm_ctas: Option<u32>,
-    /// File name (no extension) of the --gpus report (default ep-PRESET-NGPUgpu).
-    #[arg(long)]
-    name: Option<String>,
     /// Which pass to measure (attention, varlen, moe): fwd (the layer), bwd (its backward
     /// alone over a retained forward; FLOPs 2.5 × the forward's for attention, 2 × for
     /// MoE) or fwd+bwd (both; 3.5 × / 3 ×).
@@ -191,6 +189,10 @@ pub struct BenchArgs {
     /// Steps per implementation for `bench e2e --train` (the length of the loss curve).
     #[arg(long, value_name = "N", requires = "train")]
     steps: Option<usize>,
+    /// e2e only: write the reports of a samples file python/flashmoe_e2e.py wrote
+    /// (OUT/e2e-samples.json) instead of running the models; needs no PyTorch.
+    #[arg(long, value_name = "FILE")]
+    from_samples: Option<PathBuf>,
 }
 
 #[derive(Args)]

@@ -213,6 +213,7 @@ pub fn target(args: &ProfileTargetArgs) -> anyhow::Result<ExitCode> {
         ProblemSpec::Varlen(_) => Suite::Varlen,
         ProblemSpec::Mla(_) => Suite::Mla,
         ProblemSpec::Grad(_) => bail!("flashmoe profile does not run gradient configs"),
+        ProblemSpec::E2e(_) => bail!("flashmoe profile runs kernel configs, not e2e models"),
     };
     let baseline = is_python_baseline(&args.implementation);
     let python = baseline.then_some(args.python.as_path());

@@ -80,6 +80,7 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
         crate::results::ProblemSpec::Decode(_) => "decode",
         crate::results::ProblemSpec::Varlen(_) => "varlen",
         crate::results::ProblemSpec::Mla(_) => "mla",
+        crate::results::ProblemSpec::E2e(_) => "e2e",
         crate::results::ProblemSpec::Grad(_) => "grad",
     };
     let mut r = vec![

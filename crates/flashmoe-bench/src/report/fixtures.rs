@@ -52,6 +52,7 @@ pub fn flops_bytes(p: &ProblemSpec) -> (f64, f64) {
         ProblemSpec::Decode(d) => (d.flops(), d.kv_bytes()),
         ProblemSpec::Varlen(v) => (v.flops(), v.min_bytes()),
         ProblemSpec::Mla(m) => (m.flops(), m.kv_bytes()),
+        ProblemSpec::E2e(e) => (e.forward_flops(), 0.0),
         ProblemSpec::Grad(g) => (g.flops(), g.min_bytes()),
     }
 }
@@ -97,6 +98,8 @@ pub fn impl_from_samples(
         input_checksum: Some("sha256:0123abcd".to_string()),
         error: None,
         flags: Vec::new(),
+        loss_curve: None,
+        metrics: Default::default(),
     }
 }
 
@@ -207,6 +210,7 @@ pub fn manifest(gpu: bool) -> Manifest {
             packages: vec!["flash-attn-4 4.0.0b36".to_string()],
             skipped: vec!["fa3: flash_attn_interface not importable".to_string()],
         }),
+        topology: None,
     }
 }
 

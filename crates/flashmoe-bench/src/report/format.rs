@@ -162,6 +162,9 @@ pub struct RowView {
     pub verdict: Option<Verdict>,
     pub p_value: String,
     pub flags: Vec<String>,
+    /// What a suite measured besides the time ([`details`]): the metrics, memory and the
+    /// gate's bound of the e2e and expert-parallel suites; empty for the kernel suites.
+    pub details: Vec<String>,
 }
 
 pub const DASH: &str = "—";
@@ -215,7 +218,10 @@ pub fn row_view(results: &RunResults, config: &ConfigResult, imp: &ImplResult) -
                 }
             })
             .unwrap_or(DASH.to_string()),
-        throughput: opt(imp.tflops, &fmt_throughput),
+        throughput: match (imp.tflops, imp.metrics.get(TOKENS_PER_S)) {
+            (Some(t), Some(tps)) => format!("{} · {} tok/s", fmt_throughput(t), fmt_sig(*tps, 4)),
+            (t, _) => opt(t, &fmt_throughput),
+        },
         gbps: opt(imp.gbps, &|g| fmt_sig(g, 3)),
         pct_ceiling: opt(imp.pct_of_gemm_ceiling, &|p| format!("{p:.1}%")),
         pct_copy: opt(imp.pct_of_copy_ceiling, &|p| format!("{p:.1}%")),
@@ -227,7 +233,50 @@ pub fn row_view(results: &RunResults, config: &ConfigResult, imp: &ImplResult) -
             .map(|p| fmt_p(p.comparison.mann_whitney.p_value))
             .unwrap_or(DASH.to_string()),
         flags: imp.flags.clone(),
+        details: details(imp),
     }
+}
+
+/// The metric shown in the throughput cell beside TFLOP/s (e2e).
+pub const TOKENS_PER_S: &str = "tokens_per_s";
+
+/// One metric as "name value unit", the unit from the name's suffix.
+fn fmt_metric(name: &str, v: f64) -> String {
+    let (stem, value) = if let Some(s) = name.strip_suffix("_ms") {
+        (s, format!("{} ms", fmt_sig(v, 4)))
+    } else if let Some(s) = name.strip_suffix("_bytes") {
+        (s, fmt_bytes(v))
+    } else if let Some(s) = name.strip_suffix("_gbs") {
+        (s, format!("{} GB/s", fmt_sig(v, 4)))
+    } else if let Some(s) = name.strip_suffix("_per_s") {
+        (s, format!("{}/s", fmt_sig(v, 4)))
+    } else {
+        (name, fmt_sig(v, 4))
+    };
+    format!("{} {value}", stem.replace('_', " "))
+}
+
+/// A row's metrics (but tokens/s, which has its cell), its peak memory and its gate's
+/// bound, for the suites that record metrics (e2e, expert parallel).
+pub fn details(imp: &ImplResult) -> Vec<String> {
+    if imp.metrics.is_empty() {
+        return Vec::new();
+    }
+    let mut parts: Vec<String> = imp
+        .metrics
+        .iter()
+        .filter(|(k, _)| k.as_str() != TOKENS_PER_S)
+        .map(|(k, v)| fmt_metric(k, *v))
+        .collect();
+    if let Some(b) = imp.peak_extra_bytes {
+        parts.push(format!("peak extra {}", fmt_bytes(b as f64)));
+    }
+    let mut out = vec![parts.join(", ")];
+    if let Some(note) = imp.accuracy.as_ref().and_then(|a| a.note.as_ref()) {
+        out.push(note.clone());
+    }
+    out.retain(|s| !s.is_empty());
+    out
 }
 
 /// A p-value: "<1e-4" for tiny ones, 2 significant digits otherwise.

@@ -395,6 +395,7 @@ fn results_table(results: &RunResults) -> String {
                 "<td class=\"flag\">{}</td>",
                 r.flags
                     .iter()
+                    .chain(&r.details)
                     .map(|f| esc(f))
                     .collect::<Vec<_>>()
                     .join("<br>")

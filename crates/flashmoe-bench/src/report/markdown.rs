@@ -158,6 +158,13 @@ pub fn to_markdown(results: &RunResults) -> String {
         None => kv("Measured ceilings", "none".to_string()),
     }
     o.push('\n');
+    if let Some(t) = &m.topology {
+        let _ = writeln!(
+            o,
+            "GPU topology (`nvidia-smi topo -m`):\n\n```\n{}\n```\n",
+            t.trim_end()
+        );
+    }
 
     let with_pct = format::has_pct_ceiling(results);
     let ci = level_pct(format::ci_level(results));
@@ -258,12 +265,15 @@ pub fn to_markdown(results: &RunResults) -> String {
             }
             table_row(&mut o, &cells);
             for f in &r.flags {
-                notes.push(format!("{}: {}", md_escape(&r.impl_name), md_escape(f)));
+                notes.push(format!("⚠ {}: {}", md_escape(&r.impl_name), md_escape(f)));
+            }
+            for d in &r.details {
+                notes.push(format!("{}: {}", md_escape(&r.impl_name), md_escape(d)));
             }
         }
         o.push('\n');
         for n in notes {
-            let _ = writeln!(o, "- ⚠ {n}");
+            let _ = writeln!(o, "- {n}");
         }
         o.push('\n');
     }

@@ -43,6 +43,13 @@ impl SuiteInputs {
                 SuiteInputs::Attention(AttentionInputs::generate(&p.packed(), seed))
             }
             ProblemSpec::Mla(p) => SuiteInputs::Attention(crate::mla::generate_inputs(p, seed)),
+            // No tensors: a model runs only in `bench e2e`, and its validate() refuses the
+            // pipeline.
+            ProblemSpec::E2e(_) => SuiteInputs::Attention(AttentionInputs {
+                q: Vec::new(),
+                k: Vec::new(),
+                v: Vec::new(),
+            }),
             ProblemSpec::Grad(p) => {
                 SuiteInputs::Grad(Box::new(crate::grad::GradInputs::generate(p, seed)))
             }
@@ -165,6 +172,7 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
             ((p.q_elems() + p.latent_elems() + paged) * 4 + (p.o_elems() + p.lse_elems()) * 12)
                 as u64
         }
+        ProblemSpec::E2e(_) => 0,
     }
 }
 

@@ -243,7 +243,8 @@ pub fn gate(
                     | ProblemSpec::Decode(_)
                     | ProblemSpec::Varlen(_)
                     | ProblemSpec::Mla(_)
-                    | ProblemSpec::Grad(_) => 0,
+                    | ProblemSpec::Grad(_)
+                    | ProblemSpec::E2e(_) => 0,
                 };
                 let c = compare_routing(ids, &r.routing, experts);
                 let note = if c.mismatched > 0 {
@@ -301,6 +302,8 @@ fn min_bytes(problem: &ProblemSpec, reference: Option<&ReferenceOutputs>) -> f64
         ProblemSpec::Varlen(p) => p.min_bytes(),
         // MLA: the latent cache read once (GB/s of the cache, as decode).
         ProblemSpec::Mla(p) => p.kv_bytes(),
+        // Never run here (validate refuses it); `bench e2e` records the weights' bytes.
+        ProblemSpec::E2e(_) => 0.0,
         ProblemSpec::Grad(p) => p.min_bytes(),
         ProblemSpec::Moe(p) => {
             let touched = match reference {

@@ -859,6 +859,7 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Decode(_) => (DECODE_BASELINES, "decode"),
             ProblemSpec::Varlen(_) => (VARLEN_BASELINES, "varlen"),
             ProblemSpec::Mla(_) => (MLA_BASELINES, "MLA"),
+            ProblemSpec::E2e(_) => return Err("end-to-end models run in `bench e2e`".into()),
             ProblemSpec::Grad(g) => match &g.layer {
                 crate::grad::GradLayer::Attention(a) => {
                     if a.has_window() || a.softcap > 0.0 {
@@ -1080,6 +1081,7 @@ impl Prepared for PythonPrepared {
                 Outputs::Attention { o, lse }
             }
             ProblemSpec::Decode(_) => bail!("a decode config reached the worker undensified"),
+            ProblemSpec::E2e(_) => bail!("an end-to-end model reached the kernel worker"),
             // One file per gradient, named as `GradProblem::tensors`.
             ProblemSpec::Grad(p) => Outputs::Gradients(
                 p.tensors()
