@@ -98,8 +98,11 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
 /// The gradient check of one suite: its gradient matrix (`grad::config::check_matrix`)
 /// against the f64 backward, every implementation of the gradient lab but the reference.
 fn check_gradients(suite: Suite, args: &CheckArgs, seed: u64) -> anyhow::Result<Vec<CheckRow>> {
-    let problems = grad::config::check_matrix(suite, args.quick, args.pass)?;
+    let mut problems = grad::config::check_matrix(suite, args.quick, args.pass)?;
     let lab = backend::select_grad(suite, args.cpu, seed, None);
+    if lab.on_gpu() {
+        problems.extend(grad::config::gpu_check_shapes(suite, args.quick, args.pass));
+    }
     let under_test: Vec<&dyn Implementation> = lab
         .implementations
         .iter()

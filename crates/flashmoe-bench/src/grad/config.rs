@@ -99,6 +99,76 @@ pub fn check_matrix(suite: Suite, quick: bool, pass: Pass) -> anyhow::Result<Vec
 /// (causal, window, softcap, (Sq, Sk)).
 type WindowCase = (bool, (i32, i32), f32, (usize, usize));
 
+/// Shapes a GPU check adds (the kernels' tile edges and many blocks in both loops; the
+/// reference slices the large ones, `reference.rs`): long and ragged lengths, Sq ≠ Sk both
+/// ways, GQA; a packed batch of long ragged sequences; a model-like MoE at 2048 tokens.
+pub fn gpu_check_shapes(suite: Suite, quick: bool, pass: Pass) -> Vec<ProblemSpec> {
+    use DType::{Bf16, F16};
+    let pass = if pass == Pass::Fwd { Pass::Bwd } else { pass };
+    let mut layers = Vec::new();
+    match suite {
+        Suite::Attention => {
+            layers.push(GradLayer::Attention(attention(
+                8,
+                2,
+                (1000, 1000),
+                128,
+                true,
+                Bf16,
+            )));
+            layers.push(GradLayer::Attention(attention(
+                4,
+                4,
+                (4097, 4097),
+                64,
+                false,
+                F16,
+            )));
+            if !quick {
+                layers.push(GradLayer::Attention(attention(
+                    8,
+                    8,
+                    (1000, 4097),
+                    128,
+                    true,
+                    Bf16,
+                )));
+                layers.push(GradLayer::Attention(attention(
+                    4,
+                    1,
+                    (4097, 1000),
+                    64,
+                    true,
+                    Bf16,
+                )));
+            }
+        }
+        Suite::Varlen => {
+            let mut p = VarlenProblem::new(&[], 8, 2, 128, true, Bf16);
+            p.seqlens = vec![(1000, 1000), (0, 7), (2049, 2049), (333, 1500), (1, 1)];
+            layers.push(GradLayer::Varlen(p));
+        }
+        Suite::Moe => {
+            layers.push(GradLayer::Moe(MoeProblem {
+                tokens: 2048,
+                hidden: 1024,
+                intermediate: 512,
+                experts: 64,
+                top_k: 8,
+                scoring: Scoring::Softmax,
+                renormalize: true,
+                dtype: Bf16,
+                shared_expert: !quick,
+            }));
+        }
+        _ => {}
+    }
+    layers
+        .into_iter()
+        .map(|l| ProblemSpec::Grad(GradProblem::new(pass, l)))
+        .collect()
+}
+
 fn attention_layers(quick: bool) -> Vec<GradLayer> {
     use DType::{Bf16, F16};
     let mut v = Vec::new();
@@ -284,6 +354,11 @@ mod tests {
             }
         }
         assert!(check_matrix(Suite::Decode, true, Pass::Bwd).is_err());
+        for suite in [Suite::Attention, Suite::Varlen, Suite::Moe] {
+            for p in gpu_check_shapes(suite, false, Pass::Bwd) {
+                p.workload().validate().unwrap();
+            }
+        }
     }
 
     #[test]

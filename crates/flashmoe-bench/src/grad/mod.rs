@@ -294,19 +294,23 @@ impl GradProblem {
         self.layer.forward().workload().validate()
     }
 
+    /// FLOPs of the backward alone (module docs).
+    pub fn backward_flops(&self) -> f64 {
+        let fwd = self.layer.forward().workload().flops();
+        match &self.layer {
+            GradLayer::Attention(_) | GradLayer::Varlen(_) => 2.5 * fwd,
+            GradLayer::Moe(_) => 2.0 * fwd,
+        }
+    }
+
     /// FLOPs of the timed call (module docs).
     pub fn flops(&self) -> f64 {
-        let fwd = self.layer.forward().workload().flops();
-        let bwd = match &self.layer {
-            GradLayer::Attention(_) | GradLayer::Varlen(_) => 2.5,
-            GradLayer::Moe(_) => 2.0,
+        let forward = if self.pass.includes_forward() {
+            self.layer.forward().workload().flops()
+        } else {
+            0.0
         };
-        fwd * (bwd
-            + if self.pass.includes_forward() {
-                1.0
-            } else {
-                0.0
-            })
+        self.backward_flops() + forward
     }
 
     /// Bytes the backward must move at least: the forward's inputs and output and d_out

@@ -5,7 +5,9 @@
 //! whose f64 backward fits the budget: batch 0 and its first KV heads (with their query
 //! heads), at least one — the batches and KV-head groups of attention are independent, so
 //! the slice's gradients are exactly the full problem's there. Its name says so
-//! ("cpu-f64 (batch 0, KV heads 0..n of H)"). Varlen and MoE configs are checked whole.
+//! ("cpu-f64 (batch 0, KV heads 0..n of H)"). Varlen and MoE configs are checked whole, up
+//! to [`GradReference::max_whole_flops`]; above it the reference refuses with the reason
+//! (the config is then recorded as unchecked and not timed) instead of running for hours.
 
 use super::{reference_f64, GradInputs, GradLayer, RefTensor};
 use crate::results::ProblemSpec;
@@ -20,12 +22,19 @@ pub struct GradReference {
     /// Backward FLOPs (the problem's convention) above which dense attention is checked
     /// on a slice.
     pub max_flops: f64,
+    /// Backward FLOPs above which a config that cannot be sliced (varlen, MoE) is not
+    /// computed at all.
+    pub max_whole_flops: f64,
 }
 
 impl Default for GradReference {
-    /// 5e10 FLOPs: a few seconds of the f64 backward on a many-core host.
+    /// 5e10 FLOPs: a few seconds of the f64 backward on a many-core host; whole configs up
+    /// to 1e12 (minutes).
     fn default() -> GradReference {
-        GradReference { max_flops: 5e10 }
+        GradReference {
+            max_flops: 5e10,
+            max_whole_flops: 1e12,
+        }
     }
 }
 
@@ -79,8 +88,7 @@ impl GradReference {
         let GradLayer::Attention(a) = &g.layer else {
             return None;
         };
-        let bwd = 2.5 * a.flops();
-        slice_heads(a, bwd, self.max_flops).map(|n| (a.clone(), n))
+        slice_heads(a, g.backward_flops(), self.max_flops).map(|n| (a.clone(), n))
     }
 }
 
@@ -104,7 +112,18 @@ impl ReferenceProvider for GradReference {
         };
         let tensors = match self.slice_of(problem) {
             Some((a, n)) => sliced(&a, x, n)?,
-            None => reference_f64(g, x).context("CPU f64 backward reference")?,
+            None => {
+                let flops = g.backward_flops();
+                if flops > self.max_whole_flops && !matches!(g.layer, GradLayer::Attention(_)) {
+                    anyhow::bail!(
+                        "the f64 backward reference of this config is {:.1e} FLOPs, above the \
+                         lab's {:.0e} (it cannot be sliced like dense attention): not checked",
+                        flops,
+                        self.max_whole_flops
+                    );
+                }
+                reference_f64(g, x).context("CPU f64 backward reference")?
+            }
         };
         Ok(ReferenceOutputs::Gradients(tensors))
     }
@@ -160,6 +179,7 @@ mod tests {
         let inputs = SuiteInputs::Grad(Box::new(x));
         let small = GradReference {
             max_flops: 2.5 * a.flops() / 6.0 * 2.0,
+            max_whole_flops: 0.0,
         };
         assert_eq!(
             small.name(&spec),
@@ -191,5 +211,35 @@ mod tests {
         bad[0].values[d] += 10.0; // row 0, query head 1: inside
         assert!(!crate::grad::gate(&g, &bad, &sliced, "slice").passed);
         assert_eq!(GradReference::default().name(&spec), "cpu-f64");
+    }
+
+    /// A MoE config above the whole-config budget is refused with the reason.
+    #[test]
+    fn unsliceable_configs_above_the_budget_are_refused() {
+        let m = flashmoe::MoeProblem {
+            tokens: 8,
+            hidden: 16,
+            intermediate: 8,
+            experts: 4,
+            top_k: 2,
+            scoring: flashmoe::Scoring::Softmax,
+            renormalize: true,
+            dtype: DType::Bf16,
+            shared_expert: false,
+        };
+        let g = GradProblem::new(Pass::Bwd, GradLayer::Moe(m));
+        let inputs = SuiteInputs::Grad(Box::new(GradInputs::generate(&g, 1)));
+        let r = GradReference {
+            max_flops: 0.0,
+            max_whole_flops: 1.0,
+        };
+        let e = r
+            .compute(&ProblemSpec::Grad(g.clone()), &inputs)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("not checked"), "{e}");
+        assert!(GradReference::default()
+            .compute(&ProblemSpec::Grad(g), &inputs)
+            .is_ok());
     }
 }
