@@ -26,7 +26,6 @@ results.json / .md / .csv / report.html, `flashmoe compare`). Run directly:
     flashmoe bench e2e --from-samples out/e2e/e2e-samples.json --out out/e2e
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -362,23 +361,44 @@ def rel_l2(a, b):
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
-def logits_error(out, ref):
+def logits_error(out, ref, chunk_rows=1024):
     """The logits against the reference: the gate's rel L2 and the lab's other metrics
-    (crates/flashmoe/src/accuracy.rs), a row being one token's logits; None for non-finite
-    values in JSON."""
-    o, r = out.double().reshape(-1, out.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
-    finite = torch.isfinite(o)
-    non_finite = int((~finite).sum())
-    d = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
-    ref_max = float(r.abs().max())
-    row_ref = torch.linalg.vector_norm(r, dim=-1)
-    rms_row = float(torch.sqrt((row_ref ** 2).mean()))
-    row_err = torch.linalg.vector_norm(d, dim=-1) / torch.clamp(row_ref, min=max(rms_row / 16, 1e-30))
-    worst = int(torch.argmax(row_err))
-    err = rel_l2(out, ref) if non_finite == 0 else float("nan")
-    return dict(rel_l2=finite_or_none(err), max_abs=float(d.max()), mean_abs=float(d.mean()),
-                max_rel=float((d / torch.clamp(r.abs(), min=max(1e-3 * ref_max, 1e-30))).max()),
-                non_finite=non_finite, max_row_rel_l2=float(row_err[worst]), worst_row=worst)
+    (crates/flashmoe/src/accuracy.rs), a row being one token's logits. In row chunks: the
+    logits of a large batch are ~10^9 values, and fp64 copies of them all would not fit
+    beside the model."""
+    o_all = out.reshape(-1, out.shape[-1])
+    r_all = ref.reshape(-1, ref.shape[-1])
+    rows = o_all.shape[0]
+    ref_max, row_ref = 0.0, []
+    for i in range(0, rows, chunk_rows):
+        r = r_all[i:i + chunk_rows].double()
+        ref_max = max(ref_max, float(r.abs().max()))
+        row_ref.append(torch.linalg.vector_norm(r, dim=-1))
+    row_ref = torch.cat(row_ref)
+    ref_l2 = float(torch.linalg.vector_norm(row_ref))
+    row_floor = max(float(torch.sqrt((row_ref ** 2).mean())) / 16, 1e-30)
+    el_floor = max(1e-3 * ref_max, 1e-30)
+    non_finite, n_finite, sum_abs, sum_sq, max_abs, max_rel = 0, 0, 0.0, 0.0, 0.0, 0.0
+    worst, worst_err = 0, -1.0
+    for i in range(0, rows, chunk_rows):
+        o, r = o_all[i:i + chunk_rows].double(), r_all[i:i + chunk_rows].double()
+        finite = torch.isfinite(o)
+        non_finite += int((~finite).sum())
+        n_finite += int(finite.sum())
+        d = torch.where(finite, (o - r).abs(), torch.zeros((), dtype=o.dtype, device=o.device))
+        sum_abs += float(d.sum())
+        sum_sq += float((d * d).sum())
+        max_abs = max(max_abs, float(d.max()))
+        max_rel = max(max_rel, float((d / torch.clamp(r.abs(), min=el_floor)).max()))
+        row_err = torch.linalg.vector_norm(d, dim=-1) / torch.clamp(row_ref[i:i + chunk_rows],
+                                                                   min=row_floor)
+        k = int(torch.argmax(row_err))
+        if float(row_err[k]) > worst_err:
+            worst, worst_err = i + k, float(row_err[k])
+    err = math.sqrt(sum_sq) / ref_l2 if non_finite == 0 and ref_l2 > 0 else float("nan")
+    return dict(rel_l2=finite_or_none(err), max_abs=max_abs,
+                mean_abs=sum_abs / max(n_finite, 1), max_rel=max_rel, non_finite=non_finite,
+                max_row_rel_l2=worst_err, worst_row=worst)
 
 
 def finite_or_none(x):
