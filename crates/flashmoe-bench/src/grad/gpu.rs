@@ -44,7 +44,15 @@ impl Implementation for GpuGrad {
         };
         let (dtype, head_dim) = match &g.layer {
             GradLayer::Attention(a) => (a.dtype, Some(a.head_dim)),
-            GradLayer::Varlen(v) => (v.dtype, Some(v.head_dim)),
+            GradLayer::Varlen(v) => {
+                // The retained forward runs on the varlen prefill kernel (sm_90a).
+                let arch = self.session.device.arch();
+                flashmoe::attention::varlen::varlen_variant(&v.class())
+                    .map_err(|e| e.to_string())?
+                    .runs_on(arch)
+                    .map_err(|why| format!("the varlen forward {why} (this GPU is sm_{arch})"))?;
+                (v.dtype, Some(v.head_dim))
+            }
             GradLayer::Moe(m) => {
                 MoeBackwardPlan::check_class(&MoeClass::of_problem(m, m.tokens))
                     .map_err(|e| e.to_string())?;
