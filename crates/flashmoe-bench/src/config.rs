@@ -7,12 +7,18 @@
 
 use crate::results::ProblemSpec;
 use anyhow::{bail, Context};
-use flashmoe::{AttentionProblem, DType, MoeProblem, Scoring};
 use serde::Deserialize;
 use std::path::Path;
 
+use crate::attention::config::expand_attention;
+pub use crate::attention::config::{
+    AttentionEntry, CPU_CHECK_SEQLENS, CPU_CHECK_SEQLENS_QUICK, GPU_CHECK_SEQLENS,
+    GPU_CHECK_SEQLENS_QUICK, WINDOW_CHECK_CASES,
+};
 use crate::decode::config::{decode_check_matrix, decode_table, expand_decode, paged_table};
 pub use crate::decode::config::{DecodeEntry, DECODE_PAGE_SIZE};
+use crate::moe::config::expand_moe;
+pub use crate::moe::config::{moe_gpu_check_shapes, MoeEntry};
 use crate::varlen::config::{expand_varlen, varlen_check_matrix, varlen_table};
 pub use crate::varlen::config::{
     varlen_gpu_check_shapes, RandomLengths, VarlenEntry, VARLEN_CHECK_SEQLENS, VARLEN_SEED,
@@ -70,168 +76,14 @@ pub const DECODE_PRESETS: &[&str] = &["decode", "paged"];
 pub const VARLEN_PRESETS: &[&str] = &["varlen"];
 pub const MLA_PRESETS: &[&str] = &["mla"];
 
-/// The FlashAttention benchmark sweep: a fixed token budget and model dim, so batch and
-/// heads shrink as sequence length and head dim grow.
-fn token_sweep(
-    tokens: usize,
-    model_dim: usize,
-    head_dims: &[usize],
-    seqlens: &[usize],
-    dtype: DType,
-) -> Vec<ProblemSpec> {
-    let mut v = Vec::new();
-    for &d in head_dims {
-        for causal in [false, true] {
-            for &s in seqlens {
-                let b = (tokens / s).max(1);
-                v.push(ProblemSpec::Attention(AttentionProblem::new(
-                    b,
-                    model_dim / d,
-                    s,
-                    d,
-                    causal,
-                    dtype,
-                )));
-            }
-        }
-    }
-    v
-}
-
-/// The `window` preset: sliding windows and softcap beside plain attention of the same
-/// visible length (issue 22's cost target). Per head dim, GQA 32/8:
-/// - plain non-causal Sq = S, Sk = W + 1 (every row sees W + 1 keys) and a causal window of
-///   W to the left at Sq = Sk = S (rows see up to W + 1 keys);
-/// - the same window with softcap 50;
-/// - non-causal and causal, plain and with softcap 50, on one shape.
-///
-/// GPU: S = 16384, W = 4095, softcap shapes B = 4, S = 4096. CPU: S = 1024, W = 255,
-/// B = 1, S = 512, 4 / 2 heads.
-fn window_table(gpu: bool) -> Vec<ProblemSpec> {
-    let (s, w, b2, s2, hq, hkv) = if gpu {
-        (16384, 4095, 4, 4096, 32, 8)
-    } else {
-        (1024, 255, 1, 512, 4, 2)
-    };
-    let p = |b, sq, sk, d, causal, window, softcap| {
-        ProblemSpec::Attention(AttentionProblem {
-            batch: b,
-            heads_q: hq,
-            heads_kv: hkv,
-            seqlen_q: sq,
-            seqlen_k: sk,
-            head_dim: d,
-            causal,
-            dtype: DType::Bf16,
-            softmax_scale: None,
-            window,
-            softcap,
-        })
-    };
-    let none = flashmoe::problem::NO_WINDOW;
-    let win = (w as i32, -1);
-    let mut v = Vec::new();
-    for d in [128, 64] {
-        v.extend([
-            p(1, s, w + 1, d, false, none, 0.0),
-            p(1, s, s, d, true, win, 0.0),
-            p(1, s, s, d, true, win, 50.0),
-            p(b2, s2, s2, d, false, none, 0.0),
-            p(b2, s2, s2, d, false, none, 50.0),
-            p(b2, s2, s2, d, true, none, 0.0),
-            p(b2, s2, s2, d, true, none, 50.0),
-        ]);
-    }
-    v
-}
-
-fn moe(
-    tokens: &[usize],
-    hidden: usize,
-    inter: usize,
-    experts: usize,
-    k: usize,
-    scoring: Scoring,
-) -> Vec<ProblemSpec> {
-    tokens
-        .iter()
-        .map(|&t| {
-            ProblemSpec::Moe(MoeProblem {
-                tokens: t,
-                hidden,
-                intermediate: inter,
-                experts,
-                top_k: k,
-                scoring,
-                renormalize: true,
-                dtype: DType::Bf16,
-                shared_expert: false,
-            })
-        })
-        .collect()
-}
-
 /// The configs of a named preset. `gpu` selects GPU-sized shapes for `quick`/`sweep`.
 pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<ProblemSpec>> {
-    use DType::*;
-    let attn = |b, h, s, d, causal, dt| {
-        ProblemSpec::Attention(AttentionProblem::new(b, h, s, d, causal, dt))
-    };
     Ok(match (suite, name, gpu) {
-        (Suite::Attention, "quick", true) => vec![
-            attn(16, 16, 1024, 128, false, Bf16),
-            attn(4, 16, 4096, 128, false, Bf16),
-            attn(4, 16, 4096, 128, true, Bf16),
-            attn(8, 32, 2048, 64, false, Bf16),
-            attn(8, 32, 2048, 64, true, Bf16),
-        ],
-        (Suite::Attention, "quick", false) => vec![
-            attn(8, 4, 128, 64, false, Bf16),
-            attn(4, 4, 256, 64, false, Bf16),
-            attn(4, 4, 256, 64, true, Bf16),
-            attn(2, 4, 512, 64, false, Bf16),
-            attn(4, 2, 256, 128, false, F16),
-        ],
-        (Suite::Attention, "sweep", true) => token_sweep(
-            16384,
-            2048,
-            &[64, 128],
-            &[512, 1024, 2048, 4096, 8192, 16384],
-            Bf16,
-        ),
-        (Suite::Attention, "sweep", false) => {
-            token_sweep(2048, 256, &[64, 128], &[128, 256, 512, 1024, 2048], Bf16)
+        (Suite::Attention, name, gpu) if ATTENTION_PRESETS.contains(&name) => {
+            crate::attention::config::preset_table(name, gpu)
         }
-        (Suite::Attention, "window", gpu) => window_table(gpu),
-        (Suite::Attention, "seed002", _) => vec![
-            attn(32, 8, 512, 64, false, F16),
-            attn(32, 8, 512, 64, true, F16),
-        ],
-        (Suite::Attention, "seed003", _) => vec![
-            attn(16, 16, 2048, 64, false, F16),
-            attn(16, 16, 2048, 64, true, F16),
-            attn(32, 32, 4096, 128, false, F16),
-            attn(32, 32, 4096, 128, true, F16),
-        ],
-        (Suite::Moe, "quick", true) => moe(&[16, 2048], 4096, 11008, 32, 2, Scoring::Softmax),
-        (Suite::Moe, "quick", false) => moe(&[16, 128, 512], 256, 512, 8, 2, Scoring::Softmax),
-        (Suite::Moe, "seed003", _) => moe(
-            &[16, 128, 2048, 16384, 32768],
-            4096,
-            11008,
-            32,
-            2,
-            Scoring::Softmax,
-        ),
-        // Model shapes from decode to prefill; DeepSeek-V3 up to 8192 tokens (issue 5).
-        (Suite::Moe, "mixtral", _) => {
-            moe(&[16, 128, 2048, 8192], 4096, 14336, 8, 2, Scoring::Softmax)
-        }
-        (Suite::Moe, "qwen3-30b", _) => {
-            moe(&[16, 128, 2048, 8192], 2048, 768, 128, 8, Scoring::Softmax)
-        }
-        (Suite::Moe, "deepseek-v3", _) => {
-            moe(&[16, 128, 2048, 8192], 7168, 2048, 256, 8, Scoring::Sigmoid)
+        (Suite::Moe, name, gpu) if MOE_PRESETS.contains(&name) => {
+            crate::moe::config::preset_table(name, gpu)
         }
         (Suite::Decode, "decode", gpu) => decode_table(gpu),
         (Suite::Decode, "paged", gpu) => paged_table(gpu),
@@ -245,162 +97,19 @@ pub fn preset(suite: Suite, name: &str, gpu: bool) -> anyhow::Result<Vec<Problem
     })
 }
 
-/// (causal, window, softcap) of the check's window cases: windows narrower than a key tile
-/// and wider than a work tile, one-sided either way, right > 0, softcap alone and with a
-/// window. Window sides touch both ends of the short lengths.
-pub const WINDOW_CHECK_CASES: [(bool, (i32, i32), f32); 8] = [
-    (true, (256, -1), 0.0),
-    (false, (64, 64), 0.0),
-    (true, (-1, -1), 30.0),
-    (false, (-1, 37), 0.0),
-    (true, (100, 0), 50.0),
-    (true, (0, -1), 0.0),
-    (false, (200, -1), 0.0),
-    (false, (-1, -1), 5.0),
-];
-
 /// Shapes for `flashmoe check`: every feature on small sizes (all run against the CPU f64
 /// reference). `quick` keeps one representative per feature.
 pub fn check_matrix(suite: Suite, quick: bool, seqlens: &[(usize, usize)]) -> Vec<ProblemSpec> {
     let mut v = Vec::new();
     match suite {
-        Suite::Attention => {
-            let dtypes = [DType::Bf16, DType::F16];
-            let dims: &[usize] = if quick {
-                &[64, 128]
-            } else {
-                &[32, 64, 96, 128, 256]
-            };
-            let gqa: &[usize] = if quick { &[1, 4] } else { &[1, 4, 8] };
-            for &dtype in &dtypes {
-                for &d in dims {
-                    for causal in [false, true] {
-                        for &g in gqa {
-                            for &(sq, sk) in seqlens {
-                                v.push(ProblemSpec::Attention(AttentionProblem {
-                                    batch: 1,
-                                    heads_q: 8,
-                                    heads_kv: 8 / g,
-                                    seqlen_q: sq,
-                                    seqlen_k: sk,
-                                    head_dim: d,
-                                    causal,
-                                    dtype,
-                                    softmax_scale: None,
-                                    window: flashmoe::problem::NO_WINDOW,
-                                    softcap: 0.0,
-                                }));
-                            }
-                        }
-                    }
-                }
-            }
-            // Sliding windows and softcap, at the sm_90a kernel's head dims (the v1 kernel
-            // skips them): GQA 4, both dtypes (quick: bf16, the first five cases).
-            let cases = if quick {
-                &WINDOW_CHECK_CASES[..5]
-            } else {
-                &WINDOW_CHECK_CASES[..]
-            };
-            for &dtype in if quick { &dtypes[..1] } else { &dtypes[..] } {
-                for d in [64, 128] {
-                    for &(causal, window, softcap) in cases {
-                        for &(sq, sk) in seqlens {
-                            v.push(ProblemSpec::Attention(AttentionProblem {
-                                batch: 1,
-                                heads_q: 8,
-                                heads_kv: 2,
-                                seqlen_q: sq,
-                                seqlen_k: sk,
-                                head_dim: d,
-                                causal,
-                                dtype,
-                                softmax_scale: None,
-                                window,
-                                softcap,
-                            }));
-                        }
-                    }
-                }
-            }
-        }
-        Suite::Moe => {
-            // T·k < E at 1 and 7 tokens (k ≤ 2): some experts get no token.
-            let tokens: &[usize] = if quick { &[7, 128] } else { &[1, 7, 128, 2048] };
-            for &t in tokens {
-                for k in [1usize, 2, 8] {
-                    for scoring in [Scoring::Softmax, Scoring::Sigmoid] {
-                        v.push(ProblemSpec::Moe(MoeProblem {
-                            tokens: t,
-                            hidden: 128,
-                            intermediate: 96,
-                            experts: 16,
-                            top_k: k,
-                            scoring,
-                            renormalize: k > 1,
-                            dtype: DType::Bf16,
-                            shared_expert: t == 7,
-                        }));
-                    }
-                }
-            }
-        }
+        Suite::Attention => v.extend(crate::attention::config::check_matrix(quick, seqlens)),
+        Suite::Moe => v.extend(crate::moe::config::check_matrix(quick)),
         Suite::Decode => v.extend(decode_check_matrix(quick)),
         Suite::Varlen => v.extend(varlen_check_matrix(quick)),
         Suite::Mla => v.extend(crate::mla::config::check_matrix(quick)),
     }
     v
 }
-
-/// MoE shapes the GPU check adds, above the CPU f64 reference's size (checked against the
-/// GPU fp32 reference, which the small shapes validate against the CPU f64 reference):
-/// model-like widths at 2048 tokens, 128 and 256 experts with top-8, sigmoid scoring
-/// with a shared expert, and a seed003-like top-2 shape with 32 experts.
-pub fn moe_gpu_check_shapes(quick: bool) -> Vec<ProblemSpec> {
-    let p = |t, h, i, e, k, scoring, shared| {
-        ProblemSpec::Moe(MoeProblem {
-            tokens: t,
-            hidden: h,
-            intermediate: i,
-            experts: e,
-            top_k: k,
-            scoring,
-            renormalize: true,
-            dtype: DType::Bf16,
-            shared_expert: shared,
-        })
-    };
-    let mut v = vec![p(2048, 2048, 768, 128, 8, Scoring::Softmax, false)];
-    if !quick {
-        v.push(p(2048, 1024, 512, 256, 8, Scoring::Sigmoid, true));
-        v.push(p(2048, 4096, 1408, 32, 2, Scoring::Softmax, false));
-    }
-    v
-}
-
-/// Sequence-length pairs the CPU check covers: tiny, ragged, and Sq ≠ Sk both ways.
-pub const CPU_CHECK_SEQLENS: &[(usize, usize)] =
-    &[(1, 1), (17, 17), (128, 128), (100, 37), (37, 100)];
-/// The GPU check adds long and ragged lengths (checked against the GPU fp32 reference
-/// where the CPU f64 reference would be too slow).
-pub const GPU_CHECK_SEQLENS: &[(usize, usize)] = &[
-    (1, 1),
-    (17, 17),
-    (128, 128),
-    (1000, 1000),
-    (4097, 4097),
-    (1, 4097),
-    (1000, 4097),
-    (4097, 1000),
-];
-pub const GPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[
-    (17, 17),
-    (1000, 1000),
-    (128, 1000),
-    (1000, 128),
-    (4097, 4097),
-];
-pub const CPU_CHECK_SEQLENS_QUICK: &[(usize, usize)] = &[(17, 17), (100, 37), (37, 100)];
 
 // ---- TOML config files ----
 
@@ -460,135 +169,11 @@ impl<T: Clone> OneOrMany<T> {
     }
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AttentionEntry {
-    pub batch: OneOrMany<usize>,
-    pub heads: Option<usize>,
-    pub heads_q: Option<usize>,
-    pub heads_kv: Option<usize>,
-    pub seqlen: Option<OneOrMany<usize>>,
-    pub seqlen_q: Option<usize>,
-    pub seqlen_k: Option<usize>,
-    pub head_dim: OneOrMany<usize>,
-    #[serde(default = "no")]
-    pub causal: OneOrMany<bool>,
-    #[serde(default = "bf16")]
-    pub dtype: String,
-    pub softmax_scale: Option<f32>,
-    /// Sliding window `[left, right]` (-1: unbounded; AttentionProblem::window).
-    pub window: Option<(i32, i32)>,
-    /// Logit softcap (0 or absent: off).
-    pub softcap: Option<f32>,
-}
-
 pub(crate) fn no() -> OneOrMany<bool> {
     OneOrMany::One(false)
 }
 pub(crate) fn bf16() -> String {
     "bf16".into()
-}
-fn softmax() -> String {
-    "softmax".into()
-}
-fn yes() -> bool {
-    true
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MoeEntry {
-    pub tokens: OneOrMany<usize>,
-    pub hidden: usize,
-    pub intermediate: usize,
-    pub experts: usize,
-    pub top_k: usize,
-    #[serde(default = "softmax")]
-    pub scoring: String,
-    #[serde(default = "yes")]
-    pub renormalize: bool,
-    #[serde(default = "bf16")]
-    pub dtype: String,
-    #[serde(default)]
-    pub shared_expert: bool,
-}
-
-fn expand_attention(e: &AttentionEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
-    let ctx = |what: &str| format!("[[attention]] entry {}: {what}", index + 1);
-    let dtype: DType = e
-        .dtype
-        .parse()
-        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
-    let heads_q = e
-        .heads_q
-        .or(e.heads)
-        .with_context(|| ctx("needs `heads` or `heads_q`"))?;
-    let heads_kv = e.heads_kv.unwrap_or(heads_q);
-    let seqlens: Vec<(usize, usize)> = match (&e.seqlen, e.seqlen_q, e.seqlen_k) {
-        (Some(s), None, None) => s.values().into_iter().map(|s| (s, s)).collect(),
-        (None, Some(q), Some(k)) => vec![(q, k)],
-        _ => bail!(ctx(
-            "give either `seqlen` or both `seqlen_q` and `seqlen_k`"
-        )),
-    };
-    let mut v = Vec::new();
-    for batch in e.batch.values() {
-        for d in e.head_dim.values() {
-            for causal in e.causal.values() {
-                for &(sq, sk) in &seqlens {
-                    let p = AttentionProblem {
-                        batch,
-                        heads_q,
-                        heads_kv,
-                        seqlen_q: sq,
-                        seqlen_k: sk,
-                        head_dim: d,
-                        causal,
-                        dtype,
-                        softmax_scale: e.softmax_scale,
-                        window: e.window.unwrap_or(flashmoe::problem::NO_WINDOW),
-                        softcap: e.softcap.unwrap_or(0.0),
-                    };
-                    p.validate()
-                        .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
-                    v.push(ProblemSpec::Attention(p));
-                }
-            }
-        }
-    }
-    Ok(v)
-}
-
-fn expand_moe(e: &MoeEntry, index: usize) -> anyhow::Result<Vec<ProblemSpec>> {
-    let ctx = |what: &str| format!("[[moe]] entry {}: {what}", index + 1);
-    let dtype: DType = e
-        .dtype
-        .parse()
-        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
-    let scoring: Scoring = e
-        .scoring
-        .parse()
-        .map_err(|m: String| anyhow::anyhow!(ctx(&m)))?;
-    e.tokens
-        .values()
-        .into_iter()
-        .map(|tokens| {
-            let p = MoeProblem {
-                tokens,
-                hidden: e.hidden,
-                intermediate: e.intermediate,
-                experts: e.experts,
-                top_k: e.top_k,
-                scoring,
-                renormalize: e.renormalize,
-                dtype,
-                shared_expert: e.shared_expert,
-            };
-            p.validate()
-                .map_err(|err| anyhow::anyhow!(ctx(&err.to_string())))?;
-            Ok(ProblemSpec::Moe(p))
-        })
-        .collect()
 }
 
 /// Parse a config file's text into the configs of `suite`.
@@ -648,6 +233,7 @@ mod tests {
     use super::*;
     use crate::decode::DecodeProblem;
     use crate::varlen::{random_lengths, VarlenProblem};
+    use flashmoe::{DType, MoeProblem, Scoring};
 
     #[test]
     fn gpu_sweep_matches_the_standard_sweep() {

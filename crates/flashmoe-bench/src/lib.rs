@@ -5,6 +5,7 @@
 //! samples → correctness gate → statistics → report. Runners know nothing of reports;
 //! statistics know nothing of CUDA.
 
+pub mod attention;
 pub mod compare;
 pub mod config;
 pub mod decode;
@@ -16,6 +17,7 @@ pub mod grades;
 pub mod manifest;
 pub mod measure;
 pub mod mla;
+pub mod moe;
 pub mod profile;
 pub mod recorded;
 pub mod report;
