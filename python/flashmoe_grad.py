@@ -19,6 +19,8 @@ decision, outside the derivative, as in the reference (``reference/moe_backward.
 the routing weights are differentiated through the renormalisation and the scores.
 """
 
+import contextlib
+
 ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 MOE = ("moe-grouped-mm", "moe-naive-loop")
 
@@ -32,15 +34,28 @@ def build(w, p, torch, F, not_applicable):
     fwd_too = pr.get("pass") == "fwd+bwd"
     if pr.get("pass") not in ("bwd", "fwd+bwd"):
         raise not_applicable(f"pass {pr.get('pass')!r}: expected bwd or fwd+bwd")
-    if kind == "attention" and p.impl in ATTENTION:
-        _attention(w, p, layer, fwd_too, torch, F, not_applicable)
-    elif kind == "moe" and p.impl in MOE:
-        if pr.get("d_aux") or pr.get("d_z") or pr.get("router", "random") != "random":
-            raise not_applicable("the PyTorch MoE baselines train no aux / z-loss and take the "
-                                 "generated router")
-        _moe(w, p, layer, fwd_too, torch, F, not_applicable)
-    else:
-        raise not_applicable(f"{p.impl} has no backward for {kind} problems")
+    # The worker runs with autograd off (forward baselines); the graph is built and every
+    # call made with it on.
+    with torch.enable_grad():
+        if kind == "attention" and p.impl in ATTENTION:
+            _attention(w, p, layer, fwd_too, torch, F, not_applicable)
+        elif kind == "moe" and p.impl in MOE:
+            if pr.get("d_aux") or pr.get("d_z") or pr.get("router", "random") != "random":
+                raise not_applicable("the PyTorch MoE baselines train no aux / z-loss and take "
+                                     "the generated router")
+            _moe(w, p, layer, fwd_too, torch, F, not_applicable)
+        else:
+            raise not_applicable(f"{p.impl} has no backward for {kind} problems")
+    inner = p.context
+
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.enable_grad())
+        if inner is not None:
+            stack.enter_context(inner())
+        return stack
+
+    p.context = context
 
 
 def _grad_call(torch, forward, leaves, d_out, fwd_too):
