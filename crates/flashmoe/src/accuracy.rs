@@ -720,4 +720,46 @@ mod tests {
             (3.2e-2, 8e-3, 2e-4)
         );
     }
+
+    /// Gradients: no absolute bound (large values pass when relatively close), the row
+    /// bound at 8 × tol with the RMS/4 floor, NaN and length mismatches fail.
+    #[test]
+    fn gradient_check_scales_with_the_gradient() {
+        let d = 64;
+        let r: Vec<f64> = uniform(256 * d, 11).iter().map(|v| 50.0 * v).collect();
+        // 0.5% relative noise on values of up to 50: max_abs ≈ 0.25, far above bf16's 0.1.
+        let noise = uniform(r.len(), 12);
+        let o: Vec<f32> = r
+            .iter()
+            .zip(&noise)
+            .map(|(&v, &n)| (v * (1.0 + 5e-3 * n)) as f32)
+            .collect();
+        assert!(!check_rows(&o, &r, DType::Bf16, d).passed);
+        let c = check_gradient(&o, &r, DType::Bf16, d);
+        assert!(c.passed, "{:?}", c.reason);
+        assert_eq!(c.tolerance, gradient_tolerance(DType::Bf16));
+        assert_eq!(c.tolerance.row_rel_l2, GRADIENT_ROW_FACTOR * 1.6e-2);
+        // A row 20% off: the global L2 passes (1 of 256 rows), the row bound does not.
+        let mut bad = o.clone();
+        for v in &mut bad[7 * d..8 * d] {
+            *v *= 1.2;
+        }
+        let c = check_gradient(&bad, &r, DType::Bf16, d);
+        assert!(c.metrics.rel_l2 < 1.6e-2 && !c.passed, "{c:?}");
+        assert_eq!(c.metrics.worst_row, Some(7));
+        // A near-zero reference row is judged against RMS/4, not its own norm.
+        let mut small = r.clone();
+        for v in &mut small[3 * d..4 * d] {
+            *v *= 1e-6;
+        }
+        let mut o2: Vec<f32> = small.iter().map(|&v| v as f32).collect();
+        let rms = (small.iter().map(|v| v * v).sum::<f64>() / 256.0).sqrt();
+        // An error of 0.5 × tol × RMS/4 on that row: within the floor-scaled bound.
+        o2[3 * d] += (0.5 * 1.6e-2 * rms / GRADIENT_ROW_FLOOR_DIVISOR) as f32;
+        assert!(check_gradient(&o2, &small, DType::Bf16, d).passed);
+        let mut nan = o.clone();
+        nan[100] = f32::NAN;
+        assert!(!check_gradient(&nan, &r, DType::Bf16, d).passed);
+        assert!(!check_gradient(&o[1..], &r, DType::Bf16, d).passed);
+    }
 }
