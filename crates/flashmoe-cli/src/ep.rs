@@ -13,7 +13,6 @@ use crate::BenchArgs;
 use anyhow::{bail, Context, Result};
 use flashmoe_bench::config::{self, Suite};
 use flashmoe_bench::ep::{EpOutcome, EpRankOptions, EpRankResult};
-use flashmoe_bench::manifest::Manifest;
 use flashmoe_bench::report;
 use flashmoe_bench::results::ProblemSpec;
 use std::path::{Path, PathBuf};
@@ -129,7 +128,7 @@ pub fn run(args: &BenchArgs, world: usize) -> Result<ExitCode> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_else(|e| format!("nvidia-smi topo -m failed: {e}"));
-    let mut manifest = Manifest::collect();
+    let mut manifest = crate::backend::manifest_with_gpu();
     manifest.topology = Some(topology);
     for f in &failures {
         eprintln!("{f}");

@@ -250,6 +250,8 @@ fn fmt_metric(name: &str, v: f64) -> String {
         (s, format!("{} GB/s", fmt_sig(v, 4)))
     } else if let Some(s) = name.strip_suffix("_per_s") {
         (s, format!("{}/s", fmt_sig(v, 4)))
+    } else if v.fract() == 0.0 && v.abs() < 1e15 {
+        (name, format!("{}", v as i64))
     } else {
         (name, fmt_sig(v, 4))
     };
