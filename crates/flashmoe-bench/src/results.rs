@@ -75,6 +75,19 @@ pub struct Ceilings {
     pub gemm_desc: String,
     /// Device-to-device copy bandwidth counting read + write bytes, GB/s.
     pub copy_gbps: f64,
+    /// The DRAM's peak bandwidth, GB/s: the driver's memory clock × bus width (a
+    /// specification, not a measurement; absent in files written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hbm_peak_gbps: Option<f64>,
+}
+
+impl Ceilings {
+    /// `gbps` as a percentage of the DRAM's peak bandwidth, where it is known.
+    pub fn pct_of_hbm_peak(&self, gbps: f64) -> Option<f64> {
+        self.hbm_peak_gbps
+            .filter(|&peak| peak > 0.0)
+            .map(|peak| 100.0 * gbps / peak)
+    }
 }
 
 /// The problem a config describes.

@@ -256,6 +256,18 @@ fn terminal_table_is_readable() {
         "{cpu}"
     );
     assert!(t.contains("% copy"));
+    // The DRAM's specified bandwidth beside the measured copy ceiling, in every format.
+    let gpu_md = report::to_markdown(&run);
+    assert!(gpu_md.contains("HBM peak 3352 GB/s (spec)"), "{gpu_md}");
+    assert!(gpu_md.contains("% of HBM peak)"), "{gpu_md}");
+    assert!(report::to_html(&run).contains("memory clock × bus width"));
+    let csv = report::to_csv(&run).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == "pct_of_hbm_peak").unwrap();
+    assert!(csv
+        .lines()
+        .skip(1)
+        .any(|l| l.split(',').nth(col).is_some_and(|v| v.parse::<f64>().is_ok())));
     let md = report::to_markdown(&fixtures::cpu_moe_run());
     assert!(md.contains("Routing: tokens per expert"), "{md}");
     let width = cpu.lines().map(|l| l.chars().count()).max().unwrap();

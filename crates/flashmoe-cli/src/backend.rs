@@ -327,6 +327,7 @@ pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
         gemm_tflops: gemm.value,
         gemm_desc: gemm.description,
         copy_gbps: copy.value,
+        hbm_peak_gbps: Some(session.device.info().theoretical_bandwidth_gbs()).filter(|&p| p > 0.0),
     })
 }
 

@@ -42,6 +42,7 @@ pub const CSV_HEADER: &[&str] = &[
     "gbps",
     "pct_of_gemm_ceiling",
     "pct_of_copy_ceiling",
+    "pct_of_hbm_peak",
     "router_ms",
     "peak_extra_bytes",
     "acc_max_abs",
@@ -141,6 +142,11 @@ fn row(results: &RunResults, c: &ConfigResult, imp: Option<&ImplResult>) -> Vec<
     r.push(imp.gbps.map(num).unwrap_or_default());
     r.push(imp.pct_of_gemm_ceiling.map(num).unwrap_or_default());
     r.push(imp.pct_of_copy_ceiling.map(num).unwrap_or_default());
+    r.push(
+        super::format::hbm_pct(results, imp)
+            .map(num)
+            .unwrap_or_default(),
+    );
     r.push(imp.router_ms.map(num).unwrap_or_default());
     r.push(opt(imp.peak_extra_bytes));
     let a = imp.accuracy.as_ref();

@@ -241,6 +241,7 @@ pub fn h100_ceilings() -> Ceilings {
         gemm_tflops: 720.0,
         gemm_desc: "cuBLAS bf16 8192^3".to_string(),
         copy_gbps: 2900.0,
+        hbm_peak_gbps: Some(3352.3),
     }
 }
 

@@ -224,7 +224,10 @@ pub fn row_view(results: &RunResults, config: &ConfigResult, imp: &ImplResult) -
         },
         gbps: opt(imp.gbps, &|g| fmt_sig(g, 3)),
         pct_ceiling: opt(imp.pct_of_gemm_ceiling, &|p| format!("{p:.1}%")),
-        pct_copy: opt(imp.pct_of_copy_ceiling, &|p| format!("{p:.1}%")),
+        pct_copy: match (imp.pct_of_copy_ceiling, hbm_pct(results, imp)) {
+            (Some(p), Some(h)) => format!("{p:.1}% ({h:.1}% of HBM peak)"),
+            (p, _) => opt(p, &|p| format!("{p:.1}%")),
+        },
         accuracy: fmt_accuracy(imp.accuracy.as_ref()),
         accuracy_passed: imp.accuracy.as_ref().map(|a| a.passed),
         speedup,
@@ -279,6 +282,12 @@ pub fn details(imp: &ImplResult) -> Vec<String> {
     }
     out.retain(|s| !s.is_empty());
     out
+}
+
+/// An implementation's GB/s as a percentage of the run's DRAM peak bandwidth, where both
+/// are known.
+pub fn hbm_pct(results: &RunResults, imp: &ImplResult) -> Option<f64> {
+    results.ceilings.as_ref()?.pct_of_hbm_peak(imp.gbps?)
 }
 
 /// A p-value: "<1e-4" for tiny ones, 2 significant digits otherwise.

@@ -217,6 +217,12 @@ pub fn to_html(results: &RunResults) -> String {
                 format!("{} GB/s (read + write)", fmt_sig(c.copy_gbps, 4)),
             ),
             (
+                "HBM peak",
+                c.hbm_peak_gbps
+                    .map(|p| format!("{} GB/s (spec: memory clock × bus width)", fmt_sig(p, 4)))
+                    .unwrap_or_else(|| "not recorded".to_string()),
+            ),
+            (
                 "Ridge point",
                 format!(
                     "{} FLOP/byte",

@@ -149,10 +149,13 @@ pub fn to_markdown(results: &RunResults) -> String {
         Some(c) => kv(
             "Measured ceilings",
             md_escape(&format!(
-                "GEMM {} TFLOP/s ({}), device copy {} GB/s",
+                "GEMM {} TFLOP/s ({}), device copy {} GB/s{}",
                 fmt_sig(c.gemm_tflops, 4),
                 c.gemm_desc,
-                fmt_sig(c.copy_gbps, 4)
+                fmt_sig(c.copy_gbps, 4),
+                c.hbm_peak_gbps
+                    .map(|p| format!(", HBM peak {} GB/s (spec)", fmt_sig(p, 4)))
+                    .unwrap_or_default()
             )),
         ),
         None => kv("Measured ceilings", "none".to_string()),
