@@ -13,7 +13,9 @@ Outputs (check run): the gradients in flashmoe's layouts — dq, dk, dv (B, S, H
 attention; dx, d_router, dw13, dw2 (+ d_shared_w13, d_shared_w2) for MoE.
 
 Baselines: ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient`` (SDPA with the backend forced;
-no window or softcap), ``moe-grouped-mm`` (the ``torch._grouped_mm`` path's autograd) and
+no window or softcap), ``flex`` (FlexAttention's backward, compiled; windows and softcap
+through its mask and score mods; CUDA only: torch has no FlexAttention backward on the CPU),
+``moe-grouped-mm`` (the ``torch._grouped_mm`` path's autograd) and
 ``moe-naive-loop`` (the per-expert loop's autograd). The routing (top-k ids) is an integer
 decision, outside the derivative, as in the reference (``reference/moe_backward.rs``);
 the routing weights are differentiated through the renormalisation and the scores.
@@ -21,7 +23,7 @@ the routing weights are differentiated through the renormalisation and the score
 
 import contextlib
 
-ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 MOE = ("moe-grouped-mm", "moe-naive-loop")
 
 
@@ -37,7 +39,9 @@ def build(w, p, torch, F, not_applicable):
     # The worker runs with autograd off (forward baselines); the graph is built and every
     # call made with it on.
     with torch.enable_grad():
-        if kind == "attention" and p.impl in ATTENTION:
+        if kind == "attention" and p.impl == "flex":
+            _flex(w, p, layer, fwd_too, torch, not_applicable)
+        elif kind == "attention" and p.impl in ATTENTION:
             _attention(w, p, layer, fwd_too, torch, F, not_applicable)
         elif kind == "moe" and p.impl in MOE:
             if pr.get("d_aux") or pr.get("d_z") or pr.get("router", "random") != "random":
@@ -83,10 +87,8 @@ def _attention(w, p, pr, fwd_too, torch, F, not_applicable):
         raise not_applicable("no sliding-window or softcap option in SDPA")
     scale = pr.get("softmax_scale")
     scale = float(scale) if scale is not None else d ** -0.5
-    t = p.inputs.tensors
     # (B, S, H, D) → (B, H, S, D) leaves that require grad (copies outside the timed call).
-    q, k, v = (t[n].transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
-    d_out = t["d_out"].transpose(1, 2).contiguous()
+    q, k, v, d_out = _bhsd_leaves(p)
     gqa = hq != hkv
     kw = {"scale": scale}
     if causal and sq == sk:
@@ -129,6 +131,66 @@ def _attention(w, p, pr, fwd_too, torch, F, not_applicable):
     p.check = check
     p.notes.append("autograd.grad of SDPA (" + ("forward + backward" if fwd_too else
                    "backward over a retained forward graph") + ")")
+
+
+def _bhsd_leaves(p):
+    """q, k, v as (B, H, S, D) leaves that require grad, and d_out (B, H, S, D)."""
+    t = p.inputs.tensors
+    q, k, v = (t[n].transpose(1, 2).contiguous().requires_grad_(True) for n in ("q", "k", "v"))
+    return q, k, v, t["d_out"].transpose(1, 2).contiguous()
+
+
+def _flex(w, p, pr, fwd_too, torch, not_applicable):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception as e:  # noqa: BLE001
+        raise not_applicable(f"FlexAttention not available in torch {torch.__version__} ({e})")
+    if not w.cuda:
+        raise not_applicable("torch has no FlexAttention backward on the CPU")
+    hq, hkv, sq, sk, d = pr["heads_q"], pr["heads_kv"], pr["seqlen_q"], pr["seqlen_k"], pr["head_dim"]
+    causal = bool(pr["causal"])
+    left, right = (int(x) for x in (pr.get("window") or (-1, -1)))
+    right = 0 if causal else right
+    softcap = float(pr.get("softcap") or 0.0)
+    scale = pr.get("softmax_scale")
+    scale = float(scale) if scale is not None else d ** -0.5
+    q, k, v, d_out = _bhsd_leaves(p)
+    kw = {"scale": scale}
+    if left >= 0 or right >= 0:
+        offset = sk - sq
+
+        def mask_mod(b_, h_, q_idx, kv_idx):
+            # Bottom-right aligned: row i's diagonal is key i + sk - sq.
+            diag = q_idx + offset
+            keep = kv_idx >= 0
+            if right >= 0:
+                keep = keep & (kv_idx <= diag + right)
+            if left >= 0:
+                keep = keep & (kv_idx >= diag - left)
+            return keep
+
+        kw["block_mask"] = create_block_mask(mask_mod, None, None, sq, sk, device=q.device)
+    if softcap > 0:
+        def score_mod(score, b_, h_, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+        kw["score_mod"] = score_mod
+    if hq != hkv:
+        kw["enable_gqa"] = True
+    torch._dynamo.reset()
+    call = torch.compile(flex_attention, dynamic=False)
+    p.notes.append("FlexAttention compiled (torch.compile), backward through autograd")
+    fn = _grad_call(torch, lambda: call(q, k, v, **kw), (q, k, v), d_out, fwd_too)
+    fn()
+    w.sync()
+    p.fn = fn
+    p.outputs = ["dq", "dk", "dv"]
+
+    def check():
+        dq, dk, dv = fn()
+        return {"dq": dq.transpose(1, 2), "dk": dk.transpose(1, 2), "dv": dv.transpose(1, 2)}
+
+    p.check = check
 
 
 def _moe(w, p, pr, fwd_too, torch, F, not_applicable):
