@@ -264,10 +264,10 @@ fn terminal_table_is_readable() {
     let csv = report::to_csv(&run).unwrap();
     let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
     let col = header.iter().position(|h| *h == "pct_of_hbm_peak").unwrap();
-    assert!(csv
-        .lines()
-        .skip(1)
-        .any(|l| l.split(',').nth(col).is_some_and(|v| v.parse::<f64>().is_ok())));
+    assert!(csv.lines().skip(1).any(|l| l
+        .split(',')
+        .nth(col)
+        .is_some_and(|v| v.parse::<f64>().is_ok())));
     let md = report::to_markdown(&fixtures::cpu_moe_run());
     assert!(md.contains("Routing: tokens per expert"), "{md}");
     let width = cpu.lines().map(|l| l.chars().count()).max().unwrap();
