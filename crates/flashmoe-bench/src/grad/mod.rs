@@ -29,6 +29,7 @@ pub mod cpu;
 pub mod gpu;
 pub mod moe_f32;
 pub mod reference;
+pub mod sampled;
 
 pub use reference::GradReference;
 

@@ -5,7 +5,10 @@
 //! whose f64 backward fits the budget: batch 0 and its first KV heads (with their query
 //! heads), at least one — the batches and KV-head groups of attention are independent, so
 //! the slice's gradients are exactly the full problem's there. Its name says so
-//! ("cpu-f64 (batch 0, KV heads 0..n of H)"). Varlen and MoE configs are checked whole, up
+//! ("cpu-f64 (batch 0, KV heads 0..n of H)"). When even one KV head's backward is over the
+//! budget (long sequences), [`SAMPLED_ROWS`] rows of dq (per query head of the group), dk
+//! and dv of batch 0's first KV head are computed exactly in f64 instead
+//! ([`super::sampled`]; named "cpu-f64 (sampled ...)"). Varlen and MoE configs are checked whole, up
 //! to [`GradReference::max_whole_flops`]; above it the reference refuses with the reason
 //! (the config is then recorded as unchecked and not timed) instead of running for hours.
 
@@ -38,13 +41,30 @@ impl Default for GradReference {
     }
 }
 
-/// KV heads of batch 0 the slice keeps (all of batch 0 when it fits; at least one).
-fn slice_heads(p: &AttentionProblem, backward_flops: f64, max_flops: f64) -> Option<usize> {
+/// Rows of dq (per query head), dk and dv the sampled reference computes.
+pub const SAMPLED_ROWS: usize = 128;
+
+/// How a dense attention config is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AttentionPlan {
+    Whole,
+    /// Batch 0, KV heads 0..n.
+    Slice(usize),
+    /// [`SAMPLED_ROWS`] rows of batch 0's KV head 0 ([`super::sampled`]).
+    Sampled,
+}
+
+/// The whole problem when it fits the budget, else the KV heads of batch 0 that do (at
+/// least one), else sampled rows.
+fn attention_plan(p: &AttentionProblem, backward_flops: f64, max_flops: f64) -> AttentionPlan {
     if backward_flops <= max_flops {
-        return None;
+        return AttentionPlan::Whole;
     }
     let per_head = backward_flops / (p.batch * p.heads_kv) as f64;
-    Some(((max_flops / per_head) as usize).clamp(1, p.heads_kv))
+    match (max_flops / per_head) as usize {
+        0 => AttentionPlan::Sampled,
+        n => AttentionPlan::Slice(n.min(p.heads_kv)),
+    }
 }
 
 /// The sliced problem and inputs: batch 0, KV heads 0..n.
@@ -81,25 +101,31 @@ fn ranges(seq: usize, heads: usize, keep: usize, d: usize) -> Vec<(usize, usize)
 }
 
 impl GradReference {
-    fn slice_of(&self, problem: &ProblemSpec) -> Option<(AttentionProblem, usize)> {
+    fn plan_of(&self, problem: &ProblemSpec) -> Option<(AttentionProblem, AttentionPlan)> {
         let ProblemSpec::Grad(g) = problem else {
             return None;
         };
         let GradLayer::Attention(a) = &g.layer else {
             return None;
         };
-        slice_heads(a, g.backward_flops(), self.max_flops).map(|n| (a.clone(), n))
+        Some((
+            a.clone(),
+            attention_plan(a, g.backward_flops(), self.max_flops),
+        ))
     }
 }
 
 impl ReferenceProvider for GradReference {
     fn name(&self, problem: &ProblemSpec) -> String {
-        match self.slice_of(problem) {
-            Some((a, n)) => format!(
+        match self.plan_of(problem) {
+            Some((a, AttentionPlan::Slice(n))) => format!(
                 "cpu-f64 (batch 0, KV heads 0..{n} of {} x {})",
                 a.heads_kv, a.batch
             ),
-            None => "cpu-f64".into(),
+            Some((_, AttentionPlan::Sampled)) => format!(
+                "cpu-f64 (sampled: {SAMPLED_ROWS} rows of dq per head, dk, dv; batch 0, KV head 0)"
+            ),
+            _ => "cpu-f64".into(),
         }
     }
     fn compute(
@@ -110,9 +136,13 @@ impl ReferenceProvider for GradReference {
         let (ProblemSpec::Grad(g), SuiteInputs::Grad(x)) = (problem, inputs) else {
             anyhow::bail!("the gradient reference given a config without gradient inputs");
         };
-        let tensors = match self.slice_of(problem) {
-            Some((a, n)) => sliced(&a, x, n)?,
-            None => {
+        let tensors = match self.plan_of(problem) {
+            Some((a, AttentionPlan::Slice(n))) => sliced(&a, x, n)?,
+            Some((a, AttentionPlan::Sampled)) => {
+                super::sampled::sampled_f64(&a, x.attention()?, &x.d_out, SAMPLED_ROWS)
+                    .context("CPU f64 backward (sampled rows)")?
+            }
+            _ => {
                 let flops = g.backward_flops();
                 if flops > self.max_whole_flops && !matches!(g.layer, GradLayer::Attention(_)) {
                     anyhow::bail!(
@@ -211,6 +241,16 @@ mod tests {
         bad[0].values[d] += 10.0; // row 0, query head 1: inside
         assert!(!crate::grad::gate(&g, &bad, &sliced, "slice").passed);
         assert_eq!(GradReference::default().name(&spec), "cpu-f64");
+        // Below one KV head's cost: sampled rows, which the gate compares there.
+        let tiny = GradReference {
+            max_flops: 1.0,
+            max_whole_flops: 0.0,
+        };
+        assert!(tiny.name(&spec).contains("sampled"), "{}", tiny.name(&spec));
+        let ReferenceOutputs::Gradients(s) = tiny.compute(&spec, &inputs).unwrap() else {
+            panic!()
+        };
+        assert!(crate::grad::gate(&g, &exact, &s, "sampled").passed);
     }
 
     /// A MoE config above the whole-config budget is refused with the reason.
