@@ -15,6 +15,8 @@ attention; dx, d_router, dw13, dw2 (+ d_shared_w13, d_shared_w2) for MoE.
 Baselines: ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient`` (SDPA with the backend forced;
 no window or softcap), ``flex`` (FlexAttention's backward, compiled; windows and softcap
 through its mask and score mods; CUDA only: torch has no FlexAttention backward on the CPU),
+``fa4`` (FlashAttention-4's ``flash_attn.cute.flash_attn_func`` autograd: its sm90 / sm100
+backward; windows and softcap; when the package imports),
 ``moe-grouped-mm`` (the ``torch._grouped_mm`` path's autograd) and
 ``moe-naive-loop`` (the per-expert loop's autograd). The routing (top-k ids) is an integer
 decision, outside the derivative, as in the reference (``reference/moe_backward.rs``);
@@ -23,7 +25,7 @@ the routing weights are differentiated through the renormalisation and the score
 
 import contextlib
 
-ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4")
 MOE = ("moe-grouped-mm", "moe-naive-loop")
 
 
@@ -41,6 +43,8 @@ def build(w, p, torch, F, not_applicable):
     with torch.enable_grad():
         if kind == "attention" and p.impl == "flex":
             _flex(w, p, layer, fwd_too, torch, not_applicable)
+        elif kind == "attention" and p.impl == "fa4":
+            _fa4(w, p, layer, fwd_too, torch, not_applicable)
         elif kind == "attention" and p.impl in ATTENTION:
             _attention(w, p, layer, fwd_too, torch, F, not_applicable)
         elif kind == "moe" and p.impl in MOE:
@@ -191,6 +195,45 @@ def _flex(w, p, pr, fwd_too, torch, not_applicable):
         return {"dq": dq.transpose(1, 2), "dk": dk.transpose(1, 2), "dv": dv.transpose(1, 2)}
 
     p.check = check
+
+
+def _fa4(w, p, pr, fwd_too, torch, not_applicable):
+    import flashmoe_packages as pk
+    if not w.cuda:
+        raise not_applicable("fa4 needs CUDA")
+    try:
+        f = pk._import("fa4").flash_attn_func
+    except pk.Unavailable as e:
+        raise not_applicable(str(e)) from None
+    b, hq, hkv = pr["batch"], pr["heads_q"], pr["heads_kv"]
+    sq, sk, d = pr["seqlen_q"], pr["seqlen_k"], pr["head_dim"]
+    causal = bool(pr["causal"])
+    left, right = (int(x) for x in (pr.get("window") or (-1, -1)))
+    scale = pr.get("softmax_scale")
+    scale = float(scale) if scale is not None else d ** -0.5
+    t = p.inputs.tensors
+    # FlashAttention's own (B, S, H, D) layout: leaves without a transpose.
+    q, k, v = (t[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+    a = pk.Attn(torch, q, k, v, b, hq, hkv, sq, sk, d, causal, scale,
+                (left, 0 if causal else right), float(pr.get("softcap") or 0.0))
+    kw = a.fa_window_kwargs(none_for_unbounded=True)
+
+    def forward():
+        return f(q, k, v, softmax_scale=scale, return_lse=True, **kw)[0]
+
+    fn = _grad_call(torch, forward, (q, k, v), t["d_out"], fwd_too)
+    try:
+        fn()
+        w.sync()
+    except Exception as e:  # noqa: BLE001
+        if "out of memory" in str(e).lower():
+            raise
+        raise not_applicable(f"flash_attn.cute rejected the config: {str(e).splitlines()[0][:200]}")
+    p.fn = fn
+    p.outputs = ["dq", "dk", "dv"]
+    p.check = lambda: dict(zip(("dq", "dk", "dv"), fn()))
+    p.notes.append("flash_attn.cute.flash_attn_func autograd, (B, S, H, D), GQA native; the "
+                   "first call (JIT compile) not timed")
 
 
 def _moe(w, p, pr, fwd_too, torch, F, not_applicable):
