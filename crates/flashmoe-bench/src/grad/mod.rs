@@ -28,6 +28,7 @@ pub mod config;
 pub mod cpu;
 pub mod gpu;
 pub mod moe_f32;
+pub mod moe_sampled;
 pub mod reference;
 pub mod sampled;
 

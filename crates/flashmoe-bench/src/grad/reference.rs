@@ -8,9 +8,11 @@
 //! ("cpu-f64 (batch 0, KV heads 0..n of H)"). When even one KV head's backward is over the
 //! budget (long sequences), [`SAMPLED_ROWS`] rows of dq (per query head of the group), dk
 //! and dv of batch 0's first KV head are computed exactly in f64 instead
-//! ([`super::sampled`]; named "cpu-f64 (sampled ...)"). Varlen and MoE configs are checked whole, up
-//! to [`GradReference::max_whole_flops`]; above it the reference refuses with the reason
-//! (the config is then recorded as unchecked and not timed) instead of running for hours.
+//! ([`super::sampled`]; named "cpu-f64 (sampled ...)"). MoE configs are checked whole up
+//! to [`GradReference::max_whole_flops`], above it on sampled tokens' dx and two experts'
+//! dw13 / dw2 ([`super::moe_sampled`]). Varlen configs are checked whole up to that budget;
+//! above it the reference refuses with the reason (the config is then recorded as
+//! unchecked and not timed) instead of running for hours.
 
 use super::{reference_f64, GradInputs, GradLayer, RefTensor};
 use crate::results::ProblemSpec;
@@ -101,6 +103,12 @@ fn ranges(seq: usize, heads: usize, keep: usize, d: usize) -> Vec<(usize, usize)
 }
 
 impl GradReference {
+    /// Whether a MoE config is over the whole-config budget (checked on samples).
+    fn moe_sampled(&self, problem: &ProblemSpec) -> bool {
+        matches!(problem, ProblemSpec::Grad(g)
+            if matches!(g.layer, GradLayer::Moe(_)) && g.backward_flops() > self.max_whole_flops)
+    }
+
     fn plan_of(&self, problem: &ProblemSpec) -> Option<(AttentionProblem, AttentionPlan)> {
         let ProblemSpec::Grad(g) = problem else {
             return None;
@@ -125,6 +133,10 @@ impl ReferenceProvider for GradReference {
             Some((_, AttentionPlan::Sampled)) => format!(
                 "cpu-f64 (sampled: {SAMPLED_ROWS} rows of dq per head, dk, dv; batch 0, KV head 0)"
             ),
+            _ if self.moe_sampled(problem) => format!(
+                "cpu-f64 (sampled: {} tokens' dx, 2 experts' dw13 and dw2)",
+                super::moe_sampled::SAMPLED_TOKENS
+            ),
             _ => "cpu-f64".into(),
         }
     }
@@ -141,6 +153,20 @@ impl ReferenceProvider for GradReference {
             Some((a, AttentionPlan::Sampled)) => {
                 super::sampled::sampled_f64(&a, x.attention()?, &x.d_out, SAMPLED_ROWS)
                     .context("CPU f64 backward (sampled rows)")?
+            }
+            _ if self.moe_sampled(problem) => {
+                let GradLayer::Moe(m) = &g.layer else {
+                    unreachable!("moe_sampled checked the layer")
+                };
+                super::moe_sampled::moe_sampled_f64(
+                    m,
+                    x.moe()?,
+                    &x.d_out,
+                    g.d_aux,
+                    g.d_z,
+                    super::moe_sampled::SAMPLED_TOKENS,
+                )
+                .context("CPU f64 MoE backward (sampled)")?
             }
             _ => {
                 let flops = g.backward_flops();
@@ -253,9 +279,10 @@ mod tests {
         assert!(crate::grad::gate(&g, &exact, &s, "sampled").passed);
     }
 
-    /// A MoE config above the whole-config budget is refused with the reason.
+    /// A MoE config above the whole-config budget is checked on samples; a varlen one is
+    /// refused with the reason.
     #[test]
-    fn unsliceable_configs_above_the_budget_are_refused() {
+    fn unsliceable_configs_above_the_budget_are_sampled_or_refused() {
         let m = flashmoe::MoeProblem {
             tokens: 8,
             hidden: 16,
@@ -268,18 +295,37 @@ mod tests {
             shared_expert: false,
         };
         let g = GradProblem::new(Pass::Bwd, GradLayer::Moe(m));
-        let inputs = SuiteInputs::Grad(Box::new(GradInputs::generate(&g, 1)));
+        let x = GradInputs::generate(&g, 1);
+        let exact: Vec<GradTensor> = reference_f64(&g, &x)
+            .unwrap()
+            .iter()
+            .map(|t| GradTensor {
+                name: t.name.clone(),
+                values: t.values.iter().map(|&v| v as f32).collect(),
+            })
+            .collect();
+        let inputs = SuiteInputs::Grad(Box::new(x));
         let r = GradReference {
             max_flops: 0.0,
             max_whole_flops: 1.0,
         };
-        let e = r
-            .compute(&ProblemSpec::Grad(g.clone()), &inputs)
-            .err()
-            .unwrap();
+        let spec = ProblemSpec::Grad(g.clone());
+        assert!(r.name(&spec).contains("sampled"), "{}", r.name(&spec));
+        let ReferenceOutputs::Gradients(s) = r.compute(&spec, &inputs).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            s.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            ["dx", "dw13", "dw2"]
+        );
+        assert!(crate::grad::gate(&g, &exact, &s, "sampled").passed);
+        assert_eq!(GradReference::default().name(&spec), "cpu-f64");
+        // Varlen above the budget: refused, with the reason.
+        let mut v = crate::varlen::VarlenProblem::new(&[], 2, 1, 32, true, DType::Bf16);
+        v.seqlens = vec![(5, 5), (3, 7)];
+        let gv = GradProblem::new(Pass::Bwd, GradLayer::Varlen(v));
+        let iv = SuiteInputs::Grad(Box::new(GradInputs::generate(&gv, 2)));
+        let e = r.compute(&ProblemSpec::Grad(gv), &iv).err().unwrap();
         assert!(e.to_string().contains("not checked"), "{e}");
-        assert!(GradReference::default()
-            .compute(&ProblemSpec::Grad(g), &inputs)
-            .is_ok());
     }
 }
