@@ -128,13 +128,17 @@ def _attention(w, p, pr, fwd_too, torch, F, not_applicable):
     p.fn = fn
     p.outputs = ["dq", "dk", "dv"]
 
+    p.check = _bshd_check(fn)
+    p.notes.append("autograd.grad of SDPA (" + ("forward + backward" if fwd_too else
+                   "backward over a retained forward graph") + ")")
+
+
+def _bshd_check(fn):
+    """The check of a (B, H, S, D) attention call: dq, dk, dv in flashmoe's (B, S, H, D)."""
     def check():
         dq, dk, dv = fn()
         return {"dq": dq.transpose(1, 2), "dk": dk.transpose(1, 2), "dv": dv.transpose(1, 2)}
-
-    p.check = check
-    p.notes.append("autograd.grad of SDPA (" + ("forward + backward" if fwd_too else
-                   "backward over a retained forward graph") + ")")
+    return check
 
 
 def _bhsd_leaves(p):
@@ -190,11 +194,7 @@ def _flex(w, p, pr, fwd_too, torch, not_applicable):
     p.fn = fn
     p.outputs = ["dq", "dk", "dv"]
 
-    def check():
-        dq, dk, dv = fn()
-        return {"dq": dq.transpose(1, 2), "dk": dk.transpose(1, 2), "dv": dv.transpose(1, 2)}
-
-    p.check = check
+    p.check = _bshd_check(fn)
 
 
 def _fa4(w, p, pr, fwd_too, torch, not_applicable):

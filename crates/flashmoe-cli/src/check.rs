@@ -61,18 +61,7 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<ExitCode> {
             &under_test,
             lab.reference.as_ref(),
             seed,
-            |case| {
-                for r in case.iter().filter(|r| !r.passed()) {
-                    eprintln!(
-                        "FAIL {} / {}: {:?}",
-                        r.config,
-                        r.implementation,
-                        r.error
-                            .clone()
-                            .or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone()))
-                    );
-                }
-            },
+            print_failures,
         );
         all.extend(rows);
     }
@@ -114,17 +103,20 @@ fn check_gradients(suite: Suite, args: &CheckArgs, seed: u64) -> anyhow::Result<
         &under_test,
         lab.reference.as_ref(),
         seed,
-        |case| {
-            for r in case.iter().filter(|r| !r.passed()) {
-                eprintln!(
-                    "FAIL {} / {}: {:?}",
-                    r.config,
-                    r.implementation,
-                    r.error
-                        .clone()
-                        .or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone()))
-                );
-            }
-        },
+        print_failures,
     ))
+}
+
+/// One stderr line per failed row of a finished case (progress while the matrix runs).
+fn print_failures(case: &[CheckRow]) {
+    for r in case.iter().filter(|r| !r.passed()) {
+        eprintln!(
+            "FAIL {} / {}: {:?}",
+            r.config,
+            r.implementation,
+            r.error
+                .clone()
+                .or_else(|| r.accuracy.as_ref().and_then(|a| a.note.clone()))
+        );
+    }
 }

@@ -84,13 +84,9 @@ fn run(
             )?
             .into(),
         ),
-        (GradCpuAlgorithm::Reference, _) => reference_f64(p, x)?
-            .into_iter()
-            .map(|t| GradTensor {
-                name: t.name,
-                values: t.values.iter().map(|&v| v as f32).collect(),
-            })
-            .collect(),
+        (GradCpuAlgorithm::Reference, _) => {
+            reference_f64(p, x)?.iter().map(GradTensor::from).collect()
+        }
         (GradCpuAlgorithm::Tiled, GradLayer::Attention(a)) => named(
             p,
             attention_f32::attention_backward_f32(a, x.attention()?, &x.d_out)?.into(),

@@ -143,6 +143,39 @@ fn upload(
     Ok(raw)
 }
 
+/// The tensors of an attention forward + backward: q, k, v and d_o uploaded in the
+/// inputs' dtype, o (`o_dtype`, q's shape) and the f32 LSE allocated.
+struct AttnTensors {
+    q: RawTensor,
+    k: RawTensor,
+    v: RawTensor,
+    o: RawTensor,
+    lse: RawTensor,
+    d_o: RawTensor,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_tensors(
+    dev: &Device,
+    keep: &mut Vec<DeviceTensor>,
+    dt: DType,
+    o_dtype: DType,
+    a: &flashmoe::reference::AttentionInputs,
+    d_out: &[f32],
+    q_shape: &[usize],
+    kv_shape: &[usize],
+    lse_shape: &[usize],
+) -> anyhow::Result<AttnTensors> {
+    Ok(AttnTensors {
+        q: upload(dev, keep, dt, &a.q, "q", q_shape)?,
+        k: upload(dev, keep, dt, &a.k, "k", kv_shape)?,
+        v: upload(dev, keep, dt, &a.v, "v", kv_shape)?,
+        o: output(dev, keep, o_dtype, "o", q_shape)?,
+        lse: output(dev, keep, DType::F32, "lse", lse_shape)?,
+        d_o: upload(dev, keep, dt, d_out, "d_o", q_shape)?,
+    })
+}
+
 /// Allocate an output of `shape` (kept in `keep`).
 fn output(
     dev: &Device,
@@ -178,12 +211,25 @@ impl GradCall {
                 let (qs, ks) = ([b, sq, hq, d], [b, sk, hkv, d]);
                 let class = AttentionClass::from(p);
                 let fwd = AttentionPlan::new(dev, class)?;
-                let q = upload(dev, &mut keep, dt, &a.q, "q", &qs)?;
-                let k = upload(dev, &mut keep, dt, &a.k, "k", &ks)?;
-                let v = upload(dev, &mut keep, dt, &a.v, "v", &ks)?;
-                let o = output(dev, &mut keep, fwd.out_dtype(), "o", &qs)?;
-                let lse = output(dev, &mut keep, DType::F32, "lse", &[b, hq, sq])?;
-                let d_o = upload(dev, &mut keep, dt, &x.d_out, "d_o", &qs)?;
+                let t = attention_tensors(
+                    dev,
+                    &mut keep,
+                    dt,
+                    fwd.out_dtype(),
+                    a,
+                    &x.d_out,
+                    &qs,
+                    &ks,
+                    &[b, hq, sq],
+                )?;
+                let AttnTensors {
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    d_o,
+                } = t;
                 let fwd_args = AttentionArgs { q, k, v, o, lse };
                 fwd.check(&fwd_args)?;
                 let fwd_ws = fwd.alloc_workspace(s)?;
@@ -222,12 +268,16 @@ impl GradCall {
                     RawIndex::vector(cu_q.device_ptr(s).0, nb + 1),
                     RawIndex::vector(cu_k.device_ptr(s).0, nb + 1),
                 );
-                let q = upload(dev, &mut keep, dt, &a.q, "q", &qs)?;
-                let k = upload(dev, &mut keep, dt, &a.k, "k", &ks)?;
-                let v = upload(dev, &mut keep, dt, &a.v, "v", &ks)?;
-                let o = output(dev, &mut keep, dt, "o", &qs)?;
-                let lse = output(dev, &mut keep, DType::F32, "lse", &[hq, tq])?;
-                let d_o = upload(dev, &mut keep, dt, &x.d_out, "d_o", &qs)?;
+                let t =
+                    attention_tensors(dev, &mut keep, dt, dt, a, &x.d_out, &qs, &ks, &[hq, tq])?;
+                let AttnTensors {
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    d_o,
+                } = t;
                 let (max_q, max_k) = (p.max_seqlen_q(), p.max_seqlen_k());
                 let fwd_args = VarlenArgs {
                     q,

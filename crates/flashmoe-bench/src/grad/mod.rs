@@ -187,6 +187,17 @@ pub struct RefTensor {
     pub select: Option<Vec<(usize, usize)>>,
 }
 
+/// The reference's values as an implementation's output (f32): what `cpu-reference`
+/// reports, and an exact answer in tests.
+impl From<&RefTensor> for GradTensor {
+    fn from(t: &RefTensor) -> GradTensor {
+        GradTensor {
+            name: t.name.clone(),
+            values: t.values.iter().map(|&v| v as f32).collect(),
+        }
+    }
+}
+
 impl RefTensor {
     /// The elements of an implementation's full tensor that this reference covers.
     pub fn pick<'a>(&self, full: &'a [f32]) -> std::borrow::Cow<'a, [f32]> {
@@ -527,20 +538,8 @@ pub fn gate_each(
                 }
             }
             let c = accuracy::check_gradient(&r.pick(&out.values), &r.values, dtype, row_len);
-            let res = AccuracyResult {
-                max_abs: c.metrics.max_abs,
-                mean_abs: c.metrics.mean_abs,
-                max_rel: c.metrics.max_rel,
-                rel_l2: c.metrics.rel_l2,
-                non_finite: c.metrics.non_finite,
-                tolerance_rel_l2: c.tolerance.rel_l2,
-                max_row_rel_l2: (c.metrics.rows > 0).then_some(c.metrics.max_row_rel_l2),
-                worst_row: c.metrics.worst_row,
-                tolerance_row_rel_l2: (c.metrics.rows > 0).then_some(c.tolerance.row_rel_l2),
-                passed: c.passed,
-                reference: reference_name.to_string(),
-                note: c.reason.map(|why| format!("{}: {why}", r.name)),
-            };
+            let note = c.reason.as_ref().map(|why| format!("{}: {why}", r.name));
+            let res = crate::runner::pipeline::to_result(&c, reference_name, note);
             (r.name.clone(), res)
         })
         .collect()
@@ -682,13 +681,7 @@ mod tests {
         let x = GradInputs::generate(&p, 3);
         assert_eq!(x.d_out.len(), p.d_out_len());
         let r = reference_f64(&p, &x).unwrap();
-        let exact: Vec<GradTensor> = r
-            .iter()
-            .map(|t| GradTensor {
-                name: t.name.clone(),
-                values: t.values.iter().map(|&v| v as f32).collect(),
-            })
-            .collect();
+        let exact: Vec<GradTensor> = r.iter().map(GradTensor::from).collect();
         let ok = gate(&p, &exact, &r, "cpu-f64");
         assert!(ok.passed, "{:?}", ok.note);
         let mut nan = exact.clone();

@@ -244,13 +244,7 @@ mod tests {
         let ReferenceOutputs::Gradients(sliced) = small.compute(&spec, &inputs).unwrap() else {
             panic!()
         };
-        let exact: Vec<GradTensor> = full
-            .iter()
-            .map(|t| GradTensor {
-                name: t.name.clone(),
-                values: t.values.iter().map(|&v| v as f32).collect(),
-            })
-            .collect();
+        let exact: Vec<GradTensor> = full.iter().map(GradTensor::from).collect();
         for (s, f) in sliced.iter().zip(&full) {
             let full32: Vec<f32> = f.values.iter().map(|&v| v as f32).collect();
             let picked = s.pick(&full32);
@@ -299,10 +293,7 @@ mod tests {
         let exact: Vec<GradTensor> = reference_f64(&g, &x)
             .unwrap()
             .iter()
-            .map(|t| GradTensor {
-                name: t.name.clone(),
-                values: t.values.iter().map(|&v| v as f32).collect(),
-            })
+            .map(GradTensor::from)
             .collect();
         let inputs = SuiteInputs::Grad(Box::new(x));
         let r = GradReference {

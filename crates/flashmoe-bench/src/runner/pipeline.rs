@@ -142,7 +142,12 @@ fn generated_input_parts(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs)
     parts
 }
 
-fn to_result(c: &accuracy::Check, reference: &str, note: Option<String>) -> AccuracyResult {
+/// A check's metrics, tolerances and verdict as the results record them.
+pub(crate) fn to_result(
+    c: &accuracy::Check,
+    reference: &str,
+    note: Option<String>,
+) -> AccuracyResult {
     AccuracyResult {
         max_abs: c.metrics.max_abs,
         mean_abs: c.metrics.mean_abs,
