@@ -46,6 +46,14 @@ fn install_interrupt_handler() -> Arc<AtomicBool> {
 }
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    if args.pass != Pass::Fwd && (matches!(args.suite, crate::SuiteArg::E2e) || args.gpus.is_some())
+    {
+        bail!(
+            "--pass {} is for the kernel suites (attention, varlen, moe on one GPU); \
+             `bench e2e --train` times whole training steps",
+            args.pass
+        );
+    }
     if matches!(args.suite, crate::SuiteArg::E2e) {
         return crate::e2e::run(args);
     }

@@ -134,6 +134,11 @@ fn cpu_gradient_check_and_backward_bench_run_end_to_end() {
             vec!["check", "--cpu", "--pass", "sideways"],
             "fwd, bwd or fwd+bwd",
         ),
+        (vec!["bench", "e2e", "--pass", "bwd"], "kernel suites"),
+        (
+            vec!["bench", "moe", "--gpus", "2", "--pass", "fwd+bwd"],
+            "kernel suites",
+        ),
     ] {
         let o = flashmoe(&args);
         let (_, err) = text(&o);
