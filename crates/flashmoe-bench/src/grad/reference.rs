@@ -10,9 +10,8 @@
 //! and dv of batch 0's first KV head are computed exactly in f64 instead
 //! ([`super::sampled`]; named "cpu-f64 (sampled ...)"). MoE configs are checked whole up
 //! to [`GradReference::max_whole_flops`], above it on sampled tokens' dx and two experts'
-//! dw13 / dw2 ([`super::moe_sampled`]). Varlen configs are checked whole up to that budget;
-//! above it the reference refuses with the reason (the config is then recorded as
-//! unchecked and not timed) instead of running for hours.
+//! dw13 / dw2 ([`super::moe_sampled`]); varlen configs whole up to that budget, above it
+//! on sampled rows of a few sequences ([`super::sampled::varlen_sampled_f64`]).
 
 use super::{reference_f64, GradInputs, GradLayer, RefTensor};
 use crate::results::ProblemSpec;
@@ -27,8 +26,8 @@ pub struct GradReference {
     /// Backward FLOPs (the problem's convention) above which dense attention is checked
     /// on a slice.
     pub max_flops: f64,
-    /// Backward FLOPs above which a config that cannot be sliced (varlen, MoE) is not
-    /// computed at all.
+    /// Backward FLOPs above which a varlen or MoE config (which cannot be sliced like
+    /// dense attention) is checked on samples.
     pub max_whole_flops: f64,
 }
 
@@ -103,6 +102,12 @@ fn ranges(seq: usize, heads: usize, keep: usize, d: usize) -> Vec<(usize, usize)
 }
 
 impl GradReference {
+    /// Whether a varlen config is over the whole-config budget (checked on samples).
+    fn varlen_sampled(&self, problem: &ProblemSpec) -> bool {
+        matches!(problem, ProblemSpec::Grad(g)
+            if matches!(g.layer, GradLayer::Varlen(_)) && g.backward_flops() > self.max_whole_flops)
+    }
+
     /// Whether a MoE config is over the whole-config budget (checked on samples).
     fn moe_sampled(&self, problem: &ProblemSpec) -> bool {
         matches!(problem, ProblemSpec::Grad(g)
@@ -133,6 +138,10 @@ impl ReferenceProvider for GradReference {
             Some((_, AttentionPlan::Sampled)) => format!(
                 "cpu-f64 (sampled: {SAMPLED_ROWS} rows of dq per head, dk, dv; batch 0, KV head 0)"
             ),
+            _ if self.varlen_sampled(problem) => format!(
+                "cpu-f64 (sampled: {} sequences x {SAMPLED_ROWS} rows of dq per head, dk, dv; KV head 0)",
+                super::sampled::SAMPLED_SEQUENCES
+            ),
             _ if self.moe_sampled(problem) => format!(
                 "cpu-f64 (sampled: {} tokens' dx, 2 experts' dw13 and dw2)",
                 super::moe_sampled::SAMPLED_TOKENS
@@ -154,6 +163,13 @@ impl ReferenceProvider for GradReference {
                 super::sampled::sampled_f64(&a, x.attention()?, &x.d_out, SAMPLED_ROWS)
                     .context("CPU f64 backward (sampled rows)")?
             }
+            _ if self.varlen_sampled(problem) => {
+                let GradLayer::Varlen(v) = &g.layer else {
+                    unreachable!("varlen_sampled checked the layer")
+                };
+                super::sampled::varlen_sampled_f64(v, x.attention()?, &x.d_out, SAMPLED_ROWS)
+                    .context("CPU f64 varlen backward (sampled)")?
+            }
             _ if self.moe_sampled(problem) => {
                 let GradLayer::Moe(m) = &g.layer else {
                     unreachable!("moe_sampled checked the layer")
@@ -168,18 +184,7 @@ impl ReferenceProvider for GradReference {
                 )
                 .context("CPU f64 MoE backward (sampled)")?
             }
-            _ => {
-                let flops = g.backward_flops();
-                if flops > self.max_whole_flops && !matches!(g.layer, GradLayer::Attention(_)) {
-                    anyhow::bail!(
-                        "the f64 backward reference of this config is {:.1e} FLOPs, above the \
-                         lab's {:.0e} (it cannot be sliced like dense attention): not checked",
-                        flops,
-                        self.max_whole_flops
-                    );
-                }
-                reference_f64(g, x).context("CPU f64 backward reference")?
-            }
+            _ => reference_f64(g, x).context("CPU f64 backward reference")?,
         };
         Ok(ReferenceOutputs::Gradients(tensors))
     }
@@ -273,10 +278,9 @@ mod tests {
         assert!(crate::grad::gate(&g, &exact, &s, "sampled").passed);
     }
 
-    /// A MoE config above the whole-config budget is checked on samples; a varlen one is
-    /// refused with the reason.
+    /// MoE and varlen configs above the whole-config budget are checked on samples.
     #[test]
-    fn unsliceable_configs_above_the_budget_are_sampled_or_refused() {
+    fn unsliceable_configs_above_the_budget_are_sampled() {
         let m = flashmoe::MoeProblem {
             tokens: 8,
             hidden: 16,
@@ -311,12 +315,22 @@ mod tests {
         );
         assert!(crate::grad::gate(&g, &exact, &s, "sampled").passed);
         assert_eq!(GradReference::default().name(&spec), "cpu-f64");
-        // Varlen above the budget: refused, with the reason.
+        // Varlen above the budget: sampled sequences, which the gate compares there.
         let mut v = crate::varlen::VarlenProblem::new(&[], 2, 1, 32, true, DType::Bf16);
         v.seqlens = vec![(5, 5), (3, 7)];
         let gv = GradProblem::new(Pass::Bwd, GradLayer::Varlen(v));
-        let iv = SuiteInputs::Grad(Box::new(GradInputs::generate(&gv, 2)));
-        let e = r.compute(&ProblemSpec::Grad(gv), &iv).err().unwrap();
-        assert!(e.to_string().contains("not checked"), "{e}");
+        let xv = GradInputs::generate(&gv, 2);
+        let exact: Vec<GradTensor> = reference_f64(&gv, &xv)
+            .unwrap()
+            .iter()
+            .map(GradTensor::from)
+            .collect();
+        let iv = SuiteInputs::Grad(Box::new(xv));
+        let spec = ProblemSpec::Grad(gv.clone());
+        assert!(r.name(&spec).contains("sequences"), "{}", r.name(&spec));
+        let ReferenceOutputs::Gradients(s) = r.compute(&spec, &iv).unwrap() else {
+            panic!()
+        };
+        assert!(crate::grad::gate(&gv, &exact, &s, "sampled").passed);
     }
 }

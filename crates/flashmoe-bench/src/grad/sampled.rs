@@ -161,12 +161,99 @@ pub fn sampled_f64(
     ])
 }
 
+/// Sequences of a varlen problem the sampled reference checks.
+pub const SAMPLED_SEQUENCES: usize = 3;
+
+/// The varlen problem's gradients sampled as [`sampled_f64`] samples a dense one, on
+/// [`SAMPLED_SEQUENCES`] sequences spread over those with queries and keys (each its own
+/// dense problem: sequences are independent), in the packed layout.
+pub fn varlen_sampled_f64(
+    p: &crate::varlen::VarlenProblem,
+    x: &AttentionInputs,
+    d_o: &[f32],
+    rows: usize,
+) -> flashmoe::Result<Vec<RefTensor>> {
+    let (hq, hkv, d) = (p.heads_q, p.heads_kv, p.head_dim);
+    let (rq, rk) = (hq * d, hkv * d);
+    if x.q.len() != p.total_q() * rq || x.k.len() != p.total_k() * rk || d_o.len() != x.q.len() {
+        return Err(flashmoe::Error::invalid(
+            "varlen inputs do not match the packed shapes",
+        ));
+    }
+    let (cu_q, cu_k) = (p.cu_seqlens_q(), p.cu_seqlens_k());
+    let live: Vec<usize> = (0..p.seqlens.len())
+        .filter(|&s| p.seqlens[s].0 > 0 && p.seqlens[s].1 > 0)
+        .collect();
+    let mut out: Vec<RefTensor> = ["dq", "dk", "dv"]
+        .iter()
+        .map(|n| RefTensor {
+            name: n.to_string(),
+            values: Vec::new(),
+            select: Some(Vec::new()),
+        })
+        .collect();
+    for idx in spread(live.len(), SAMPLED_SEQUENCES) {
+        let s = live[idx];
+        let (sq, sk) = p.seqlens[s];
+        let (q0, k0) = (cu_q[s], cu_k[s]);
+        let xs = AttentionInputs {
+            q: x.q[q0 * rq..(q0 + sq) * rq].to_vec(),
+            k: x.k[k0 * rk..(k0 + sk) * rk].to_vec(),
+            v: x.v[k0 * rk..(k0 + sk) * rk].to_vec(),
+        };
+        let seq = sampled_f64(&p.sequence(s), &xs, &d_o[q0 * rq..(q0 + sq) * rq], rows)?;
+        for (o, t) in out.iter_mut().zip(seq) {
+            let base = if t.name == "dq" { q0 * rq } else { k0 * rk };
+            o.values.extend(t.values);
+            let ranges = o.select.as_mut().expect("set above");
+            ranges.extend(
+                t.select
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(at, n)| (base + at, n)),
+            );
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use flashmoe::inputs::{generate, TensorId};
     use flashmoe::reference::attention_backward::attention_backward_f64;
     use flashmoe::DType;
+
+    /// Varlen: the sampled sequences' values equal the whole per-sequence f64 backward.
+    #[test]
+    fn varlen_samples_equal_the_full_reference() {
+        let mut p = crate::varlen::VarlenProblem::new(&[], 4, 2, 16, true, DType::Bf16);
+        p.seqlens = vec![(9, 20), (0, 4), (17, 17), (6, 0), (25, 25)];
+        let x = AttentionInputs::generate(&p.packed(), 5);
+        let d_o = generate(5, TensorId::DOut, x.q.len(), 1.0, p.dtype);
+        let full = crate::grad::attention_f32::varlen_per_sequence(&p, &x, &d_o, |_, s, xs, d| {
+            let g = attention_backward_f64(s, xs, d)?;
+            Ok([g.dq, g.dk, g.dv])
+        })
+        .unwrap();
+        let s = varlen_sampled_f64(&p, &x, &d_o, 4).unwrap();
+        for (t, f) in s.iter().zip(&full) {
+            let mut k = 0;
+            for &(at, len) in t.select.as_ref().unwrap() {
+                for e in 0..len {
+                    let (want, got) = (f[at + e], t.values[k]);
+                    assert!(
+                        (want - got).abs() <= 1e-12 * (1.0 + want.abs()),
+                        "{}",
+                        t.name
+                    );
+                    k += 1;
+                }
+            }
+            assert_eq!(k, t.values.len());
+            assert!(k > 0);
+        }
+    }
 
     #[test]
     fn spread_keeps_the_ends() {
