@@ -95,6 +95,7 @@ pub(crate) fn varlen_table(gpu: bool) -> Vec<ProblemSpec> {
     v
 }
 
+/// Sequences of the varlen check: the edges of the kernels' tiles (64, 128, 192 rows; 128
 /// keys) and one off either side, 1, primes, empty sequences on either side (0 queries
 /// with keys, queries with no key, and none), Sk > Sq (chunked prefill) and Sk < Sq
 /// (causal: the first rows see no key), and an empty last sequence (the end of the
