@@ -47,22 +47,9 @@ pub enum E2eMode {
 pub struct E2eProblem {
     pub model: String,
     pub mode: E2eMode,
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    /// Dense models: the SwiGLU MLP's intermediate size.
-    #[serde(default)]
-    pub ffn: Option<usize>,
-    /// MoE models: experts, experts per token and each expert's intermediate size.
-    #[serde(default)]
-    pub experts: Option<usize>,
-    #[serde(default)]
-    pub top_k: Option<usize>,
-    #[serde(default)]
-    pub moe_ffn: Option<usize>,
-    pub vocab: usize,
+    /// The model's shape (its fields sit at the top level of the JSON).
+    #[serde(flatten)]
+    pub shape: ModelShape,
     pub batch: usize,
     pub seq: usize,
     pub dtype: DType,
@@ -81,19 +68,20 @@ impl E2eProblem {
     /// token and expert), the LM head.
     pub fn forward_flops(&self) -> f64 {
         let t = self.tokens() as f64;
-        let (h, d) = (self.hidden as f64, self.head_dim as f64);
-        let (hq, hkv) = (self.heads as f64, self.kv_heads as f64);
+        let (h, d) = (self.shape.hidden as f64, self.shape.head_dim as f64);
+        let (hq, hkv) = (self.shape.heads as f64, self.shape.kv_heads as f64);
         let s = self.seq as f64;
         let proj = 2.0 * t * h * (hq + 2.0 * hkv) * d + 2.0 * t * hq * d * h;
         let attn = 4.0 * self.batch as f64 * hq * (s * (s + 1.0) / 2.0) * d;
-        let mlp = match (self.experts, self.top_k, self.moe_ffn, self.ffn) {
+        let sh = &self.shape;
+        let mlp = match (sh.experts, sh.top_k, sh.moe_ffn, sh.ffn) {
             (Some(e), Some(k), Some(i), _) => {
                 2.0 * t * h * e as f64 + k as f64 * 6.0 * t * h * i as f64
             }
             (_, _, _, Some(f)) => 6.0 * t * h * f as f64,
             _ => 0.0,
         };
-        self.layers as f64 * (proj + attn + mlp) + 2.0 * t * h * self.vocab as f64
+        self.shape.layers as f64 * (proj + attn + mlp) + 2.0 * t * h * self.shape.vocab as f64
     }
 }
 
@@ -119,7 +107,7 @@ impl Workload for E2eProblem {
         };
         format!(
             "{} ({} layers), batch {} × seq {}, {} {what}",
-            self.model, self.layers, self.batch, self.seq, self.dtype
+            self.model, self.shape.layers, self.batch, self.seq, self.dtype
         )
     }
     fn x_value(&self) -> f64 {
@@ -159,7 +147,7 @@ impl Workload for E2eProblem {
     }
     /// One token's logits.
     fn gate_row_len(&self) -> usize {
-        self.vocab
+        self.shape.vocab
     }
 }
 
@@ -229,7 +217,7 @@ pub struct ScriptSettings {
 }
 
 /// The model's shape as the script's MODELS table gives it.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelShape {
     pub layers: usize,
     pub hidden: usize,
@@ -604,20 +592,10 @@ pub fn to_run_results(
         .configs
         .iter()
         .map(|c| {
-            let sh = &c.shape;
             let problem = E2eProblem {
                 model: c.model.clone(),
                 mode: f.mode,
-                layers: sh.layers,
-                hidden: sh.hidden,
-                heads: sh.heads,
-                kv_heads: sh.kv_heads,
-                head_dim: sh.head_dim,
-                ffn: sh.ffn,
-                experts: sh.experts,
-                top_k: sh.top_k,
-                moe_ffn: sh.moe_ffn,
-                vocab: sh.vocab,
+                shape: c.shape.clone(),
                 batch: c.batch,
                 seq: c.seq,
                 dtype,
@@ -872,16 +850,18 @@ mod tests {
         let p = E2eProblem {
             model: "m".into(),
             mode: E2eMode::Inference,
-            layers: 1,
-            hidden: 8,
-            heads: 2,
-            kv_heads: 1,
-            head_dim: 4,
-            ffn: Some(16),
-            experts: None,
-            top_k: None,
-            moe_ffn: None,
-            vocab: 10,
+            shape: ModelShape {
+                layers: 1,
+                hidden: 8,
+                heads: 2,
+                kv_heads: 1,
+                head_dim: 4,
+                ffn: Some(16),
+                experts: None,
+                top_k: None,
+                moe_ffn: None,
+                vocab: 10,
+            },
             batch: 1,
             seq: 2,
             dtype: DType::F32,
