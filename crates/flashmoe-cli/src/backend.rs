@@ -2,6 +2,7 @@
 //! Decides the implementations, the reference, the timer settings and the manifest.
 
 use flashmoe::gpu::DeviceInfo;
+use flashmoe_bench::attention::gpu::{GpuAttention, GpuAttentionKernel};
 use flashmoe_bench::config::Suite;
 use flashmoe_bench::decode::gpu::GpuDecode;
 use flashmoe_bench::grad::cpu::GradCpu;
@@ -9,13 +10,11 @@ use flashmoe_bench::grad::gpu::GpuGrad;
 use flashmoe_bench::grad::GradReference;
 use flashmoe_bench::manifest::{GpuManifest, Manifest};
 use flashmoe_bench::mla::gpu::GpuMla;
+use flashmoe_bench::moe::gpu::{GpuMoe, GpuMoeReference};
 use flashmoe_bench::results::{Ceilings, MeasureSettings};
 use flashmoe_bench::runner::calibration::{Calibration, CpuCalibration};
 use flashmoe_bench::runner::cpu::{CpuImplementation, CpuReference};
-use flashmoe_bench::runner::gpu::{
-    GpuAttention, GpuAttentionKernel, GpuCopyCalibration, GpuReferenceProvider, GpuSession,
-};
-use flashmoe_bench::runner::gpu_moe::{GpuMoe, GpuMoeReference};
+use flashmoe_bench::runner::gpu::{GpuCopyCalibration, GpuReferenceProvider, GpuSession};
 use flashmoe_bench::runner::python::{self, WorkerOptions};
 use flashmoe_bench::runner::{Implementation, ReferenceProvider};
 use flashmoe_bench::varlen::gpu::{GpuVarlen, GpuVarlenDense};

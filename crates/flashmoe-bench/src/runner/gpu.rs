@@ -1,16 +1,16 @@
-//! Native GPU implementations: our attention kernel and the GPU fp32 reference, timed with
-//! CUDA events. Before each start event an L2 flush (a memset of 2× L2) is queued, so the
+//! The GPU session every native implementation shares, the copy calibration and the GPU
+//! fp32 reference (attention and MoE), timed with CUDA events. Before each start event an L2 flush (a memset of 2× L2) is queued, so the
 //! caches are cold and the GPU is already busy when the start event is recorded: host
 //! launch latency is never counted as kernel time.
 
 use super::cpu::CpuReference;
 use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
-use super::{Implementation, Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
+use super::{Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
 use crate::gpu::{EventTimer, L2Flusher};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
-use flashmoe::attention::{self, config, AttentionRunner};
+use flashmoe::attention;
 use flashmoe::gpu::{Device, DeviceTensor};
 use flashmoe::reference::attention::AttentionOutput;
 use flashmoe::DType;
@@ -123,103 +123,8 @@ impl Sampled for GpuCopyRun<'_> {
     }
 }
 
-/// Which GPU attention kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuAttentionKernel {
-    /// The v1 FlashAttention-2 kernel (mma.sync, sm_80+).
-    V1,
-    /// The Hopper kernel (wgmma, TMA, warp specialisation; sm_90a, compute capability 9.0).
-    Sm90,
-    /// The simple fp32-accumulation reference kernel.
-    Reference,
-}
-
-pub struct GpuAttention {
-    pub kernel: GpuAttentionKernel,
-    pub session: Rc<GpuSession>,
-}
-
-impl Implementation for GpuAttention {
-    fn name(&self) -> &str {
-        match self.kernel {
-            GpuAttentionKernel::V1 => "flashmoe-v1",
-            GpuAttentionKernel::Sm90 => "flashmoe-sm90",
-            GpuAttentionKernel::Reference => "gpu-reference",
-        }
-    }
-    fn backend(&self) -> &str {
-        "cuda"
-    }
-    fn supports(&self, problem: &ProblemSpec) -> Result<(), String> {
-        let ProblemSpec::Attention(p) = problem else {
-            return Err("attention kernel".into());
-        };
-        let variant = match self.kernel {
-            GpuAttentionKernel::V1 => config::select_v1(p),
-            GpuAttentionKernel::Sm90 => flashmoe::attention::runner::select_sm90_for_lab(p),
-            GpuAttentionKernel::Reference => config::select_reference(p),
-        }
-        .map_err(|e| e.to_string())?;
-        let arch = self.session.device.arch();
-        variant
-            .runs_on(arch)
-            .map_err(|why| format!("{why} (this GPU is sm_{arch})"))
-    }
-    fn prepare<'a>(
-        &'a self,
-        problem: &ProblemSpec,
-        inputs: &'a SuiteInputs,
-    ) -> anyhow::Result<Box<dyn Prepared + 'a>> {
-        let (ProblemSpec::Attention(p), SuiteInputs::Attention(x)) = (problem, inputs) else {
-            anyhow::bail!("GPU attention given a non-attention config");
-        };
-        let dev = &self.session.device;
-        let (variant, what) = match self.kernel {
-            GpuAttentionKernel::V1 => (config::select_v1(p)?, "the v1 kernel"),
-            GpuAttentionKernel::Sm90 => (
-                flashmoe::attention::runner::select_sm90_for_lab(p)?,
-                "the sm_90a kernel",
-            ),
-            GpuAttentionKernel::Reference => {
-                let call = ReferenceCall::new(dev, p, x)?;
-                return Ok(Box::new(PlanBacked::new(&self.session, call)));
-            }
-        };
-        let runner = AttentionRunner::with_variant(dev, p, &x.q, &x.k, &x.v, variant)
-            .with_context(|| format!("preparing {what}"))?;
-        Ok(Box::new(PlanBacked::new(
-            &self.session,
-            RunnerCall { runner },
-        )))
-    }
-}
-
-/// A flash kernel (v1 or sm_90a) with its buffers (also the varlen suite's dense row).
-pub(crate) struct RunnerCall {
-    pub(crate) runner: AttentionRunner,
-}
-
-impl PlanCall for RunnerCall {
-    fn launch(&mut self, dev: &Device) -> flashmoe::Result<()> {
-        self.runner.run(dev)
-    }
-    fn poison(&mut self, dev: &Device) -> flashmoe::Result<()> {
-        self.runner.poison_outputs(dev)
-    }
-    fn outputs(&mut self, dev: &Device) -> anyhow::Result<Outputs> {
-        Ok(Outputs::Attention {
-            o: self.runner.output(dev)?,
-            lse: self.runner.lse(dev)?,
-        })
-    }
-    fn peak_extra_bytes(&self) -> Option<u64> {
-        // The kernel allocates nothing beyond its inputs, O and LSE.
-        Some(0)
-    }
-}
-
 /// Buffers for the GPU reference kernel (O in f32).
-struct ReferenceCall {
+pub(crate) struct ReferenceCall {
     problem: flashmoe::AttentionProblem,
     q: DeviceTensor,
     k: DeviceTensor,
@@ -228,7 +133,7 @@ struct ReferenceCall {
 }
 
 impl ReferenceCall {
-    fn new(
+    pub(crate) fn new(
         dev: &Device,
         p: &flashmoe::AttentionProblem,
         x: &flashmoe::reference::attention::AttentionInputs,

@@ -6,7 +6,6 @@ pub mod calibration;
 pub mod check;
 pub mod cpu;
 pub mod gpu;
-pub mod gpu_moe;
 pub mod pipeline;
 pub(crate) mod plan_backed;
 pub mod python;

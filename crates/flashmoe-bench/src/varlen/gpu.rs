@@ -10,8 +10,9 @@
 //!   dense `(B, S, H, D)` batch: the "dense on the same tokens" row of issue 22's target
 //!   (its LSE `(B, Hq, S)` is rearranged to the packed `(Hq, B · S)` for the gate).
 
+use crate::attention::gpu::RunnerCall;
 use crate::results::ProblemSpec;
-use crate::runner::gpu::{GpuSession, RunnerCall};
+use crate::runner::gpu::GpuSession;
 use crate::runner::plan_backed::{AttentionOut, PlanBacked, PlanCall};
 use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::varlen::VarlenProblem;

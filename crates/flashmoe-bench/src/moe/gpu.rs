@@ -2,11 +2,11 @@
 //! combine (`flashmoe::moe::MoeRunner`), timed with CUDA events after an L2 flush like
 //! the attention kernels (see `gpu.rs`).
 
-use super::gpu::GpuSession;
-use super::plan_backed::{PlanBacked, PlanCall};
-use super::{Implementation, Outputs, Prepared, SuiteInputs};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
+use crate::runner::gpu::GpuSession;
+use crate::runner::plan_backed::{PlanBacked, PlanCall};
+use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
 use flashmoe::gpu::Device;
 use flashmoe::moe::{config, MoeRunner};
