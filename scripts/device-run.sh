@@ -182,6 +182,15 @@ for s in "$@"; do
     sweep-fp16)   stage sweep-fp16 300 $BIN bench attention --config configs/attention-sweep-fp16.toml --impl flashmoe-sm90,sdpa-cudnn,sdpa-flash --max-time 1 --out /tmp/sweep-fp16
                   for f in results.json results.md; do cp /tmp/sweep-fp16/$f "$OUT/sweep-fp16-$f" 2>/dev/null; done ;;
     check-moe)    stage check-moe 240 $BIN check --suite moe ;;
+    # Gradients (--pass bwd): the backward plans against the f64 backward, one row per
+    # gradient; then the backward against SDPA / FA4 / Flex and torch._grouped_mm autograd.
+    check-grad)   for suite in attention varlen moe; do
+                    stage check-grad-$suite 300 $BIN check --suite $suite --pass bwd
+                  done ;;
+    bench-grad)   stage bench-grad-attn 540 $BIN bench attention --pass bwd --preset sweep --out /tmp/grad-attn
+                  cp /tmp/grad-attn/results.json "$OUT/grad-attention-sweep.json" 2>/dev/null
+                  stage bench-grad-moe 400 $BIN bench moe --pass fwd+bwd --preset qwen3-30b --out /tmp/grad-moe
+                  cp /tmp/grad-moe/results.json "$OUT/grad-moe-qwen3-30b.json" 2>/dev/null ;;
     # Paged-KV decode (issue 22): its GPU unit tests, the check matrix, the decode preset
     # with the SDPA baselines and the paged preset (page 16 / 128 / Sk) without them.
     unit-decode)  stage unit-decode 200 ./target/release/flashmoe-gpu-tests decode_gpu_tests --test-threads=1 --nocapture ;;
