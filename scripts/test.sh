@@ -38,6 +38,9 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 step "the product crate alone (default features: no lab module may be needed)"
 cargo clippy -p flashmoe --all-targets --release -- -D warnings
 
+step "rustdoc of the product crate (what an engine's developer reads): broken links are errors"
+RUSTDOCFLAGS="-D warnings" cargo doc -p flashmoe --no-deps --release --quiet
+
 step "cargo test"
 cargo test --workspace --release
 

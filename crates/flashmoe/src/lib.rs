@@ -9,9 +9,9 @@
 //! - [`dtype`], [`error`], [`problem`] (shape descriptions, validation, FLOP/byte models).
 //!
 //! The `lab` feature (the benchmark lab's, never needed by an engine) adds:
-//! - [`inputs`]: the deterministic, backend-independent input generator.
+//! - `inputs`: the deterministic, backend-independent input generator.
 //! - [`reference`]: CPU implementations (f64 ground truth; tiled f32 FlashAttention).
-//! - [`accuracy`]: error metrics and per-dtype tolerances.
+//! - `accuracy`: error metrics and per-dtype tolerances.
 //! - the owners of lab buffers: `attention::runner`, `moe::runner`, the GPU fp32 MoE
 //!   reference (`moe::reference`) and the CPU simulation of expert parallelism.
 

@@ -1,5 +1,5 @@
 //! The gradient family on the GPU: "flashmoe-grad", a plan-backed implementation (a
-//! [`PlanCall`] under the lab's [`PlanBacked`]: L2 flush + CUDA events, poisoned outputs)
+//! `PlanCall` under the lab's `PlanBacked`: L2 flush + CUDA events, poisoned outputs)
 //! over the library's backward plans — `AttentionBackwardPlan` after an `AttentionPlan`
 //! forward (dense), `VarlenBackwardPlan` after a `VarlenPlan` forward (packed), and
 //! `MoeBackwardPlan` after the lab's `MoeRunner` forward (MoE, reading the routing the

@@ -14,8 +14,8 @@
 //!   dense → prefill / decode routing and the plan keys the front ends cache plans by);
 //! - [`cache`]: the caches a front end keeps (plans per key, a workspace per stream).
 //!
-//! With the `lab` feature, [`runner`] adds the lab's owners of buffers ([`AttentionRunner`],
-//! the one-off [`forward`] / [`reference_forward`]); engines use the plans.
+//! With the `lab` feature, `runner` adds the lab's owners of buffers (`AttentionRunner`,
+//! the one-off `forward` / `reference_forward`); engines use the plans.
 
 #[cfg(all(test, feature = "lab"))]
 mod alibi_gpu_tests;

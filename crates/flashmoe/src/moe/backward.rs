@@ -3,7 +3,7 @@
 //! caller's memory. Kernels: `kernels/moe_backward.cu` (mma.sync grouped GEMMs, sm_80 and
 //! newer, so Hopper runs it too; the sm_90a wgmma kernels are a later step). The stages
 //! and their formulas are those of the f64 ground truth
-//! [`crate::reference::moe_backward`] and of docs/design/moe.md ("Backward"):
+//! `crate::reference::moe_backward` and of docs/design/moe.md ("Backward"):
 //!
 //! 1. gu = X_perm·W13 (the forward's gemm13 without SwiGLU, recomputed; f32);
 //! 2. G = dOut_perm·W2ᵀ (f32), then per routed slot: dw = ⟨h, G⟩, dH = w·G, the SwiGLU
@@ -110,9 +110,9 @@ pub struct SavedRouting {
     pub logits: RawTensor,
     /// [E + 1] u32 row offsets of the experts' groups.
     pub offsets: RawU32,
-    /// [R] u32 token of each permuted row.
+    /// \[R\] u32 token of each permuted row.
     pub row_token: RawU32,
-    /// [R] u32 permuted row of each slot t·k + s.
+    /// \[R\] u32 permuted row of each slot t·k + s.
     pub slot_row: RawU32,
 }
 
@@ -149,21 +149,21 @@ impl SavedRouting {
 /// The tensors of one backward call (layouts in the module doc; all contiguous).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeBwdArgs {
-    /// [T, H]: the forward's input; T = shape[0].
+    /// \[T, H\]: the forward's input; T = shape\[0\].
     pub x: RawTensor,
     pub router: RawTensor,
     pub w13: RawTensor,
     pub w2: RawTensor,
     pub shared_w13: Option<RawTensor>,
     pub shared_w2: Option<RawTensor>,
-    /// [T·k] u32 ids, [T, k] f32 weights, [E] u32 counts: the forward's routing outputs.
+    /// \[T·k\] u32 ids, \[T, k\] f32 weights, \[E\] u32 counts: the forward's routing outputs.
     pub topk_ids: RawU32,
     pub topk_w: RawTensor,
     pub counts: RawU32,
     pub saved: SavedRouting,
     /// [T, H] upstream gradient of the output.
     pub d_out: RawTensor,
-    /// [2] f32 upstream gradients of (aux loss, z-loss); None: both 0.
+    /// \[2\] f32 upstream gradients of (aux loss, z-loss); None: both 0.
     pub d_losses: Option<RawTensor>,
     /// Outputs.
     pub dx: RawTensor,
@@ -188,7 +188,7 @@ pub struct BwdWorkspaceLayout {
     pub wh: usize,
     /// [R, H] f32 dX_perm.
     pub dx_perm: usize,
-    /// [R] f32 dL/d(routing weight), slot order.
+    /// \[R\] f32 dL/d(routing weight), slot order.
     pub dw: usize,
     /// [T, E] f32 dL/d(logits).
     pub dz: usize,

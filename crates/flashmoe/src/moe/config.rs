@@ -23,7 +23,7 @@
 //!    sigmoid(logits); top-k by score, ties → lower expert index, ids in descending score
 //!    order → topk_ids [T, k] u32; weights = selected scores, renormalised to sum 1 when
 //!    FM_RENORM=1 → topk_w [T, k] f32; probs [T, E] f32 (softmax probabilities, or sigmoid
-//!    scores normalised to sum 1 per token, for the aux loss); lse [T] f32 (logsumexp of
+//!    scores normalised to sum 1 per token, for the aux loss); lse \[T\] f32 (logsumexp of
 //!    the logits, for the z-loss). Parameters: (const float* logits, u32* topk_ids,
 //!    float* topk_w, float* probs, float* lse, int tokens, int experts, int top_k).
 //!    Defines FM_SIGMOID (0/1), FM_RENORM (0/1). One warp per token, 128 threads:
@@ -34,13 +34,13 @@
 //!    accepts such a slot as a near tie (`reference::moe::compare_routing`, logits within
 //!    1e-4 of the token's largest |logit|) and fails any other difference.
 //! 3. `moe_expert_stats` (moe_router.cu): per expert e (one block each, fixed-order
-//!    reductions): counts[e] (u32) = slots routed to e; prob_sum[e] (f32) = Σ_t probs[t, e].
-//!    Grid E + 1 blocks of 256 threads: block E computes lse_sq_sum[0] (f32) = Σ_t lse[t]².
+//!    reductions): counts\[e\] (u32) = slots routed to e; prob_sum\[e\] (f32) = Σ_t probs\[t, e\].
+//!    Grid E + 1 blocks of 256 threads: block E computes lse_sq_sum\[0\] (f32) = Σ_t lse\[t\]².
 //!    Per-thread strided f64 sums, fixed shared-memory tree. Parameters: (const u32*
 //!    topk_ids, const float* probs, const float* lse, u32* counts, float* prob_sum,
 //!    float* lse_sq_sum, int tokens, int experts, int top_k).
 //!    3b. The losses are finished on the device, so that no host sync is needed: losses
-//!    [2] f32 = (aux, z), aux = E · Σ_e (counts[e] / (T·k)) · (prob_sum[e] / T),
+//!    \[2\] f32 = (aux, z), aux = E · Σ_e (counts\[e\] / (T·k)) · (prob_sum\[e\] / T),
 //!    z = lse_sq_sum / T, per-expert terms in f64 summed by a fixed shared-memory tree
 //!    (kernels/moe_losses.cuh). In the full layer block 0 of `moe_permute` (step 4) does
 //!    it, which costs no launch; the router-only stage (timed alone by the lab) launches
@@ -51,7 +51,7 @@
 //!    finishes them on the host in f64 from the same arrays (`MoeRunner::gpu_routing`).
 //! 4. `moe_permute` (kernels/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r
-//!    of expert e (rows offsets[e]..offsets[e+1]), the token and its slot index (t·k + s),
+//!    of expert e (rows offsets\[e\]..offsets\[e+1\]), the token and its slot index (t·k + s),
 //!    stable (token order within an expert); slot_row [T·k] u32 = inverse map.
 //!    No padding: rows = T·k exactly. Parameters: (const u32* topk_ids, const u32* counts,
 //!    u32* offsets, u32* row_token, u32* row_slot, u32* slot_row, const float* prob_sum,
@@ -59,11 +59,11 @@
 //!    blocks of 256 threads (block e places expert e's rows with a ballot prefix; block 0
 //!    also writes offsets and the losses of step 3b). No atomics.
 //! 5. `moe_gemm13` (kernels/moe_grouped_gemm.cu): for every expert e with rows, for its
-//!    permuted rows r: g = x[row_token[r]] · w13[e][:, 0:I], u = x[row_token[r]] ·
-//!    w13[e][:, I:2I], h[r] = silu(g) · u, fp32 accumulation, h [T·k, I] stored 16-bit.
+//!    permuted rows r: g = x[row_token\[r\]] · w13\[e\]\[:, 0:I\], u = x[row_token\[r\]] ·
+//!    w13\[e\]\[:, I:2I\], h\[r\] = silu(g) · u, fp32 accumulation, h \[T·k, I\] stored 16-bit.
 //!    Parameters: (const u16* x, const u32* row_token, const u32* offsets, const u16* w13,
 //!    u16* h, int hidden, int inter, int experts). Experts with no rows read no weights.
-//! 6. `moe_gemm2` (moe_grouped_gemm.cu): y[r] = h[r] · w2[e], fp32 accumulation, y [T·k, H]
+//! 6. `moe_gemm2` (moe_grouped_gemm.cu): y\[r\] = h\[r\] · w2\[e\], fp32 accumulation, y \[T·k, H\]
 //!    f32. Parameters: (const u16* h, const u32* offsets, const u16* w2, float* y,
 //!    int hidden, int inter, int experts).
 //!    Both GEMMs: grid.x = ceil(T·k / block_m) + E (an upper bound on Σ_e ceil(n_e /
@@ -71,7 +71,7 @@
 //!    exit), grid.y = N / block_n (N = I for gemm13 — each block computes the gate AND up
 //!    column tiles for its n range — and H for gemm2); block = block_threads; dynamic
 //!    shared memory = shared_mem_bytes.
-//! 7. `moe_combine` (kernels/moe_combine.cu): out[t] = Σ_{s<k} topk_w[t, s] ·
+//! 7. `moe_combine` (kernels/moe_combine.cu): out\[t\] = Σ_{s<k} topk_w\[t, s\] ·
 //!    y[slot_row[t·k + s]] in slot order (+ shared-expert output when present), written
 //!    16-bit. Deterministic. Parameters: (const float* y, const u32* slot_row,
 //!    const float* topk_w, const float* shared_y, u16* out, int tokens, int hidden,

@@ -215,7 +215,7 @@ pub fn select_path(p: &MoeProblem, arch: u32, override_: Option<&str>) -> Result
     }
 }
 
-/// `moe_gather_rows` (x_perm[r] = x[row_token[r]]): grid T·k, 128 threads.
+/// `moe_gather_rows` (x_perm\[r\] = x[row_token\[r\]]): grid T·k, 128 threads.
 pub fn gather_kernel() -> MoeKernel {
     MoeKernel {
         source_file: PERMUTE_SOURCE,
@@ -264,7 +264,7 @@ pub fn sm90_launch_config(
     })
 }
 
-/// Tensor-map layouts: A = [rows][k] 16-bit row-major, box {64, BM}; B = [E][k][n_total],
+/// Tensor-map layouts: A = \[rows\]\[k\] 16-bit row-major, box {64, BM}; B = \[E\]\[k\]\[n_total\],
 /// box {64, 64, 1}.
 pub fn a_layout(rows: usize, k: usize, block_m: u32) -> TiledLayout {
     TiledLayout {

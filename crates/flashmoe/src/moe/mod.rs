@@ -7,7 +7,7 @@
 //! the caller's stream over the caller's device weights, activations and workspace (raw
 //! pointers or cudarc buffers); no allocation, sync or compile per call, CUDA-graph safe,
 //! routing results and losses left on the device. [`launch`] holds the pipeline's launch
-//! geometry. With the `lab` feature, [`runner`] adds the lab's owner of one problem's
+//! geometry. With the `lab` feature, `runner` adds the lab's owner of one problem's
 //! buffers (`MoeRunner`) and [`reference`] the GPU fp32 reference.
 //!
 //! Shared expert: supported, as a one-expert group of all tokens through the same grouped

@@ -10,7 +10,7 @@
 //!
 //! Failure handling: nothing here blocks without a deadline. The communicator is
 //! nonblocking (NCCL's `config.blocking = 0`): set-up and every NCCL call return at once
-//! and are then polled through `ncclCommGetAsyncError`; [`Communicator::wait`] polls a
+//! and are then polled through `ncclCommGetAsyncError`; `Communicator::wait` polls a
 //! CUDA event and that error state. On an NCCL error or past the timeout the communicator
 //! is aborted (`ncclCommAbort`, which also makes NCCL's kernels return) and the error names
 //! what was waited for. A peer that dies or hangs therefore gives every surviving rank an

@@ -7,7 +7,7 @@
 //!   deadlines and abort on every wait;
 //! - [`layer`]: the layer itself on the single-GPU plan's kernels.
 //!
-//! [`simulate_cpu`] runs the same schedule for every rank on the CPU reference, so the
+//! `simulate_cpu` runs the same schedule for every rank on the CPU reference, so the
 //! decomposition is tested without GPUs (it must reproduce the single-GPU reference
 //! bit for bit).
 

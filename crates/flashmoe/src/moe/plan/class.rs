@@ -124,16 +124,16 @@ pub struct RoutingArgs {
     pub topk_ids: RawU32,
     /// [T, k] f32 combine weights.
     pub topk_w: RawTensor,
-    /// [E] slots routed to each expert (sums to T·k).
+    /// \[E\] slots routed to each expert (sums to T·k).
     pub counts: RawU32,
-    /// [2] f32: (aux load-balancing loss, router z-loss).
+    /// \[2\] f32: (aux load-balancing loss, router z-loss).
     pub losses: RawTensor,
 }
 
 /// The tensors of one call, raw (layouts in the module doc; all contiguous).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeArgs {
-    /// [T, H]; T = shape[0] is the call's token count.
+    /// \[T, H\]; T = shape\[0\] is the call's token count.
     pub x: RawTensor,
     /// [H, E]
     pub router: RawTensor,

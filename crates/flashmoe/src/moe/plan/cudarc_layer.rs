@@ -147,9 +147,9 @@ pub struct MoeRouting {
     pub topk_ids: CudaSlice<u32>,
     /// [max_tokens · k] f32
     pub topk_w: CudaSlice<f32>,
-    /// [E] u32
+    /// \[E\] u32
     pub counts: CudaSlice<u32>,
-    /// [2] f32: (aux, z)
+    /// \[2\] f32: (aux, z)
     pub losses: CudaSlice<f32>,
 }
 

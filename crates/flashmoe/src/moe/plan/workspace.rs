@@ -15,19 +15,19 @@ pub struct WorkspaceLayout {
     pub logits: usize,
     /// [T, E] f32 normalised scores (for the aux loss).
     pub probs: usize,
-    /// [T] f32 logsumexp of the logits (for the z-loss).
+    /// \[T\] f32 logsumexp of the logits (for the z-loss).
     pub lse: usize,
-    /// [E] f32 Σ_t probs.
+    /// \[E\] f32 Σ_t probs.
     pub prob_sum: usize,
-    /// [1] f32 Σ_t lse².
+    /// \[1\] f32 Σ_t lse².
     pub lse_sq_sum: usize,
     /// [E + 1] u32 row offsets of the experts' groups.
     pub offsets: usize,
-    /// [R] u32 token of each permuted row.
+    /// \[R\] u32 token of each permuted row.
     pub row_token: usize,
-    /// [R] u32 slot (t·k + s) of each permuted row.
+    /// \[R\] u32 slot (t·k + s) of each permuted row.
     pub row_slot: usize,
-    /// [R] u32 permuted row of each slot.
+    /// \[R\] u32 permuted row of each slot.
     pub slot_row: usize,
     /// [R, I] 16-bit SwiGLU activations.
     pub h: usize,
