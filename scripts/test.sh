@@ -38,8 +38,10 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 step "the product crate alone (default features: no lab module may be needed)"
 cargo clippy -p flashmoe --all-targets --release -- -D warnings
 
-step "rustdoc of the product crate (what an engine's developer reads): broken links are errors"
+step "rustdoc (broken links are errors): the product crate as an engine's developer reads it, then the lab's"
 RUSTDOCFLAGS="-D warnings" cargo doc -p flashmoe --no-deps --release --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p flashmoe --features lab --no-deps --release --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p flashmoe-bench -p flashmoe-cli --no-deps --release --quiet
 
 step "cargo test"
 cargo test --workspace --release

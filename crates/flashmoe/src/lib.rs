@@ -10,7 +10,7 @@
 //!
 //! The `lab` feature (the benchmark lab's, never needed by an engine) adds:
 //! - `inputs`: the deterministic, backend-independent input generator.
-//! - [`reference`]: CPU implementations (f64 ground truth; tiled f32 FlashAttention).
+//! - `reference`: CPU implementations (f64 ground truth; tiled f32 FlashAttention).
 //! - `accuracy`: error metrics and per-dtype tolerances.
 //! - the owners of lab buffers: `attention::runner`, `moe::runner`, the GPU fp32 MoE
 //!   reference (`moe::reference`) and the CPU simulation of expert parallelism.

@@ -1,14 +1,14 @@
 //! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine.
 //! Kernel selection and the kernel ABI live in [`config`] (the contract at its top);
-//! grouped-GEMM variants in [`gemm_config`] and [`gemm_sm90`]; the GPU fp32 reference in
-//! [`reference`].
+//! grouped-GEMM variants in [`gemm_config`] and [`gemm_sm90`]; the GPU fp32 reference (lab
+//! feature) in `reference`.
 //!
 //! The engine API is [`MoePlan`] ([`plan`]): built once per [`MoeClass`], then called on
 //! the caller's stream over the caller's device weights, activations and workspace (raw
 //! pointers or cudarc buffers); no allocation, sync or compile per call, CUDA-graph safe,
 //! routing results and losses left on the device. [`launch`] holds the pipeline's launch
 //! geometry. With the `lab` feature, `runner` adds the lab's owner of one problem's
-//! buffers (`MoeRunner`) and [`reference`] the GPU fp32 reference.
+//! buffers (`MoeRunner`) and `reference` the GPU fp32 reference.
 //!
 //! Shared expert: supported, as a one-expert group of all tokens through the same grouped
 //! GEMM kernels (see the contract); its output is added by the combine with weight 1.

@@ -90,7 +90,7 @@ pub struct GpuRouting {
     pub topk_ids: Vec<u32>,
     /// [T, k] combine weights.
     pub topk_w: Vec<f32>,
-    /// [E] slots routed to each expert (sums to T·k).
+    /// \[E\] slots routed to each expert (sums to T·k).
     pub counts: Vec<u32>,
     /// Finished on the host in f64 from the GPU's per-expert sums (the lab's check).
     pub aux_loss: f64,
@@ -321,7 +321,7 @@ impl MoeRunner {
     pub fn args(&self) -> &MoeArgs {
         &self.args
     }
-    /// The kernels in pipeline order (see [`config::select`]).
+    /// The kernels in pipeline order (see [`select`](crate::moe::config::select)).
     pub fn kernels(&self) -> &[MoeKernel] {
         &self.kernels
     }

@@ -16,6 +16,8 @@
 //! ALiBi ([`attention_f64_alibi`], FlashAttention's convention): the logit of query `i` and
 //! key `j` (after the softcap) gets `-slope · |i + seqlen_k - seqlen_q - j|`, with one f32
 //! slope per (batch, head), widened to f64; the LSE is that of the biased logits.
+//!
+//! [`AttentionProblem::visible_range`]: crate::problem::AttentionProblem::visible_range
 
 use super::{check_len, checked_product};
 use crate::error::Result;

@@ -10,6 +10,8 @@
 //! `dQ_i = scale Σ_j dS_ij k_j`, `dK_j = scale Σ_{h in group, i} dS_ij q_i`,
 //! `dV_j = Σ_{h in group, i} P_ij dO_i`. A row that sees no key contributes nothing (its
 //! dq row is 0).
+//!
+//! [`AttentionProblem::visible_range`]: crate::problem::AttentionProblem::visible_range
 
 use super::attention::{validate_inputs, AttentionInputs};
 use super::check_len;

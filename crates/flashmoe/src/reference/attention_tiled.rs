@@ -29,6 +29,8 @@
 //! register-blocked micro-kernels whose inner loops are contiguous and vectorise; exp2 is
 //! a branch-free polynomial (relative error ≈ 1e-7) that vectorises too. On x86-64 with
 //! AVX2+FMA (detected at run time) the whole unit is compiled for those features.
+//!
+//! [`AttentionProblem::visible_range`]: crate::problem::AttentionProblem::visible_range
 
 use super::attention::{bhsd_to_bshd, validate_inputs, AttentionInputs, AttentionOutput};
 use crate::error::{Error, Result};

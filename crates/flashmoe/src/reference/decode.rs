@@ -17,8 +17,12 @@
 //! `[heads_q, total_q]`. Scores are `scale · q·k`, then
 //! `softcap · tanh(score / softcap)` when `softcap > 0`, then with ALiBi
 //! ([`paged_decode_f64_alibi`]) `- slope[b][h] · |d - j|` (FlashAttention's convention, as
-//! [`super::attention::attention_f64_alibi`]). A row that sees no key gets O = 0 and
+//! [`attention_f64_alibi`]). A row that sees no key gets O = 0 and
 //! LSE = −inf.
+//!
+//! [`PagedDecodeInputs::cu_seqlens_q`]: crate::reference::decode::PagedDecodeInputs::cu_seqlens_q
+//! [`paged_decode_f64_alibi`]: crate::reference::decode::paged_decode_f64_alibi
+//! [`attention_f64_alibi`]: crate::reference::attention::attention_f64_alibi
 
 use super::attention::{softmax_in_place, AttentionOutput};
 use crate::error::{Error, Result};

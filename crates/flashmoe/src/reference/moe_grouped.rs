@@ -1,7 +1,9 @@
 //! The MoE layer the way the GPU does it, on the CPU in f32: dropless permutation of
 //! tokens by expert, one GEMM pair per expert with SwiGLU fused, deterministic weighted
-//! combine in token order. Routing comes from [`super::moe::route`], so it is identical to
+//! combine in token order. Routing comes from [`route`], so it is identical to
 //! the reference's.
+//!
+//! [`route`]: crate::reference::moe::route
 
 use super::moe::{route, MoeInputs, Routing};
 use crate::error::Result;
