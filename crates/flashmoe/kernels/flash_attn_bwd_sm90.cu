@@ -75,6 +75,9 @@
 #ifndef FM_STAGES
 #define FM_STAGES 2
 #endif
+#ifndef FM_DQ_MODE
+#define FM_DQ_MODE 0
+#endif
 #include "fm_sm90.cuh"
 
 namespace fmb90 {
@@ -96,6 +99,22 @@ static_assert(BM_KV == 64 || BM_KV == 128, "FM_KV_BLOCK_M must be 64 or 128");
 static_assert(BN_Q == 64 || BN_Q == 128, "FM_Q_BLOCK_N must be 64 or 128");
 static_assert(STAGES == 2 || STAGES == 3, "FM_STAGES must be 2 or 3");
 
+// How dQ is made (FM_DQ_MODE): 0 = by flash_attn_bwd_sm90_dq (7 products); 1 = by the dK/dV
+// kernel, added with f32 reductions into the dq_accum workspace in whatever order they
+// land (5 products); 2 = the same, in a fixed order (each dQ tile takes the key blocks'
+// contributions in increasing key-block order through a per-tile semaphore: bit-identical).
+constexpr int DQ_MODE = FM_DQ_MODE;
+constexpr bool FUSED_DQ = DQ_MODE != 0;
+constexpr bool ORDERED_DQ = DQ_MODE == 2;
+static_assert(DQ_MODE >= 0 && DQ_MODE <= 2, "FM_DQ_MODE must be 0, 1 or 2");
+static_assert(!FUSED_DQ || BM_KV == 64, "the fused dQ product needs 64 query rows a step");
+// Fused dQ: the step's 64 x D tile of dQ = dS (64 queries x 128 keys) . K (128 keys x D)
+// is split by columns, warpgroup w making columns [w D/2, (w + 1) D/2) from both
+// warpgroups' dS: DQ_N columns, DQ_R accumulators a thread, 64 * D f32 a tile.
+constexpr int DQ_N = D / 2;
+constexpr int DQ_R = DQ_N / 2;
+constexpr int DQ_TILE = BM_KV * D;
+
 // Shared-memory layouts (offsets from a 1024-byte aligned base; tiles on swizzle atoms).
 constexpr int tile_bytes(int rows) { return rows * D * 2; }
 // dK/dV: [K][V][Q x STAGES][dO x STAGES][lse2 x STAGES][delta x STAGES]
@@ -104,7 +123,10 @@ constexpr int KV_OFF_Q = 2 * tile_bytes(BN_KV);
 constexpr int KV_OFF_O = KV_OFF_Q + STAGES * tile_bytes(BM_KV);
 constexpr int KV_OFF_L = KV_OFF_O + STAGES * tile_bytes(BM_KV);
 constexpr int KV_OFF_D = KV_OFF_L + STAGES * BM_KV * 4;
-constexpr int KV_OFF_BAR = KV_OFF_D + STAGES * BM_KV * 4;
+// Fused dQ: dS^T of the step (128 keys x 64 queries, 16-bit), double-buffered by step parity.
+constexpr int DS_BYTES = BN_KV * BM_KV * 2;
+constexpr int KV_OFF_DS = (KV_OFF_D + STAGES * BM_KV * 4 + 1023) / 1024 * 1024;
+constexpr int KV_OFF_BAR = FUSED_DQ ? KV_OFF_DS + 2 * DS_BYTES : KV_OFF_D + STAGES * BM_KV * 4;
 constexpr int NBAR = 2 * STAGES + 1;  // full[STAGES], empty[STAGES], the stationary block
 constexpr int KV_SMEM = 1024 + KV_OFF_BAR + 8 * NBAR;
 // dQ: [Q][dO][K x STAGES][V x STAGES]
@@ -167,7 +189,11 @@ struct Ring {
     __device__ void init() const {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full(s), THREADS);
-            mbar_init(empty(s), NWG * 4);  // one arrival per warp
+            // One arrival per thread: every thread's reads of the slot (the lse2/delta rows
+            // it read with ordinary loads) happen before its own arrival, which is what
+            // compute-sanitizer's racecheck follows (an arrival by one lane per warp after
+            // __syncwarp orders them too, but racecheck reports it as a hazard).
+            mbar_init(empty(s), THREADS);
         }
         mbar_init(fixed(), THREADS);
         mbar_init_fence();
@@ -179,11 +205,8 @@ struct Ring {
     }
 };
 
-// This warp's wgmmas reading slot s have completed.
-__device__ __forceinline__ void release(const Ring& ring, int s, int lane) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(ring.empty(s));
-}
+// This thread's reads of slot s are done and its warpgroup's wgmmas reading it completed.
+__device__ __forceinline__ void release(const Ring& ring, int s) { mbar_arrive(ring.empty(s)); }
 
 // acc (64 x N) = A (64 rows x D at sA, K-major, tile of AROWS rows) * B^T (N rows x D at sB,
 // K-major, tile of N rows): the score-shaped products. Issued, not committed.
@@ -216,6 +239,45 @@ __device__ __forceinline__ void pack_a(const float (&acc)[N / 2], u32 (&a)[N / 1
         for (int h = 0; h < 2; ++h) a[j >> 1][(j & 1) * 2 + h] = pack2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
 }
 
+// Fused dQ. This warpgroup's dS^T rows (16-bit A fragments of its 64 keys x 64 queries)
+// into the step's dS^T tile at sDS (128 key rows, the 64 queries one 128-byte swizzled row
+// each): the MN-major A operand of dQ = dS K. Conflict-free: the 8 rows a warp writes per
+// fragment register land in 8 different 16-byte chunks.
+__device__ __forceinline__ void store_ds(const u32 (&a)[BM_KV / 16][4], u32 sDS, int cw, int warp, int lane) {
+#pragma unroll
+    for (int j = 0; j < BM_KV / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
+            st_shared_u32(sDS + toff<BN_KV>(r, j) + 4 * (lane & 3), a[j >> 1][(j & 1) * 2 + h]);
+        }
+}
+
+// acc (64 queries x DQ_N columns of dQ from column `col0`) = dS (64 x 128 keys, the MN-major
+// tile at sDS) . K (128 keys x D at sK, MN-major). Issued, not committed.
+__device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, int col0) {
+    const u64 da = smem_desc_sw128(sDS, 0, 1024);
+    // D = 128: a whole 64-column half of K; D = 64: 32 columns into the one half (+64 B
+    // inside each swizzled row, which the hardware's address swizzle keeps consistent).
+    const u64 db = smem_desc_sw128(sK + (col0 / 64) * BN_KV * 128 + (col0 % 64) * 2, 0, 1024);
+#pragma unroll
+    for (int kk = 0; kk < BN_KV / 16; ++kk)
+        wgmma_ss<1, 1>(acc, desc_add(da, kk * 16 * 128), desc_add(db, kk * 16 * 128), kk > 0 ? 1 : 0);
+}
+
+// Add this thread's DQ_R accumulators into the f32 tile at g. The tile is stored in the
+// accumulators' own order (float4 j of thread t at (j * THREADS + t) * 4), so a warp's
+// reductions cover 512 contiguous bytes; flash_attn_bwd_sm90_dq_convert reads it back.
+__device__ __forceinline__ void red_tile(const float (&acc)[DQ_R], float* __restrict__ g, int tid) {
+#pragma unroll
+    for (int j = 0; j < DQ_R / 4; ++j) {
+        float* p = g + ((i64)j * THREADS + tid) * 4;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(acc[4 * j]),
+                     "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
+                     : "memory");
+    }
+}
+
 // This thread's part of a 64 x D accumulator (rows row0 + 16 warp + lane/4 + 8h) times
 // `mul`, as 16-bit pairs into rows < nrows of the matrix at g + base.
 __device__ __forceinline__ void store_acc(const float (&acc)[D / 2], float mul, u16* __restrict__ g, i64 base,
@@ -241,7 +303,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                              const u16* __restrict__ dout, const float* __restrict__ lse2,
                              const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
                              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
-                             float scale_log2) {
+                             float scale_log2, float* __restrict__ dq_accum, int* __restrict__ dq_sem) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -306,6 +368,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
     const u32 sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
+    // Fused dQ: the dS^T buffers, the number of 64-row dQ tiles a head has, and (ordered)
+    // the tile whose semaphore this CTA still has to hand on.
+    auto sDS = [&](int step) { return base + KV_OFF_DS + (u32)(step & 1) * DS_BYTES; };
+    const int n_qtiles = (seqlen_q + BM_KV - 1) / BM_KV;
+    int prev_tile = -1;
+    (void)n_qtiles;
+    (void)prev_tile;
 
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
@@ -364,19 +433,51 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         reg_fence(dv_acc);
         reg_fence_u32(pa);
         pack_a<BM_KV>(dpt, pa);
+        if constexpr (FUSED_DQ) {
+            store_ds(pa, sDS(step), cw, warp, lane);
+            fence_proxy_async_smem();  // the dS^T rows just written, towards wgmma
+        }
         wgmma_fence();
         issue_pb<BM_KV>(dk_acc, pa, sQ);  // dK += dS^T Q
         wgmma_commit();
+        if constexpr (FUSED_DQ) {
+            const int h = kvh * group + step / n_mb;
+            const int tile = (batch * heads_q + h) * n_qtiles + m0 / BM_KV;
+            // Both warpgroups' dS^T rows are in place; in the ordered mode also every
+            // thread's reductions of the previous step, fenced.
+            named_bar_sync(1, THREADS);
+            if constexpr (ORDERED_DQ) {
+                if (tid == 0) {
+                    if (prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, (int)blockIdx.x + 1);
+                    while (ld_acquire_gpu(dq_sem + tile) != (int)blockIdx.x) {
+                    }
+                }
+                named_bar_sync(1, THREADS);  // this key block's turn on the tile
+                prev_tile = tile;
+            }
+            float dq_part[DQ_R];
+            wgmma_fence();
+            issue_dq(dq_part, sDS(step), sK, cw * DQ_N);  // dQ = dS K
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(dq_part);
+            red_tile(dq_part, dq_accum + (i64)tile * DQ_TILE, tid);
+            if constexpr (ORDERED_DQ) __threadfence();
+        }
         wgmma_wait<0>();
         reg_fence(dk_acc);
         reg_fence_u32(pa);
-        release(ring, buf, lane);
+        release(ring, buf);
         if (++buf == STAGES) {
             buf = 0;
             ++round;
         }
     }
     cp_async_wait<0>();
+    if constexpr (ORDERED_DQ) {
+        named_bar_sync(1, THREADS);  // every thread's last reductions, fenced
+        if (tid == 0 && prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, (int)blockIdx.x + 1);
+    }
     store_acc(dk_acc, scale, dk, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
     store_acc(dv_acc, 1.f, dv, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
 }
@@ -497,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         wgmma_wait<0>();
         reg_fence(dq_acc);
         reg_fence_u32(pa);
-        release(ring, buf, lane);
+        release(ring, buf);
         if (++buf == STAGES) {
             buf = 0;
             ++round;
@@ -505,4 +606,41 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     }
     cp_async_wait<0>();
     store_acc(dq_acc, scale, dq, q_off, q_stride, m0 + cw * 64, seqlen_q, warp, lane);
+}
+
+// ----------------------------------------------------------------------------------------
+// Fused dQ (FM_DQ_MODE 1 or 2): the workspace before and after the dK/dV kernel.
+// ----------------------------------------------------------------------------------------
+// Zero the dq_accum tiles (n4 float4s) and the n_sem tile semaphores. Grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+    flash_attn_bwd_sm90_dq_zero(float* __restrict__ dq_accum, long long n4, int* __restrict__ dq_sem, int n_sem) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride)
+        *reinterpret_cast<float4*>(dq_accum + 4 * i) = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n_sem; i += stride) dq_sem[i] = 0;
+}
+
+// dq (batch, Sq, heads_q, D) = scale * the dq_accum tile of its 64 rows, read back in the
+// order red_tile stored it. Grid (ceil(Sq / 64), heads_q, batch), block 256.
+extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
+    flash_attn_bwd_sm90_dq_convert(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q,
+                                   int heads_q, float scale) {
+    using namespace fmb90;
+    const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int m0 = blockIdx.x * BM_KV, head = blockIdx.y, batch = blockIdx.z;
+    const i64 tile = ((i64)batch * heads_q + head) * gridDim.x + blockIdx.x;
+    const float* g = dq_accum + tile * DQ_TILE;
+#pragma unroll
+    for (int j = 0; j < DQ_R / 4; ++j) {
+        const float4 x = *reinterpret_cast<const float4*>(g + ((i64)j * THREADS + tid) * 4);
+        const int col = cw * DQ_N + 8 * j + 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = m0 + warp * 16 + (lane >> 2) + 8 * h;
+            if (r >= seqlen_q) continue;
+            const float lo = h ? x.z : x.x, hi = h ? x.w : x.y;
+            *reinterpret_cast<u32*>(dq + (((i64)batch * seqlen_q + r) * heads_q + head) * D + col) =
+                pack2(lo * scale, hi * scale);
+        }
+    }
 }

@@ -4,8 +4,8 @@
 //! `kernels_compile.rs` (scripts/install-nvrtc.sh or FLASHMOE_NVRTC_LIB).
 
 use flashmoe::attention::backward::{
-    all_sm90_bwd_classes, sm90_bwd_defines, Sm90BwdTile, BWD_SM90_DKDV_ENTRY, BWD_SM90_DQ_ENTRY,
-    BWD_SM90_SOURCE,
+    all_sm90_bwd_classes, sm90_bwd_defines, Sm90BwdTile, BWD_SM90_DKDV_ENTRY,
+    BWD_SM90_DQ_CONVERT_ENTRY, BWD_SM90_DQ_ENTRY, BWD_SM90_DQ_ZERO_ENTRY, BWD_SM90_SOURCE,
 };
 use flashmoe::gpu::{kernels, KernelCache};
 mod common;
@@ -26,9 +26,11 @@ fn every_sm90_backward_variant_compiles_without_spills() {
     );
     for class in classes {
         // The production tile, and for bf16 causal the others the lab times.
+        // Every class: the production tile and the fused-dQ tiles.
         let mut tiles = Sm90BwdTile::lab_tiles(class.head_dim);
         if !(class.causal && class.dtype == flashmoe::DType::Bf16) {
-            tiles.truncate(1);
+            let prod = tiles[0];
+            tiles.retain(|t| *t == prod || t.dq.fused());
         }
         for tile in tiles {
             let defs = sm90_bwd_defines(&class, &tile);
@@ -45,11 +47,18 @@ fn every_sm90_backward_variant_compiles_without_spills() {
                     class.head_dim, class.dtype, class.causal
                 );
             }
-            assert!(
-                k.all_functions.iter().any(|f| f.name == BWD_SM90_DQ_ENTRY),
-                "{}",
-                k.log
-            );
+            let others: &[&str] = if tile.dq.fused() {
+                &[BWD_SM90_DQ_CONVERT_ENTRY, BWD_SM90_DQ_ZERO_ENTRY]
+            } else {
+                &[BWD_SM90_DQ_ENTRY]
+            };
+            for entry in others {
+                assert!(
+                    k.all_functions.iter().any(|f| f.name == *entry),
+                    "{entry}: {}",
+                    k.log
+                );
+            }
             assert!(!k.spills(), "{class:?} {tile:?} spills: {}", k.log);
         }
     }

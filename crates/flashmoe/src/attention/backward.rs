@@ -52,6 +52,12 @@ const PREPROCESS_ROWS: u32 = 4;
 pub const BWD_SM90_SOURCE: &str = "flash_attn_bwd_sm90.cu";
 pub const BWD_SM90_DKDV_ENTRY: &str = "flash_attn_bwd_sm90_dkdv";
 pub const BWD_SM90_DQ_ENTRY: &str = "flash_attn_bwd_sm90_dq";
+/// The fused-dQ modes' workspace kernels: zero the f32 dQ tiles and their semaphores before
+/// the dK/dV kernel, convert the tiles into dq after it.
+pub const BWD_SM90_DQ_ZERO_ENTRY: &str = "flash_attn_bwd_sm90_dq_zero";
+pub const BWD_SM90_DQ_CONVERT_ENTRY: &str = "flash_attn_bwd_sm90_dq_convert";
+/// Query rows of one f32 dQ tile of the fused modes (the dK/dV kernel's step).
+const SM90_DQ_TILE_ROWS: usize = 64;
 /// Head dims the sm_90a backward serves.
 pub const BWD_SM90_HEAD_DIMS: [usize; 2] = [64, 128];
 
@@ -65,9 +71,43 @@ pub enum BwdKernel {
     Sm90(Sm90BwdTile),
 }
 
-/// Tile of the sm_90a backward kernels (their FM_KV_BLOCK_M, FM_Q_BLOCK_N, FM_STAGES).
-/// Both kernels run two warpgroups of 64 stationary rows each: 128 keys per dK/dV CTA,
-/// 128 query rows per dQ CTA.
+/// How the sm_90a backward makes dQ (the kernels' FM_DQ_MODE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Sm90Dq {
+    /// A second kernel (`flash_attn_bwd_sm90_dq`) recomputes S and dP for each query
+    /// block: 7 products of the forward's size, bit-identical run to run.
+    Kernel,
+    /// The dK/dV kernel also computes dQ's part of its key block (dS·K) and adds it into an
+    /// f32 workspace with reductions, in whatever order they land: 5 products, not
+    /// bit-identical run to run (f32 addition is not associative).
+    Atomic,
+    /// As `Atomic`, but each 64-row dQ tile takes its key blocks' parts in increasing
+    /// key-block order (a semaphore per tile): 5 products, bit-identical run to run.
+    Ordered,
+}
+
+impl Sm90Dq {
+    /// FM_DQ_MODE of the kernels.
+    fn define(self) -> u32 {
+        match self {
+            Sm90Dq::Kernel => 0,
+            Sm90Dq::Atomic => 1,
+            Sm90Dq::Ordered => 2,
+        }
+    }
+    /// Whether the dK/dV kernel makes dQ (the f32 workspace, no dQ kernel).
+    pub fn fused(self) -> bool {
+        self != Sm90Dq::Kernel
+    }
+    /// Whether two runs give the same bits.
+    pub fn deterministic(self) -> bool {
+        self != Sm90Dq::Atomic
+    }
+}
+
+/// Tile of the sm_90a backward kernels (their FM_KV_BLOCK_M, FM_Q_BLOCK_N, FM_STAGES,
+/// FM_DQ_MODE). Both kernels run two warpgroups of 64 stationary rows each: 128 keys per
+/// dK/dV CTA, 128 query rows per dQ CTA.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sm90BwdTile {
     pub head_dim: u32,
@@ -77,6 +117,8 @@ pub struct Sm90BwdTile {
     pub q_block_n: u32,
     /// Depth of the streamed-tile ring (2 or 3).
     pub stages: u32,
+    /// How dQ is made; the fused modes need `kv_block_m` = 64 (`q_block_n` is then unused).
+    pub dq: Sm90Dq,
 }
 
 impl Sm90BwdTile {
@@ -94,6 +136,7 @@ impl Sm90BwdTile {
             kv_block_m: 64,
             q_block_n,
             stages,
+            dq: Sm90Dq::Kernel,
         })
     }
     /// The production tile of `head_dim` first, then the others the lab times beside it
@@ -108,17 +151,23 @@ impl Sm90BwdTile {
         } else {
             &[(64, 2), (64, 3)]
         };
-        let mut out = vec![prod];
-        for &(n, st) in all {
-            let t = Sm90BwdTile {
+        let mut all: Vec<Sm90BwdTile> = all
+            .iter()
+            .map(|&(n, st)| Sm90BwdTile {
                 q_block_n: n,
                 stages: st,
+                dq: Sm90Dq::Kernel,
                 ..prod
-            };
-            if t != prod {
-                out.push(t);
+            })
+            .collect();
+        // The fused-dQ modes (5 products), 2- and 3-slot rings.
+        for dq in [Sm90Dq::Atomic, Sm90Dq::Ordered] {
+            for stages in [2, 3] {
+                all.push(Sm90BwdTile { stages, dq, ..prod });
             }
         }
+        let mut out = vec![prod];
+        out.extend(all.into_iter().filter(|t| *t != prod));
         out
     }
     /// Whether the kernels accept this tile.
@@ -127,6 +176,7 @@ impl Sm90BwdTile {
             && matches!(self.kv_block_m, 64 | 128)
             && matches!(self.q_block_n, 64 | 128)
             && matches!(self.stages, 2 | 3)
+            && (!self.dq.fused() || self.kv_block_m == 64)
             && self.kv_smem_bytes() <= super::config::MAX_SMEM_SM90
             && self.q_smem_bytes() <= super::config::MAX_SMEM_SM90
     }
@@ -141,9 +191,15 @@ impl Sm90BwdTile {
     /// Dynamic shared memory of the dK/dV kernel (KV_SMEM in the .cu).
     pub fn kv_smem_bytes(&self) -> u32 {
         let row = 2 * self.head_dim;
-        1024 + 2 * self.kv_block_n() * row
-            + self.stages * (2 * self.kv_block_m * row + 8 * self.kv_block_m)
-            + self.barrier_bytes()
+        let tiles = 2 * self.kv_block_n() * row
+            + self.stages * (2 * self.kv_block_m * row + 8 * self.kv_block_m);
+        // Fused dQ: two dS^T tiles (keys x query rows, 16-bit) on a 1024-byte boundary.
+        let ds = if self.dq.fused() {
+            tiles.div_ceil(1024) * 1024 - tiles + 2 * (2 * self.kv_block_n() * self.kv_block_m)
+        } else {
+            0
+        };
+        1024 + tiles + ds + self.barrier_bytes()
     }
     /// The mbarriers: full and empty per ring slot, one for the stationary block.
     fn barrier_bytes(&self) -> u32 {
@@ -178,6 +234,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
         ("FM_KV_BLOCK_M".into(), tile.kv_block_m.to_string()),
         ("FM_Q_BLOCK_N".into(), tile.q_block_n.to_string()),
         ("FM_STAGES".into(), tile.stages.to_string()),
+        ("FM_DQ_MODE".into(), tile.dq.define().to_string()),
     ]
 }
 
@@ -323,7 +380,10 @@ pub struct AttentionBackwardPlan {
     scale: f32,
     preprocess: CudaFunction,
     dkdv: CudaFunction,
+    /// The dQ kernel, or with a fused-dQ sm_90a tile the f32-to-dq conversion.
     dq: CudaFunction,
+    /// Fused-dQ sm_90a tiles: zeroes the f32 dQ tiles and their semaphores.
+    dq_zero: Option<CudaFunction>,
     ctx: Arc<CudaContext>,
 }
 
@@ -404,13 +464,13 @@ impl AttentionBackwardPlan {
         };
         let defines = bwd_defines(&class, &tile);
         let preprocess = dev.load_kernel(BWD_SOURCE, BWD_PREPROCESS_ENTRY, &defines)?;
-        let (dkdv, dq) = match kernel {
+        let (dkdv, dq, dq_zero) = match kernel {
             BwdKernel::Portable => {
                 let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
                 let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
                 dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
                 dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
-                (dkdv, dq)
+                (dkdv, dq, None)
             }
             BwdKernel::Sm90(t) => {
                 if dev.arch() != 90 {
@@ -441,10 +501,17 @@ impl AttentionBackwardPlan {
                 }
                 let defs = sm90_bwd_defines(&class, &t);
                 let dkdv = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DKDV_ENTRY, &defs)?;
-                let dq = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ENTRY, &defs)?;
                 dev.set_dynamic_shared_memory(BWD_SM90_DKDV_ENTRY, &dkdv, t.kv_smem_bytes())?;
-                dev.set_dynamic_shared_memory(BWD_SM90_DQ_ENTRY, &dq, t.q_smem_bytes())?;
-                (dkdv, dq)
+                if t.dq.fused() {
+                    let convert =
+                        dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_CONVERT_ENTRY, &defs)?;
+                    let zero = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ZERO_ENTRY, &defs)?;
+                    (dkdv, convert, Some(zero))
+                } else {
+                    let dq = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ENTRY, &defs)?;
+                    dev.set_dynamic_shared_memory(BWD_SM90_DQ_ENTRY, &dq, t.q_smem_bytes())?;
+                    (dkdv, dq, None)
+                }
             }
         };
         Ok(AttentionBackwardPlan {
@@ -456,6 +523,7 @@ impl AttentionBackwardPlan {
             preprocess,
             dkdv,
             dq,
+            dq_zero,
             ctx: dev.context().clone(),
         })
     }
@@ -473,10 +541,26 @@ impl AttentionBackwardPlan {
 
     /// Bytes of the workspace a call of `batch` sequences of `seqlen_q` queries needs: the
     /// f32 Delta and log2-LSE of every query row (2 × batch · heads_q · seqlen_q · 4,
-    /// rounded up to 256 bytes each). Any contents: every launch writes it before reading.
+    /// rounded up to 256 bytes each), and with a fused-dQ sm_90a tile the f32 dQ of every
+    /// query row (seqlen_q rounded up to 64: batch · heads_q · rows · head_dim · 4) and one
+    /// semaphore per 64-row tile. Any contents: every launch writes it before reading.
     /// Launches that may run at the same time need one each.
     pub fn workspace_bytes(&self, batch: usize, seqlen_q: usize) -> usize {
-        2 * region_bytes(batch, self.class.heads_q, seqlen_q)
+        let rows = 2 * region_bytes(batch, self.class.heads_q, seqlen_q);
+        match self.kernel {
+            BwdKernel::Sm90(t) if t.dq.fused() => {
+                let (accum, sems) = self.dq_accum_bytes(batch, seqlen_q);
+                rows + accum + sems
+            }
+            _ => rows,
+        }
+    }
+
+    /// Fused dQ: bytes of the f32 dQ tiles and of their semaphores (256-byte multiples).
+    fn dq_accum_bytes(&self, batch: usize, seqlen_q: usize) -> (usize, usize) {
+        let tiles = batch * self.class.heads_q * seqlen_q.div_ceil(SM90_DQ_TILE_ROWS);
+        let accum = tiles * SM90_DQ_TILE_ROWS * self.class.head_dim * 4;
+        (accum.div_ceil(256) * 256, (tiles * 4).div_ceil(256) * 256)
     }
 
     /// Check a call's tensors against the class and the kernels' rules, O(1); returns the
@@ -684,6 +768,28 @@ impl AttentionBackwardPlan {
         let (q, k, v, d_o) = (a.q.ptr, a.k.ptr, a.v.ptr, a.d_o.ptr);
         let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
         let scale_log2 = self.logits.scale_log2;
+        // Fused dQ: the f32 tiles and their semaphores follow lse2 and delta.
+        let (dq_accum, dq_sem) = if t.dq.fused() {
+            let accum = delta + region_bytes(b, self.class.heads_q, sq) as u64;
+            let (accum_bytes, sem_bytes) = self.dq_accum_bytes(b, sq);
+            let sem = accum + accum_bytes as u64;
+            let zero = self
+                .dq_zero
+                .as_ref()
+                .expect("fused tiles load the zero kernel");
+            let n4 = (accum_bytes / 16) as i64;
+            let n_sem = (sem_bytes / 4) as i32;
+            let zc = LaunchConfig {
+                grid_dim: (((n4 as u64).div_ceil(256).min(4096)) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut params = [param(&accum), param(&n4), param(&sem), param(&n_sem)];
+            launch(BWD_SM90_DQ_ZERO_ENTRY, zero, zc, stream, &mut params)?;
+            (accum, sem)
+        } else {
+            (0u64, 0u64)
+        };
         let kv = LaunchConfig {
             grid_dim: (
                 (sk as u32).div_ceil(t.kv_block_n()),
@@ -708,8 +814,29 @@ impl AttentionBackwardPlan {
             param(&hkv_i),
             param(&self.scale),
             param(&scale_log2),
+            param(&dq_accum),
+            param(&dq_sem),
         ];
         launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+        if t.dq.fused() {
+            let cc = LaunchConfig {
+                grid_dim: (
+                    sq.div_ceil(SM90_DQ_TILE_ROWS) as u32,
+                    self.class.heads_q as u32,
+                    b as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut params = [
+                param(&dq_accum),
+                param(&dq),
+                param(&sq_i),
+                param(&hq_i),
+                param(&self.scale),
+            ];
+            return launch(BWD_SM90_DQ_CONVERT_ENTRY, &self.dq, cc, stream, &mut params);
+        }
         let qc = LaunchConfig {
             grid_dim: (
                 (sq as u32).div_ceil(t.q_block_m()),
