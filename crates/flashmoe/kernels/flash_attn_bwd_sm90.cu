@@ -307,8 +307,16 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int n0 = blockIdx.x * BN_KV;
-    const int kvh = blockIdx.y, batch = blockIdx.z;
+    // Ordered dQ: the grid is (heads_kv * batch, key blocks, 1), key blocks slowest, so a
+    // tile's contributors are dispatched in the order they add (a CTA waits only on CTAs
+    // dispatched before it: no deadlock) and one wave holds key blocks of many heads (a key
+    // block rarely waits for the one before it). Otherwise (key blocks, heads_kv, batch).
+#if FM_DQ_MODE == 2
+    const int kblock = blockIdx.y, kvh = blockIdx.x % heads_kv, batch = blockIdx.x / heads_kv;
+#else
+    const int kblock = blockIdx.x, kvh = blockIdx.y, batch = blockIdx.z;
+#endif
+    const int n0 = kblock * BN_KV;
     const int group = heads_q / heads_kv;
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
     const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
@@ -370,7 +378,9 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const u32 sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
     // Fused dQ: the dS^T buffers, the number of 64-row dQ tiles a head has, and (ordered)
     // the tile whose semaphore this CTA still has to hand on.
-    auto sDS = [&](int step) { return base + KV_OFF_DS + (u32)(step & 1) * DS_BYTES; };
+    // (An array indexed by step parity: it costs 8 bytes of stack where a computed address
+    // costs registers, and the D = 128 kernel is at the 255-register limit.)
+    const u32 sDS[2] = {base + KV_OFF_DS, base + KV_OFF_DS + DS_BYTES};
     const int n_qtiles = (seqlen_q + BM_KV - 1) / BM_KV;
     int prev_tile = -1;
     (void)n_qtiles;
@@ -434,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         reg_fence_u32(pa);
         pack_a<BM_KV>(dpt, pa);
         if constexpr (FUSED_DQ) {
-            store_ds(pa, sDS(step), cw, warp, lane);
+            store_ds(pa, sDS[step & 1], cw, warp, lane);
             fence_proxy_async_smem();  // the dS^T rows just written, towards wgmma
         }
         wgmma_fence();
@@ -448,8 +458,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             named_bar_sync(1, THREADS);
             if constexpr (ORDERED_DQ) {
                 if (tid == 0) {
-                    if (prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, (int)blockIdx.x + 1);
-                    while (ld_acquire_gpu(dq_sem + tile) != (int)blockIdx.x) {
+                    if (prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, kblock + 1);
+                    while (ld_acquire_gpu(dq_sem + tile) != kblock) {
                     }
                 }
                 named_bar_sync(1, THREADS);  // this key block's turn on the tile
@@ -457,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             }
             float dq_part[DQ_R];
             wgmma_fence();
-            issue_dq(dq_part, sDS(step), sK, cw * DQ_N);  // dQ = dS K
+            issue_dq(dq_part, sDS[step & 1], sK, cw * DQ_N);  // dQ = dS K
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(dq_part);
@@ -476,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     cp_async_wait<0>();
     if constexpr (ORDERED_DQ) {
         named_bar_sync(1, THREADS);  // every thread's last reductions, fenced
-        if (tid == 0 && prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, (int)blockIdx.x + 1);
+        if (tid == 0 && prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, kblock + 1);
     }
     store_acc(dk_acc, scale, dk, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
     store_acc(dv_acc, 1.f, dv, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);

@@ -790,12 +790,16 @@ impl AttentionBackwardPlan {
         } else {
             (0u64, 0u64)
         };
+        let kblocks = (sk as u32).div_ceil(t.kv_block_n());
+        let hkv = self.class.heads_kv as u32;
+        // Ordered dQ: key blocks slowest (the kernel's comment says why).
+        let grid_dim = if t.dq == Sm90Dq::Ordered {
+            (hkv * b as u32, kblocks, 1)
+        } else {
+            (kblocks, hkv, b as u32)
+        };
         let kv = LaunchConfig {
-            grid_dim: (
-                (sk as u32).div_ceil(t.kv_block_n()),
-                self.class.heads_kv as u32,
-                b as u32,
-            ),
+            grid_dim,
             block_dim: (256, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
         };
