@@ -37,7 +37,9 @@ python3 -c "import pytest" 2>/dev/null ||
   python3 -m pip install -q --no-deps --no-index --target "$SITE" "$D"/whl/*.whl || exit 1
 export PYTHONPATH=$SITE
 cd "$D" || exit 1
-timeout "${PYTEST_LIMIT:-330}" python3 -m pytest -v -rs tests 2>&1 | tee "$OUT/pytest.log"
+# PYTEST_FILES: the test files (default: every test); PYTEST_K: a -k expression.
+timeout "${PYTEST_LIMIT:-330}" python3 -m pytest -v -rs ${PYTEST_FILES:-tests} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 |
+  tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 timeout "${OVERHEAD_LIMIT:-90}" python3 tools/overhead.py "$OUT/python-overhead.json" || rc=1
 exit "$rc"

@@ -139,6 +139,22 @@ for s in "$@"; do
                   for f in results.json results.md e2e-samples.json; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     # The attention plans' GPU tests (dense, varlen, decode; windows and softcap included).
+    # The attention backward (issue 40): the f64 gate on both kernel paths and every sm_90a
+    # tile, both modes after the forward plan, bad input, bit-identity over repeats (beside a
+    # second stream); the speed table (host timing of every tile); memcheck and racecheck over
+    # the partial-tile cases of each dQ mode and two repeats; the Python package's backward
+    # tests (carry target/py-device: scripts/device-python.sh --pack).
+    bwd-unit)     stage bwd-unit 240 ./target/release/flashmoe-gpu-tests attention::backward_gpu_tests:: --skip backward_speed \
+                      --skip backward_sanitizer_cases --test-threads=1 --nocapture ;;
+    bwd-speed)    stage bwd-speed 200 ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_speed --nocapture ;;
+    bwd-sanitize) for tool in memcheck racecheck; do
+                    FLASHMOE_BWD_REPEATS=2 stage bwd-$tool 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_sanitizer_cases \
+                      backward_gpu_tests::backward_repeats --test-threads=1 --nocapture
+                  done ;;
+    python-bwd)   PYTEST_FILES="tests/test_torch_gpu.py tests/test_torch_ops.py tests/test_flash_attn_interface.py" \
+                    PYTEST_K="grad or determin or graph or backward or differentiable" \
+                    stage python-bwd 300 bash scripts/device-python.sh target/py-device ;;
     unit-attn)    stage unit-attn 300 ./target/release/flashmoe-gpu-tests attention:: --test-threads=1 --nocapture ;;
     # Sliding windows and softcap beside plain attention of the same visible length (issue 22).
     bench-window) stage bench-window 420 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window

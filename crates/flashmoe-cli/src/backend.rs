@@ -332,7 +332,8 @@ pub fn measure_ceilings(session: &GpuSession) -> anyhow::Result<Ceilings> {
 
 /// The gradient lab of `--pass bwd|fwd+bwd` (`flashmoe_bench::grad`): on the CPU the f64
 /// backward (the reference) and the f32 backward under test (`cpu-tiled` for attention and
-/// varlen, `cpu-grouped` for MoE); on a GPU the plan-backed `flashmoe-grad` and, given a
+/// varlen, `cpu-grouped` for MoE); on a GPU the plan-backed `flashmoe-grad` (for dense
+/// attention also `flashmoe-grad-det`, the deterministic mode) and, given a
 /// Python, the baselines that have a backward. The reference is the f64 backward on the
 /// host ([`GradReference`]).
 pub fn select_grad(suite: Suite, force_cpu: bool, seed: u64, python: Option<&Path>) -> Lab {
@@ -364,7 +365,11 @@ pub fn select_grad(suite: Suite, force_cpu: bool, seed: u64, python: Option<&Pat
         }
         Some(session) => {
             let mut lab = gpu_lab(suite, seed, session.clone(), false);
-            lab.implementations = vec![Box::new(GpuGrad { session })];
+            lab.implementations = vec![Box::new(GpuGrad::fast(session.clone()))];
+            if suite == Suite::Attention {
+                lab.implementations
+                    .push(Box::new(GpuGrad::deterministic(session)));
+            }
             lab.default_candidate = "flashmoe-grad".into();
             lab.reference = reference;
             if let Some(python) = python {

@@ -12,7 +12,7 @@
 //! tensor) naming the tensor and the rule; a shape class no kernel implements raises
 //! `NotImplementedError`; no driver, no GPU or a CUDA failure raises `RuntimeError`.
 
-use flashmoe::attention::backward::{AttentionBackwardPlan as BPlan, BackwardArgs};
+use flashmoe::attention::backward::{AttentionBackwardPlan as BPlan, BackwardArgs, BwdMode};
 use flashmoe::attention::decode::{
     AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
 };
@@ -1081,8 +1081,8 @@ impl AttentionPlan {
 }
 
 /// An attention backward plan: dq, dk and dv of one dense class (dtype, head dim, head
-/// counts, causal, scale, window, softcap) on the portable deterministic kernels (head
-/// dims 32, 64, 96, 128; any GPU of compute capability 8.0 or newer).
+/// counts, causal, scale, window, softcap; head dims 32, 64, 96, 128; any GPU of compute
+/// capability 8.0 or newer), fast or deterministic (bit-identical run to run).
 #[pyclass(frozen, module = "flashmoe._core")]
 struct AttentionBackwardPlan {
     plan: BPlan,
@@ -1091,9 +1091,10 @@ struct AttentionBackwardPlan {
 #[pymethods]
 impl AttentionBackwardPlan {
     /// The class as for `AttentionPlan`; a head dim or dtype the backward does not serve
-    /// raises `NotImplementedError`.
+    /// raises `NotImplementedError`. `deterministic`: bit-identical gradients run to run
+    /// (on Hopper the fast mode sums dq in the order its parts land).
     #[new]
-    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0))]
+    #[pyo3(signature = (device, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale=None, window=(-1, -1), softcap=0.0, deterministic=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         device: usize,
@@ -1105,6 +1106,7 @@ impl AttentionBackwardPlan {
         softmax_scale: Option<f32>,
         window: (i32, i32),
         softcap: f32,
+        deterministic: bool,
     ) -> PyResult<Self> {
         let logits = Logits {
             causal,
@@ -1121,8 +1123,13 @@ impl AttentionBackwardPlan {
             logits,
         )?;
         let dev = self::device(device)?;
+        let mode = if deterministic {
+            BwdMode::Deterministic
+        } else {
+            BwdMode::Fast
+        };
         Ok(AttentionBackwardPlan {
-            plan: BPlan::new(&dev, class).map_err(py_err)?,
+            plan: BPlan::new(&dev, class, mode).map_err(py_err)?,
         })
     }
 
@@ -1130,6 +1137,12 @@ impl AttentionBackwardPlan {
     /// contents: the launch writes it before reading).
     fn workspace_bytes(&self, batch: usize, seqlen_q: usize) -> usize {
         self.plan.workspace_bytes(batch, seqlen_q)
+    }
+
+    /// Whether two calls on the same inputs give the same bits.
+    #[getter]
+    fn deterministic(&self) -> bool {
+        self.plan.deterministic()
     }
 
     /// Enqueue one backward on `stream` (a `CUstream` value). Every tensor is a descriptor

@@ -253,6 +253,30 @@ def test_attention_backward_traces_into_the_backward_op():
     assert any("flashmoe.attention_backward.default" in t for t in targets), targets
 
 
+@pytest.mark.parametrize("deterministic, flag, want", [
+    (None, False, False), (None, True, True), (True, False, True), (False, True, False)])
+def test_attention_deterministic_reaches_the_backward_op(deterministic, flag, want):
+    # None follows torch.are_deterministic_algorithms_enabled() at the forward call; the choice
+    # is the backward op's last argument
+    def step(q, k, v):
+        o = flashmoe.attention(q, k, v, causal=True, deterministic=deterministic)
+        return torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+
+    q, k = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16), torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(flag)
+    try:
+        gm = make_fx(lambda q, k, v: step(q.requires_grad_(), k.requires_grad_(), v.requires_grad_()),
+                     tracing_mode="fake")(q, k, k.clone())
+    finally:
+        torch.use_deterministic_algorithms(before)
+    bwd = [n for n in gm.graph.nodes if "flashmoe.attention_backward.default" in str(n.target)]
+    assert len(bwd) == 1
+    # the dispatcher may drop a trailing default (False): then the kwargs fallback reads False
+    got = args[11] if len(bwd[0].args) > 11 else bwd[0].kwargs.get("deterministic", False)
+    assert got is want, (bwd[0].args, bwd[0].kwargs)
+
+
 def test_attention_cpu_tensors_with_grad_meet_the_device_check():
     q = torch.randn(1, 8, 4, 64, dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises(ValueError, match="flashmoe takes CUDA tensors"):

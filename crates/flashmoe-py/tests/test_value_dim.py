@@ -90,7 +90,8 @@ class Kernels:
             self.calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale})
         return f32_default_scale(d) if softmax_scale is None else softmax_scale
 
-    def dense(self, q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, want_lse=True):
+    def dense(self, q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+              deterministic=False, want_lse=True):
         scale = self._record(q, k, v, softmax_scale)
         return ref_dense(q, k, v, scale, causal, (window_left, window_right), softcap)
 

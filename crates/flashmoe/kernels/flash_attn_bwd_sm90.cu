@@ -278,6 +278,12 @@ __device__ __forceinline__ void red_tile(const float (&acc)[DQ_R], float* __rest
     }
 }
 
+// Ordered fused dQ: an increment of the tile semaphore at p that releases this thread's
+// (and, after a __syncwarp, its warp's) earlier writes to whoever acquires the new value.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 // This thread's part of a 64 x D accumulator (rows row0 + 16 warp + lane/4 + 8h) times
 // `mul`, as 16-bit pairs into rows < nrows of the matrix at g + base.
 __device__ __forceinline__ void store_acc(const float (&acc)[D / 2], float mul, u16* __restrict__ g, i64 base,
@@ -376,15 +382,12 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
     const u32 sKw = sK + cw * 64 * 128, sVw = sV + cw * 64 * 128;
-    // Fused dQ: the dS^T buffers, the number of 64-row dQ tiles a head has, and (ordered)
-    // the tile whose semaphore this CTA still has to hand on.
+    // Fused dQ: the dS^T buffers and the number of 64-row dQ tiles a head has.
     // (An array indexed by step parity: it costs 8 bytes of stack where a computed address
     // costs registers, and the D = 128 kernel is at the 255-register limit.)
     const u32 sDS[2] = {base + KV_OFF_DS, base + KV_OFF_DS + DS_BYTES};
     const int n_qtiles = (seqlen_q + BM_KV - 1) / BM_KV;
-    int prev_tile = -1;
     (void)n_qtiles;
-    (void)prev_tile;
 
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
@@ -453,17 +456,15 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         if constexpr (FUSED_DQ) {
             const int h = kvh * group + step / n_mb;
             const int tile = (batch * heads_q + h) * n_qtiles + m0 / BM_KV;
-            // Both warpgroups' dS^T rows are in place; in the ordered mode also every
-            // thread's reductions of the previous step, fenced.
-            named_bar_sync(1, THREADS);
+            named_bar_sync(1, THREADS);  // both warpgroups' dS^T rows are in place
             if constexpr (ORDERED_DQ) {
+                // The tile's semaphore counts warp hand-offs: key blocks 0 .. kblock - 1
+                // have added their parts once it reads 8 * kblock.
                 if (tid == 0) {
-                    if (prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, kblock + 1);
-                    while (ld_acquire_gpu(dq_sem + tile) != kblock) {
+                    while (ld_acquire_gpu(dq_sem + tile) != NWG * 4 * kblock) {
                     }
                 }
                 named_bar_sync(1, THREADS);  // this key block's turn on the tile
-                prev_tile = tile;
             }
             float dq_part[DQ_R];
             wgmma_fence();
@@ -472,7 +473,12 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             wgmma_wait<0>();
             reg_fence(dq_part);
             red_tile(dq_part, dq_accum + (i64)tile * DQ_TILE, tid);
-            if constexpr (ORDERED_DQ) __threadfence();
+            if constexpr (ORDERED_DQ) {
+                // Hand on: each warp's reductions, then one releasing increment per warp
+                // (__syncwarp orders the other lanes' reductions before lane 0's release).
+                __syncwarp();
+                if (lane == 0) red_release_gpu_add(dq_sem + tile, 1);
+            }
         }
         wgmma_wait<0>();
         reg_fence(dk_acc);
@@ -484,10 +490,6 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         }
     }
     cp_async_wait<0>();
-    if constexpr (ORDERED_DQ) {
-        named_bar_sync(1, THREADS);  // every thread's last reductions, fenced
-        if (tid == 0 && prev_tile >= 0) st_release_gpu(dq_sem + prev_tile, kblock + 1);
-    }
     store_acc(dk_acc, scale, dk, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
     store_acc(dv_acc, 1.f, dv, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
 }

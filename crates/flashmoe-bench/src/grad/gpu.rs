@@ -1,4 +1,5 @@
-//! The gradient family on the GPU: "flashmoe-grad", a plan-backed implementation (a
+//! The gradient family on the GPU: "flashmoe-grad" (and, for dense attention,
+//! "flashmoe-grad-det": the backward plan in its deterministic mode), a plan-backed implementation (a
 //! `PlanCall` under the lab's `PlanBacked`: L2 flush + CUDA events, poisoned outputs)
 //! over the library's backward plans — `AttentionBackwardPlan` after an `AttentionPlan`
 //! forward (dense), `VarlenBackwardPlan` after a `VarlenPlan` forward (packed), and
@@ -17,7 +18,7 @@ use crate::runner::plan_backed::{PlanBacked, PlanCall};
 use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
-use flashmoe::attention::backward::{AttentionBackwardPlan, BackwardArgs, BWD_HEAD_DIMS};
+use flashmoe::attention::backward::{AttentionBackwardPlan, BackwardArgs, BwdMode, BWD_HEAD_DIMS};
 use flashmoe::attention::decode::RawIndex;
 use flashmoe::attention::varlen_backward::{VarlenBackwardArgs, VarlenBackwardPlan};
 use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan, VarlenArgs, VarlenPlan};
@@ -29,11 +30,33 @@ use std::rc::Rc;
 
 pub struct GpuGrad {
     pub session: Rc<GpuSession>,
+    /// The attention backward plan's mode (the other layers have one backward).
+    pub mode: BwdMode,
+}
+
+impl GpuGrad {
+    /// The backward plans in their fast mode ("flashmoe-grad").
+    pub fn fast(session: Rc<GpuSession>) -> GpuGrad {
+        GpuGrad {
+            session,
+            mode: BwdMode::Fast,
+        }
+    }
+    /// The dense attention backward in its deterministic mode ("flashmoe-grad-det").
+    pub fn deterministic(session: Rc<GpuSession>) -> GpuGrad {
+        GpuGrad {
+            session,
+            mode: BwdMode::Deterministic,
+        }
+    }
 }
 
 impl Implementation for GpuGrad {
     fn name(&self) -> &str {
-        "flashmoe-grad"
+        match self.mode {
+            BwdMode::Fast => "flashmoe-grad",
+            BwdMode::Deterministic => "flashmoe-grad-det",
+        }
     }
     fn backend(&self) -> &str {
         "cuda"
@@ -80,7 +103,7 @@ impl Implementation for GpuGrad {
             anyhow::bail!("the backward plans given a config without gradient inputs");
         };
         let dev = &self.session.device;
-        let call = GradCall::new(dev, g, x).with_context(|| format!("preparing {g}"))?;
+        let call = GradCall::new(dev, g, x, self.mode).with_context(|| format!("preparing {g}"))?;
         let mut backed = PlanBacked::new(&self.session, call);
         // The retained forward of `--pass bwd` (a fwd+bwd launch writes its own).
         backed.call.forward(dev)?;
@@ -191,7 +214,12 @@ fn output(
 }
 
 impl GradCall {
-    fn new(dev: &Device, g: &GradProblem, x: &super::GradInputs) -> anyhow::Result<GradCall> {
+    fn new(
+        dev: &Device,
+        g: &GradProblem,
+        x: &super::GradInputs,
+        mode: BwdMode,
+    ) -> anyhow::Result<GradCall> {
         let s = dev.stream();
         let mut keep = Vec::new();
         let mut grads = Vec::new();
@@ -233,7 +261,7 @@ impl GradCall {
                 let fwd_args = AttentionArgs { q, k, v, o, lse };
                 fwd.check(&fwd_args)?;
                 let fwd_ws = fwd.alloc_workspace(s)?;
-                let bwd = AttentionBackwardPlan::new(dev, class)?;
+                let bwd = AttentionBackwardPlan::new(dev, class, mode)?;
                 let bwd_args = BackwardArgs {
                     q,
                     k,

@@ -5,7 +5,7 @@ kernel) rather than the ``@torch.library.custom_op`` decorator: same tracing and
 behaviour, but the decorator's Python wrappers cost several µs more per call
 (tools/overhead.py measures both; docs/python.md). ``attention`` (dense) is differentiable: its
 autograd formula (``torch.library.register_autograd``) saves q, k, v, o and lse and calls the op
-``attention_backward`` (the library's deterministic backward plan); ``attention_varlen`` likewise
+``attention_backward`` (the library's backward plan, fast or deterministic); ``attention_varlen`` likewise
 through ``attention_varlen_backward`` (its autograd formula also saves the offsets). The
 attention ops without a backward (the KV-cache ones) are forward-only (inference): a call whose tensors require grad while grad mode is on raises
 (``_refuse_grad``) instead of returning outputs silently cut off from the autograd graph.
@@ -243,7 +243,7 @@ def _workspace(family: str, needed: int, index: int, stream: int):
 _lib = torch.library.Library("flashmoe", "DEF")
 _lib.define(
     "attention(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, int window_left=-1, "
-    "int window_right=-1, float softcap=0.0) -> (Tensor, Tensor)"
+    "int window_right=-1, float softcap=0.0, bool deterministic=False) -> (Tensor, Tensor)"
 )
 _lib.define(
     "attention_alibi(Tensor q, Tensor k, Tensor v, Tensor alibi_slopes, bool causal, float? softmax_scale, "
@@ -251,8 +251,8 @@ _lib.define(
 )
 _lib.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, "
-    "float? softmax_scale, int window_left=-1, int window_right=-1, float softcap=0.0) "
-    "-> (Tensor, Tensor, Tensor)"
+    "float? softmax_scale, int window_left=-1, int window_right=-1, float softcap=0.0, "
+    "bool deterministic=False) -> (Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -292,7 +292,8 @@ def _register(name, impl, fake):
 # arguments equal to their schema defaults before calling a Python kernel, so the kernels need the
 # same defaults).
 def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
-                    want_lse=True):
+                    deterministic=False, want_lse=True):
+    # `deterministic` is the backward's (the autograd formula hands it to attention_backward).
     index = _device_index((("q", q), ("k", k), ("v", v)))
     _same_dtype((("q", q), ("k", k), ("v", v)))
     dq, dk, dv = _desc(q, "q"), _desc(k, "k"), _desc(v, "v")
@@ -328,7 +329,8 @@ def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right
     return o, lse
 
 
-def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+def _attention_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                    deterministic=False):
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D (batch, seq, heads, head_dim) but has shape {list(q.shape)}")
     b, sq, hq, d = q.shape
@@ -408,12 +410,12 @@ _attention_alibi_op = torch.ops.flashmoe.attention_alibi.default
 # Head dims the backward plan serves (``flashmoe::attention::backward::BWD_HEAD_DIMS``).
 _BWD_HEAD_DIMS = (32, 64, 96, 128)
 # The backward plans: (device index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
-# window_left, window_right, softcap) -> _core.AttentionBackwardPlan.
+# window_left, window_right, softcap, deterministic) -> _core.AttentionBackwardPlan.
 _backward_plans = {}
 
 
 def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0):
+                             softcap=0.0, deterministic=False):
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("o", o))
     index = _device_index(named + (("lse", lse),))
     _same_dtype(named)
@@ -424,11 +426,11 @@ def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, windo
         raise ValueError(f"q and k must be 4-D (batch, seq, heads, head_dim), got {list(q.shape)} and {list(k.shape)}")
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
-    key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap)
+    key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap, deterministic)
     plan = _backward_plans.get(key)
     if plan is None:
         plan = _core.AttentionBackwardPlan(index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale,
-                                           (window_left, window_right), softcap)
+                                           (window_left, window_right), softcap, deterministic)
         _backward_plans[key] = plan
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # Any contents: the launch writes it before reading it (a fresh block from the caching
@@ -441,7 +443,7 @@ def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, windo
 
 
 def _attention_backward_fake(dout, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
-                             softcap=0.0):
+                             softcap=0.0, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -451,7 +453,7 @@ _attention_backward_op = torch.ops.flashmoe.attention_backward.default
 
 # The schema's arguments after q, k, v and their defaults (the dispatcher may drop trailing
 # defaults before the autograd kernel sees the call).
-_ATTENTION_SCALARS = (False, None, -1, -1, 0.0)
+_ATTENTION_SCALARS = (False, None, -1, -1, 0.0, False)
 
 
 def _attention_setup_context(ctx, inputs, output):
@@ -496,6 +498,7 @@ def attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: Optional[bool] = None,
 ):
     """Exact attention in FlashAttention's layout (``flash_attn_func``).
 
@@ -527,10 +530,14 @@ def attention(
 
     Differentiable: with grad mode on and q, k or v requiring grad, the call goes through the op,
     whose autograd formula saves q, k, v, o and lse and computes dq, dk, dv with the library's
-    deterministic backward (``torch.ops.flashmoe.attention_backward``: head dims 32, 64, 96, 128,
-    every mask, window and softcap above; bit-identical gradients run to run). lse is not
-    differentiated through. A head dim without a backward raises a RuntimeError at the forward call
-    (never a silent detach).
+    backward (``torch.ops.flashmoe.attention_backward``: head dims 32, 64, 96, 128, every mask,
+    window and softcap above). lse is not differentiated through. A head dim without a backward
+    raises a RuntimeError at the forward call (never a silent detach).
+
+    ``deterministic`` (FlashAttention's switch): True gives bit-identical gradients run to run;
+    False the fastest backward, which on Hopper sums dq with f32 reductions in the order they land
+    (dq may differ in its last bits between runs; dk and dv do not). None (the default) follows
+    ``torch.are_deterministic_algorithms_enabled()`` at the forward call.
 
     v may have a value head dim of its own (D_v ≠ D_qk, e.g. DeepSeek MLA's 192 / 128; multiples of 8
     up to 256): o is then (batch, seqlen_q, heads_q, D_v) and the call runs exactly at D = max(D_qk,
@@ -540,7 +547,8 @@ def attention(
     if v.shape[-1] != k.shape[-1]:  # D_v != D_qk: padded to one head dim (_value_dim)
         q, k, v, softmax_scale, dv = _value_dim.pad("attention", q, k, v, softmax_scale)
         out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                        softcap=softcap, return_lse=return_lse, alibi_slopes=alibi_slopes)
+                        softcap=softcap, return_lse=return_lse, alibi_slopes=alibi_slopes,
+                        deterministic=deterministic)
         return _value_dim.unpad(out, dv, return_lse)
     left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size, causal)
     softcap = float(softcap)
@@ -555,9 +563,11 @@ def attention(
         return (o, lse) if return_lse else o
     if _plain(q, k, v) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                               or v.requires_grad)):
-        o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, return_lse)
+        o, lse = _attention_impl(q, k, v, causal, softmax_scale, left, right, softcap, want_lse=return_lse)
     else:
-        o, lse = _attention_op(q, k, v, causal, softmax_scale, left, right, softcap)
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        o, lse = _attention_op(q, k, v, causal, softmax_scale, left, right, softcap, bool(deterministic))
     return (o, lse) if return_lse else o
 
 

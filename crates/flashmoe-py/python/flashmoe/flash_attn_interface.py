@@ -16,8 +16,10 @@ Every FA argument is accepted; one flashmoe does not implement raises instead of
 (``rotary_cos``/``rotary_sin``), ``cache_leftpad``, the varlen ``block_table``, ALiBi
 (``alibi_slopes``, until the ops take slopes) and ``return_attn_probs=True`` (FA returns the
 softmax matrix; for the log-sum-exp use ``flashmoe.attention(..., return_lse=True)``) raise
-NotImplementedError naming the argument. ``deterministic`` is accepted either way: flashmoe's
-backward is always deterministic. ``num_splits`` is a scheduling hint and is not needed (the
+NotImplementedError naming the argument. ``deterministic=True`` gives bit-identical gradients;
+False (FA's default) the fastest backward unless ``torch.use_deterministic_algorithms(True)`` is
+on (``flashmoe.attention``'s ``deterministic=None``); the varlen backward is always
+deterministic. ``num_splits`` is a scheduling hint and is not needed (the
 decode plan picks its own split).
 
 The module imports without torch (the signatures can be inspected; a call then raises
@@ -122,17 +124,17 @@ def flash_attn_func(
     ``softmax_scale`` defaults to 1/sqrt(headdim). Returns out (batch, seqlen_q, nheads, headdim).
     v may have a head dim of its own (headdim_v ≠ headdim, as FA3 allows; out then has headdim_v):
     see ``flashmoe.attention``.
-    Differentiable (dq, dk, dv by flashmoe's deterministic backward). ``dropout_p`` must be 0;
-    ``return_attn_probs=True`` and (for now) ``alibi_slopes`` raise NotImplementedError.
+    Differentiable (dq, dk, dv by flashmoe's backward; ``deterministic`` as in the module's
+    docstring). ``dropout_p`` must be 0; ``return_attn_probs=True`` and (for now)
+    ``alibi_slopes`` raise NotImplementedError.
     """
     name = "flash_attn_func"
-    del deterministic  # either way: flashmoe's backward is always deterministic
     _check_dropout(dropout_p)
     _check_probs(name, return_attn_probs)
     ops = _torch_ops()
     extra = _alibi_kwargs(name, ops.attention, alibi_slopes)
     return ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, **extra)
+                         softcap=softcap, deterministic=True if deterministic else None, **extra)
 
 
 def flash_attn_varlen_func(
@@ -163,7 +165,7 @@ def flash_attn_varlen_func(
     ``alibi_slopes`` raise NotImplementedError.
     """
     name = "flash_attn_varlen_func"
-    del deterministic  # either way: flashmoe's backward is always deterministic
+    del deterministic  # either way: flashmoe's varlen backward is always deterministic
     _check_dropout(dropout_p)
     _check_probs(name, return_attn_probs)
     if block_table is not None:

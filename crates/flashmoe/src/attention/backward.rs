@@ -61,6 +61,18 @@ const SM90_DQ_TILE_ROWS: usize = 64;
 /// Head dims the sm_90a backward serves.
 pub const BWD_SM90_HEAD_DIMS: [usize; 2] = [64, 128];
 
+/// What a backward plan promises about its bits: FlashAttention's `deterministic` switch
+/// (PyTorch's `torch.use_deterministic_algorithms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BwdMode {
+    /// The fastest kernels for the class. On compute capability 9.0, where the sm_90a
+    /// kernels serve the class, dq is summed with f32 reductions in the order they land,
+    /// so two runs may differ in the last bits of dq (dk and dv are still bit-identical).
+    Fast,
+    /// Bit-identical gradients run to run, on every path.
+    Deterministic,
+}
+
 /// Which kernels a backward plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BwdKernel {
@@ -137,6 +149,21 @@ impl Sm90BwdTile {
             q_block_n,
             stages,
             dq: Sm90Dq::Kernel,
+        })
+    }
+    /// The production tile of `head_dim` for `mode`: [`Sm90BwdTile::for_head_dim`] when
+    /// deterministic (the dQ kernel: 7 products, and faster than the ordered fused dQ on
+    /// every sweep shape measured, docs/design/attention-backward.md); the fused dQ with
+    /// unordered reductions (5 products, 2-slot ring) when fast.
+    pub fn for_mode(head_dim: usize, mode: BwdMode) -> Option<Sm90BwdTile> {
+        let det = Sm90BwdTile::for_head_dim(head_dim)?;
+        Some(match mode {
+            BwdMode::Deterministic => det,
+            BwdMode::Fast => Sm90BwdTile {
+                stages: 2,
+                dq: Sm90Dq::Atomic,
+                ..det
+            },
         })
     }
     /// The production tile of `head_dim` first, then the others the lab times beside it
@@ -407,14 +434,25 @@ impl AttentionBackwardPlan {
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its kernels for `dev` (compute
     /// capability 8.0 or newer) and set their shared-memory limits. On compute capability
     /// 9.0 the classes [`sm90_serves`] run the sm_90a kernels, the others the portable ones.
-    pub fn new(dev: &Device, class: AttentionClass) -> Result<AttentionBackwardPlan> {
-        Self::with_kernel(dev, class, None)
+    /// `mode` picks between the fastest kernels and bit-identical gradients
+    /// ([`BwdMode`]); off compute capability 9.0 both are the portable kernels.
+    pub fn new(
+        dev: &Device,
+        class: AttentionClass,
+        mode: BwdMode,
+    ) -> Result<AttentionBackwardPlan> {
+        let kernel = if dev.arch() == 90 && sm90_serves(&class) {
+            Sm90BwdTile::for_mode(class.head_dim, mode).map(BwdKernel::Sm90)
+        } else {
+            None
+        };
+        Self::with_kernel(dev, class, Some(kernel.unwrap_or(BwdKernel::Portable)))
     }
 
     /// [`AttentionBackwardPlan::new`] with the kernels chosen by the caller (`None`: the
-    /// selection of `new`): the tests check both paths, the lab times tiles. An sm_90a
-    /// choice on another device, for a class it does not serve, or with an invalid tile is
-    /// an error.
+    /// selection of `new` in [`BwdMode::Deterministic`]): the tests check both paths, the
+    /// lab times tiles. An sm_90a choice on another device, for a class it does not serve,
+    /// or with an invalid tile is an error.
     pub fn with_kernel(
         dev: &Device,
         class: AttentionClass,
@@ -537,6 +575,13 @@ impl AttentionBackwardPlan {
     /// The kernels this plan runs.
     pub fn kernel(&self) -> BwdKernel {
         self.kernel
+    }
+    /// Whether two calls on the same inputs give the same bits.
+    pub fn deterministic(&self) -> bool {
+        match self.kernel {
+            BwdKernel::Portable => true,
+            BwdKernel::Sm90(t) => t.dq.deterministic(),
+        }
     }
 
     /// Bytes of the workspace a call of `batch` sequences of `seqlen_q` queries needs: the

@@ -7,7 +7,8 @@
 //! the workspace are poisoned (NaN) before a run.
 
 use super::backward::{
-    backward_flops, sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, Sm90BwdTile,
+    backward_flops, sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, BwdMode,
+    Sm90BwdTile,
 };
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
 use crate::dtype::DType;
@@ -360,9 +361,13 @@ fn backward_sm90_and_portable_match_f64_reference() {
             if sm90 {
                 let e = check_case_on(dev, c, sd, None);
                 worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
-                // The production selection on this device is the sm_90a kernel.
-                let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
-                assert!(matches!(plan.kernel(), BwdKernel::Sm90(_)), "{c:?}");
+                // The production selection on this device is the sm_90a kernel, in both
+                // modes; the deterministic one says so.
+                for mode in [BwdMode::Fast, BwdMode::Deterministic] {
+                    let plan = AttentionBackwardPlan::new(dev, c.class(), mode).unwrap();
+                    assert!(matches!(plan.kernel(), BwdKernel::Sm90(_)), "{c:?}");
+                    assert_eq!(plan.deterministic(), mode == BwdMode::Deterministic);
+                }
                 // Every case: the fused-dQ tiles; every fourth: the other lab tiles too.
                 for t in Sm90BwdTile::lab_tiles(c.d).into_iter().skip(1) {
                     if t.dq.fused() || n % 4 == 1 {
@@ -392,17 +397,21 @@ fn backward_after_forward_plan() {
     with_gpu("bwd-after-fwd", |dev| {
         let seed = fresh_seed("bwd-after-fwd");
         let s = dev.stream();
-        for c in [
+        let cases = [
             Case::new(128, DType::Bf16, 8, 2, 333, 333, true),
             Case::new(64, DType::Bf16, 4, 4, 256, 300, false),
-        ] {
+        ];
+        for (c, mode) in cases
+            .into_iter()
+            .flat_map(|c| [(c, BwdMode::Fast), (c, BwdMode::Deterministic)])
+        {
             let p = c.problem();
             let x = AttentionInputs::generate(&p, seed);
             let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
             let want = attention_backward_f64(&p, &x, &d_o).unwrap();
             let fplan = AttentionPlan::new(dev, c.class()).unwrap();
             let fws = fplan.alloc_workspace(s).unwrap();
-            let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+            let plan = AttentionBackwardPlan::new(dev, c.class(), mode).unwrap();
             let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
             let bufs = Bufs {
                 q: up(&x.q),
@@ -458,7 +467,7 @@ fn backward_after_forward_plan() {
             ] {
                 let (rel, row, bad) = errors(&c.dtype.decode_u16(g), r, c.d);
                 eprintln!(
-                    "fwd {} -> bwd {c:?}: {name} rel L2 {rel:.2e} worst row {row:.2e}",
+                    "fwd {} -> bwd {c:?} {mode:?}: {name} rel L2 {rel:.2e} worst row {row:.2e}",
                     fplan.variant().entry
                 );
                 assert_eq!(bad, 0);
@@ -485,13 +494,13 @@ fn backward_rejects_bad_input() {
             let mut bad = c.class();
             bad.head_dim = d;
             bad.dtype = dtype;
-            let e = AttentionBackwardPlan::new(dev, bad)
+            let e = AttentionBackwardPlan::new(dev, bad, BwdMode::Fast)
                 .unwrap_err()
                 .to_string();
             eprintln!("D={d} {dtype:?}: {e}");
             assert!(e.contains("attention backward"), "{e}");
         }
-        let plan = AttentionBackwardPlan::new(dev, c.class()).unwrap();
+        let plan = AttentionBackwardPlan::new(dev, c.class(), BwdMode::Fast).unwrap();
         let n = c.b * c.sq * c.hq * c.d;
         let nk = c.b * c.sk * c.hkv * c.d;
         let bufs = Bufs {
