@@ -273,7 +273,7 @@ def test_attention_deterministic_reaches_the_backward_op(deterministic, flag, wa
     bwd = [n for n in gm.graph.nodes if "flashmoe.attention_backward.default" in str(n.target)]
     assert len(bwd) == 1
     # the dispatcher may drop a trailing default (False): then the kwargs fallback reads False
-    got = args[11] if len(bwd[0].args) > 11 else bwd[0].kwargs.get("deterministic", False)
+    got = bwd[0].args[11] if len(bwd[0].args) > 11 else bwd[0].kwargs.get("deterministic", False)
     assert got is want, (bwd[0].args, bwd[0].kwargs)
 
 

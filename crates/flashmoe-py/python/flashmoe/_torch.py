@@ -683,7 +683,7 @@ def _attention_varlen_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, inputs[3], inputs[4])
     # max_seqlen_q, max_seqlen_k, causal, softmax_scale, then the trailing defaults the dispatcher
     # may have dropped (window_left, window_right, softcap).
-    ctx.scalars = tuple(inputs[5:]) + _ATTENTION_SCALARS[2:][len(inputs) - 9:]
+    ctx.scalars = tuple(inputs[5:]) + _ATTENTION_SCALARS[2:5][len(inputs) - 9:]
     ctx.n_inputs = len(inputs)
 
 
