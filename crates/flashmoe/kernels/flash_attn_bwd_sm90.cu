@@ -1,6 +1,8 @@
-// flashmoe — attention backward for Hopper (sm_90a): the dK/dV and dQ kernels on warpgroup
-// MMAs (wgmma), deterministic (no atomics: every gradient element is accumulated by one CTA
-// in a fixed order, so two runs give the same bits).
+// flashmoe — attention backward for Hopper (sm_90a): the dK/dV kernel on warpgroup MMAs
+// (wgmma), with dQ made either by a second kernel (FM_DQ_MODE 0: no atomics, every gradient
+// element accumulated by one CTA in a fixed order, so two runs give the same bits) or by
+// the dK/dV kernel itself (FM_DQ_MODE 1, 2: dS·K per key block, added into an f32 workspace;
+// see "Fused dQ" below).
 //
 // Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table is
 // crates/flashmoe/src/attention/backward.rs, `Sm90BwdTile`, which mirrors the constants and
@@ -13,6 +15,8 @@
 //                   score-shaped products)
 //   FM_Q_BLOCK_N    keys per step of the dQ kernel (64 or 128)
 //   FM_STAGES       depth of the streamed-tile ring of both kernels (2 or 3)
+//   FM_DQ_MODE      0: dQ by flash_attn_bwd_sm90_dq; 1: fused, unordered reductions;
+//                   2: fused, each dQ tile takes the key blocks in increasing order
 // Windows and softcap are not served here (the plan routes them to flash_attn_bwd.cu).
 //
 // The preprocess is flash_attn_bwd.cu's (`flash_attn_bwd_preprocess`): the workspace holds
@@ -22,8 +26,15 @@
 // ABI (all tensors contiguous; q, dO, dq: (batch, Sq, heads_q, D); k, v, dk, dv: (batch,
 // Sk, heads_kv, D); lse2, delta: (batch, heads_q, Sq) f32):
 //   flash_attn_bwd_sm90_dkdv(q, k, v, dout, lse2, delta, u16* dk, u16* dv, int seqlen_q,
-//        int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2)
-//     grid (ceil(Sk / 128), heads_kv, batch), block 256, dynamic smem KV_SMEM.
+//        int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
+//        float* dq_accum, int* dq_sem)      (the last two: FM_DQ_MODE 1/2 only, else null)
+//     grid (ceil(Sk / 128), heads_kv, batch), or (heads_kv * batch, ceil(Sk / 128), 1) with
+//     FM_DQ_MODE 2; block 256, dynamic smem KV_SMEM.
+//   Fused dQ: dq_accum holds one f32 tile of 64 query rows x D per (batch, query head,
+//   64-row block), stored in the order of the dK/dV kernel's accumulators (red_tile), and
+//   dq_sem one int per tile; flash_attn_bwd_sm90_dq_zero(dq_accum, n4, dq_sem, n_sem)
+//   zeroes both before, flash_attn_bwd_sm90_dq_convert(dq_accum, dq, Sq, heads_q, scale)
+//   (grid (ceil(Sq / 64), heads_q, batch), block 256) writes dq after.
 //   flash_attn_bwd_sm90_dq(q, k, v, dout, lse2, delta, u16* dq, seqlen_q, seqlen_k,
 //        heads_q, heads_kv, scale, scale_log2)
 //     grid (ceil(Sq / 128), heads_q, batch), block 256, dynamic smem Q_SMEM.

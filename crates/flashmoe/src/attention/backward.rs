@@ -1,11 +1,14 @@
 //! Attention backward: dq, dk and dv of `o = softmax(scale · q kᵀ [mask, softcap]) v`, on
-//! the portable mma.sync kernels (`kernels/flash_attn_bwd.cu`, sm_80 and newer, Hopper
-//! included), deterministic.
+//! the portable mma.sync kernels (`kernels/flash_attn_bwd.cu`, sm_80 and newer) or, on
+//! compute capability 9.0 for the classes [`sm90_serves`], the wgmma kernels of
+//! `kernels/flash_attn_bwd_sm90.cu`, in the plan's [`BwdMode`]: deterministic, or fast
+//! (dQ added with f32 reductions inside the dK/dV kernel, see [`Sm90Dq`]).
 //!
 //! [`AttentionBackwardPlan::new`] does the slow work once per [`AttentionClass`] (dtype,
 //! head dim, head counts, causal, scale, window, softcap): NVRTC compile or disk cache of
 //! one module with the three kernels, module load, shared-memory attributes. A call
 //! ([`AttentionBackwardPlan::backward_raw`]) does O(1) checks and enqueues three launches
+//! (four in the fast sm_90a mode: preprocess, zero the dQ tiles, dK/dV with dQ, convert)
 //! on the caller's stream: no allocation, no synchronisation, no compile, so it can be
 //! captured in a CUDA graph.
 //!
@@ -18,8 +21,9 @@
 //! 3. `flash_attn_bwd_dq`: one CTA per (batch, query head, query block); loops over key
 //!    blocks; writes dq once.
 //!
-//! No atomics: every gradient element is accumulated in a fixed order by one CTA, so two
-//! runs give bit-identical gradients. Masks are the forward's: causal bottom-right (row i
+//! In [`BwdMode::Deterministic`] there are no atomics: every gradient element is
+//! accumulated in a fixed order by one CTA, so two runs give bit-identical gradients. Masks
+//! are the forward's: causal bottom-right (row i
 //! sees keys j ≤ i + Sk − Sq), sliding windows around that diagonal, Sq ≠ Sk; a row that
 //! sees no key (LSE = −inf) gets zero gradients.
 //!

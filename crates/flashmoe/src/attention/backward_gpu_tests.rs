@@ -145,6 +145,43 @@ impl Bufs {
     }
 }
 
+/// A case's inputs, upstream gradient, and the f64 forward's o (rounded to the dtype) and
+/// lse: what a backward call reads.
+struct CaseData {
+    x: AttentionInputs,
+    d_o: Vec<f32>,
+    o: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+impl CaseData {
+    fn generate(c: &Case, seed: u64) -> CaseData {
+        let p = c.problem();
+        let x = AttentionInputs::generate(&p, seed);
+        let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
+        let fwd = attention_f64(&p, &x).unwrap();
+        let o = fwd.o.iter().map(|&v| c.dtype.round(v as f32)).collect();
+        let lse = fwd.lse.iter().map(|&v| v as f32).collect();
+        CaseData { x, d_o, o, lse }
+    }
+    /// Device copies, NaN gradients and a NaN workspace of `ws_bytes`.
+    fn upload(&self, s: &Arc<CudaStream>, c: &Case, ws_bytes: usize) -> Bufs {
+        let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
+        Bufs {
+            q: up(&self.x.q),
+            k: up(&self.x.k),
+            v: up(&self.x.v),
+            o: up(&self.o),
+            d_o: up(&self.d_o),
+            lse: s.clone_htod(&self.lse).unwrap(),
+            dq: poisoned(s, self.x.q.len()),
+            dk: poisoned(s, self.x.k.len()),
+            dv: poisoned(s, self.x.v.len()),
+            ws: poisoned(s, ws_bytes),
+        }
+    }
+}
+
 /// Relative L2 over everything, and the worst row's ‖out_r − ref_r‖ / max(‖ref_r‖, the
 /// rms row norm / 4) (a floor so that rows of near-zero gradient are judged at the
 /// tensor's scale). Also the count of non-finite outputs.
@@ -189,28 +226,11 @@ fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
 /// [`check_case`] on the given kernels (`None`: the plan's selection).
 fn check_case_on(dev: &Device, c: &Case, seed: u64, kernel: Option<BwdKernel>) -> (f64, f64) {
     let s = dev.stream();
-    let p = c.problem();
-    let x = AttentionInputs::generate(&p, seed);
-    let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
-    let fwd = attention_f64(&p, &x).unwrap();
-    let o: Vec<f32> = fwd.o.iter().map(|&v| c.dtype.round(v as f32)).collect();
-    let lse: Vec<f32> = fwd.lse.iter().map(|&v| v as f32).collect();
-    let want = attention_backward_f64(&p, &x, &d_o).unwrap();
+    let data = CaseData::generate(c, seed);
+    let want = attention_backward_f64(&c.problem(), &data.x, &data.d_o).unwrap();
 
     let plan = AttentionBackwardPlan::with_kernel(dev, c.class(), kernel).unwrap();
-    let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
-    let mut bufs = Bufs {
-        q: up(&x.q),
-        k: up(&x.k),
-        v: up(&x.v),
-        o: up(&o),
-        d_o: up(&d_o),
-        lse: s.clone_htod(&lse).unwrap(),
-        dq: poisoned(s, x.q.len()),
-        dk: poisoned(s, x.k.len()),
-        dv: poisoned(s, x.v.len()),
-        ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
-    };
+    let mut bufs = data.upload(s, c, plan.workspace_bytes(c.b, c.sq));
     unsafe { plan.backward_raw(s.cu_stream(), &bufs.args(s, c), bufs.ws(s)) }.unwrap();
     let got = bufs.grads(s);
 
@@ -776,12 +796,7 @@ fn backward_repeats_give_identical_bits() {
             Case::new(128, DType::Bf16, 2, 2, 1000, 1000, true),
         ];
         for (n, c) in cases.iter().enumerate() {
-            let p = c.problem();
-            let x = AttentionInputs::generate(&p, seed + n as u64);
-            let d_o = generate(seed ^ 0x5EED, TensorId::Q, x.q.len(), 1.0, c.dtype);
-            let fwd = attention_f64(&p, &x).unwrap();
-            let o: Vec<f32> = fwd.o.iter().map(|&v| c.dtype.round(v as f32)).collect();
-            let lse: Vec<f32> = fwd.lse.iter().map(|&v| v as f32).collect();
+            let data = CaseData::generate(c, seed + n as u64);
             for t in Sm90BwdTile::lab_tiles(c.d) {
                 if !t.dq.deterministic() {
                     continue;
@@ -789,32 +804,10 @@ fn backward_repeats_give_identical_bits() {
                 let plan =
                     AttentionBackwardPlan::with_kernel(dev, c.class(), Some(BwdKernel::Sm90(t)))
                         .unwrap();
-                let up = |v: &[f32]| s.clone_htod(&c.dtype.encode_u16(v)).unwrap();
-                let mut bufs = Bufs {
-                    q: up(&x.q),
-                    k: up(&x.k),
-                    v: up(&x.v),
-                    o: up(&o),
-                    d_o: up(&d_o),
-                    lse: s.clone_htod(&lse).unwrap(),
-                    dq: poisoned(s, x.q.len()),
-                    dk: poisoned(s, x.k.len()),
-                    dv: poisoned(s, x.v.len()),
-                    ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
-                };
+                let ws_bytes = plan.workspace_bytes(c.b, c.sq);
+                let mut bufs = data.upload(s, c, ws_bytes);
                 // The same call on the second stream, into its own outputs and workspace.
-                let side = Bufs {
-                    q: up(&x.q),
-                    k: up(&x.k),
-                    v: up(&x.v),
-                    o: up(&o),
-                    d_o: up(&d_o),
-                    lse: s.clone_htod(&lse).unwrap(),
-                    dq: poisoned(s, x.q.len()),
-                    dk: poisoned(s, x.k.len()),
-                    dv: poisoned(s, x.v.len()),
-                    ws: poisoned(s, plan.workspace_bytes(c.b, c.sq)),
-                };
+                let side = data.upload(s, c, ws_bytes);
                 s.synchronize().unwrap();
                 let mut first: Option<[Vec<u16>; 3]> = None;
                 for r in 0..repeats {
