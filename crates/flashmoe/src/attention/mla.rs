@@ -751,12 +751,7 @@ impl MlaDecodePlan {
         K: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid(
-                "the stream belongs to another CUDA context than the plan (build the plan \
-                 from the stream's context: Device::from_context)",
-            ));
-        }
+        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         let b = q.shape[0];
         let (hq, sq) = (self.class.heads_q, q.shape[1]);
         if b == 0 || block_table.len() % b != 0 {

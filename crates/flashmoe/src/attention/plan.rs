@@ -688,12 +688,7 @@ impl AttentionPlan {
         L: DevicePtrMut<f32>,
         S: DevicePtr<f32>,
     {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid(
-                "the stream belongs to another CUDA context than the plan (build the plan \
-                 from the stream's context: Device::from_context)",
-            ));
-        }
+        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         workspace.check_for(stream, self.workspace_bytes(), "AttentionPlan")?;
         let (hq, sq, b) = (self.class.heads_q, q.shape[1], q.shape[0]);
         let (qp, _gq) = q.buf.device_ptr(stream);

@@ -374,12 +374,7 @@ impl VarlenPlan {
         CQ: DevicePtr<i32>,
         CK: DevicePtr<i32>,
     {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid(
-                "the stream belongs to another CUDA context than the plan (build the plan \
-                 from the stream's context: Device::from_context)",
-            ));
-        }
+        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         workspace.check_for(stream, self.workspace_bytes(), "VarlenPlan")?;
         let c = &self.class;
         let row_q = c.heads_q * c.head_dim;

@@ -440,6 +440,18 @@ fn _assert_send_sync() {
     f::<Device>();
 }
 
+/// The cudarc-level plan calls' first check: `stream` belongs to `ctx`, the CUDA context the
+/// plan was built in (a kernel of one context cannot be launched on another's stream).
+pub(crate) fn check_stream_context(stream: &CudaStream, ctx: &CudaContext) -> Result<()> {
+    if stream.context().cu_ctx() != ctx.cu_ctx() {
+        return Err(Error::invalid(
+            "the stream belongs to another CUDA context than the plan (build the plan \
+             from the stream's context: Device::from_context)",
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

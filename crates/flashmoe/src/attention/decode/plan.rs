@@ -334,12 +334,7 @@ impl DecodePlan {
     }
 
     pub(super) fn check_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid(
-                "the stream belongs to another CUDA context than the plan (build the plan \
-                 from the stream's context: Device::from_context)",
-            ));
-        }
+        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         Ok(())
     }
 

@@ -45,12 +45,7 @@ impl MoePlan {
         W: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(Error::invalid(
-                "the stream belongs to another CUDA context than the plan (build the plan \
-                 from the stream's context: Device::from_context)",
-            ));
-        }
+        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         workspace.check_for(stream, 0, "MoePlan")?;
         let c = &self.class;
         let (h, i, e, k) = (c.hidden, c.intermediate, c.experts, c.top_k);
