@@ -62,10 +62,11 @@ class Recorder:
         self.calls = []
         if alibi:
             def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                          alibi_slopes=None):
+                          deterministic=None, alibi_slopes=None):
                 return self._record("attention", (q, k, v), locals())
         else:
-            def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0):
+            def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                          deterministic=None):
                 return self._record("attention", (q, k, v), locals())
 
         def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal=False, softmax_scale=None,
@@ -91,12 +92,15 @@ def test_flash_attn_func_positional_call_reaches_attention(ops):
     out = fai.flash_attn_func("q", "k", "v", 0.0, 0.5, True, (8, 0), 30.0, None, True, False)
     assert out == "out"
     assert ops.calls == [("attention", ("q", "k", "v"),
-                          {"causal": True, "softmax_scale": 0.5, "window_size": (8, 0), "softcap": 30.0})]
+                          {"causal": True, "softmax_scale": 0.5, "window_size": (8, 0), "softcap": 30.0,
+                           "deterministic": True})]
 
 
 def test_flash_attn_func_defaults_reach_attention(ops):
     fai.flash_attn_func("q", "k", "v")
-    assert ops.calls[0][2] == {"causal": False, "softmax_scale": None, "window_size": (-1, -1), "softcap": 0.0}
+    # deterministic=False (FA's default) leaves the choice to torch's flag (None)
+    assert ops.calls[0][2] == {"causal": False, "softmax_scale": None, "window_size": (-1, -1), "softcap": 0.0,
+                               "deterministic": None}
 
 
 def test_flash_attn_varlen_func_positional_call_reaches_attention_varlen(ops):
@@ -124,7 +128,7 @@ def test_packed_forms_call_the_functions_on_views(ops):
     fai.flash_attn_kvpacked_func("q", Packed("kv", 2), causal=True)
     fai.flash_attn_varlen_qkvpacked_func(Packed("qkv", 3), "cu", 9, 0.0, None, False, (-1, 2))
     fai.flash_attn_varlen_kvpacked_func("q", Packed("kv", 2), "cq", "ck", 5, 7, softcap=1.0)
-    full = {"causal": True, "softmax_scale": 0.25, "window_size": (16, 0), "softcap": 3.0}
+    full = {"causal": True, "softmax_scale": 0.25, "window_size": (16, 0), "softcap": 3.0, "deterministic": None}
     assert ops.calls[0] == ("attention", ("qkv[0]", "qkv[1]", "qkv[2]"), full)
     assert ops.calls[1][:2] == ("attention", ("q", "kv[0]", "kv[1]")) and ops.calls[1][2]["causal"] is True
     assert ops.calls[2] == ("attention_varlen", ("qkv[0]", "qkv[1]", "qkv[2]", "cu", "cu", 9, 9),
