@@ -146,7 +146,7 @@ for s in "$@"; do
     # tests (carry target/py-device: scripts/device-python.sh --pack).
     bwd-unit)     stage bwd-unit 240 ./target/release/flashmoe-gpu-tests attention::backward_gpu_tests:: --skip backward_speed \
                       --skip backward_sanitizer_cases --test-threads=1 --nocapture ;;
-    bwd-speed)    stage bwd-speed 200 ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_speed --nocapture ;;
+    bwd-speed)    stage bwd-speed 420 ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_speed --nocapture ;;
     bwd-sanitize) for tool in memcheck racecheck; do
                     FLASHMOE_BWD_REPEATS=2 stage bwd-$tool 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
                       ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_sanitizer_cases \

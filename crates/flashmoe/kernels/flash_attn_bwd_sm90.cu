@@ -12,7 +12,7 @@
 //   FM_DTYPE_BF16   0 = fp16, 1 = bf16 (accumulation is fp32)
 //   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq
 //   FM_KV_BLOCK_M   query rows per step of the dK/dV kernel (64 or 128: the wgmma N of its
-//                   score-shaped products)
+//                   score-shaped products; with fused dQ 64, or 128 at D = 64)
 //   FM_Q_BLOCK_N    keys per step of the dQ kernel (64 or 128)
 //   FM_STAGES       depth of the streamed-tile ring of both kernels (2 or 3)
 //   FM_DQ_MODE      0: dQ by flash_attn_bwd_sm90_dq; 1: fused, unordered reductions;
@@ -118,13 +118,16 @@ constexpr int DQ_MODE = FM_DQ_MODE;
 constexpr bool FUSED_DQ = DQ_MODE != 0;
 constexpr bool ORDERED_DQ = DQ_MODE == 2;
 static_assert(DQ_MODE >= 0 && DQ_MODE <= 2, "FM_DQ_MODE must be 0, 1 or 2");
-static_assert(!FUSED_DQ || BM_KV == 64, "the fused dQ product needs 64 query rows a step");
-// Fused dQ: the step's 64 x D tile of dQ = dS (64 queries x 128 keys) . K (128 keys x D)
-// is split by columns, warpgroup w making columns [w D/2, (w + 1) D/2) from both
-// warpgroups' dS: DQ_N columns, DQ_R accumulators a thread, 64 * D f32 a tile.
-constexpr int DQ_N = D / 2;
+static_assert(!FUSED_DQ || BM_KV == 64 || D == 64,
+              "the fused dQ product takes 128 query rows a step only at D = 64");
+// Fused dQ: the step's dQ = dS (BM_KV queries x 128 keys) . K (128 keys x D), in tiles of
+// DQ_TM = 64 rows x D f32. With 64 query rows a step, warpgroup w makes columns
+// [w D/2, (w + 1) D/2) of the one tile from both warpgroups' dS; with 128, warpgroup w
+// makes the whole tile of rows [64 w, 64 w + 64). DQ_N columns, DQ_R accumulators a thread.
+constexpr int DQ_TM = 64;
+constexpr int DQ_N = BM_KV == 64 ? D / 2 : D;
 constexpr int DQ_R = DQ_N / 2;
-constexpr int DQ_TILE = BM_KV * D;
+constexpr int DQ_TILE = DQ_TM * D;
 
 // Shared-memory layouts (offsets from a 1024-byte aligned base; tiles on swizzle atoms).
 constexpr int tile_bytes(int rows) { return rows * D * 2; }
@@ -264,10 +267,10 @@ __device__ __forceinline__ void store_ds(const u32 (&a)[BM_KV / 16][4], u32 sDS,
         }
 }
 
-// acc (64 queries x DQ_N columns of dQ from column `col0`) = dS (64 x 128 keys, the MN-major
-// tile at sDS) . K (128 keys x D at sK, MN-major). Issued, not committed.
-__device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, int col0) {
-    const u64 da = smem_desc_sw128(sDS, 0, 1024);
+// acc (64 queries x DQ_N columns of dQ from column `col0`) = dS (64 queries from `q0` x 128
+// keys, the MN-major tile at sDS) . K (128 keys x D at sK, MN-major). Issued, not committed.
+__device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, int q0, int col0) {
+    const u64 da = smem_desc_sw128(sDS + (q0 / 64) * BN_KV * 128, 0, 1024);
     // D = 128: a whole 64-column half of K; D = 64: 32 columns into the one half (+64 B
     // inside each swizzled row, which the hardware's address swizzle keeps consistent).
     const u64 db = smem_desc_sw128(sK + (col0 / 64) * BN_KV * 128 + (col0 % 64) * 2, 0, 1024);
@@ -277,12 +280,17 @@ __device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, in
 }
 
 // Add this thread's DQ_R accumulators into the f32 tile at g. The tile is stored in the
-// accumulators' own order (float4 j of thread t at (j * THREADS + t) * 4), so a warp's
-// reductions cover 512 contiguous bytes; flash_attn_bwd_sm90_dq_convert reads it back.
+// order of the 64-row step's accumulators (float4 j of thread t at (j * THREADS + t) * 4,
+// t = 128 w + t', w the warpgroup of columns [w D/2, ..)), so a warp's reductions cover 512
+// contiguous bytes; flash_attn_bwd_sm90_dq_convert reads it back. A 128-row step's
+// warpgroup holds all D columns of its tile: its float4 j goes where thread
+// 128 (j / (D / 16)) + t' keeps float4 j % (D / 16).
 __device__ __forceinline__ void red_tile(const float (&acc)[DQ_R], float* __restrict__ g, int tid) {
+    constexpr int JH = D / 16;  // float4s a thread holds in the 64-row step's layout
 #pragma unroll
     for (int j = 0; j < DQ_R / 4; ++j) {
-        float* p = g + ((i64)j * THREADS + tid) * 4;
+        const int t = BM_KV == 64 ? tid : (j / JH) * 128 + (tid & 127);
+        float* p = g + ((i64)(j % JH) * THREADS + t) * 4;
         asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(acc[4 * j]),
                      "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
                      : "memory");
@@ -397,16 +405,18 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     // (An array indexed by step parity: it costs 8 bytes of stack where a computed address
     // costs registers, and the D = 128 kernel is at the 255-register limit.)
     const u32 sDS[2] = {base + KV_OFF_DS, base + KV_OFF_DS + DS_BYTES};
-    const int n_qtiles = (seqlen_q + BM_KV - 1) / BM_KV;
+    const int n_qtiles = (seqlen_q + DQ_TM - 1) / DQ_TM;
     (void)n_qtiles;
 
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
     for (int step = 0; step < steps; ++step) {
-        if (step + 1 < steps) {  // the next step's tiles, into the slot after this one
-            const int nb = buf + 1 == STAGES ? 0 : buf + 1;
-            const int use = (step + 1) / STAGES;
-            ring.wait_empty(nb, use);
+        const int nb = buf + 1 == STAGES ? 0 : buf + 1;
+        // The next step's tiles, into the slot after this one. (Issued between the scores'
+        // wgmmas and their wait instead, the causal builds' wgmmas were serialised by ptxas,
+        // C7511, and ran 20-25 % slower.)
+        if (step + 1 < steps) {
+            ring.wait_empty(nb, (step + 1) / STAGES);
             load_step(step + 1, nb);
             cp_async_arrive(ring.full(nb));
         }
@@ -420,7 +430,6 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         const bool need_mask = CAUSAL || m0 + BM_KV > seqlen_q || n0 + BN_KV > seqlen_k;
 
         float st[BM_KV / 2], dpt[BM_KV / 2];
-        u32 pa[BM_KV / 16][4];
         wgmma_fence();
         issue_abt<BN_KV, BM_KV>(st, sKw, sQ);  // S^T = K Q^T
         wgmma_commit();
@@ -440,60 +449,96 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                     float& x = st[4 * j + 2 * h + c];
                     x = vis ? ex2(x * scale_log2 - L[col]) : 0.f;
                 }
-        pack_a<BM_KV>(st, pa);
-        wgmma_fence();
-        issue_pb<BM_KV>(dv_acc, pa, sO);  // dV += P^T dO
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T has landed (dV may still run)
-        reg_fence(dpt);
+        // dS^T = P^T (dP^T - delta), into dpt
+        auto make_ds = [&]() {
 #pragma unroll
-        for (int j = 0; j < BM_KV / 8; ++j)
+            for (int j = 0; j < BM_KV / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = 8 * j + 2 * (lane & 3) + (e & 1);
-                dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - Dl[col]);
-            }
-        wgmma_wait<0>();  // dV done: pa is free
-        reg_fence(dv_acc);
-        reg_fence_u32(pa);
-        pack_a<BM_KV>(dpt, pa);
-        if constexpr (FUSED_DQ) {
-            store_ds(pa, sDS[step & 1], cw, warp, lane);
-            fence_proxy_async_smem();  // the dS^T rows just written, towards wgmma
-        }
-        wgmma_fence();
-        issue_pb<BM_KV>(dk_acc, pa, sQ);  // dK += dS^T Q
-        wgmma_commit();
-        if constexpr (FUSED_DQ) {
-            const int h = kvh * group + step / n_mb;
-            const int tile = (batch * heads_q + h) * n_qtiles + m0 / BM_KV;
-            named_bar_sync(1, THREADS);  // both warpgroups' dS^T rows are in place
+                for (int e = 0; e < 4; ++e) {
+                    const int col = 8 * j + 2 * (lane & 3) + (e & 1);
+                    dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - Dl[col]);
+                }
+        };
+        // Fused dQ: this step's tile(s), and (ordered) this key block's turn on them. With
+        // 128 query rows a step, warpgroup w's tile may lie past Sq (then it adds nothing).
+        const int h_q = kvh * group + step / n_mb;
+        const int tile = (batch * heads_q + h_q) * n_qtiles + m0 / DQ_TM + (BM_KV == 64 ? 0 : cw);
+        const bool tile_live = BM_KV == 64 || m0 + cw * 64 < seqlen_q;
+        auto wait_turn = [&]() {
             if constexpr (ORDERED_DQ) {
                 // The tile's semaphore counts warp hand-offs: key blocks 0 .. kblock - 1
-                // have added their parts once it reads 8 * kblock.
-                if (tid == 0) {
-                    while (ld_acquire_gpu(dq_sem + tile) != NWG * 4 * kblock) {
+                // have added their parts once it reads HANDOFFS * kblock.
+                constexpr int HANDOFFS = BM_KV == 64 ? NWG * 4 : 4;
+                if ((BM_KV == 64 ? tid : (tid & 127)) == 0 && tile_live) {
+                    while (ld_acquire_gpu(dq_sem + tile) != HANDOFFS * kblock) {
                     }
                 }
-                named_bar_sync(1, THREADS);  // this key block's turn on the tile
+                named_bar_sync(1, THREADS);  // this key block's turn on the tile(s)
             }
-            float dq_part[DQ_R];
-            wgmma_fence();
-            issue_dq(dq_part, sDS[step & 1], sK, cw * DQ_N);  // dQ = dS K
-            wgmma_commit();
-            wgmma_wait<0>();
-            reg_fence(dq_part);
-            red_tile(dq_part, dq_accum + (i64)tile * DQ_TILE, tid);
+        };
+        auto add_dq = [&](const float (&dq_part)[DQ_R]) {
+            if (tile_live) red_tile(dq_part, dq_accum + (i64)tile * DQ_TILE, tid);
             if constexpr (ORDERED_DQ) {
                 // Hand on: each warp's reductions, then one releasing increment per warp
                 // (__syncwarp orders the other lanes' reductions before lane 0's release).
                 __syncwarp();
-                if (lane == 0) red_release_gpu_add(dq_sem + tile, 1);
+                if (lane == 0 && tile_live) red_release_gpu_add(dq_sem + tile, 1);
             }
+        };
+        const int dq_q0 = BM_KV == 64 ? 0 : cw * 64, dq_col0 = BM_KV == 64 ? cw * DQ_N : 0;
+
+        if constexpr (FUSED_DQ) {
+            // P^T and dS^T both finished in fp32 before any product reads them (fewer live
+            // registers than packing P^T under dV), then dV, (barrier) dQ, dK back to back,
+            // with dQ's reductions under dK.
+            wgmma_wait<0>();  // dP^T
+            reg_fence(dpt);
+            make_ds();
+            u32 pa[BM_KV / 16][4], pb[BM_KV / 16][4];
+            pack_a<BM_KV>(st, pa);   // P^T
+            pack_a<BM_KV>(dpt, pb);  // dS^T
+            store_ds(pb, sDS[step & 1], cw, warp, lane);
+            fence_proxy_async_smem();  // the dS^T rows just written, towards wgmma
+            wgmma_fence();
+            issue_pb<BM_KV>(dv_acc, pa, sO);  // dV += P^T dO
+            wgmma_commit();
+            named_bar_sync(1, THREADS);  // both warpgroups' dS^T rows are in place
+            wait_turn();
+            float dq_part[DQ_R];
+            wgmma_fence();
+            issue_dq(dq_part, sDS[step & 1], sK, dq_q0, dq_col0);  // dQ = dS K
+            wgmma_commit();
+            issue_pb<BM_KV>(dk_acc, pb, sQ);  // dK += dS^T Q
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ done; dK may still run under the reductions
+            reg_fence(dq_part);
+            add_dq(dq_part);
+            wgmma_wait<0>();
+            reg_fence(dv_acc);
+            reg_fence(dk_acc);
+            reg_fence_u32(pa);
+            reg_fence_u32(pb);
+        } else {
+            // The kernel pair's dK/dV: dV issued under dS^T.
+            u32 pa[BM_KV / 16][4];
+            pack_a<BM_KV>(st, pa);
+            wgmma_fence();
+            issue_pb<BM_KV>(dv_acc, pa, sO);  // dV += P^T dO
+            wgmma_commit();
+            wgmma_wait<1>();  // dP^T has landed (dV may still run)
+            reg_fence(dpt);
+            make_ds();
+            wgmma_wait<0>();  // dV done: pa is free
+            reg_fence(dv_acc);
+            reg_fence_u32(pa);
+            pack_a<BM_KV>(dpt, pa);
+            wgmma_fence();
+            issue_pb<BM_KV>(dk_acc, pa, sQ);  // dK += dS^T Q
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(dk_acc);
+            reg_fence_u32(pa);
         }
-        wgmma_wait<0>();
-        reg_fence(dk_acc);
-        reg_fence_u32(pa);
         release(ring, buf);
         if (++buf == STAGES) {
             buf = 0;
@@ -650,13 +695,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
                                    int heads_q, float scale) {
     using namespace fmb90;
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-    const int m0 = blockIdx.x * BM_KV, head = blockIdx.y, batch = blockIdx.z;
+    const int m0 = blockIdx.x * DQ_TM, head = blockIdx.y, batch = blockIdx.z;
     const i64 tile = ((i64)batch * heads_q + head) * gridDim.x + blockIdx.x;
     const float* g = dq_accum + tile * DQ_TILE;
 #pragma unroll
-    for (int j = 0; j < DQ_R / 4; ++j) {
+    for (int j = 0; j < D / 16; ++j) {
         const float4 x = *reinterpret_cast<const float4*>(g + ((i64)j * THREADS + tid) * 4);
-        const int col = cw * DQ_N + 8 * j + 2 * (lane & 3);
+        const int col = cw * (D / 2) + 8 * j + 2 * (lane & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = m0 + warp * 16 + (lane >> 2) + 8 * h;

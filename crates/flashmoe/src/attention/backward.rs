@@ -133,7 +133,8 @@ pub struct Sm90BwdTile {
     pub q_block_n: u32,
     /// Depth of the streamed-tile ring (2 or 3).
     pub stages: u32,
-    /// How dQ is made; the fused modes need `kv_block_m` = 64 (`q_block_n` is then unused).
+    /// How dQ is made; the fused modes need `kv_block_m` = 64, or 128 at head dim 64 with
+    /// unordered reductions (`q_block_n` is then unused).
     pub dq: Sm90Dq,
 }
 
@@ -158,12 +159,14 @@ impl Sm90BwdTile {
     /// The production tile of `head_dim` for `mode`: [`Sm90BwdTile::for_head_dim`] when
     /// deterministic (the dQ kernel: 7 products, and faster than the ordered fused dQ on
     /// every sweep shape measured, docs/design/attention-backward.md); the fused dQ with
-    /// unordered reductions (5 products, 2-slot ring) when fast.
+    /// unordered reductions (5 products, 2-slot ring) when fast, with 128 query rows a
+    /// step at D=64 (v4: the fastest tile on all 12 sweep shapes).
     pub fn for_mode(head_dim: usize, mode: BwdMode) -> Option<Sm90BwdTile> {
         let det = Sm90BwdTile::for_head_dim(head_dim)?;
         Some(match mode {
             BwdMode::Deterministic => det,
             BwdMode::Fast => Sm90BwdTile {
+                kv_block_m: if head_dim == 64 { 128 } else { 64 },
                 stages: 2,
                 dq: Sm90Dq::Atomic,
                 ..det
@@ -171,8 +174,8 @@ impl Sm90BwdTile {
         })
     }
     /// The production tile of `head_dim` first, then the others the lab times beside it
-    /// (those that spill registers are not listed: D=64 with 128 query rows a dK/dV step,
-    /// D=128 with 128 keys a dQ step).
+    /// (those that spill registers are not listed: the kernel pair with 128 query rows a
+    /// dK/dV step at D=64, with 128 keys a dQ step at D=128).
     pub fn lab_tiles(head_dim: usize) -> Vec<Sm90BwdTile> {
         let Some(prod) = Sm90BwdTile::for_head_dim(head_dim) else {
             return Vec::new();
@@ -191,11 +194,15 @@ impl Sm90BwdTile {
                 ..prod
             })
             .collect();
-        // The fused-dQ modes (5 products), 2- and 3-slot rings.
+        // The fused-dQ modes (5 products), 2- and 3-slot rings; at D=64 also 128 query rows
+        // a step with unordered reductions (the ordered kernel spills there).
         for dq in [Sm90Dq::Atomic, Sm90Dq::Ordered] {
             for stages in [2, 3] {
                 all.push(Sm90BwdTile { stages, dq, ..prod });
             }
+        }
+        if head_dim == 64 {
+            all.push(Sm90BwdTile::for_mode(head_dim, BwdMode::Fast).expect("head dim 64"));
         }
         let mut out = vec![prod];
         out.extend(all.into_iter().filter(|t| *t != prod));
@@ -207,7 +214,9 @@ impl Sm90BwdTile {
             && matches!(self.kv_block_m, 64 | 128)
             && matches!(self.q_block_n, 64 | 128)
             && matches!(self.stages, 2 | 3)
-            && (!self.dq.fused() || self.kv_block_m == 64)
+            && (!self.dq.fused()
+                || self.kv_block_m == 64
+                || (self.head_dim == 64 && self.dq == Sm90Dq::Atomic))
             && self.kv_smem_bytes() <= super::config::MAX_SMEM_SM90
             && self.q_smem_bytes() <= super::config::MAX_SMEM_SM90
     }
