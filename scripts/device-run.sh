@@ -326,6 +326,9 @@ for s in "$@"; do
     # ncu sections of the sm_90a attention kernel at D=128 S=4096 (configs/dev/attention-ncu.toml).
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
+    # ncu sections of the fast backward's dK/dV kernel (fused dQ), same shape, --pass bwd.
+    ncu-bwd)      stage ncu-bwd 200 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
+                      $BIN bench attention --pass bwd --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-grad --no-baselines --max-time 0.1 --out /tmp/ncu-bwd >>$OUT/ncu-bwd.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 tools/probes/worker_gpu_probe.py ;;
     # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
     # travels in parts of ≤ 33 MiB: `baselines-part` (one call per part but the last) keeps
