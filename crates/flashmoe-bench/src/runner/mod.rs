@@ -9,6 +9,7 @@ pub mod gpu;
 pub mod pipeline;
 pub(crate) mod plan_backed;
 pub mod python;
+pub mod scripts;
 pub mod serve;
 
 use crate::measure::Sampled;

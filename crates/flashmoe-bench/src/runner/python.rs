@@ -286,7 +286,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Where the worker script is: `$FLASHMOE_WORKER`, else `python/flashmoe_worker.py` next to
 /// the running binary or one of its ancestors (a `target/release/flashmoe` inside the
 /// repository finds the repository's), else in the current directory, else in the source
-/// tree this crate was built from.
+/// tree this crate was built from, else the copy the binary carries (`runner::scripts`,
+/// written into the kernel cache directory).
 pub fn locate_worker_script() -> Result<PathBuf, String> {
     locate_python_script("flashmoe_worker.py", "FLASHMOE_WORKER")
 }
@@ -315,16 +316,18 @@ pub fn locate_python_script(name: &str, env_var: &str) -> Result<PathBuf, String
             .join("../..")
             .join(&rel),
     );
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .ok_or_else(|| {
-            format!(
-                "python/{name} not found (looked next to the binary, in the current \
-                 directory and in the source tree): set {env_var} to its path"
-            )
-        })
+    if let Some(p) = candidates.iter().find(|p| p.is_file()) {
+        return Ok(p.clone());
+    }
+    // An installed binary: the copy it carries, written into the kernel cache directory.
+    super::scripts::embedded_script(name, &flashmoe::gpu::default_cache_dir()).unwrap_or_else(
+        || {
+            Err(format!(
+                "python/{name} not found (looked next to the binary, in the current directory and \
+             in the source tree, and the binary does not carry it): set {env_var} to its path"
+            ))
+        },
+    )
 }
 
 fn status_text(status: Option<ExitStatus>) -> String {
