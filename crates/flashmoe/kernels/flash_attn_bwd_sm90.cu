@@ -10,14 +10,19 @@
 //   FM_HEAD_DIM     D: 64 or 128 (rows are held as 64-column halves, one 128-byte swizzled
 //                   row each, the layout wgmma's 128B-swizzle descriptors read)
 //   FM_DTYPE_BF16   0 = fp16, 1 = bf16 (accumulation is fp32)
-//   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq
+//   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq + window_right
+//                   (window_right = 0: plain causal)
+//   FM_WINDOW       1: also hide keys j < i + Sk - Sq - window_left (implies FM_CAUSAL; the
+//                   portable kernels' convention, window sides >= 0, 1 << 30 unbounded)
 //   FM_KV_BLOCK_M   query rows per step of the dK/dV kernel (64 or 128: the wgmma N of its
 //                   score-shaped products; with fused dQ 64, or 128 at D = 64)
 //   FM_Q_BLOCK_N    keys per step of the dQ kernel (64 or 128)
 //   FM_STAGES       depth of the streamed-tile ring of both kernels (2 or 3)
 //   FM_DQ_MODE      0: dQ by flash_attn_bwd_sm90_dq; 1: fused, unordered reductions;
 //                   2: fused, each dQ tile takes the key blocks in increasing order
-// Windows and softcap are not served here (the plan routes them to flash_attn_bwd.cu).
+// Softcap is not served here (the plan routes it to flash_attn_bwd.cu); neither are
+// windows with the ordered fused dQ (a tile's contributors are then not a prefix of the key
+// blocks).
 //
 // The preprocess is flash_attn_bwd.cu's (`flash_attn_bwd_preprocess`): the workspace holds
 // lse2 = LSE·log2 e (+inf for a row that sees no key) and delta = rowsum(dO∘O), both
@@ -27,7 +32,8 @@
 // Sk, heads_kv, D); lse2, delta: (batch, heads_q, Sq) f32):
 //   flash_attn_bwd_sm90_dkdv(q, k, v, dout, lse2, delta, u16* dk, u16* dv, int seqlen_q,
 //        int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
-//        float* dq_accum, int* dq_sem)      (the last two: FM_DQ_MODE 1/2 only, else null)
+//        float* dq_accum, int* dq_sem,      (FM_DQ_MODE 1/2 only, else null)
+//        int window_left, int window_right)
 //     grid (ceil(Sk / 128), heads_kv, batch), or (heads_kv * batch, ceil(Sk / 128), 1) with
 //     FM_DQ_MODE 2; block 256, dynamic smem KV_SMEM.
 //   Fused dQ: dq_accum holds one f32 tile of 64 query rows x D per (batch, query head,
@@ -36,7 +42,7 @@
 //   zeroes both before, flash_attn_bwd_sm90_dq_convert(dq_accum, dq, Sq, heads_q, scale)
 //   (grid (ceil(Sq / 64), heads_q, batch), block 256) writes dq after.
 //   flash_attn_bwd_sm90_dq(q, k, v, dout, lse2, delta, u16* dq, seqlen_q, seqlen_k,
-//        heads_q, heads_kv, scale, scale_log2)
+//        heads_q, heads_kv, scale, scale_log2, window_left, window_right)
 //     grid (ceil(Sq / 128), heads_q, batch), block 256, dynamic smem Q_SMEM.
 //
 // Structure. Both kernels run two warpgroups; warpgroup w owns 64 rows of the stationary
@@ -77,6 +83,9 @@
 #ifndef FM_CAUSAL
 #define FM_CAUSAL 0
 #endif
+#ifndef FM_WINDOW
+#define FM_WINDOW 0
+#endif
 #ifndef FM_KV_BLOCK_M
 #define FM_KV_BLOCK_M 64
 #endif
@@ -95,6 +104,8 @@ namespace fmb90 {
 
 constexpr int D = FM_HEAD_DIM;
 constexpr bool CAUSAL = FM_CAUSAL != 0;
+constexpr bool WINDOW = FM_WINDOW != 0;
+static_assert(!WINDOW || CAUSAL, "FM_WINDOW implies FM_CAUSAL");
 constexpr int CPR = D / 8;    // 16-byte chunks per row
 constexpr int NWG = 2;        // warpgroups; each owns 64 stationary rows
 constexpr int THREADS = 128 * NWG;
@@ -118,6 +129,7 @@ constexpr int DQ_MODE = FM_DQ_MODE;
 constexpr bool FUSED_DQ = DQ_MODE != 0;
 constexpr bool ORDERED_DQ = DQ_MODE == 2;
 static_assert(DQ_MODE >= 0 && DQ_MODE <= 2, "FM_DQ_MODE must be 0, 1 or 2");
+static_assert(!(WINDOW && DQ_MODE == 2), "windows with the ordered fused dQ are not served");
 static_assert(!FUSED_DQ || BM_KV == 64 || D == 64,
               "the fused dQ product takes 128 query rows a step only at D = 64");
 // Fused dQ: the step's dQ = dS (BM_KV queries x 128 keys) . K (128 keys x D), in tiles of
@@ -328,7 +340,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                              const u16* __restrict__ dout, const float* __restrict__ lse2,
                              const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
                              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
-                             float scale_log2, float* __restrict__ dq_accum, int* __restrict__ dq_sem) {
+                             float scale_log2, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
+                             int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -356,23 +369,31 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     if (tid == 0) ring.init();
     __syncthreads();
 
-    // Queries that may see a key of this block: [i_lo, Sq).
-    i64 i_lo = 0;
-    if (CAUSAL) i_lo = clamp64((i64)n0 - diag, 0, seqlen_q);
+    // Queries that may see a key of this block: [i_lo, i_hi).
+    i64 i_lo = 0, i_hi = seqlen_q;
+    if (CAUSAL) i_lo = clamp64((i64)n0 - diag - window_right, 0, seqlen_q);
+    if (WINDOW) {
+        const i64 n_last = (i64)min(n0 + BN_KV, seqlen_k) - 1;
+        i_hi = clamp64(n_last - diag + window_left + 1, 0, seqlen_q);
+    }
     const int mb_lo = (int)(i_lo / BM_KV);
-    const int n_mb = i_lo < seqlen_q ? (seqlen_q + BM_KV - 1) / BM_KV - mb_lo : 0;
+    const int n_mb = i_lo < i_hi ? (int)((i_hi + BM_KV - 1) / BM_KV) - mb_lo : 0;
     const int steps = n_mb * group;
 
-    // This thread's two key rows and the first query each sees (qlo; Sq: none).
-    int qlo[2];
+    // This thread's two key rows, the first query each sees (qlo; Sq: none) and, with a
+    // window, the last (qhi).
+    int qlo[2], qhi[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const i64 j = (i64)n0 + cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        i64 lo = 0;
-        if (CAUSAL) lo = clamp64(j - diag, 0, seqlen_q);
+        i64 lo = 0, hi = (i64)seqlen_q - 1;
+        if (CAUSAL) lo = clamp64(j - diag - window_right, 0, seqlen_q);
+        if (WINDOW) hi = clamp64(j - diag + window_left, -1, (i64)seqlen_q - 1);
         if (j >= seqlen_k) lo = seqlen_q;
         qlo[h] = (int)lo;
+        qhi[h] = (int)hi;
     }
+    (void)qhi;
 
     auto load_step = [&](int step, int buf) {
         const int h = kvh * group + step / n_mb;
@@ -445,7 +466,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int col = 8 * j + 2 * (lane & 3) + c;
-                    const bool vis = !need_mask || (m0 + col >= qlo[h] && m0 + col < seqlen_q);
+                    const bool vis = !need_mask || (m0 + col >= qlo[h] && m0 + col < seqlen_q &&
+                                                     (!WINDOW || m0 + col <= qhi[h]));
                     float& x = st[4 * j + 2 * h + c];
                     x = vis ? ex2(x * scale_log2 - L[col]) : 0.f;
                 }
@@ -557,7 +579,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     flash_attn_bwd_sm90_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                            const u16* __restrict__ dout, const float* __restrict__ lse2,
                            const float* __restrict__ delta, u16* __restrict__ dq, int seqlen_q,
-                           int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2) {
+                           int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
+                           int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -575,20 +598,23 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     if (tid == 0) ring.init();
     __syncthreads();
 
-    // Keys some row of this block may see: [0, j_hi).
+    // Keys some row of this block may see: [j_lo, j_hi), in key blocks nb_lo, nb_lo + 1, ..
     const i64 m_last = (i64)min(m0 + BM_Q, seqlen_q) - 1;
-    i64 j_hi = seqlen_k;
-    if (CAUSAL) j_hi = clamp64(m_last + diag + 1, 0, seqlen_k);
-    const int n_nb = (int)((j_hi + BN_Q - 1) / BN_Q);
+    i64 j_lo = 0, j_hi = seqlen_k;
+    if (WINDOW) j_lo = clamp64((i64)m0 + diag - window_left, 0, seqlen_k);
+    if (CAUSAL) j_hi = clamp64(m_last + diag + window_right + 1, 0, seqlen_k);
+    const int nb_lo = (int)(j_lo / BN_Q);
+    const int n_nb = j_lo < j_hi ? (int)((j_hi + BN_Q - 1) / BN_Q) - nb_lo : 0;
 
     float lr2[2], dl[2];
-    int khi[2];  // last visible key (-1: none)
+    int klo[2], khi[2];  // first and last visible key (khi -1: none)
     const i64 l_off = ((i64)batch * heads_q + head) * seqlen_q;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m0 + cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
-        i64 hi = (i64)seqlen_k - 1;
-        if (CAUSAL) hi = clamp64((i64)i + diag, -1, (i64)seqlen_k - 1);
+        i64 lo = 0, hi = (i64)seqlen_k - 1;
+        if (WINDOW) lo = clamp64((i64)i + diag - window_left, 0, seqlen_k);
+        if (CAUSAL) hi = clamp64((i64)i + diag + window_right, -1, (i64)seqlen_k - 1);
         if (i < seqlen_q) {
             lr2[h] = lse2[l_off + i];
             dl[h] = delta[l_off + i];
@@ -597,12 +623,15 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             dl[h] = 0.f;
             hi = -1;
         }
+        klo[h] = (int)lo;
         khi[h] = (int)hi;
     }
+    (void)klo;
 
     auto load_kv = [&](int it, int b) {
-        load_tile<BN_Q>(base + Q_OFF_K + b * tile_bytes(BN_Q), k, kv_off, kv_stride, it * BN_Q, seqlen_k, tid);
-        load_tile<BN_Q>(base + Q_OFF_V + b * tile_bytes(BN_Q), v, kv_off, kv_stride, it * BN_Q, seqlen_k, tid);
+        const int n0 = (nb_lo + it) * BN_Q;
+        load_tile<BN_Q>(base + Q_OFF_K + b * tile_bytes(BN_Q), k, kv_off, kv_stride, n0, seqlen_k, tid);
+        load_tile<BN_Q>(base + Q_OFF_V + b * tile_bytes(BN_Q), v, kv_off, kv_stride, n0, seqlen_k, tid);
     };
     load_tile<BM_Q>(sQ, q, q_off, q_stride, m0, seqlen_q, tid);
     load_tile<BM_Q>(sO, dout, q_off, q_stride, m0, seqlen_q, tid);
@@ -628,7 +657,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         }
         mbar_wait(ring.full(buf), round & 1);
         fence_proxy_async_smem();
-        const int n0 = it * BN_Q;
+        const int n0 = (nb_lo + it) * BN_Q;
         const u32 sK = base + Q_OFF_K + buf * tile_bytes(BN_Q);
         const u32 sV = base + Q_OFF_V + buf * tile_bytes(BN_Q);
         const bool need_mask = CAUSAL || m0 + BM_Q > seqlen_q || n0 + BN_Q > seqlen_k;
@@ -649,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int key = n0 + 8 * j + 2 * (lane & 3) + c;
-                    const bool vis = !need_mask || (key <= khi[h] && key < seqlen_k);
+                    const bool vis = !need_mask || (key <= khi[h] && key < seqlen_k && (!WINDOW || key >= klo[h]));
                     float& x = s[4 * j + 2 * h + c];
                     x = vis ? ex2(x * scale_log2 - lr2[h]) : 0.f;
                 }

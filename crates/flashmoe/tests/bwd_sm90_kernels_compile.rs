@@ -1,4 +1,4 @@
-//! Every sm_90a attention-backward variant (head dim × dtype × causal, production tiles
+//! Every sm_90a attention-backward variant (head dim × dtype × masking, production tiles
 //! and the other tiles the lab times) compiles with NVRTC for sm_90a on a machine without
 //! a GPU, fits the shared-memory limit, does not spill registers and keeps its wgmmas
 //! pipelined (no ptxas C7511). NVRTC as for
@@ -22,17 +22,19 @@ fn every_sm90_backward_variant_compiles_without_spills() {
     let classes = all_sm90_bwd_classes();
     assert_eq!(
         classes.len(),
-        2 * 2 * 2,
-        "head dims 64/128 x bf16/f16 x causal"
+        2 * 2 * 3,
+        "head dims 64/128 x bf16/f16 x (non-causal, causal, window)"
     );
     for class in classes {
-        // The production tile, and for bf16 causal the others the lab times.
-        // Every class: the production tile and the fused-dQ tiles.
+        // Every class: the production tile and the fused-dQ tiles that serve its masking;
+        // bf16 causal: every tile the lab times.
         let mut tiles = Sm90BwdTile::lab_tiles(class.head_dim);
-        if !(class.causal && class.dtype == flashmoe::DType::Bf16) {
+        let plain_causal = class.causal && class.window == flashmoe::problem::NO_WINDOW;
+        if !(plain_causal && class.dtype == flashmoe::DType::Bf16) {
             let prod = tiles[0];
             tiles.retain(|t| *t == prod || t.dq.fused());
         }
+        tiles.retain(|t| t.serves(&class));
         for tile in tiles {
             let defs = sm90_bwd_defines(&class, &tile);
             let k = cache

@@ -83,7 +83,7 @@ pub enum BwdKernel {
     /// `flash_attn_bwd.cu` (mma.sync, sm_80 and newer): every class the backward serves.
     Portable,
     /// `flash_attn_bwd_sm90.cu` (wgmma, compute capability 9.0): head dims 64 and 128,
-    /// bf16/f16, causal or not, Sq ≠ Sk, GQA; no window, no softcap.
+    /// bf16/f16, causal or not, sliding windows, Sq ≠ Sk, GQA; no softcap.
     Sm90(Sm90BwdTile),
 }
 
@@ -208,6 +208,11 @@ impl Sm90BwdTile {
         out.extend(all.into_iter().filter(|t| *t != prod));
         out
     }
+    /// Whether this tile serves `class`'s masking: the ordered fused dQ needs every dQ
+    /// tile's key blocks to be a prefix, which a sliding window breaks.
+    pub fn serves(&self, class: &AttentionClass) -> bool {
+        self.dq != Sm90Dq::Ordered || !Masking::of(&class.problem(1, 1, 1)).window
+    }
     /// Whether the kernels accept this tile.
     pub fn is_valid(&self) -> bool {
         BWD_SM90_HEAD_DIMS.contains(&(self.head_dim as usize))
@@ -259,7 +264,6 @@ pub fn sm90_serves(class: &AttentionClass) -> bool {
     let m = Masking::of(&class.problem(1, 1, 1));
     BWD_SM90_HEAD_DIMS.contains(&class.head_dim)
         && matches!(class.dtype, DType::Bf16 | DType::F16)
-        && !m.window
         && !m.softcap
 }
 
@@ -271,6 +275,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
         ("FM_HEAD_DIM".into(), tile.head_dim.to_string()),
         ("FM_DTYPE_BF16".into(), b(class.dtype == DType::Bf16)),
         ("FM_CAUSAL".into(), b(m.causal)),
+        ("FM_WINDOW".into(), b(m.window)),
         ("FM_KV_BLOCK_M".into(), tile.kv_block_m.to_string()),
         ("FM_Q_BLOCK_N".into(), tile.q_block_n.to_string()),
         ("FM_STAGES".into(), tile.stages.to_string()),
@@ -540,7 +545,7 @@ impl AttentionBackwardPlan {
                         backend,
                         format!(
                             "the sm_90a kernels serve head dims {BWD_SM90_HEAD_DIMS:?}, no \
-                             window, no softcap; not {class:?}"
+                             softcap; not {class:?}"
                         ),
                     ));
                 }
@@ -549,6 +554,13 @@ impl AttentionBackwardPlan {
                         "sm_90a backward tile {t:?} is not valid for head dim {}",
                         class.head_dim
                     )));
+                }
+                if !t.serves(&class) {
+                    return Err(Error::unsupported(
+                        backend,
+                        "the ordered fused dQ does not serve sliding windows (a dQ tile's key \
+                         blocks are then not a prefix); use Sm90Dq::Kernel",
+                    ));
                 }
                 let defs = sm90_bwd_defines(&class, &t);
                 let dkdv = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DKDV_ENTRY, &defs)?;
@@ -878,6 +890,8 @@ impl AttentionBackwardPlan {
             param(&scale_log2),
             param(&dq_accum),
             param(&dq_sem),
+            param(&self.logits.window_left),
+            param(&self.logits.window_right),
         ];
         launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
         if t.dq.fused() {
@@ -922,6 +936,8 @@ impl AttentionBackwardPlan {
             param(&hkv_i),
             param(&self.scale),
             param(&scale_log2),
+            param(&self.logits.window_left),
+            param(&self.logits.window_right),
         ];
         launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &mut params)
     }

@@ -364,7 +364,23 @@ fn backward_sm90_and_portable_match_f64_reference() {
             Case::new(128, Bf16, 2, 1, 1024, 1024, true),
             Case::new(64, Bf16, 2, 2, 700, 900, false),
             Case::new(128, F16, 2, 2, 640, 384, true),
-        ];
+        ]
+        .into_iter()
+        .chain(
+            // Sliding windows (left, right; -1 unbounded), bottom-right like the forward's:
+            // key blocks skipped at both ends, rows seeing a band, Sq != Sk, GQA.
+            [
+                (Case::new(64, Bf16, 8, 2, 300, 333, true), (64, -1)),
+                (Case::new(128, Bf16, 4, 4, 257, 257, false), (48, 16)),
+                (Case::new(64, F16, 2, 1, 1000, 1000, true), (100, 0)),
+                (Case::new(128, Bf16, 2, 2, 130, 400, false), (-1, 8)),
+            ]
+            .map(|(mut c, w)| {
+                c.window = w;
+                c
+            }),
+        )
+        .collect::<Vec<_>>();
         let sm90 = dev.arch() == 90;
         if !sm90 {
             eprintln!(
@@ -390,7 +406,7 @@ fn backward_sm90_and_portable_match_f64_reference() {
                 }
                 // Every case: the fused-dQ tiles; every fourth: the other lab tiles too.
                 for t in Sm90BwdTile::lab_tiles(c.d).into_iter().skip(1) {
-                    if t.dq.fused() || n % 4 == 1 {
+                    if t.serves(&c.class()) && (t.dq.fused() || n % 4 == 1) {
                         eprintln!("  tile {t:?}:");
                         let e = check_case_on(dev, c, sd, Some(BwdKernel::Sm90(t)));
                         worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
@@ -748,17 +764,20 @@ fn backward_sanitizer_cases() {
         {
             check_case(dev, c, seed + n as u64);
         }
-        // The sm_90a kernels on partial tiles, GQA and Sq != Sk: each dQ mode.
+        // The sm_90a kernels on partial tiles, GQA, Sq != Sk and a window: each dQ mode.
         if dev.arch() == 90 {
+            let mut w = Case::new(128, DType::Bf16, 4, 2, 150, 77, true);
+            w.window = (40, 8);
             for (n, c) in [
                 Case::new(64, DType::Bf16, 8, 2, 129, 130, true),
                 Case::new(128, DType::Bf16, 8, 2, 129, 130, false),
                 Case::new(128, DType::F16, 2, 2, 130, 65, true),
+                w,
             ]
             .iter()
             .enumerate()
             {
-                for t in sanitizer_tiles(c.d) {
+                for t in sanitizer_tiles(c) {
                     check_case_on(dev, c, seed + 10 + n as u64, Some(BwdKernel::Sm90(t)));
                 }
             }
@@ -766,11 +785,12 @@ fn backward_sanitizer_cases() {
     });
 }
 
-/// The production sm_90a tile of head dim `d` and one tile of each fused-dQ mode.
-fn sanitizer_tiles(d: usize) -> Vec<Sm90BwdTile> {
-    let mut tiles = Sm90BwdTile::lab_tiles(d);
+/// The production sm_90a tile of the case's head dim and one tile of each fused-dQ mode
+/// that serves its masking.
+fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
+    let mut tiles = Sm90BwdTile::lab_tiles(c.d);
     let prod = tiles[0];
-    tiles.retain(|t| *t == prod || (t.dq.fused() && t.stages == 2));
+    tiles.retain(|t| (*t == prod || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class()));
     tiles
 }
 
