@@ -770,52 +770,117 @@ impl AttentionBackwardPlan {
             block_dim: (32 * t.kv_warps, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
         };
-        let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dk),
-            param(&dv),
-            param(&sq_i),
-            param(&sk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&lp.scale_log2),
-            param(&lp.softcap_log2),
-            param(&lp.window_left),
-            param(&lp.window_right),
-        ];
-        launch(BWD_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+        let args = PortableBwdLaunch {
+            q,
+            k,
+            v,
+            d_o,
+            lse2,
+            delta,
+            seqlen_q: sq_i,
+            seqlen_k: sk_i,
+            heads_q: hq_i,
+            heads_kv: hkv_i,
+            scale: self.scale,
+            logits: *lp,
+            cu_seqlens: None,
+        };
+        args.launch(
+            BWD_DKDV_ENTRY,
+            &self.dkdv,
+            kv,
+            stream,
+            &[a.dk.ptr, a.dv.ptr],
+        )?;
 
         let qc = LaunchConfig {
             grid_dim: ((sq as u32).div_ceil(t.q_block_m()), hq as u32, b as u32),
             block_dim: (32 * t.q_warps, 1, 1),
             shared_mem_bytes: t.q_smem_bytes(),
         };
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dq),
-            param(&sq_i),
-            param(&sk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&lp.scale_log2),
-            param(&lp.softcap_log2),
-            param(&lp.window_left),
-            param(&lp.window_right),
-        ];
-        launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+        args.launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &[a.dq.ptr])
+    }
+}
+
+/// The portable kernels' ABI (`flash_attn_bwd.cu`): the arguments the dK/dV and the dQ
+/// kernel take, in their order, declared once for the dense and the varlen plans. The
+/// kernels' lists are the inputs, then the kernel's outputs (dk, dv or dq), then the
+/// shapes, the logit parameters and, built with FM_VARLEN, the two offset arrays
+/// (`FM_CU_PARAMS`).
+pub(super) struct PortableBwdLaunch {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub d_o: u64,
+    pub lse2: u64,
+    pub delta: u64,
+    /// Sq and Sk (dense) or total_q and total_k (varlen).
+    pub seqlen_q: i32,
+    pub seqlen_k: i32,
+    pub heads_q: i32,
+    pub heads_kv: i32,
+    pub scale: f32,
+    pub logits: LogitParams,
+    /// Varlen: cu_seqlens_q and cu_seqlens_k.
+    pub cu_seqlens: Option<(u64, u64)>,
+}
+
+impl PortableBwdLaunch {
+    /// Enqueue `entry` (the dK/dV kernel with `outputs` = [dk, dv], the dQ kernel with
+    /// [dq]) on `stream`.
+    ///
+    /// # Safety
+    /// As [`launch`]: `func` is `entry` of a module built for this ABI (varlen exactly when
+    /// `cu_seqlens` is set), every address is live device memory covering its span.
+    pub unsafe fn launch(
+        &self,
+        entry: &str,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        stream: RawStream,
+        outputs: &[u64],
+    ) -> Result<()> {
+        debug_assert!(matches!(outputs.len(), 1 | 2), "[dk, dv] or [dq]");
+        let lp = &self.logits;
+        // At most 6 inputs + 2 outputs + 9 scalars + 2 offsets, on the stack (no allocation
+        // per call).
+        let mut params = [std::ptr::null_mut(); 19];
+        let mut n = 0;
+        let mut push = |p| {
+            params[n] = p;
+            n += 1;
+        };
+        for p in [
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.d_o,
+            &self.lse2,
+            &self.delta,
+        ] {
+            push(param(p));
+        }
+        for p in outputs {
+            push(param(p));
+        }
+        for p in [
+            &self.seqlen_q,
+            &self.seqlen_k,
+            &self.heads_q,
+            &self.heads_kv,
+        ] {
+            push(param(p));
+        }
+        for p in [&self.scale, &lp.scale_log2, &lp.softcap_log2] {
+            push(param(p));
+        }
+        push(param(&lp.window_left));
+        push(param(&lp.window_right));
+        if let Some((cu_q, cu_k)) = &self.cu_seqlens {
+            push(param(cu_q));
+            push(param(cu_k));
+        }
+        launch(entry, func, cfg, stream, &mut params[..n])
     }
 }
 

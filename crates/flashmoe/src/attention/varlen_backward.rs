@@ -23,8 +23,8 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::backward::{
-    bwd_defines, BwdTile, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_HEAD_DIMS, BWD_PREPROCESS_ENTRY,
-    BWD_SOURCE,
+    bwd_defines, BwdTile, PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_HEAD_DIMS,
+    BWD_PREPROCESS_ENTRY, BWD_SOURCE,
 };
 use super::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use super::plan::AttentionClass;
@@ -334,29 +334,28 @@ impl VarlenBackwardPlan {
             block_dim: (32 * t.kv_warps, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
         };
-        let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dk),
-            param(&dv),
-            param(&tq_i),
-            param(&tk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&lp.scale_log2),
-            param(&lp.softcap_log2),
-            param(&lp.window_left),
-            param(&lp.window_right),
-            param(&cu_q),
-            param(&cu_k),
-        ];
-        launch(BWD_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+        let args = PortableBwdLaunch {
+            q,
+            k,
+            v,
+            d_o,
+            lse2,
+            delta,
+            seqlen_q: tq_i,
+            seqlen_k: tk_i,
+            heads_q: hq_i,
+            heads_kv: hkv_i,
+            scale: self.scale,
+            logits: *lp,
+            cu_seqlens: Some((cu_q, cu_k)),
+        };
+        args.launch(
+            BWD_DKDV_ENTRY,
+            &self.dkdv,
+            kv,
+            stream,
+            &[a.dk.ptr, a.dv.ptr],
+        )?;
 
         let qc = LaunchConfig {
             grid_dim: (
@@ -367,27 +366,7 @@ impl VarlenBackwardPlan {
             block_dim: (32 * t.q_warps, 1, 1),
             shared_mem_bytes: t.q_smem_bytes(),
         };
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dq),
-            param(&tq_i),
-            param(&tk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&lp.scale_log2),
-            param(&lp.softcap_log2),
-            param(&lp.window_left),
-            param(&lp.window_right),
-            param(&cu_q),
-            param(&cu_k),
-        ];
-        launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+        args.launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &[a.dq.ptr])
     }
 }
 
