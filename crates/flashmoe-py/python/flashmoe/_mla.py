@@ -11,7 +11,7 @@ host never synchronises.
 import torch
 
 from . import _core
-from ._torch import _DTYPES, _desc, _device_index, _idesc, _plain, _raw_stream, _refuse_grad, _same_dtype
+from ._common import _DTYPES, _desc, _device_index, _idesc, _plain, _raw_stream, _refuse_grad, _same_dtype
 
 _D_QK, _D_V = 576, 512
 _MAX_Q = _core.MAX_Q_PER_SEQ

@@ -26,7 +26,7 @@ under ``torch.compile`` alike; otherwise the inference op runs.
 import torch
 
 from . import _core
-from ._torch import _DTYPES, _desc, _device_index, _moe_plan, _raw_stream, _same_dtype
+from ._common import _DTYPES, _MIN_PLAN_TOKENS, _desc, _device_index, _moe_plan, _raw_stream, _same_dtype
 
 _lib = torch.library.Library("flashmoe", "FRAGMENT")
 _lib.define(
@@ -40,7 +40,6 @@ _lib.define(
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
-_MIN_PLAN_TOKENS = 256
 # (device index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
 # -> _core.MoeBackwardPlan
 _bwd_plans = {}
