@@ -1,12 +1,13 @@
-//! The GPU session every native implementation shares, the copy calibration and the GPU
-//! fp32 reference (attention and MoE), timed with CUDA events. Before each start event an L2 flush (a memset of 2× L2) is queued, so the
+//! The copy calibration and the GPU fp32 reference (attention and MoE), on the GPU session
+//! every native implementation shares (`session.rs`, re-exported here), timed with CUDA
+//! events. Before each start event an L2 flush (a memset of 2× L2) is queued, so the
 //! caches are cold and the GPU is already busy when the start event is recorded: host
 //! launch latency is never counted as kernel time.
 
 use super::cpu::CpuReference;
 use super::plan_backed::{AttentionOut, PlanBacked, PlanCall};
+pub use super::session::GpuSession;
 use super::{Outputs, Prepared, ReferenceOutputs, ReferenceProvider, SuiteInputs};
-use crate::gpu::{EventTimer, L2Flusher};
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
 use anyhow::Context;
@@ -14,38 +15,7 @@ use flashmoe::attention;
 use flashmoe::gpu::{Device, DeviceTensor};
 use flashmoe::reference::attention::AttentionOutput;
 use flashmoe::DType;
-use std::cell::RefCell;
 use std::rc::Rc;
-
-/// The opened GPU with the timing primitives every GPU implementation shares.
-pub struct GpuSession {
-    pub device: Device,
-    timer: EventTimer,
-    flusher: RefCell<L2Flusher>,
-}
-
-impl GpuSession {
-    pub fn open(ordinal: usize) -> flashmoe::Result<Rc<GpuSession>> {
-        let device = Device::open(ordinal)?;
-        let timer = EventTimer::new(&device)?;
-        let flusher = RefCell::new(L2Flusher::new(&device)?);
-        Ok(Rc::new(GpuSession {
-            device,
-            timer,
-            flusher,
-        }))
-    }
-
-    pub fn flush_bytes(&self) -> usize {
-        self.flusher.borrow().size_bytes()
-    }
-
-    /// Flush L2, then time `work` between CUDA events.
-    pub fn timed(&self, work: impl FnOnce() -> flashmoe::Result<()>) -> anyhow::Result<f64> {
-        self.flusher.borrow_mut().flush()?;
-        Ok(self.timer.time(work)?)
-    }
-}
 
 /// Bytes of the GPU calibration copy.
 const CALIBRATION_COPY_BYTES: usize = 256 << 20;

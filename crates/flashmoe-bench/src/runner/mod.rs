@@ -11,6 +11,7 @@ pub(crate) mod plan_backed;
 pub mod python;
 pub mod scripts;
 pub mod serve;
+pub mod session;
 
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;

@@ -4,7 +4,7 @@
 //! between CUDA events after an L2 flush ([`GpuSession::timed`]), and the check run: poison
 //! the outputs, launch, synchronise, download.
 
-use super::gpu::GpuSession;
+use super::session::GpuSession;
 use super::{Outputs, Prepared};
 use crate::measure::Sampled;
 use flashmoe::gpu::{Device, DeviceTensor};
