@@ -64,6 +64,8 @@ pub mod check;
 #[cfg(feature = "cuda")]
 mod cuda_fwd;
 #[cfg(feature = "cuda")]
+mod cuda_index;
+#[cfg(feature = "cuda")]
 mod flashmoe_api;
 mod mla;
 #[cfg(feature = "cuda")]

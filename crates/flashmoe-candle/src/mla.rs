@@ -228,7 +228,7 @@ pub fn mla_decode(
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::{check_mla, MlaCall, MlaDecodeOp, MlaKey, MLA_D_QK, MLA_D_V};
-    use crate::cuda_fwd::{int32_matrix, int32_view};
+    use crate::cuda_index::{int32_matrix, int32_view};
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
     use candle_core::{CudaStorage, Layout, Result, Shape};
