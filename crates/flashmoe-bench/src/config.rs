@@ -152,29 +152,7 @@ pub struct ConfigFile {
     pub mla: Vec<crate::mla::config::MlaEntry>,
 }
 
-/// A value or a list of values (each value gives one config).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
-pub enum OneOrMany<T> {
-    One(T),
-    Many(Vec<T>),
-}
-
-impl<T: Clone> OneOrMany<T> {
-    pub(crate) fn values(&self) -> Vec<T> {
-        match self {
-            OneOrMany::One(v) => vec![v.clone()],
-            OneOrMany::Many(v) => v.clone(),
-        }
-    }
-}
-
-pub(crate) fn no() -> OneOrMany<bool> {
-    OneOrMany::One(false)
-}
-pub(crate) fn bf16() -> String {
-    "bf16".into()
-}
+pub use crate::toml_fields::OneOrMany;
 
 /// Parse a config file's text into the configs of `suite`.
 pub fn parse_config(text: &str, suite: Suite) -> anyhow::Result<Vec<ProblemSpec>> {

@@ -3,8 +3,8 @@
 //! (`crate::config` dispatches to these). The problem type is the library's
 //! [`AttentionProblem`]; its CPU references are `flashmoe::reference`'s.
 
-use crate::config::{bf16, no, OneOrMany};
 use crate::results::ProblemSpec;
+use crate::toml_fields::{bf16, no, OneOrMany};
 use anyhow::{bail, Context};
 use flashmoe::{AttentionProblem, DType};
 use serde::Deserialize;

@@ -2,8 +2,8 @@
 //! `[[decode]]` entry of a TOML config file (`crate::config` dispatches to these).
 
 use super::DecodeProblem;
-use crate::config::{bf16, OneOrMany};
 use crate::results::ProblemSpec;
+use crate::toml_fields::{bf16, OneOrMany};
 use flashmoe::DType;
 use serde::Deserialize;
 

@@ -2,8 +2,8 @@
 //! a TOML config file (`crate::config` dispatches to these).
 
 use super::{MlaProblem, MLA_PAGE_SIZE};
-use crate::config::OneOrMany;
 use crate::results::ProblemSpec;
+use crate::toml_fields::OneOrMany;
 use flashmoe::DType;
 use serde::Deserialize;
 

@@ -3,8 +3,8 @@
 //! a TOML config file (`crate::config` dispatches to these). The problem type is the
 //! library's [`MoeProblem`]; its CPU references are `flashmoe::reference::moe`'s.
 
-use crate::config::{bf16, OneOrMany};
 use crate::results::ProblemSpec;
+use crate::toml_fields::{bf16, OneOrMany};
 use flashmoe::{DType, MoeProblem, Scoring};
 use serde::Deserialize;
 

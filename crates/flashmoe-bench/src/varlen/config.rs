@@ -2,8 +2,8 @@
 //! and the `[[varlen]]` entry of a TOML config file (`crate::config` dispatches to these).
 
 use super::{random_lengths, VarlenProblem};
-use crate::config::{bf16, no, OneOrMany};
 use crate::results::ProblemSpec;
+use crate::toml_fields::{bf16, no, OneOrMany};
 use anyhow::{bail, Context};
 use flashmoe::DType;
 use serde::Deserialize;
