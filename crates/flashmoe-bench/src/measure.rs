@@ -13,7 +13,6 @@ use crate::results::MeasureSettings;
 use crate::stats;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
-use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -62,19 +61,7 @@ pub fn spin_for(seconds: f64) {
     }
 }
 
-/// Why sampling stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum StopReason {
-    /// Every median CI half-width fell under the target.
-    Converged,
-    /// `--against` ([`ResolveRule`]): every pair's speedup CI resolved the threshold band.
-    Resolved,
-    SampleCap,
-    TimeCap,
-    /// The user interrupted (Ctrl-C); the samples are incomplete.
-    Cancelled,
-}
+pub use crate::results::StopReason;
 
 /// Samples for one implementation, in measurement order.
 #[derive(Debug, Clone, Default)]

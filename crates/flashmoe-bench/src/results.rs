@@ -3,7 +3,7 @@
 //! [`SCHEMA_VERSION`] on any incompatible change.
 
 use crate::decode::DecodeProblem;
-use crate::e2e::E2eProblem;
+use crate::e2e::problem::E2eProblem;
 use crate::manifest::Manifest;
 use crate::mla::MlaProblem;
 use crate::stats::{Comparison, Summary};
@@ -104,7 +104,7 @@ pub enum ProblemSpec {
     Mla(MlaProblem),
     /// The backward (or forward + backward) of an attention, varlen or MoE layer
     /// (`bench --pass bwd|fwd+bwd`, `check --pass bwd`; `crate::grad`).
-    Grad(crate::grad::GradProblem),
+    Grad(crate::grad::problem::GradProblem),
     /// A whole decoder model's forward or training step in PyTorch (`flashmoe bench e2e`):
     /// measured by `python/flashmoe_e2e.py`, never by the kernel pipeline.
     E2e(E2eProblem),
@@ -161,13 +161,27 @@ pub struct ConfigResult {
     pub sampling: Option<SamplingRecord>,
 }
 
+/// Why sampling stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum StopReason {
+    /// Every median CI half-width fell under the target.
+    Converged,
+    /// `--against` (`measure::ResolveRule`): every pair's speedup CI resolved the threshold band.
+    Resolved,
+    SampleCap,
+    TimeCap,
+    /// The user interrupted (Ctrl-C); the samples are incomplete.
+    Cancelled,
+}
+
 /// How a config's sampling ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SamplingRecord {
     /// Why sampling stopped: "converged" (every median CI within the target), "resolved"
     /// (`--against`: every pair's CI resolved the threshold band), "sample-cap",
     /// "time-cap".
-    pub stop: crate::measure::StopReason,
+    pub stop: StopReason,
     /// Rounds measured (one sample of every implementation each).
     pub rounds: usize,
     /// Wall time of the rounds, ms.

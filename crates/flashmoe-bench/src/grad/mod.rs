@@ -32,75 +32,23 @@ pub mod moe_sampled;
 pub mod reference;
 pub mod sampled;
 
+pub mod problem;
+pub use problem::{GradLayer, GradProblem, Pass, RouterShape};
 pub use reference::GradReference;
 
 use crate::results::{AccuracyResult, ProblemSpec};
 use crate::runner::SuiteInputs;
-use crate::varlen::VarlenProblem;
 use flashmoe::accuracy;
 use flashmoe::inputs::{generate, TensorId};
 use flashmoe::reference::attention::AttentionInputs;
 use flashmoe::reference::attention_backward::attention_backward_f64;
 use flashmoe::reference::moe::MoeInputs;
 use flashmoe::reference::moe_backward::moe_backward_f64;
-use flashmoe::{AttentionProblem, DType, MoeProblem};
-use serde::{Deserialize, Serialize};
+use flashmoe::DType;
 use std::fmt;
 
-/// Which pass of a layer a config measures. `Fwd` is the forward suites' own configs (no
-/// gradient problem); `Bwd` and `FwdBwd` make [`GradProblem`]s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Pass {
-    #[serde(rename = "fwd")]
-    Fwd,
-    #[serde(rename = "bwd")]
-    Bwd,
-    #[serde(rename = "fwd+bwd")]
-    FwdBwd,
-}
-
-impl Pass {
-    /// The command-line spelling: fwd, bwd, fwd+bwd.
-    pub fn name(self) -> &'static str {
-        match self {
-            Pass::Fwd => "fwd",
-            Pass::Bwd => "bwd",
-            Pass::FwdBwd => "fwd+bwd",
-        }
-    }
-    /// Whether the timed call includes the forward.
-    pub fn includes_forward(self) -> bool {
-        self != Pass::Bwd
-    }
-}
-
-impl std::str::FromStr for Pass {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Pass, String> {
-        match s {
-            "fwd" => Ok(Pass::Fwd),
-            "bwd" => Ok(Pass::Bwd),
-            "fwd+bwd" | "fwdbwd" => Ok(Pass::FwdBwd),
-            _ => Err(format!("unknown pass '{s}': expected fwd, bwd or fwd+bwd")),
-        }
-    }
-}
-
-impl fmt::Display for Pass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// The layer whose gradients a [`GradProblem`] takes.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
-pub enum GradLayer {
-    Attention(AttentionProblem),
-    Varlen(VarlenProblem),
-    Moe(MoeProblem),
-}
-
+// The problem types live in `problem.rs` (below the results model, which names them);
+// their methods that build results types live here.
 impl GradLayer {
     /// The forward problem as the forward suites know it.
     pub fn forward(&self) -> ProblemSpec {
@@ -110,63 +58,6 @@ impl GradLayer {
             GradLayer::Moe(p) => ProblemSpec::Moe(p.clone()),
         }
     }
-}
-
-/// One backward (or forward + backward) config.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct GradProblem {
-    /// `Bwd` or `FwdBwd`.
-    pub pass: Pass,
-    pub layer: GradLayer,
-    /// MoE: the upstream gradient of the auxiliary load-balancing loss (0: not trained).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub d_aux: f64,
-    /// MoE: the upstream gradient of the z-loss (0: not trained).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub d_z: f64,
-    /// MoE: how the generated router weight is shaped ([`RouterShape`]).
-    #[serde(default, skip_serializing_if = "RouterShape::is_random")]
-    pub router: RouterShape,
-}
-
-/// MoE check cases the generator alone does not produce: the router weight (hidden,
-/// experts) as generated, or transformed after generation (every implementation gets the
-/// transformed bytes; the Python baselines, which generate their own, do not run them).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RouterShape {
-    #[default]
-    Random,
-    /// Expert 2c+1's column is a copy of expert 2c's: every token ties within each pair
-    /// (the top-k takes the lower index first).
-    Tied,
-    /// Expert 0's column scaled by 4: most tokens pick it (a skewed load).
-    Skewed,
-}
-
-impl RouterShape {
-    fn is_random(&self) -> bool {
-        *self == RouterShape::Random
-    }
-
-    /// Apply the shape to a generated router weight (hidden, experts).
-    pub fn apply(self, router: &mut [f32], experts: usize, dtype: DType) {
-        for row in router.chunks_exact_mut(experts) {
-            match self {
-                RouterShape::Random => {}
-                RouterShape::Tied => {
-                    for c in (0..experts.saturating_sub(1)).step_by(2) {
-                        row[c + 1] = row[c];
-                    }
-                }
-                RouterShape::Skewed => row[0] = dtype.round(4.0 * row[0]),
-            }
-        }
-    }
-}
-
-fn is_zero(v: &f64) -> bool {
-    *v == 0.0
 }
 
 /// One gradient an implementation computed, f32 on the host, in its input's layout.
@@ -609,6 +500,7 @@ pub fn gate(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flashmoe::{AttentionProblem, MoeProblem};
 
     fn attention() -> GradProblem {
         let mut a = AttentionProblem::new(1, 4, 17, 32, true, DType::Bf16);

@@ -12,6 +12,7 @@
 //! `peak_extra_bytes`; tokens/s, the first call's time, the training state and the final
 //! loss are `metrics`; the loss curve is `loss_curve`.
 
+pub mod problem;
 use crate::manifest::{Manifest, PythonManifest};
 use crate::recorded::{self, RecordedConfig};
 use crate::results::{
@@ -21,6 +22,7 @@ use crate::results::{
 use crate::workload::Workload;
 use anyhow::{bail, Context};
 use flashmoe::DType;
+pub use problem::{E2eMode, E2eProblem, ModelShape};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -30,61 +32,7 @@ pub const SAMPLES_SCHEMA: &str = "flashmoe-e2e-samples/1";
 /// The samples file's name in the output directory.
 pub const SAMPLES_FILE: &str = "e2e-samples.json";
 
-/// What an e2e config measures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum E2eMode {
-    /// One prefill forward over batch × seq tokens (logits of every token).
-    Inference,
-    /// One training step: forward, next-token cross-entropy, backward, AdamW.
-    Train,
-}
-
-/// One decoder-only model at one batch × sequence shape (`python/flashmoe_e2e.py`'s
-/// MODELS): pre-norm blocks of GQA attention with RoPE and a SwiGLU MLP (dense) or a
-/// softmax top-k MoE of SwiGLU experts, an LM head of `vocab` logits.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct E2eProblem {
-    pub model: String,
-    pub mode: E2eMode,
-    /// The model's shape (its fields sit at the top level of the JSON).
-    #[serde(flatten)]
-    pub shape: ModelShape,
-    pub batch: usize,
-    pub seq: usize,
-    pub dtype: DType,
-    /// `Train`: steps per implementation (the loss curve's length).
-    #[serde(default)]
-    pub steps: Option<usize>,
-}
-
-impl E2eProblem {
-    pub fn tokens(&self) -> usize {
-        self.batch * self.seq
-    }
-
-    /// Model FLOPs of one forward: the projections, the causal attention (the
-    /// FlashAttention convention, 4·B·Hq·pairs·D), the MLP or MoE (router + 6·H·I per
-    /// token and expert), the LM head.
-    pub fn forward_flops(&self) -> f64 {
-        let t = self.tokens() as f64;
-        let (h, d) = (self.shape.hidden as f64, self.shape.head_dim as f64);
-        let (hq, hkv) = (self.shape.heads as f64, self.shape.kv_heads as f64);
-        let s = self.seq as f64;
-        let proj = 2.0 * t * h * (hq + 2.0 * hkv) * d + 2.0 * t * hq * d * h;
-        let attn = 4.0 * self.batch as f64 * hq * (s * (s + 1.0) / 2.0) * d;
-        let sh = &self.shape;
-        let mlp = match (sh.experts, sh.top_k, sh.moe_ffn, sh.ffn) {
-            (Some(e), Some(k), Some(i), _) => {
-                2.0 * t * h * e as f64 + k as f64 * 6.0 * t * h * i as f64
-            }
-            (_, _, _, Some(f)) => 6.0 * t * h * f as f64,
-            _ => 0.0,
-        };
-        self.shape.layers as f64 * (proj + attn + mlp) + 2.0 * t * h * self.shape.vocab as f64
-    }
-}
-
+// The problem types live in `problem.rs` (below the results model, which names them).
 impl Workload for E2eProblem {
     fn id(&self) -> String {
         format!(
@@ -214,25 +162,6 @@ pub struct ScriptSettings {
     pub loss_relative: Option<f64>,
     #[serde(default)]
     pub lr: Option<f64>,
-}
-
-/// The model's shape as the script's MODELS table gives it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelShape {
-    pub layers: usize,
-    pub hidden: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    #[serde(default)]
-    pub ffn: Option<usize>,
-    #[serde(default)]
-    pub experts: Option<usize>,
-    #[serde(default)]
-    pub top_k: Option<usize>,
-    #[serde(default)]
-    pub moe_ffn: Option<usize>,
-    pub vocab: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -617,9 +546,9 @@ pub fn to_run_results(
                     error: None,
                     sampling: Some(SamplingRecord {
                         stop: if c.rounds >= max {
-                            crate::measure::StopReason::SampleCap
+                            crate::results::StopReason::SampleCap
                         } else {
-                            crate::measure::StopReason::TimeCap
+                            crate::results::StopReason::TimeCap
                         },
                         rounds: c.rounds,
                         sampling_ms: c.sampling_s * 1e3,
