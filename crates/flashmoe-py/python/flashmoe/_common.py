@@ -97,17 +97,21 @@ _moe_plans = {}
 _MIN_PLAN_TOKENS = 256
 
 
-def _moe_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
-    """The cached plan of the class, rebuilt with room for twice as many tokens when a call
-    outgrows it (the table of token ranges is sized by max_tokens)."""
-    key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
-    plan = _moe_plans.get(key)
+def _grown_plan(plans, plan_type, key, tokens):
+    """The cached `plan_type` plan of the MoE class `key` (device index, dtype, hidden,
+    intermediate, experts, top_k, scoring, renormalize, shared) in `plans`, rebuilt with room
+    for twice as many tokens when a call outgrows it (its tables are sized by max_tokens)."""
+    plan = plans.get(key)
     if plan is None or plan.max_tokens < tokens:
         max_tokens = _MIN_PLAN_TOKENS
         while max_tokens < tokens:
             max_tokens *= 2
-        plan = _core.MoePlan(
-            index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, max_tokens
-        )
-        _moe_plans[key] = plan
+        plan = plan_type(*key, max_tokens)
+        plans[key] = plan
     return plan
+
+
+def _moe_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
+    """The forward plan of the class (``_core.MoePlan``), see ``_grown_plan``."""
+    key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
+    return _grown_plan(_moe_plans, _core.MoePlan, key, tokens)

@@ -26,7 +26,7 @@ under ``torch.compile`` alike; otherwise the inference op runs.
 import torch
 
 from . import _core
-from ._common import _DTYPES, _MIN_PLAN_TOKENS, _desc, _device_index, _moe_plan, _raw_stream, _same_dtype
+from ._common import _DTYPES, _desc, _device_index, _grown_plan, _moe_plan, _raw_stream, _same_dtype
 
 _lib = torch.library.Library("flashmoe", "FRAGMENT")
 _lib.define(
@@ -47,16 +47,7 @@ _bwd_plans = {}
 
 def _bwd_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
     key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
-    plan = _bwd_plans.get(key)
-    if plan is None or plan.max_tokens < tokens:
-        max_tokens = _MIN_PLAN_TOKENS
-        while max_tokens < tokens:
-            max_tokens *= 2
-        plan = _core.MoeBackwardPlan(
-            index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, max_tokens
-        )
-        _bwd_plans[key] = plan
-    return plan
+    return _grown_plan(_bwd_plans, _core.MoeBackwardPlan, key, tokens)
 
 
 def _saved_bytes(t, e, k):
