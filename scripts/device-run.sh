@@ -327,6 +327,16 @@ for s in "$@"; do
     ncu-attn)     stage ncu-attn 200 bash -c "$NCU -k regex:'^flash_attn_fwd_sm90' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-sm90 --no-baselines --max-time 0.1 --out /tmp/ncu-attn >>$OUT/ncu-attn.txt 2>&1" ;;
     # ncu sections of the fast backward's dK/dV kernel (fused dQ), same shape, --pass bwd.
+    # Per-instruction warp stalls of the fast dK/dV kernel (SourceCounters' pc sampling): the
+    # stall reasons summed (details page) and the most-stalled SASS lines (scripts/ncu-sass-top.py);
+    # the source page's CSV comes back as $OUT/ncu-src-bwd.csv.
+    ncu-src-bwd)  stage ncu-src-bwd 240 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-skip 2 --launch-count 1 \
+                      --section SourceCounters --section WarpStateStats --metrics regex:smsp__pcsamp_warps_issue_stalled_.* \
+                      --import-source no -f -o /tmp/ncu-src \
+                      $BIN bench attention --pass bwd --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-grad --no-baselines --max-time 0.1 --out /tmp/ncu-src-b >>$OUT/ncu-src-bwd.txt 2>&1;
+                    /usr/local/cuda/bin/ncu -i /tmp/ncu-src.ncu-rep --page details --print-details all >>$OUT/ncu-src-bwd.txt 2>&1;
+                    /usr/local/cuda/bin/ncu -i /tmp/ncu-src.ncu-rep --page source --csv --print-source sass >$OUT/ncu-src-bwd.csv 2>>$OUT/ncu-src-bwd.txt;
+                    python3 scripts/ncu-sass-top.py $OUT/ncu-src-bwd.csv >>$OUT/ncu-src-bwd.txt 2>&1" ;;
     ncu-bwd)      stage ncu-bwd 200 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --pass bwd --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-grad --no-baselines --max-time 0.1 --out /tmp/ncu-bwd >>$OUT/ncu-bwd.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 tools/probes/worker_gpu_probe.py ;;

@@ -63,7 +63,8 @@
 // Seven products of the forward's size against the five of a design that adds dQ with
 // atomics from the dK/dV kernel: the price of determinism, 5/7 of the tensor-core ceiling.
 // The streamed tiles (Q, dO, lse2, delta; K, V) go through a ring of FM_STAGES buffers filled
-// by cp.async from all threads, one step ahead, into the 128B-swizzled layout (chunk c of
+// by cp.async from all threads, FM_STAGES - 1 steps ahead (issued under a step's last
+// product, where they cost no tensor time), into the 128B-swizzled layout (chunk c of
 // row r of a 64-column half at c ^ (r & 7)). There is no CTA barrier in the loop: each
 // fill completes on its slot's `full` mbarrier (cp.async.mbarrier.arrive.noinc, one
 // arrival per thread); a thread waits for `full`, fences the generic-proxy writes it now
@@ -163,6 +164,12 @@ constexpr int Q_OFF_BAR = Q_OFF_V + STAGES * tile_bytes(BN_Q);
 constexpr int Q_SMEM = 1024 + Q_OFF_BAR + 8 * NBAR;
 static_assert(KV_SMEM <= 227 * 1024 && Q_SMEM <= 227 * 1024, "shared memory");
 
+// This thread's warpgroup, broadcast from lane 0 so that the compiler knows it is the same
+// across the warp: the stationary tiles' addresses and the wgmma descriptors built from them
+// then live in uniform registers (computed per thread, each descriptor went through
+// vector arithmetic and R2UR before its wgmma).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0); }
+
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 __device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
@@ -176,20 +183,22 @@ __device__ __forceinline__ u32 toff(int r, int ch) {
 }
 
 // Rows [row0, row0 + ROWS) x D of the matrix at g + base (row stride `stride` elements)
-// into the swizzled tile at dst; rows >= nrows are zero-filled (no read).
+// into the swizzled tile at dst; rows >= nrows are zero-filled (no read). Thread t copies
+// chunk t % CPR of rows t / CPR + i * (THREADS / CPR): one 64-bit address per thread and a
+// uniform stride between its copies.
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const u16* __restrict__ g, i64 base, i64 stride,
                                           int row0, int nrows, int tid) {
     constexpr int TOTAL = ROWS * CPR;
-    static_assert(TOTAL % THREADS == 0, "whole rounds");
+    constexpr int RSTEP = THREADS / CPR;
+    static_assert(TOTAL % THREADS == 0 && THREADS % CPR == 0, "whole rounds");
+    const int r0 = tid / CPR, ch = tid % CPR;
+    const u16* p = g + base + (i64)(row0 + r0) * stride + ch * 8;
 #pragma unroll
     for (int it = 0; it < TOTAL / THREADS; ++it) {
-        const int c = tid + it * THREADS;
-        const int r = c / CPR, ch = c % CPR;
-        const int gr = row0 + r;
-        const bool ok = gr < nrows;
-        const i64 off = ok ? base + (i64)gr * stride + ch * 8 : 0;
-        cp_async16(dst + toff<ROWS>(r, ch), g + off, ok);
+        const int r = r0 + it * RSTEP;
+        const bool ok = row0 + r < nrows;
+        cp_async16(dst + toff<ROWS>(r, ch), ok ? p + (i64)it * RSTEP * stride : g, ok);
     }
 }
 
@@ -344,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                              int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
     // Ordered dQ: the grid is (heads_kv * batch, key blocks, 1), key blocks slowest, so a
     // tile's contributors are dispatched in the order they add (a CTA waits only on CTAs
     // dispatched before it: no deadlock) and one wave holds key blocks of many heads (a key
@@ -395,28 +404,47 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     }
     (void)qhi;
 
-    auto load_step = [&](int step, int buf) {
-        const int h = kvh * group + step / n_mb;
-        const int m0 = (mb_lo + step % n_mb) * BM_KV;
-        const i64 q_off = ((i64)batch * seqlen_q * heads_q + h) * D;
+    // A step's query head and query block. Steps go through the query blocks of each head
+    // of the GQA group in turn; positions advance by one step without integer divisions
+    // (step / n_mb and step % n_mb cost ~3 % of the warps' stall samples at D = 128).
+    struct StepPos {
+        int h, mb;
+    };
+    auto advance = [&](StepPos& p) {
+        if (++p.mb == mb_lo + n_mb) {
+            p.mb = mb_lo;
+            ++p.h;
+        }
+    };
+    auto load_step = [&](const StepPos& p, int buf) {
+        const int m0 = p.mb * BM_KV;
+        const i64 q_off = ((i64)batch * seqlen_q * heads_q + p.h) * D;
         load_tile<BM_KV>(base + KV_OFF_Q + buf * tile_bytes(BM_KV), q, q_off, q_stride, m0, seqlen_q, tid);
         load_tile<BM_KV>(base + KV_OFF_O + buf * tile_bytes(BM_KV), dout, q_off, q_stride, m0, seqlen_q, tid);
-        const i64 l_off = ((i64)batch * heads_q + h) * seqlen_q;
-        for (int c = tid; c < 2 * BM_KV; c += THREADS) {
-            const int r = c % BM_KV;
+        // lse2 rows by threads [0, BM_KV), delta rows by [BM_KV, 2 BM_KV).
+        static_assert(2 * BM_KV <= THREADS, "one lse2/delta element a thread");
+        if (tid < 2 * BM_KV) {
+            const i64 l_off = ((i64)batch * heads_q + p.h) * seqlen_q;
+            const int r = tid % BM_KV;
             const bool ok = m0 + r < seqlen_q;
-            const float* src = (c < BM_KV ? lse2 : delta) + (ok ? l_off + m0 + r : 0);
-            cp_async4(base + (c < BM_KV ? KV_OFF_L : KV_OFF_D) + (buf * BM_KV + r) * 4, src, ok);
+            const float* src = (tid < BM_KV ? lse2 : delta) + (ok ? l_off + m0 + r : 0);
+            cp_async4(base + (tid < BM_KV ? KV_OFF_L : KV_OFF_D) + (buf * BM_KV + r) * 4, src, ok);
         }
     };
 
     load_tile<BN_KV>(sK, k, kv_off, kv_stride, n0, seqlen_k, tid);
     load_tile<BN_KV>(sV, v, kv_off, kv_stride, n0, seqlen_k, tid);
     cp_async_arrive(ring.fixed());
-    if (steps > 0) {
-        load_step(0, 0);
-        cp_async_arrive(ring.full(0));
-    }
+    // The ring runs STAGES - 1 steps ahead: steps 0 .. STAGES - 2 now, step s + STAGES - 1
+    // during step s (under its last product).
+    StepPos ahead{kvh * group, mb_lo};
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < steps) {
+            load_step(ahead, s);
+            cp_async_arrive(ring.full(s));
+            advance(ahead);
+        }
 
     float dk_acc[D / 2], dv_acc[D / 2];
 #pragma unroll
@@ -431,19 +459,26 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
+    StepPos at{kvh * group, mb_lo};
     for (int step = 0; step < steps; ++step) {
-        const int nb = buf + 1 == STAGES ? 0 : buf + 1;
-        // The next step's tiles, into the slot after this one. (Issued between the scores'
-        // wgmmas and their wait instead, the causal builds' wgmmas were serialised by ptxas,
-        // C7511, and ran 20-25 % slower.)
-        if (step + 1 < steps) {
-            ring.wait_empty(nb, (step + 1) / STAGES);
-            load_step(step + 1, nb);
-            cp_async_arrive(ring.full(nb));
-        }
+        // Step + STAGES - 1's tiles into the slot step - 1 used (which both warpgroups have
+        // released: with fused dQ this warpgroup has passed this step's barrier, so the other
+        // has finished step - 1). Called once this step's last product is issued, so the
+        // copies' issue and address arithmetic run under it. (At the loop top the tensor
+        // pipe idled under them: ~20 % of the stall samples, v4's profile; between the
+        // scores' wgmmas and their wait, ptxas serialised the causal builds' wgmmas, C7511.)
+        auto load_ahead = [&]() {
+            if (step + STAGES - 1 < steps) {
+                const int lb = buf == 0 ? STAGES - 1 : buf - 1;
+                ring.wait_empty(lb, (step + STAGES - 1) / STAGES);
+                load_step(ahead, lb);
+                cp_async_arrive(ring.full(lb));
+                advance(ahead);
+            }
+        };
         mbar_wait(ring.full(buf), round & 1);
         fence_proxy_async_smem();  // the cp.async writes just seen, towards wgmma
-        const int m0 = (mb_lo + step % n_mb) * BM_KV;
+        const int m0 = at.mb * BM_KV;
         const u32 sQ = base + KV_OFF_Q + buf * tile_bytes(BM_KV);
         const u32 sO = base + KV_OFF_O + buf * tile_bytes(BM_KV);
         const float* L = fL + buf * BM_KV;
@@ -483,8 +518,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         };
         // Fused dQ: this step's tile(s), and (ordered) this key block's turn on them. With
         // 128 query rows a step, warpgroup w's tile may lie past Sq (then it adds nothing).
-        const int h_q = kvh * group + step / n_mb;
-        const int tile = (batch * heads_q + h_q) * n_qtiles + m0 / DQ_TM + (BM_KV == 64 ? 0 : cw);
+        const int tile = (batch * heads_q + at.h) * n_qtiles + m0 / DQ_TM + (BM_KV == 64 ? 0 : cw);
         const bool tile_live = BM_KV == 64 || m0 + cw * 64 < seqlen_q;
         auto wait_turn = [&]() {
             if constexpr (ORDERED_DQ) {
@@ -535,6 +569,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             wgmma_wait<1>();  // dV and dQ done; dK may still run under the reductions
             reg_fence(dq_part);
             add_dq(dq_part);
+            load_ahead();
             wgmma_wait<0>();
             reg_fence(dv_acc);
             reg_fence(dk_acc);
@@ -557,11 +592,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             wgmma_fence();
             issue_pb<BM_KV>(dk_acc, pa, sQ);  // dK += dS^T Q
             wgmma_commit();
+            load_ahead();
             wgmma_wait<0>();
             reg_fence(dk_acc);
             reg_fence_u32(pa);
         }
         release(ring, buf);
+        advance(at);
         if (++buf == STAGES) {
             buf = 0;
             ++round;
@@ -583,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                            int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+    const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
     const int m0 = blockIdx.x * BM_Q;
     const int head = blockIdx.y, batch = blockIdx.z;
     const int kvh = head / (heads_q / heads_kv);
@@ -636,10 +673,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     load_tile<BM_Q>(sQ, q, q_off, q_stride, m0, seqlen_q, tid);
     load_tile<BM_Q>(sO, dout, q_off, q_stride, m0, seqlen_q, tid);
     cp_async_arrive(ring.fixed());
-    if (n_nb > 0) {
-        load_kv(0, 0);
-        cp_async_arrive(ring.full(0));
-    }
+    // STAGES - 1 key blocks ahead, as in the dK/dV kernel.
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it)
+        if (it < n_nb) {
+            load_kv(it, it);
+            cp_async_arrive(ring.full(it));
+        }
 
     float dq_acc[D / 2];
 #pragma unroll
@@ -649,12 +689,6 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
     for (int it = 0; it < n_nb; ++it) {
-        if (it + 1 < n_nb) {
-            const int nb = buf + 1 == STAGES ? 0 : buf + 1;
-            ring.wait_empty(nb, (it + 1) / STAGES);
-            load_kv(it + 1, nb);
-            cp_async_arrive(ring.full(nb));
-        }
         mbar_wait(ring.full(buf), round & 1);
         fence_proxy_async_smem();
         const int n0 = (nb_lo + it) * BN_Q;
@@ -692,6 +726,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         wgmma_fence();
         issue_pb<BN_Q>(dq_acc, pa, sK);  // dQ += dS K
         wgmma_commit();
+        // Key block it + STAGES - 1 into the slot it - 1 used, under the product.
+        if (it + STAGES - 1 < n_nb) {
+            const int lb = buf == 0 ? STAGES - 1 : buf - 1;
+            ring.wait_empty(lb, (it + STAGES - 1) / STAGES);
+            load_kv(it + STAGES - 1, lb);
+            cp_async_arrive(ring.full(lb));
+        }
         wgmma_wait<0>();
         reg_fence(dq_acc);
         reg_fence_u32(pa);

@@ -2,7 +2,8 @@
 //! and the other tiles the lab times) compiles with NVRTC for sm_90a on a machine without
 //! a GPU, fits the shared-memory limit, does not spill registers and keeps its wgmmas
 //! pipelined (no ptxas C7511). NVRTC as for
-//! `kernels_compile.rs` (scripts/install-nvrtc.sh or FLASHMOE_NVRTC_LIB).
+//! `kernels_compile.rs` (scripts/install-nvrtc.sh or FLASHMOE_NVRTC_LIB). With
+//! FLASHMOE_BWD_CUBIN_DIR set, every variant's cubin is written there (for nvdisasm).
 
 use flashmoe::attention::backward::{
     all_sm90_bwd_classes, sm90_bwd_defines, Sm90BwdTile, BWD_SM90_DKDV_ENTRY,
@@ -41,6 +42,21 @@ fn every_sm90_backward_variant_compiles_without_spills() {
                 .compile(BWD_SM90_SOURCE, src, BWD_SM90_DKDV_ENTRY, &defs, arch)
                 .unwrap_or_else(|e| panic!("{class:?} {tile:?}: {e}"))
                 .compiled;
+            // FLASHMOE_BWD_CUBIN_DIR=dir: each variant's cubin there, for nvdisasm.
+            if let Some(dir) = std::env::var_os("FLASHMOE_BWD_CUBIN_DIR") {
+                let name = format!(
+                    "bwd-d{}-{:?}-c{}-w{}-m{}-n{}-s{}-{:?}.cubin",
+                    class.head_dim,
+                    class.dtype,
+                    u8::from(class.causal),
+                    u8::from(class.window != flashmoe::problem::NO_WINDOW),
+                    tile.kv_block_m,
+                    tile.q_block_n,
+                    tile.stages,
+                    tile.dq
+                );
+                std::fs::write(std::path::Path::new(&dir).join(name), &k.image).unwrap();
+            }
             let (smem_limit, _) = arch_limits(arch);
             assert!(tile.kv_smem_bytes() as u64 <= smem_limit);
             assert!(tile.q_smem_bytes() as u64 <= smem_limit);

@@ -141,13 +141,14 @@ pub struct Sm90BwdTile {
 impl Sm90BwdTile {
     /// The production tile of `head_dim`, or None where the sm_90a backward has none: the
     /// fastest of [`Sm90BwdTile::lab_tiles`] on the 16k-token sweep (H200,
-    /// docs/design/attention-backward.md): 128 keys a dQ step at D=64, a 3-slot ring at
-    /// D=128 (128 keys a dQ step spills there).
+    /// docs/design/attention-backward.md): 128 keys a dQ step at D=64 (64 at D=128, where
+    /// 128 spills), a 3-slot ring (the ring's loads are issued under a step's last
+    /// product, STAGES - 1 steps ahead: one step ahead leaves their latency exposed).
     pub fn for_head_dim(head_dim: usize) -> Option<Sm90BwdTile> {
         if !BWD_SM90_HEAD_DIMS.contains(&head_dim) {
             return None;
         }
-        let (q_block_n, stages) = if head_dim == 64 { (128, 2) } else { (64, 3) };
+        let (q_block_n, stages) = if head_dim == 64 { (128, 3) } else { (64, 3) };
         Some(Sm90BwdTile {
             head_dim: head_dim as u32,
             kv_block_m: 64,
@@ -159,15 +160,15 @@ impl Sm90BwdTile {
     /// The production tile of `head_dim` for `mode`: [`Sm90BwdTile::for_head_dim`] when
     /// deterministic (the dQ kernel: 7 products, and faster than the ordered fused dQ on
     /// every sweep shape measured, docs/design/attention-backward.md); the fused dQ with
-    /// unordered reductions (5 products, 2-slot ring) when fast, with 128 query rows a
-    /// step at D=64 (v4: the fastest tile on all 12 sweep shapes).
+    /// unordered reductions (5 products, 3-slot ring) when fast, with 128 query rows a
+    /// step at D=64 (v4/v5: the fastest tile on all 12 sweep shapes).
     pub fn for_mode(head_dim: usize, mode: BwdMode) -> Option<Sm90BwdTile> {
         let det = Sm90BwdTile::for_head_dim(head_dim)?;
         Some(match mode {
             BwdMode::Deterministic => det,
             BwdMode::Fast => Sm90BwdTile {
                 kv_block_m: if head_dim == 64 { 128 } else { 64 },
-                stages: 2,
+                stages: 3,
                 dq: Sm90Dq::Atomic,
                 ..det
             },
@@ -181,7 +182,7 @@ impl Sm90BwdTile {
             return Vec::new();
         };
         let all: &[(u32, u32)] = if head_dim == 64 {
-            &[(64, 2), (128, 2), (64, 3)]
+            &[(64, 2), (128, 2), (64, 3), (128, 3)]
         } else {
             &[(64, 2), (64, 3)]
         };
@@ -195,14 +196,15 @@ impl Sm90BwdTile {
             })
             .collect();
         // The fused-dQ modes (5 products), 2- and 3-slot rings; at D=64 also 128 query rows
-        // a step with unordered reductions (the ordered kernel spills there).
+        // a step with unordered reductions, both rings (the ordered kernel spills there).
         for dq in [Sm90Dq::Atomic, Sm90Dq::Ordered] {
             for stages in [2, 3] {
                 all.push(Sm90BwdTile { stages, dq, ..prod });
             }
         }
         if head_dim == 64 {
-            all.push(Sm90BwdTile::for_mode(head_dim, BwdMode::Fast).expect("head dim 64"));
+            let fast = Sm90BwdTile::for_mode(head_dim, BwdMode::Fast).expect("head dim 64");
+            all.extend([fast, Sm90BwdTile { stages: 2, ..fast }]);
         }
         let mut out = vec![prod];
         out.extend(all.into_iter().filter(|t| *t != prod));
