@@ -37,7 +37,7 @@
 //     grid (ceil(Sk / 128), heads_kv, batch), or (heads_kv * batch, ceil(Sk / 128), 1) with
 //     FM_DQ_MODE 2; block 256, dynamic smem KV_SMEM.
 //   Fused dQ: dq_accum holds one f32 tile of 64 query rows x D per (batch, query head,
-//   64-row block), stored in the order of the dK/dV kernel's accumulators (red_tile), and
+//   64-row block), in the order of the dK/dV kernel's accumulators (dq_part_offset), and
 //   dq_sem one int per tile; flash_attn_bwd_sm90_dq_zero(dq_accum, n4, dq_sem, n_sem)
 //   zeroes both before, flash_attn_bwd_sm90_dq_convert(dq_accum, dq, Sq, heads_q, scale)
 //   (grid (ceil(Sq / 64), heads_q, batch), block 256) writes dq after.
@@ -300,18 +300,23 @@ __device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, in
         wgmma_ss<1, 1>(acc, desc_add(da, kk * 16 * 128), desc_add(db, kk * 16 * 128), kk > 0 ? 1 : 0);
 }
 
-// Add this thread's DQ_R accumulators into the f32 tile at g. The tile is stored in the
-// order of the 64-row step's accumulators (float4 j of thread t at (j * THREADS + t) * 4,
-// t = 128 w + t', w the warpgroup of columns [w D/2, ..)), so a warp's reductions cover 512
-// contiguous bytes; flash_attn_bwd_sm90_dq_convert reads it back. A 128-row step's
-// warpgroup holds all D columns of its tile: its float4 j goes where thread
-// 128 (j / (D / 16)) + t' keeps float4 j % (D / 16).
+// The dq_accum workspace: one f32 tile of 64 query rows x D per (batch, query head, 64-row
+// block), in two halves of D/2 columns; half h holds float4 j (columns h D/2 + 8 j +
+// 2 (t & 3) + {0, 1} of rows 16 (t / 32) + (t & 31) / 4 + {0, 8}) of thread t (0..127) at
+// float offset h DQ_TILE/2 + (j 128 + t) 4: the layout of a 64-row step's accumulators,
+// where warpgroup h holds half h, so that each warpgroup's part is contiguous and a warp's
+// float4s cover 512 contiguous bytes. A 128-row step's warpgroup holds all D columns of its
+// tile: its float4 j is float4 j % DQ_JH of half j / DQ_JH.
+constexpr int DQ_JH = D / 16;  // float4s of a half per thread
+__device__ __forceinline__ int dq_part_offset(int j, int t) {
+    return (j / DQ_JH) * (DQ_TILE / 2) + ((j % DQ_JH) * 128 + t) * 4;
+}
+
+// Add this thread's DQ_R accumulators into its warpgroup's part at g (dq_part_offset).
 __device__ __forceinline__ void red_tile(const float (&acc)[DQ_R], float* __restrict__ g, int tid) {
-    constexpr int JH = D / 16;  // float4s a thread holds in the 64-row step's layout
 #pragma unroll
     for (int j = 0; j < DQ_R / 4; ++j) {
-        const int t = BM_KV == 64 ? tid : (j / JH) * 128 + (tid & 127);
-        float* p = g + ((i64)(j % JH) * THREADS + t) * 4;
+        float* p = g + dq_part_offset(j, tid & 127);
         asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(acc[4 * j]),
                      "f"(acc[4 * j + 1]), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
                      : "memory");
@@ -532,8 +537,12 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                 named_bar_sync(1, THREADS);  // this key block's turn on the tile(s)
             }
         };
+        // This warpgroup's part of the tile: half cw of a 64-row step's tile, or the whole
+        // tile of its 64 rows in a 128-row step.
+        float* const dq_dst =
+            FUSED_DQ ? dq_accum + (i64)tile * DQ_TILE + (BM_KV == 64 ? cw * (DQ_TILE / 2) : 0) : nullptr;
         auto add_dq = [&](const float (&dq_part)[DQ_R]) {
-            if (tile_live) red_tile(dq_part, dq_accum + (i64)tile * DQ_TILE, tid);
+            if (tile_live) red_tile(dq_part, dq_dst, tid);
             if constexpr (ORDERED_DQ) {
                 // Hand on: each warp's reductions, then one releasing increment per warp
                 // (__syncwarp orders the other lanes' reductions before lane 0's release).
@@ -759,7 +768,7 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // dq (batch, Sq, heads_q, D) = scale * the dq_accum tile of its 64 rows, read back in the
-// order red_tile stored it. Grid (ceil(Sq / 64), heads_q, batch), block 256.
+// order dq_part_offset gives. Grid (ceil(Sq / 64), heads_q, batch), block 256.
 extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
     flash_attn_bwd_sm90_dq_convert(const float* __restrict__ dq_accum, u16* __restrict__ dq, int seqlen_q,
                                    int heads_q, float scale) {
@@ -767,10 +776,10 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int m0 = blockIdx.x * DQ_TM, head = blockIdx.y, batch = blockIdx.z;
     const i64 tile = ((i64)batch * heads_q + head) * gridDim.x + blockIdx.x;
-    const float* g = dq_accum + tile * DQ_TILE;
+    const float* g = dq_accum + tile * DQ_TILE + cw * (DQ_TILE / 2);
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
-        const float4 x = *reinterpret_cast<const float4*>(g + ((i64)j * THREADS + tid) * 4);
+        const float4 x = *reinterpret_cast<const float4*>(g + dq_part_offset(j, tid & 127));
         const int col = cw * (D / 2) + 8 * j + 2 * (lane & 3);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

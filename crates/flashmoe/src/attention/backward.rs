@@ -207,7 +207,7 @@ impl Sm90BwdTile {
             all.extend([fast, Sm90BwdTile { stages: 2, ..fast }]);
         }
         let mut out = vec![prod];
-        out.extend(all.into_iter().filter(|t| *t != prod));
+        out.extend(all.into_iter().filter(|t| *t != prod && t.is_valid()));
         out
     }
     /// Whether this tile serves `class`'s masking: the ordered fused dQ needs every dQ
