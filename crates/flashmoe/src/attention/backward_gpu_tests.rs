@@ -785,12 +785,15 @@ fn backward_sanitizer_cases() {
     });
 }
 
-/// The production sm_90a tile of the case's head dim and one tile of each fused-dQ mode
-/// that serves its masking.
+/// The production sm_90a tiles of the case's head dim (both modes) and the 2-slot tiles of
+/// each fused-dQ mode that serve its masking.
 fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
     let mut tiles = Sm90BwdTile::lab_tiles(c.d);
     let prod = tiles[0];
-    tiles.retain(|t| (*t == prod || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class()));
+    let fast = Sm90BwdTile::for_mode(c.d, BwdMode::Fast);
+    tiles.retain(|t| {
+        (*t == prod || Some(*t) == fast || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class())
+    });
     tiles
 }
 
