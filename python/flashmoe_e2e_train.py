@@ -2,8 +2,8 @@
 
 One training step is forward, next-token cross-entropy, backward and AdamW, over
 `batch x seq` tokens; the models, the attention and MoE ops and the implementations are
-`flashmoe_e2e`'s, so two implementations differ only in their attention and MoE ops (and
-their backward passes).
+`flashmoe_e2e_common`'s (shared with the inference driver `flashmoe_e2e`), so two
+implementations differ only in their attention and MoE ops (and their backward passes).
 
 Method:
 - Every implementation starts from the same weights (copies of one bf16 initialisation) and
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import flashmoe_e2e as e2e
+import flashmoe_e2e_common as e2e
 
 DATA_BATCHES = 4
 LEARNING_RATE = 1e-3
@@ -76,7 +76,7 @@ class Trainee:
 
 
 class _Weights:
-    """The attributes of `flashmoe_e2e.Model` that `model_forward` reads, pointing at a
+    """The attributes of `flashmoe_e2e_common.Model` that `model_forward` reads, pointing at a
     trainee's parameters (so `build_impl` builds the same forward over them)."""
 
     def __init__(self, model, trainee):

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 /// Every script a lab command runs, with the siblings they import (`flashmoe_worker.py`
 /// imports `flashmoe_inputs`, `flashmoe_packages`, `flashmoe_grad`; the plug-in host
-/// `flashmoe_inputs`; `flashmoe_e2e_train.py` `flashmoe_e2e`).
+/// `flashmoe_inputs`; `flashmoe_e2e.py` and `flashmoe_e2e_train.py` `flashmoe_e2e_common`).
 pub const EMBEDDED: &[(&str, &str)] = &[
     (
         "flashmoe_worker.py",
@@ -34,6 +34,10 @@ pub const EMBEDDED: &[(&str, &str)] = &[
     (
         "flashmoe_e2e.py",
         include_str!("../../../../python/flashmoe_e2e.py"),
+    ),
+    (
+        "flashmoe_e2e_common.py",
+        include_str!("../../../../python/flashmoe_e2e_common.py"),
     ),
     (
         "flashmoe_e2e_train.py",
