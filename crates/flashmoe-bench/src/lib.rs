@@ -24,6 +24,7 @@ pub mod report;
 pub mod results;
 pub mod runner;
 pub mod stats;
+pub mod suite_io;
 pub mod toml_fields;
 pub mod varlen;
 pub mod workload;

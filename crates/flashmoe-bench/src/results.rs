@@ -291,6 +291,30 @@ pub struct AccuracyResult {
     pub note: Option<String>,
 }
 
+impl AccuracyResult {
+    /// A check's metrics, tolerances and verdict as the results record them.
+    pub fn from_check(
+        c: &flashmoe::accuracy::Check,
+        reference: &str,
+        note: Option<String>,
+    ) -> AccuracyResult {
+        AccuracyResult {
+            max_abs: c.metrics.max_abs,
+            mean_abs: c.metrics.mean_abs,
+            max_rel: c.metrics.max_rel,
+            rel_l2: c.metrics.rel_l2,
+            non_finite: c.metrics.non_finite,
+            tolerance_rel_l2: c.tolerance.rel_l2,
+            max_row_rel_l2: (c.metrics.rows > 0).then_some(c.metrics.max_row_rel_l2),
+            worst_row: c.metrics.worst_row,
+            tolerance_row_rel_l2: (c.metrics.rows > 0).then_some(c.tolerance.row_rel_l2),
+            passed: c.passed,
+            reference: reference.to_string(),
+            note,
+        }
+    }
+}
+
 /// One implementation on one config.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ImplResult {

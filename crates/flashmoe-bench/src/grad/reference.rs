@@ -234,7 +234,7 @@ mod tests {
         a.heads_kv = 3;
         a.seqlen_k = 27;
         let g = GradProblem::new(Pass::Bwd, GradLayer::Attention(a.clone()));
-        let x = GradInputs::generate(&g, 11);
+        let x = GradInputs::generate(&g, SuiteInputs::generate(&g.layer.forward(), 11), 11);
         let full = reference_f64(&g, &x).unwrap();
         let spec = ProblemSpec::Grad(g.clone());
         let inputs = SuiteInputs::Grad(Box::new(x));
@@ -293,7 +293,7 @@ mod tests {
             shared_expert: false,
         };
         let g = GradProblem::new(Pass::Bwd, GradLayer::Moe(m));
-        let x = GradInputs::generate(&g, 1);
+        let x = GradInputs::generate(&g, SuiteInputs::generate(&g.layer.forward(), 1), 1);
         let exact: Vec<GradTensor> = reference_f64(&g, &x)
             .unwrap()
             .iter()
@@ -319,7 +319,7 @@ mod tests {
         let mut v = crate::varlen::VarlenProblem::new(&[], 2, 1, 32, true, DType::Bf16);
         v.seqlens = vec![(5, 5), (3, 7)];
         let gv = GradProblem::new(Pass::Bwd, GradLayer::Varlen(v));
-        let xv = GradInputs::generate(&gv, 2);
+        let xv = GradInputs::generate(&gv, SuiteInputs::generate(&gv.layer.forward(), 2), 2);
         let exact: Vec<GradTensor> = reference_f64(&gv, &xv)
             .unwrap()
             .iter()

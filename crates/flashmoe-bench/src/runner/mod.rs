@@ -13,26 +13,16 @@ pub mod scripts;
 pub mod serve;
 pub mod session;
 
+pub use crate::suite_io::{Outputs, ReferenceOutputs, SuiteInputs};
+
 use crate::measure::Sampled;
 use crate::results::ProblemSpec;
-use flashmoe::reference::attention::{AttentionInputs, AttentionOutput};
-use flashmoe::reference::moe::{MoeInputs, MoeOutput};
-
-/// Inputs of one config, generated once and shared by every implementation. A decode
-/// problem's inputs are those of its dense attention problem
-/// ([`crate::decode::DecodeProblem::dense`]): implementations on a paged cache build it
-/// from them. A varlen problem's are the packed tensors q `(total_q, Hq, D)`, k and v
-/// `(total_k, Hkv, D)` ([`crate::varlen::VarlenProblem::packed`]). An MLA
-/// problem's are q and the dense latent cache, `v` empty ([`crate::mla::generate_inputs`]).
-pub enum SuiteInputs {
-    Attention(AttentionInputs),
-    Moe(MoeInputs),
-    /// A gradient config's: the forward's inputs and the upstream gradient
-    /// ([`crate::grad::GradInputs`]).
-    Grad(Box<crate::grad::GradInputs>),
-}
+use flashmoe::reference::attention::AttentionInputs;
+use flashmoe::reference::moe::MoeInputs;
 
 impl SuiteInputs {
+    /// A config's inputs from the generator's streams (a gradient config: its forward's,
+    /// then the upstream gradient).
     pub fn generate(problem: &ProblemSpec, seed: u64) -> SuiteInputs {
         match problem {
             ProblemSpec::Attention(p) => SuiteInputs::Attention(AttentionInputs::generate(p, seed)),
@@ -52,34 +42,13 @@ impl SuiteInputs {
                 v: Vec::new(),
             }),
             ProblemSpec::Grad(p) => {
-                SuiteInputs::Grad(Box::new(crate::grad::GradInputs::generate(p, seed)))
+                let forward = SuiteInputs::generate(&p.layer.forward(), seed);
+                SuiteInputs::Grad(Box::new(crate::grad::GradInputs::generate(
+                    p, forward, seed,
+                )))
             }
         }
     }
-}
-
-/// What an implementation computed, as f32 on the host, for the correctness gate.
-pub enum Outputs {
-    Attention {
-        o: Vec<f32>,
-        lse: Vec<f32>,
-    },
-    Moe {
-        out: Vec<f32>,
-        topk_ids: Option<Vec<u32>>,
-        /// (aux loss, z-loss) when the implementation computes them.
-        losses: Option<(f64, f64)>,
-    },
-    /// Named gradients (`crate::grad`).
-    Gradients(Vec<crate::grad::GradTensor>),
-}
-
-/// The high-precision reference a config is checked against.
-pub enum ReferenceOutputs {
-    Attention(AttentionOutput<f64>),
-    Moe(MoeOutput),
-    /// The f64 gradients (`crate::grad::reference_f64`).
-    Gradients(Vec<crate::grad::RefTensor>),
 }
 
 /// An implementation bound to one config, with its buffers allocated and inputs loaded.
@@ -167,7 +136,9 @@ pub fn host_bytes_needed(problem: &ProblemSpec) -> u64 {
         }
         // q, the dense latent, one paged copy (f32), the f64 reference's o and lse and the
         // f32 outputs read back.
-        ProblemSpec::Grad(p) => crate::grad::host_bytes_needed(p),
+        ProblemSpec::Grad(p) => {
+            crate::grad::host_bytes_needed(p, host_bytes_needed(&p.layer.forward()))
+        }
         ProblemSpec::Mla(p) => {
             let paged = p.num_blocks() * p.page_size * flashmoe::attention::mla::D_QK;
             ((p.q_elems() + p.latent_elems() + paged) * 4 + (p.o_elems() + p.lse_elems()) * 12)

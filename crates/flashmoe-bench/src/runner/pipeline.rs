@@ -142,28 +142,6 @@ fn generated_input_parts(problem: &ProblemSpec, seed: u64, inputs: &SuiteInputs)
     parts
 }
 
-/// A check's metrics, tolerances and verdict as the results record them.
-pub(crate) fn to_result(
-    c: &accuracy::Check,
-    reference: &str,
-    note: Option<String>,
-) -> AccuracyResult {
-    AccuracyResult {
-        max_abs: c.metrics.max_abs,
-        mean_abs: c.metrics.mean_abs,
-        max_rel: c.metrics.max_rel,
-        rel_l2: c.metrics.rel_l2,
-        non_finite: c.metrics.non_finite,
-        tolerance_rel_l2: c.tolerance.rel_l2,
-        max_row_rel_l2: (c.metrics.rows > 0).then_some(c.metrics.max_row_rel_l2),
-        worst_row: c.metrics.worst_row,
-        tolerance_row_rel_l2: (c.metrics.rows > 0).then_some(c.tolerance.row_rel_l2),
-        passed: c.passed,
-        reference: reference.to_string(),
-        note,
-    }
-}
-
 /// Relative tolerance of the MoE auxiliary losses against the reference (issue 5).
 pub const LOSS_REL_TOL: f64 = 1e-4;
 
@@ -197,7 +175,7 @@ pub fn gate(
             // O is checked alone.
             let cl =
                 (!lse.is_empty() || r.lse.is_empty()).then(|| accuracy::check_lse(lse, &r.lse));
-            let mut res = to_result(&co, reference_name, None);
+            let mut res = AccuracyResult::from_check(&co, reference_name, None);
             let mut notes = vec![match &cl {
                 Some(cl) => format!("lse max_abs {:.2e}", cl.metrics.max_abs),
                 None => "LSE not provided by this implementation: O checked only".to_string(),
@@ -221,7 +199,7 @@ pub fn gate(
             ReferenceOutputs::Moe(r),
         ) => {
             let c = accuracy::check_rows(out, &r.out, dtype, row_len);
-            let mut res = to_result(&c, reference_name, c.reason.clone());
+            let mut res = AccuracyResult::from_check(&c, reference_name, c.reason.clone());
             if let Some((aux, z)) = losses {
                 for (name, got, want) in [
                     ("aux loss", *aux, r.routing.aux_loss),
