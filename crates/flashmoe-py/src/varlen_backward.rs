@@ -1,11 +1,11 @@
 //! `flashmoe._core.VarlenBackwardPlan`: the varlen attention backward
-//! ([`flashmoe::attention::varlen_backward`]) for the torch op
+//! ([`flashmoe::attention::backward::varlen`]) for the torch op
 //! `flashmoe.attention_varlen_backward` (`flashmoe/_torch.py`). Same conventions as the
 //! other plans of `_core`: descriptors in, outputs the torch layer allocated, the caller's
 //! stream, no allocation.
 
 use super::{py_err, Desc, Logits};
-use flashmoe::attention::varlen_backward::{VarlenBackwardArgs, VarlenBackwardPlan as Plan};
+use flashmoe::attention::backward::varlen::{VarlenBackwardArgs, VarlenBackwardPlan as Plan};
 use flashmoe::gpu::{self, RawWorkspace};
 use pyo3::prelude::*;
 

@@ -378,7 +378,7 @@ pub const GRADIENT_ROW_FLOOR_DIVISOR: f64 = 4.0;
 /// and a few keys give a near-zero dq built from terms of ordinary size; a backward that
 /// takes Δ = rowsum(dO ∘ O) from the forward's dtype-rounded O (as every FlashAttention
 /// backward does) carries O's rounding into those rows. The bounds are the library's GPU
-/// backward tests' (attention/backward_gpu_tests.rs: rows within 8 × tol with the RMS/4
+/// backward tests' (attention/backward/gpu_tests.rs: rows within 8 × tol with the RMS/4
 /// floor after the forward plan); a wrong mask, scale, GQA reduction or tile leaves row
 /// errors of order 1.
 pub fn gradient_tolerance(dtype: DType) -> Tolerance {

@@ -48,7 +48,7 @@ fn every_backward_variant_compiles_without_spills() {
 /// every mask at once (causal, window, softcap: the most registers), for sm_80 and sm_90a.
 #[test]
 fn varlen_backward_variants_compile_without_spills() {
-    use flashmoe::attention::varlen_backward::varlen_bwd_defines;
+    use flashmoe::attention::backward::varlen::varlen_bwd_defines;
     nvrtc();
     let src = kernels::source(BWD_SOURCE).unwrap();
     let dir = std::env::var_os("FLASHMOE_BWD_PRECOMPILE_DIR").map(std::path::PathBuf::from);

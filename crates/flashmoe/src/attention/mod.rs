@@ -6,7 +6,8 @@
 //!   [`plan`] ([`AttentionPlan`], built once per shape class, enqueued on the caller's
 //!   stream over the caller's memory);
 //! - varlen: [`varlen`] ([`VarlenPlan`], packed sequences on the sm_90a kernel);
-//!   [`varlen_backward`] (its backward on the portable kernels);
+//! - backward: [`backward`] ([`backward::AttentionBackwardPlan`], the dense backward on the
+//!   portable and sm_90a kernels; [`backward::varlen`], the varlen backward);
 //! - decode: [`decode`] ([`decode::DecodePlan`], the paged KV cache);
 //! - MLA decode: [`mla`] ([`mla::MlaDecodePlan`], DeepSeek's latent paged cache);
 //! - [`launch`]: launch helpers the plans share;
@@ -20,8 +21,6 @@
 #[cfg(all(test, feature = "lab"))]
 mod alibi_gpu_tests;
 pub mod backward;
-#[cfg(all(test, feature = "lab"))]
-mod backward_gpu_tests;
 pub mod cache;
 pub mod config;
 pub mod decode;
@@ -39,9 +38,6 @@ pub mod tma;
 #[cfg(all(test, feature = "lab"))]
 mod v1_layout_gpu_tests;
 pub mod varlen;
-pub mod varlen_backward;
-#[cfg(all(test, feature = "lab"))]
-mod varlen_backward_gpu_tests;
 #[cfg(all(test, feature = "lab"))]
 mod varlen_gpu_tests;
 

@@ -6,11 +6,11 @@
 //! a machine without one. Inputs are fresh random values (seed printed); every output and
 //! the workspace are poisoned (NaN) before a run.
 
-use super::backward::{
+use super::{
     backward_flops, sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, BwdMode,
     Sm90BwdTile,
 };
-use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
+use crate::attention::plan::{AttentionArgs, AttentionClass, AttentionPlan};
 use crate::dtype::DType;
 use crate::gpu::raw::RawWorkspace;
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};

@@ -1,7 +1,7 @@
 //! Variable-length (packed) attention backward: [`VarlenBackwardPlan`], the portable
-//! deterministic kernels of [`super::backward`] compiled with `FM_VARLEN`.
+//! deterministic kernels of [`super`] compiled with `FM_VARLEN`.
 //!
-//! Layouts are the varlen forward's ([`super::varlen`], FlashAttention's
+//! Layouts are the varlen forward's ([`crate::attention::varlen`], FlashAttention's
 //! `flash_attn_varlen_func`): q, o, d_o and dq `(total_q, heads_q, head_dim)`; k, v, dk
 //! and dv `(total_k, heads_kv, head_dim)`; lse `(heads_q, total_q)` f32, natural log;
 //! int32 `cu_seqlens_q` / `cu_seqlens_k` `[batch + 1]` on the device. Masks are per
@@ -22,13 +22,14 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::backward::{
-    bwd_defines, BwdTile, PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_HEAD_DIMS,
-    BWD_PREPROCESS_ENTRY, BWD_SOURCE,
+use super::abi::{
+    PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SOURCE,
+    PREPROCESS_ROWS,
 };
-use super::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
-use super::plan::AttentionClass;
-use super::varlen::VarlenShape;
+use super::tiles::{bwd_defines, BwdTile, BWD_HEAD_DIMS};
+use crate::attention::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::attention::plan::AttentionClass;
+use crate::attention::varlen::VarlenShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{launch, param, RawIndex, RawStream, RawTensor, RawWorkspace};
@@ -36,8 +37,6 @@ use crate::gpu::Device;
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
 use std::sync::Arc;
 
-/// Rows per block of the preprocess kernel (one warp each; the kernel's block is 128).
-const PREPROCESS_ROWS: u32 = 4;
 const BACKEND: &str = "varlen attention backward";
 
 /// The NVRTC defines of the varlen backward module: the dense module's plus `FM_VARLEN`.

@@ -8,11 +8,11 @@
 //! workspace are poisoned (NaN) before a run. Each test prints "skipped: no GPU" and
 //! passes on a machine without one. Inputs are fresh random values (seed printed).
 
-use super::backward::{AttentionBackwardPlan, BackwardArgs, BwdKernel};
-use super::backward_gpu_tests::{errors, poisoned};
-use super::plan::AttentionClass;
-use super::varlen::{VarlenArgs, VarlenPlan};
-use super::varlen_backward::{VarlenBackwardArgs, VarlenBackwardPlan};
+use super::gpu_tests::{errors, poisoned};
+use super::varlen::{VarlenBackwardArgs, VarlenBackwardPlan};
+use super::{AttentionBackwardPlan, BackwardArgs, BwdKernel};
+use crate::attention::plan::AttentionClass;
+use crate::attention::varlen::{VarlenArgs, VarlenPlan};
 use crate::dtype::DType;
 use crate::gpu::raw::{RawIndex, RawWorkspace};
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
@@ -597,7 +597,7 @@ fn varlen_backward_speed() {
                 let (tq, tk) = c.totals();
                 let flops: f64 = lens
                     .iter()
-                    .map(|&(sq, sk)| super::backward::backward_flops(&c.class().problem(1, sq, sk)))
+                    .map(|&(sq, sk)| super::backward_flops(&c.class().problem(1, sq, sk)))
                     .sum();
                 let n = tq * heads * d;
                 let rnd = |id: TensorId, n: usize| {
