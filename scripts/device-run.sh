@@ -144,13 +144,13 @@ for s in "$@"; do
     # second stream); the speed table (host timing of every tile); memcheck and racecheck over
     # the partial-tile cases of each dQ mode and two repeats; the Python package's backward
     # tests (carry target/py-device: scripts/device-python.sh --pack).
-    bwd-unit)     stage bwd-unit 240 ./target/release/flashmoe-gpu-tests attention::backward_gpu_tests:: --skip backward_speed \
+    bwd-unit)     stage bwd-unit 240 ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests:: --skip backward_speed \
                       --skip backward_sanitizer_cases --test-threads=1 --nocapture ;;
-    bwd-speed)    stage bwd-speed 420 ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_speed --nocapture ;;
+    bwd-speed)    stage bwd-speed 420 ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests::backward_speed --nocapture ;;
     bwd-sanitize) for tool in memcheck racecheck; do
                     FLASHMOE_BWD_REPEATS=2 stage bwd-$tool 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
-                      ./target/release/flashmoe-gpu-tests backward_gpu_tests::backward_sanitizer_cases \
-                      backward_gpu_tests::backward_repeats --test-threads=1 --nocapture
+                      ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests::backward_sanitizer_cases \
+                      attention::backward::gpu_tests::backward_repeats --test-threads=1 --nocapture
                   done ;;
     python-bwd)   PYTEST_FILES="tests/test_torch_gpu.py tests/test_torch_ops.py tests/test_flash_attn_interface.py" \
                     PYTEST_K="grad or determin or graph or backward or differentiable" \
