@@ -16,8 +16,6 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod backward;
-#[cfg(all(test, feature = "lab"))]
-mod backward_gpu_tests;
 pub mod config;
 pub mod ep;
 pub mod gemm_config;

@@ -10,13 +10,13 @@
 //!
 //! On the GPU machine: `flashmoe-gpu-tests moe::backward --test-threads=1 --nocapture`.
 
-use super::backward::{MoeBackwardPlan, MoeBwdArgs, SavedRouting};
-use super::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
+use super::{MoeBackwardPlan, MoeBwdArgs, SavedRouting};
 use crate::dtype::DType;
 use crate::gpu::raw::{RawTensor, RawU32, RawWorkspace};
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, Workspace};
 use crate::inputs::{generate, TensorId};
+use crate::moe::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
 use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;
@@ -100,7 +100,7 @@ struct Setup {
     inputs: MoeInputs,
     d_out_host: Vec<f32>,
     bufs: Vec<CudaSlice<u16>>,
-    routing: super::plan::MoeRouting,
+    routing: crate::moe::plan::MoeRouting,
     fwd_ws: Workspace,
     fwd: MoePlan,
     fwd_args: MoeArgs,
@@ -647,7 +647,7 @@ const STEP_LABELS: [(&str, f64, f64); 9] = [
 /// whole calls between CUDA events, and one call with an event after every launch (the
 /// per-kernel breakdown). TFLOP/s use docs/design/moe.md's backward model, 2 ×
 /// `MoeProblem::flops()` (the gu recompute not counted). Run on its own:
-/// `flashmoe-gpu-tests moe::backward_gpu_tests::speed --ignored --nocapture`.
+/// `flashmoe-gpu-tests moe::backward::gpu_tests::speed --ignored --nocapture`.
 #[test]
 #[ignore = "speed measurement at model shapes (GBs of inputs); run with --ignored"]
 fn speed_backward_per_kernel() {

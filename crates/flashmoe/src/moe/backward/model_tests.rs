@@ -5,9 +5,15 @@
 //! It catches wiring mistakes (strides, gathers, buffers, a region read before it is
 //! written) without a GPU; the GPU tests check the kernels themselves.
 
+use super::abi::Step;
+use super::steps::backward_steps;
 use super::*;
 use crate::accuracy::{error_metrics_rows, tolerance};
+use crate::dtype::DType;
+use crate::gpu::raw::{RawTensor, RawU32};
 use crate::inputs::{generate, TensorId};
+use crate::moe::plan::MoeClass;
+use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;
 use crate::reference::moe_grouped::permute;
