@@ -26,8 +26,6 @@ pub mod config;
 pub mod decode;
 pub mod launch;
 pub mod mla;
-#[cfg(all(test, feature = "lab"))]
-mod mla_gpu_tests;
 pub mod plan;
 #[cfg(all(test, feature = "lab"))]
 mod plan_gpu_tests;

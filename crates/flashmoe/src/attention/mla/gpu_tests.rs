@@ -7,9 +7,9 @@
 //! blocks hold NaN, and outputs and the workspace start poisoned (NaN), so a read of an
 //! unused row, an unwritten output or a partial read before it is written fails the check.
 
-use super::mla::{MlaArgs, MlaDecodeClass, MlaDecodePlan, RawIndex, D_QK, D_V};
-use super::plan::Bshd;
+use super::{MlaArgs, MlaDecodeClass, MlaDecodePlan, RawIndex, D_QK, D_V};
 use crate::accuracy::{check_lse, check_rows};
+use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu, Rng};
 use crate::gpu::{Device, RawTensor};
@@ -460,7 +460,7 @@ fn mla_cudarc_graph_and_bad_input() {
         let mut x = a;
         x.max_seqlen_k = Some(1 << 20);
         bad(plan.check(&x).map(|_| ()), "capacity");
-        let small = super::mla::RawWorkspace {
+        let small = super::RawWorkspace {
             ptr: ws.raw().ptr,
             bytes: 16,
         };
