@@ -1,11 +1,13 @@
 //! Launch helpers shared by the attention plans: the grid of the portable kernels, the
-//! kernels' log2-unit softmax scale, and one launch with the window / softcap parameters
-//! appended (the ABI in [`super::config`]).
+//! kernels' log2-unit softmax scale, one launch with the window / softcap parameters
+//! appended (the ABI in [`super::config`]), and the split-KV plans' kernel load
+//! ([`load_split_kernel`]).
 
 use super::config::{self, KernelVariant};
 use crate::error::{Error, Result};
+use crate::gpu::Device;
 use crate::problem::AttentionProblem;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
 const MAX_GRID: (u64, u64, u64) = ((1 << 31) - 1, 65_535, 65_535);
@@ -183,4 +185,24 @@ pub(crate) mod tests {
         q.softmax_scale = Some(0.5);
         assert!((softmax_scale_log2(&q) - 0.5 / std::f32::consts::LN_2).abs() < 1e-6);
     }
+}
+
+/// The main kernel of a split-KV plan (decode, MLA decode): `entry` of `source` built with
+/// `defs`, allowed `smem` bytes of dynamic shared memory, with the CTAs of `threads`
+/// threads one SM holds at once (at least 1), which the split heuristic reads.
+pub(crate) fn load_split_kernel(
+    dev: &Device,
+    source: &str,
+    entry: &str,
+    defs: &[(String, String)],
+    smem: u32,
+    threads: u32,
+) -> Result<(CudaFunction, u32)> {
+    let func = dev.load_kernel(source, entry, defs)?;
+    dev.set_dynamic_shared_memory(entry, &func, smem)?;
+    let ctas_per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+        .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
+        .max(1);
+    Ok((func, ctas_per_sm))
 }

@@ -9,6 +9,7 @@ use super::config::{
     THREADS, TICKET_BYTES,
 };
 use super::heuristics::split_heuristic;
+use crate::attention::launch::load_split_kernel;
 use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -76,14 +77,15 @@ impl DecodePlan {
             ..DecodeKernel::for_class(&class)
         };
         let defs = kernel.defines();
-        let fwd = dev.load_kernel(DECODE_SOURCE, DECODE_ENTRY, &defs)?;
+        let (fwd, ctas_per_sm) = load_split_kernel(
+            dev,
+            DECODE_SOURCE,
+            DECODE_ENTRY,
+            &defs,
+            kernel.shared_mem_bytes(),
+            THREADS,
+        )?;
         let append = dev.load_kernel(DECODE_SOURCE, APPEND_ENTRY, &defs)?;
-        let smem = kernel.shared_mem_bytes();
-        dev.set_dynamic_shared_memory(DECODE_ENTRY, &fwd, smem)?;
-        let ctas_per_sm = fwd
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
-            .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
-            .max(1);
         Ok(DecodePlan {
             class,
             kernel,

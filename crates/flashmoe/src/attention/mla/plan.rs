@@ -5,6 +5,7 @@ use super::abi::*;
 use super::args::*;
 use super::class::MlaDecodeClass;
 use super::select::*;
+use crate::attention::launch::load_split_kernel;
 use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -84,14 +85,15 @@ impl MlaDecodePlan {
             ));
         }
         let defs = kernel.defines();
-        let fwd = dev.load_kernel(MLA_SOURCE, MLA_ENTRY, &defs)?;
+        let (fwd, ctas_per_sm) = load_split_kernel(
+            dev,
+            MLA_SOURCE,
+            MLA_ENTRY,
+            &defs,
+            kernel.shared_mem_bytes(),
+            THREADS,
+        )?;
         let combine = dev.load_kernel(MLA_SOURCE, COMBINE_ENTRY, &defs)?;
-        let smem = kernel.shared_mem_bytes();
-        dev.set_dynamic_shared_memory(MLA_ENTRY, &fwd, smem)?;
-        let ctas_per_sm = fwd
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem as usize, None)
-            .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
-            .max(1);
         Ok(MlaDecodePlan {
             class,
             kernel,
