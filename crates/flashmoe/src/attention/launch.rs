@@ -119,6 +119,26 @@ pub(crate) unsafe fn launch_with_logits_tail(
     crate::gpu::raw::launch(entry, func, cfg, stream, &mut params[..n])
 }
 
+/// The main kernel of a split-KV plan (decode, MLA decode): `entry` of `source` built with
+/// `defs`, allowed `smem` bytes of dynamic shared memory, with the CTAs of `threads`
+/// threads one SM holds at once (at least 1), which the split heuristic reads.
+pub(crate) fn load_split_kernel(
+    dev: &Device,
+    source: &str,
+    entry: &str,
+    defs: &[(String, String)],
+    smem: u32,
+    threads: u32,
+) -> Result<(CudaFunction, u32)> {
+    let func = dev.load_kernel(source, entry, defs)?;
+    dev.set_dynamic_shared_memory(entry, &func, smem)?;
+    let ctas_per_sm = func
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+        .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
+        .max(1);
+    Ok((func, ctas_per_sm))
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -185,24 +205,4 @@ pub(crate) mod tests {
         q.softmax_scale = Some(0.5);
         assert!((softmax_scale_log2(&q) - 0.5 / std::f32::consts::LN_2).abs() < 1e-6);
     }
-}
-
-/// The main kernel of a split-KV plan (decode, MLA decode): `entry` of `source` built with
-/// `defs`, allowed `smem` bytes of dynamic shared memory, with the CTAs of `threads`
-/// threads one SM holds at once (at least 1), which the split heuristic reads.
-pub(crate) fn load_split_kernel(
-    dev: &Device,
-    source: &str,
-    entry: &str,
-    defs: &[(String, String)],
-    smem: u32,
-    threads: u32,
-) -> Result<(CudaFunction, u32)> {
-    let func = dev.load_kernel(source, entry, defs)?;
-    dev.set_dynamic_shared_memory(entry, &func, smem)?;
-    let ctas_per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
-        .max(1);
-    Ok((func, ctas_per_sm))
 }
