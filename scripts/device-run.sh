@@ -232,6 +232,15 @@ for s in "$@"; do
                       ./target/release/flashmoe-gpu-tests decode_gpu_tests::decode_replays_in_a_cuda_graph decode_gpu_tests::dense_cache_is_one_page_per_sequence --test-threads=1
                   done ;;
     unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
+    # The MoE backward (issue 41): every gradient vs f64 on each row-GEMM path (portable,
+    # sm_90a), bit-identity, graph replay, bad input; the per-kernel speed of both paths
+    # at the issue's shapes; memcheck + racecheck over the bit-identity cases.
+    moe-bwd-unit) stage moe-bwd-unit 300 ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests:: --test-threads=1 --nocapture ;;
+    moe-bwd-speed) stage moe-bwd-speed 420 ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests::speed --ignored --nocapture ;;
+    moe-bwd-sanitize) for tool in memcheck racecheck; do
+                    stage moe-bwd-$tool 200 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests::backward_is_bit_identical_run_to_run --test-threads=1
+                  done ;;
     # The four MoE model presets with the PyTorch baselines, each with its own limit
     # (moe_limit); results are written after every config, so a stage cut by its limit
     # keeps the configs it finished. One JSON each: $OUT/moe-<preset>.json. Expected

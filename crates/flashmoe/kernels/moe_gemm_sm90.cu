@@ -11,6 +11,9 @@
 //                  split the columns
 //   FM_STAGES      depth of the TMA ring (2..6)
 //   FM_GROUP_M     row tiles per raster group (L2 reuse of both operands, see below)
+//   FM_B_KMAJOR    gemm2 only: 0 = B is [E][K][N] (N contiguous, the forward's weights),
+//                  1 = B is [E][N][K] (K contiguous: the backward reads W2 and W13
+//                  untransposed for dOut·W2ᵀ and dGU·W13ᵀ)
 //
 // Tile: BM = 64·WG_M rows. A consumer warpgroup owns 64 rows x NWG columns of each of the
 // NB output matrices (gemm13: NB = 2, gate and up, NWG = 128; gemm2: NB = 1, NWG = 256),
@@ -23,13 +26,16 @@
 //     A = x_perm [rows][hidden] (rows gathered in permuted order by moe_gather_rows),
 //     B = w13 [E][hidden][2·inter]; h[r, n] = silu(A_r . B[:, n]) * (A_r . B[:, inter + n])
 //   moe_gemm2_sm90(FmTensorMap a_map, FmTensorMap b_map, const u32* offsets, float* y,
-//                  int hidden, int inter, int experts, int row_tiles)
-//     A = h [rows][inter], B = w2 [E][inter][hidden]; y[r, n] = A_r . B[:, n]   (f32)
-//   Tensor maps: A 2-D {K, rows}, box {64, BM}; B 3-D {N_total, K, E}, box {64, 64, 1};
-//   16-bit elements, 128-byte swizzle, out-of-bounds elements read as zero (so K needs no
-//   multiple of 64 and a tile may run past the last row).
-//   grid.x = row_tiles · (N / BN), row_tiles = ceil(rows / BM) + E (upper bound on
-//   sum_e ceil(n_e / BM)); block = 384 threads; N (inter or hidden) a multiple of BN.
+//                  int n, int k, int experts, int row_tiles)
+//     A [rows][k], B_e [k][n] (or [n][k] under FM_B_KMAJOR); y[r, j] = A_r . B_e[:, j]
+//     (f32, row stride n). The forward: A = h, B = w2, n = hidden, k = inter; the
+//     backward: gu = x_perm·W13, G = dOut_perm·W2ᵀ, dX_perm = dGU·W13ᵀ.
+//   Tensor maps: A 2-D {K, rows}, box {64, BM}; B 3-D {N_total, K, E} (K-major:
+//   {K, N, E}), box {64, 64, 1}; 16-bit elements, 128-byte swizzle, out-of-bounds elements
+//   read as zero (so K needs no multiple of 64, a tile may run past the last row and the
+//   last column tile past N: columns >= N are not stored).
+//   grid.x = row_tiles · ceil(N / BN), row_tiles = ceil(rows / BM) + E (upper bound on
+//   sum_e ceil(n_e / BM)); block = 384 threads.
 //   Block b -> (row tile, column tile) in groups of GROUP_M row tiles: inside a group the
 //   row tile varies fastest, so the blocks resident at one time share B column tiles
 //   (same expert) and A row tiles (same rows) through L2. The row tile -> (expert, tile)
@@ -63,6 +69,9 @@
 #ifndef FM_GROUP_M
 #define FM_GROUP_M 8
 #endif
+#ifndef FM_B_KMAJOR
+#define FM_B_KMAJOR 0
+#endif
 
 namespace fm {
 
@@ -89,6 +98,8 @@ static_assert(FM_GEMM == 13 || FM_GEMM == 2, "FM_GEMM must be 13 or 2");
 static_assert(WG_M == 1 || WG_M == 2, "FM_WG_M must be 1 or 2");
 static_assert(STAGES >= 2 && STAGES <= 6, "FM_STAGES must be 2..6");
 static_assert(GROUP_M >= 1, "FM_GROUP_M must be positive");
+constexpr bool B_KMAJOR = FM_B_KMAJOR != 0;
+static_assert(!B_KMAJOR || !G13, "FM_B_KMAJOR is a gemm2 variant");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
 
 struct Tile {
@@ -100,6 +111,7 @@ struct Tile {
 
 // Epilogue from the accumulators of consumer warpgroup c (thread tid of the block).
 // gemm13: out = h [rows][N] 16-bit, silu(gate) * up; gemm2: out = y [rows][N] f32.
+// N is a multiple of 8 and col even, so a pair at col + 8j < N lies wholly inside.
 __device__ __forceinline__ void store_tile(void* out, int N, const Tile& tile,
                                            const float (&acc)[NB][NACC], int tid) {
     const int c = (tid >> 7) - 1;
@@ -114,14 +126,16 @@ __device__ __forceinline__ void store_tile(void* out, int N, const Tile& tile,
 #pragma unroll
             for (int j = 0; j < NWG / 8; ++j) {
                 const int i = 4 * j + 2 * hh;
+                if (col + 8 * j < N) {
 #if FM_GEMM == 13
-                st_global_u32(static_cast<u16*>(out) + off + 8 * j,
-                              pack2(swiglu(acc[0][i], acc[1][i]),
-                                    swiglu(acc[0][i + 1], acc[1][i + 1])));
+                    st_global_u32(static_cast<u16*>(out) + off + 8 * j,
+                                  pack2(swiglu(acc[0][i], acc[1][i]),
+                                        swiglu(acc[0][i + 1], acc[1][i + 1])));
 #else
-                st_global_f32x2(static_cast<float*>(out) + off + 8 * j, acc[0][i],
-                                acc[0][i + 1]);
+                    st_global_f32x2(static_cast<float*>(out) + off + 8 * j, acc[0][i],
+                                    acc[0][i + 1]);
 #endif
+                }
             }
         }
     }
@@ -140,7 +154,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
     u32* scratch = reinterpret_cast<u32*>(smem_raw + (bars - raw) + BAR_BYTES);
 
     // raster: groups of GROUP_M row tiles, row tile fastest inside a group
-    const u32 n_tiles = (u32)(N / BN);
+    const u32 n_tiles = (u32)((N + BN - 1) / BN);
     const u32 per_group = (u32)GROUP_M * n_tiles;
     const u32 g = blockIdx.x / per_group;
     const u32 first = g * GROUP_M;
@@ -184,9 +198,13 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
 #pragma unroll
                 for (int b = 0; b < NB; ++b)
 #pragma unroll
-                    for (int j = 0; j < BN / 64; ++j)
-                        tma_load_3d(st + A_BYTES + (b * (BN / 64) + j) * BOX_BYTES, b_map, full,
-                                    b * N + tile.n0 + j * 64, kt * BK, e);
+                    for (int j = 0; j < BN / 64; ++j) {
+                        const u32 dst = st + A_BYTES + (b * (BN / 64) + j) * BOX_BYTES;
+                        if constexpr (B_KMAJOR)  // 64 n rows of 64 k: like A's rows
+                            tma_load_3d(dst, b_map, full, kt * BK, tile.n0 + j * 64, e);
+                        else  // 64 k rows of 64 n
+                            tma_load_3d(dst, b_map, full, b * N + tile.n0 + j * 64, kt * BK, e);
+                    }
             }
         }
     } else {
@@ -209,9 +227,12 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
                 const u64 da = smem_desc_sw128(st + wm * 64 * 128 + kk * 32, 16, 1024);
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
-                    const u32 bb = st + A_BYTES +
-                                   (b * (BN / 64) + wn * (NWG / 64)) * BOX_BYTES + kk * 2048;
-                    wgmma_ss<0, 1>(acc[b], da, smem_desc_sw128(bb, BOX_BYTES, 1024), 1);
+                    const u32 box = st + A_BYTES + (b * (BN / 64) + wn * (NWG / 64)) * BOX_BYTES;
+                    if constexpr (B_KMAJOR)  // NWG rows of 128 B, k16 step = 32 B, as A
+                        wgmma_ss<0, 0>(acc[b], da, smem_desc_sw128(box + kk * 32, 16, 1024), 1);
+                    else  // 16 k rows per step; the 64-column boxes BOX_BYTES apart
+                        wgmma_ss<0, 1>(acc[b], da,
+                                       smem_desc_sw128(box + kk * 2048, BOX_BYTES, 1024), 1);
                 }
             }
             wgmma_commit();
@@ -241,8 +262,8 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
 extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     moe_gemm2_sm90(const __grid_constant__ FmTensorMap a_map,
                    const __grid_constant__ FmTensorMap b_map, const u32* __restrict__ offsets,
-                   float* __restrict__ y, int hidden, int inter, int experts, int row_tiles) {
+                   float* __restrict__ y, int n, int k, int experts, int row_tiles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    fm::gemm_block(&a_map, &b_map, offsets, y, inter, hidden, experts, row_tiles, smem_raw);
+    fm::gemm_block(&a_map, &b_map, offsets, y, k, n, experts, row_tiles, smem_raw);
 }
 #endif

@@ -369,7 +369,9 @@ impl GradCall {
                     None => None,
                 };
                 let class = MoeClass::of_problem(p, t);
-                let bwd = MoeBackwardPlan::new(dev, class)?;
+                // The forward (MoeRunner::new) and the backward follow the lab's path switch.
+                let path = std::env::var(flashmoe::moe::runner::GEMM_PATH_ENV).ok();
+                let bwd = MoeBackwardPlan::with_gemm_path(dev, class, path.as_deref())?;
                 let shared = p.shared_expert;
                 let args = MoeBwdArgs {
                     x: fa.x,

@@ -44,6 +44,9 @@ pub struct Sm90Tile {
     pub stages: u32,
     /// Row tiles per raster group.
     pub group_m: u32,
+    /// gemm2 only: B is `[E][N][K]` (K contiguous) instead of `[E][K][N]`: the backward's
+    /// dOut·W2ᵀ and dGU·W13ᵀ read the weights as they lie (`FM_B_KMAJOR`).
+    pub b_kmajor: bool,
 }
 
 impl Sm90Tile {
@@ -95,6 +98,7 @@ impl Sm90Tile {
                 kv("FM_WG_M", self.wg_m),
                 kv("FM_STAGES", self.stages),
                 kv("FM_GROUP_M", self.group_m),
+                kv("FM_B_KMAJOR", self.b_kmajor as u32),
             ],
             block_m: self.block_m(),
             block_n: self.block_n(),
@@ -126,6 +130,16 @@ pub fn sm90_tile(gemm: Gemm, height: TileHeight) -> Sm90Tile {
         wg_m: if big { 2 } else { 1 },
         stages: if big { 4 } else { 3 },
         group_m: 8,
+        b_kmajor: false,
+    }
+}
+
+/// The backward's row GEMMs (gu recompute: `b_kmajor` false; G and dX_perm: true): gemm2,
+/// f32 out, 128-row tiles.
+pub fn sm90_bwd_tile(b_kmajor: bool) -> Sm90Tile {
+    Sm90Tile {
+        b_kmajor,
+        ..sm90_tile(Gemm::G2, TileHeight::Bm128)
     }
 }
 
@@ -138,6 +152,9 @@ pub fn all_sm90_variants() -> Vec<MoeKernel> {
                 v.push(sm90_tile(g, height).kernel(dt));
             }
         }
+    }
+    for dt in [DType::F16, DType::Bf16] {
+        v.push(sm90_bwd_tile(true).kernel(dt));
     }
     v
 }
@@ -234,23 +251,21 @@ pub fn row_tiles(rows: usize, experts: usize, block_m: u32) -> u64 {
     (rows as u64).div_ceil(block_m as u64) + experts as u64
 }
 
-/// Launch geometry of an sm_90 GEMM: 1-D grid of row_tiles · (n / BN) blocks.
+/// Launch geometry of an sm_90 GEMM: 1-D grid of row_tiles · ceil(n / BN) blocks (the
+/// kernel stores no column past `n`; the forward's selection keeps `n` a multiple of BN).
 pub fn sm90_launch_config(
     k: &MoeKernel,
     rows: usize,
     experts: usize,
     n: usize,
 ) -> Result<LaunchConfig> {
-    if k.block_n == 0 || n % k.block_n as usize != 0 {
+    if k.block_n == 0 || n == 0 || n % 8 != 0 {
         return Err(Error::unsupported(
             k.entry,
-            format!(
-                "{n} output columns are not a multiple of the tile width {}",
-                k.block_n
-            ),
+            format!("{n} output columns: the kernels store pairs of a row of a multiple of 8"),
         ));
     }
-    let blocks = row_tiles(rows, experts, k.block_m) * (n / k.block_n as usize) as u64;
+    let blocks = row_tiles(rows, experts, k.block_m) * n.div_ceil(k.block_n as usize) as u64;
     if blocks > i32::MAX as u64 {
         return Err(Error::unsupported(
             k.entry,
@@ -277,6 +292,14 @@ pub fn b_layout(experts: usize, k: usize, n_total: usize) -> TiledLayout {
     TiledLayout {
         dims: vec![n_total as u64, k as u64, experts as u64],
         strides: vec![n_total as u64, (k * n_total) as u64],
+        box_dims: vec![64, 64, 1],
+    }
+}
+/// B = \[E\]\[n\]\[k\] (K contiguous, [`Sm90Tile::b_kmajor`]), box {64 k, 64 n, 1}.
+pub fn b_kmajor_layout(experts: usize, n: usize, k: usize) -> TiledLayout {
+    TiledLayout {
+        dims: vec![k as u64, n as u64, experts as u64],
+        strides: vec![k as u64, (n * k) as u64],
         box_dims: vec![64, 64, 1],
     }
 }
@@ -369,14 +392,19 @@ mod tests {
             (((65536 / 128 + 32) * (11008 / 128)) as u32, 1, 1)
         );
         assert_eq!(c.block_dim, (384, 1, 1));
+        // a partial last column tile: ceil(n / BN) tiles
+        let c = sm90_launch_config(&k, 100, 4, 136).unwrap();
+        assert_eq!(c.grid_dim.0, (1 + 4) * 2);
         let e = sm90_launch_config(&k, 100, 4, 100).unwrap_err().to_string();
-        assert!(e.contains("multiple of the tile width 128"), "{e}");
+        assert!(e.contains("multiple of 8"), "{e}");
     }
 
     #[test]
     fn layouts_satisfy_the_tma_rules() {
         a_layout(4096, 4096, 128).check("x_perm").unwrap();
         b_layout(256, 7168, 4096).check("w13").unwrap();
+        b_kmajor_layout(32, 11008, 4096).check("w2").unwrap();
+        assert_eq!(b_kmajor_layout(3, 64, 256).span(), 3 * 64 * 256);
         assert_eq!(b_layout(3, 64, 256).span(), 3 * 64 * 256);
     }
 }

@@ -80,6 +80,22 @@ pub(super) struct WgradGemm {
     pub(super) groups: u32,
 }
 
+/// Parameters of one sm_90a row GEMM (`moe_gemm2_sm90`, [`super::sm90`]): per expert e,
+/// `c[r][j] = Σ_k a[r][k] · B_e[k][j]` for its rows `offsets[e]..offsets[e + 1]` of the
+/// dense `a` (`rows` × `k`, 16-bit), f32 `c` (`rows` × `n`). B_e is `b + e·k·n`, laid out
+/// `[k][n]`, or `[n][k]` when `b_kmajor`.
+pub(super) struct Sm90Rows {
+    pub(super) a: u64,
+    pub(super) b: u64,
+    pub(super) b_kmajor: bool,
+    pub(super) c: u64,
+    pub(super) offsets: u64,
+    pub(super) rows: usize,
+    pub(super) experts: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+}
+
 pub(super) fn ceil(a: usize, b: u32) -> u32 {
     a.div_ceil(b as usize) as u32
 }
@@ -96,6 +112,16 @@ pub(super) fn i32_of(what: &str, v: usize) -> Result<i32> {
 /// enqueues it; the CPU model of the kernels in the tests interprets it.
 pub(super) enum Step {
     Rows(RowsGemm),
+    /// `dst[r] = src[row_token[r]]`, `rows` rows of `cols` 16-bit elements
+    /// (`moe_gather_rows`, the sm_90a path's dense A operands).
+    Gather {
+        src: u64,
+        row_token: u64,
+        dst: u64,
+        rows: usize,
+        cols: usize,
+    },
+    Sm90Rows(Sm90Rows),
     Wgrad(WgradGemm),
     /// `ptrs` = gu, G, slot_row (0: identity), topk_w (0: w = 1), dgu, wh, dw (0: none).
     Swiglu {
@@ -118,6 +144,8 @@ impl Step {
     pub(super) fn kind(&self) -> &'static str {
         match self {
             Step::Rows(_) => "rows",
+            Step::Gather { .. } => "gather",
+            Step::Sm90Rows(_) => "rows_sm90",
             Step::Wgrad(_) => "wgrad",
             Step::Swiglu { .. } => "swiglu",
             Step::RouterDz(..) => "router_dz",

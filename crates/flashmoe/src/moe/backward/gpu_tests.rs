@@ -39,6 +39,8 @@ struct Case {
     skew: bool,
     /// (d_aux, d_z); None: the losses are not trained (null d_losses).
     d_losses: Option<(f32, f32)>,
+    /// The row GEMMs' path ([`MoeBackwardPlan::with_gemm_path`]).
+    path: &'static str,
 }
 
 impl Case {
@@ -71,6 +73,16 @@ fn base() -> Case {
         dtype: DType::Bf16,
         skew: false,
         d_losses: Some((0.7, 0.3)),
+        path: "auto",
+    }
+}
+
+/// The row-GEMM paths a device runs: the portable kernels, and on sm_90 the sm_90a ones.
+fn paths(dev: &Device) -> &'static [&'static str] {
+    if dev.arch() == 90 {
+        &["portable", "sm90"]
+    } else {
+        &["portable"]
     }
 }
 
@@ -201,7 +213,7 @@ impl Setup {
             .iter()
             .map(|&n| s.alloc_zeros::<u16>(n).unwrap())
             .collect();
-        let plan = MoeBackwardPlan::new(dev, class).unwrap();
+        let plan = MoeBackwardPlan::with_gemm_path(dev, class, Some(c.path)).unwrap();
         let bwd_ws = Workspace::zeroed(&s, plan.workspace_bytes(t).unwrap()).unwrap();
         s.synchronize().unwrap();
         Setup {
@@ -481,17 +493,20 @@ fn backward_matches_f64_reference() {
                 ..b
             },
         ];
-        let mut worst = (0f64, 0f64);
-        for c in &cases {
-            let w = check_case(dev, c, seed);
-            worst = (worst.0.max(w.0), worst.1.max(w.1));
+        for &path in paths(dev) {
+            let mut worst = (0f64, 0f64);
+            for c in &cases {
+                let w = check_case(dev, &Case { path, ..*c }, seed);
+                worst = (worst.0.max(w.0), worst.1.max(w.1));
+            }
+            println!(
+                "moe bwd ({path} row GEMMs): {} cases passed; worst rel L2 {:.2e}, worst row \
+                 {:.2e}",
+                cases.len(),
+                worst.0,
+                worst.1
+            );
         }
-        println!(
-            "moe bwd: {} cases passed; worst rel L2 {:.2e}, worst row {:.2e}",
-            cases.len(),
-            worst.0,
-            worst.1
-        );
     });
 }
 
@@ -500,7 +515,7 @@ fn backward_is_bit_identical_run_to_run() {
     with_gpu("moe-bwd-rerun", |dev| {
         let seed = fresh_seed("moe-bwd-rerun");
         let s = dev.stream().clone();
-        for c in [
+        let cases = [
             Case {
                 skew: true,
                 tokens: 131,
@@ -511,7 +526,11 @@ fn backward_is_bit_identical_run_to_run() {
                 scoring: Scoring::Sigmoid,
                 ..base()
             },
-        ] {
+        ];
+        for c in paths(dev)
+            .iter()
+            .flat_map(|&path| cases.iter().map(move |c| Case { path, ..*c }))
+        {
             let mut st = Setup::new(dev, &c, seed);
             let a = st.run(&s);
             let b = st.run(&s);
@@ -569,6 +588,16 @@ fn backward_rejects_bad_input() {
             bytes: ws.bytes - 1,
         };
         expect(&good, small, "workspace");
+        let e = MoeBackwardPlan::with_gemm_path(dev, st.class, Some("fast"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("auto, portable, sm90"), "{e}");
+        if dev.arch() != 90 {
+            let e = MoeBackwardPlan::with_gemm_path(dev, st.class, Some("sm90"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("not 9.0"), "{e}");
+        }
         // Nothing was enqueued by the failed calls: a good call still works.
         unsafe { st.plan.backward_raw(s.cu_stream(), &good, ws) }.unwrap();
         s.synchronize().unwrap();
@@ -583,54 +612,73 @@ fn backward_graph_replay_matches_eager() {
     with_gpu("moe-bwd-graph", |dev| {
         let seed = fresh_seed("moe-bwd-graph");
         let s = dev.stream().clone();
-        let c = Case {
-            shared: true,
-            skew: true,
-            tokens: 97,
-            ..base()
-        };
-        let mut st = Setup::new(dev, &c, seed);
-        let args = st.args(&s);
-        let ws = st.bwd_ws.raw();
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .unwrap();
-        unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws).unwrap() };
-        let graph = s
-            .end_capture(
-                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
-            )
-            .unwrap()
-            .expect("a captured graph");
-        let mut prev: Option<Grads> = None;
-        for replay in 0..3u64 {
-            let d = generate(
-                seed.wrapping_add(100 + replay),
-                TensorId::MoeX,
-                c.tokens * c.hidden,
-                1.0,
-                c.dtype,
-            );
-            s.memcpy_htod(&c.dtype.encode_u16(&d), &mut st.bufs[D_OUT])
+        for &path in paths(dev) {
+            let c = Case {
+                shared: true,
+                skew: true,
+                tokens: 97,
+                path,
+                ..base()
+            };
+            let mut st = Setup::new(dev, &c, seed);
+            let args = st.args(&s);
+            let ws = st.bwd_ws.raw();
+            s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .unwrap();
-            st.poison_all(&s);
-            graph.launch().unwrap();
-            let g = st.download(&s);
-            let tag = format!("replay {replay} (seed {seed})");
-            g.assert_finite(&tag, c.dtype);
-            let e = st.run(&s);
-            assert!(g == e, "{tag}: graph replay differs from the eager call");
-            if let Some(p) = &prev {
-                assert!(p.dx != g.dx, "{tag}: a new d_out left dx unchanged");
+            unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws).unwrap() };
+            let graph = s
+                .end_capture(
+                    sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                )
+                .unwrap()
+                .expect("a captured graph");
+            let mut prev: Option<Grads> = None;
+            for replay in 0..3u64 {
+                let d = generate(
+                    seed.wrapping_add(100 + replay),
+                    TensorId::MoeX,
+                    c.tokens * c.hidden,
+                    1.0,
+                    c.dtype,
+                );
+                s.memcpy_htod(&c.dtype.encode_u16(&d), &mut st.bufs[D_OUT])
+                    .unwrap();
+                st.poison_all(&s);
+                graph.launch().unwrap();
+                let g = st.download(&s);
+                let tag = format!("replay {replay} (seed {seed})");
+                g.assert_finite(&tag, c.dtype);
+                let e = st.run(&s);
+                assert!(g == e, "{tag}: graph replay differs from the eager call");
+                if let Some(p) = &prev {
+                    assert!(p.dx != g.dx, "{tag}: a new d_out left dx unchanged");
+                }
+                prev = Some(g);
             }
-            prev = Some(g);
+            println!(
+                "graph replay ({path} row GEMMs): 3 replays bit-identical to eager (seed {seed})"
+            );
         }
-        println!("graph replay: 3 replays bit-identical to eager (seed {seed})");
     });
 }
 
 /// What each launch of a non-shared backward computes, in `backward_steps` order, and its
-/// FLOPs (R = T·k rows) as a multiple of R·H·I (GEMMs) or T·H·E (router).
+/// FLOPs (R = T·k rows) as a multiple of R·H·I (GEMMs) or T·H·E (router): the portable
+/// path's 9 launches, then the sm_90a row GEMMs' 11.
 const STEP_LABELS: [(&str, f64, f64); 9] = [
+    ("1 gu = X_perm·W13", 4.0, 0.0),
+    ("2 G = dOut_perm·W2ᵀ", 2.0, 0.0),
+    ("2 swiglu / dw epilogue", 0.0, 0.0),
+    ("3 dW2 = (w⊙H)ᵀ·dOut", 2.0, 0.0),
+    ("4 dX_perm = dGU·W13ᵀ", 4.0, 0.0),
+    ("5 dW13 = X_permᵀ·dGU", 4.0, 0.0),
+    ("6 router dZ", 0.0, 0.0),
+    ("6 d_router = xᵀ·dZ", 0.0, 2.0),
+    ("8 un-permute (+ dZ·Rᵀ)", 0.0, 2.0),
+];
+const STEP_LABELS_SM90: [(&str, f64, f64); 11] = [
+    ("0 gather x_perm", 0.0, 0.0),
+    ("0 gather dOut_perm", 0.0, 0.0),
     ("1 gu = X_perm·W13", 4.0, 0.0),
     ("2 G = dOut_perm·W2ᵀ", 2.0, 0.0),
     ("2 swiglu / dw epilogue", 0.0, 0.0),
@@ -643,10 +691,11 @@ const STEP_LABELS: [(&str, f64, f64); 9] = [
 ];
 
 /// Speed of the backward at the issue's shapes (seed003 at 2048 and 32768 tokens,
-/// Qwen3-30B-A3B at 8192), bf16, softmax top-k renormalised, losses trained: the median of
-/// whole calls between CUDA events, and one call with an event after every launch (the
-/// per-kernel breakdown). TFLOP/s use docs/design/moe.md's backward model, 2 ×
-/// `MoeProblem::flops()` (the gu recompute not counted). Run on its own:
+/// Qwen3-30B-A3B at 8192), bf16, softmax top-k renormalised, losses trained, on each path
+/// of the row GEMMs in turn over the same inputs: the median of whole calls between CUDA
+/// events, and one call with an event after every launch (the per-kernel breakdown).
+/// TFLOP/s use docs/design/moe.md's backward model, 2 × `MoeProblem::flops()` (the gu
+/// recompute not counted). Run on its own:
 /// `flashmoe-gpu-tests moe::backward::gpu_tests::speed --ignored --nocapture`.
 #[test]
 #[ignore = "speed measurement at model shapes (GBs of inputs); run with --ignored"]
@@ -663,6 +712,19 @@ fn speed_backward_per_kernel() {
                 .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .unwrap()
         };
+        let median = |f: &dyn Fn()| {
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let (a, b) = (event(), event());
+                a.record(&s).unwrap();
+                f();
+                b.record(&s).unwrap();
+                b.synchronize().unwrap();
+                times.push(a.elapsed_ms(&b).unwrap() as f64);
+            }
+            times.sort_by(f64::total_cmp);
+            times
+        };
         for (name, tokens, hidden, inter, experts, top_k) in shapes {
             let c = Case {
                 tokens,
@@ -670,86 +732,88 @@ fn speed_backward_per_kernel() {
                 inter,
                 experts,
                 top_k,
+                path: paths(dev)[0],
                 ..base()
             };
-            let st = Setup::new(dev, &c, 7);
-            let args = st.args(&s);
-            let ws = st.bwd_ws.raw();
-            let call = || unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws) }.unwrap();
-            call();
-            s.synchronize().unwrap();
-            let fwd = || {
+            let mut st = Setup::new(dev, &c, 7);
+            let p = st.class.problem(tokens);
+            let flops = 2.0 * p.flops();
+            let rhi = (tokens * top_k * hidden * inter) as f64;
+            let the = (tokens * hidden * experts) as f64;
+            let fwd = |st: &Setup| {
                 unsafe {
                     st.fwd
                         .forward_raw(s.cu_stream(), &st.fwd_args, st.fwd_ws.raw())
                 }
                 .unwrap()
             };
-            let median = |f: &dyn Fn()| {
-                let mut times = Vec::new();
-                for _ in 0..5 {
-                    let (a, b) = (event(), event());
-                    a.record(&s).unwrap();
-                    f();
-                    b.record(&s).unwrap();
-                    b.synchronize().unwrap();
-                    times.push(a.elapsed_ms(&b).unwrap() as f64);
+            let f_ms = median(&|| fwd(&st))[2];
+            println!(
+                "moe fwd {name} T={tokens} H={hidden} I={inter} E={experts} k={top_k} bf16: \
+                 {f_ms:.3} ms"
+            );
+            for (n_path, &path) in paths(dev).iter().enumerate() {
+                if n_path > 0 {
+                    st.plan = MoeBackwardPlan::with_gemm_path(dev, st.class, Some(path)).unwrap();
+                    st.bwd_ws =
+                        Workspace::zeroed(&s, st.plan.workspace_bytes(tokens).unwrap()).unwrap();
                 }
-                times.sort_by(f64::total_cmp);
-                times
-            };
-            let times = median(&call);
-            let ms = times[times.len() / 2];
-            let f_ms = median(&fwd)[2];
-            let fb_ms = median(&|| {
-                fwd();
-                call()
-            })[2];
-            let p = st.class.problem(tokens);
-            let flops = 2.0 * p.flops();
-            let rhi = (tokens * top_k * hidden * inter) as f64;
-            let the = (tokens * hidden * experts) as f64;
-            println!(
-                "moe bwd speed {name} T={tokens} H={hidden} I={inter} E={experts} k={top_k} \
-                 bf16: {ms:.3} ms (median of 5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF)",
-                times[0],
-                flops / ms / 1e9,
-                flops / 1e12
-            );
-            println!(
-                "moe fwd {f_ms:.3} ms, fwd+bwd {fb_ms:.3} ms = {:.1} TFLOP/s (3 × flops())",
-                3.0 * p.flops() / fb_ms / 1e9
-            );
-            let evs: Vec<_> = (0..=STEP_LABELS.len()).map(|_| event()).collect();
-            evs[0].record(&s).unwrap();
-            let mut kinds = Vec::new();
-            unsafe {
-                st.plan
-                    .backward_raw_each(s.cu_stream(), &args, ws, &mut |i, kind| {
-                        kinds.push(kind);
-                        evs[i + 1]
-                            .record(&s)
-                            .map_err(|e| crate::error::Error::cuda("cuEventRecord", e))
-                    })
-            }
-            .unwrap();
-            evs[kinds.len()].synchronize().unwrap();
-            assert_eq!(kinds.len(), STEP_LABELS.len(), "{kinds:?}");
-            for (i, ((label, gemm, router), kind)) in STEP_LABELS.iter().zip(&kinds).enumerate() {
-                let t = evs[i].elapsed_ms(&evs[i + 1]).unwrap() as f64;
-                let f = gemm * rhi + router * the;
-                let rate = if f > 0.0 {
-                    format!(" {:.1} TFLOP/s", f / t / 1e9)
-                } else {
-                    String::new()
-                };
+                let args = st.args(&s);
+                let ws = st.bwd_ws.raw();
+                let call = || unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws) }.unwrap();
+                call();
+                s.synchronize().unwrap();
+                let times = median(&call);
+                let ms = times[times.len() / 2];
+                let fb_ms = median(&|| {
+                    fwd(&st);
+                    call()
+                })[2];
                 println!(
-                    "  {label:<28} [{kind}] {t:8.3} ms {:5.1} %{rate}",
-                    100.0 * t / ms
+                    "moe bwd speed {name} T={tokens} [{path} row GEMMs]: {ms:.3} ms (median of \
+                     5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF); fwd+bwd {fb_ms:.3} ms = \
+                     {:.1} TFLOP/s (3 × flops())",
+                    times[0],
+                    flops / ms / 1e9,
+                    flops / 1e12,
+                    3.0 * p.flops() / fb_ms / 1e9
                 );
+                let labels: &[(&str, f64, f64)] = if st.plan.uses_sm90_rows(tokens) {
+                    &STEP_LABELS_SM90
+                } else {
+                    &STEP_LABELS
+                };
+                let evs: Vec<_> = (0..=labels.len()).map(|_| event()).collect();
+                evs[0].record(&s).unwrap();
+                let mut kinds = Vec::new();
+                unsafe {
+                    st.plan
+                        .backward_raw_each(s.cu_stream(), &args, ws, &mut |i, kind| {
+                            kinds.push(kind);
+                            evs[i + 1]
+                                .record(&s)
+                                .map_err(|e| crate::error::Error::cuda("cuEventRecord", e))
+                        })
+                }
+                .unwrap();
+                evs[kinds.len()].synchronize().unwrap();
+                assert_eq!(kinds.len(), labels.len(), "{kinds:?}");
+                for (i, ((label, gemm, router), kind)) in labels.iter().zip(&kinds).enumerate() {
+                    let t = evs[i].elapsed_ms(&evs[i + 1]).unwrap() as f64;
+                    let f = gemm * rhi + router * the;
+                    let rate = if f > 0.0 {
+                        format!(" {:.1} TFLOP/s", f / t / 1e9)
+                    } else {
+                        String::new()
+                    };
+                    println!(
+                        "  {label:<28} [{kind}] {t:8.3} ms {:5.1} %{rate}",
+                        100.0 * t / ms
+                    );
+                }
+                let g = st.download(&s);
+                g.assert_finite(&format!("speed {name} T={tokens} {path}"), c.dtype);
             }
-            let g = st.download(&s);
-            g.assert_finite(&format!("speed {name} T={tokens}"), c.dtype);
         }
     });
 }

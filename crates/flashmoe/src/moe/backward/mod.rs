@@ -1,7 +1,9 @@
-//! The MoE layer's backward (issue 34), portable path: [`MoeBackwardPlan`], built once per
+//! The MoE layer's backward (issues 34, 41): [`MoeBackwardPlan`], built once per
 //! [`MoeClass`](crate::moe::MoeClass) like [`MoePlan`](crate::moe::MoePlan), enqueued on the caller's stream over the
 //! caller's memory. Kernels: `kernels/moe_backward.cu` (mma.sync grouped GEMMs, sm_80 and
-//! newer, so Hopper runs it too; the sm_90a wgmma kernels are a later step). The stages
+//! newer) and, on sm_90 for calls with enough rows per expert, the routed row GEMMs
+//! (stages 1, 2, 4) on the forward's TMA + wgmma kernel `moe_gemm_sm90.cu` over gathered
+//! rows (`sm90.rs`); the weight gradients stay on mma.sync for now. The stages
 //! and their formulas are those of the f64 ground truth
 //! `crate::reference::moe_backward` and of docs/design/moe.md ("Backward"):
 //!
@@ -48,13 +50,15 @@
 //! fixed-shape tree per slot, the router and un-permute sums are sequential per thread.
 //! The same inputs give bit-identical gradients on every call.
 //!
-//! A call does O(1) checks and enqueues 9 kernels (+6 for a shared expert): no
+//! A call does O(1) checks and enqueues 9 kernels (11 with the sm_90a row GEMMs: two
+//! gathers; +6 for a shared expert, whose GEMMs stay portable): no
 //! allocation, no synchronisation, no compile; it can be captured in a CUDA graph.
 
 //!
 //! Files (one role each): `abi.rs` (source, entries, tiles, one launch's parameters),
 //! `workspace.rs` (saved routing, call arguments, workspace regions), `steps.rs` (the
-//! launch sequence), `plan.rs` ([`MoeBackwardPlan`]), `model_tests.rs` (the CPU model of
+//! launch sequence), `sm90.rs` (the sm_90a row GEMMs: path, kernels, launches),
+//! `plan.rs` ([`MoeBackwardPlan`]), `model_tests.rs` (the CPU model of
 //! the kernels driven by that sequence), `gpu_tests.rs` (lab feature).
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
@@ -66,6 +70,7 @@ mod gpu_tests;
 #[cfg(all(test, feature = "lab"))]
 mod model_tests;
 mod plan;
+mod sm90;
 mod steps;
 mod workspace;
 
@@ -96,11 +101,11 @@ mod tests {
 
     #[test]
     fn workspace_regions_are_aligned_disjoint_and_monotone() {
-        for shared in [false, true] {
+        for (shared, sm90) in [(false, false), (true, false), (false, true), (true, true)] {
             let c = class(shared);
             let mut last = 0;
             for t in 1..=16 {
-                let l = BwdWorkspaceLayout::new(&c, t).unwrap();
+                let l = BwdWorkspaceLayout::new(&c, t, sm90).unwrap();
                 let mut regions = vec![
                     (l.gu, t * 2 * 2 * 32 * 4),
                     (l.g, t * 2 * 32 * 4),
@@ -119,7 +124,11 @@ mod tests {
                         (s[4], t * 64 * 4),
                     ]);
                 }
+                if let Some(p) = l.perm {
+                    regions.extend([(p[0], t * 2 * 64 * 2), (p[1], t * 2 * 64 * 2)]);
+                }
                 assert_eq!(l.shared.is_some(), shared);
+                assert_eq!(l.perm.is_some(), sm90);
                 for w in regions.windows(2) {
                     assert!(w[0].0 + w[0].1 <= w[1].0, "{t}: overlap");
                 }

@@ -126,6 +126,38 @@ fn run(m: &mut Mem, step: Step) {
                 }
             }
         }
+        Step::Gather {
+            src,
+            row_token,
+            dst,
+            rows,
+            cols,
+        } => {
+            let cols = cols as i64;
+            for r in 0..rows as i64 {
+                let from = m.u(row_token, r) as i64;
+                for c in 0..cols {
+                    let v = m.h(src, from * cols + c);
+                    m.set_h(dst, r * cols + c, v);
+                }
+            }
+        }
+        Step::Sm90Rows(g) => {
+            let (n, k) = (g.n as i64, g.k as i64);
+            for e in 0..g.experts as i64 {
+                let b = g.b + 2 * (e * n * k) as u64;
+                for r in m.u(g.offsets, e) as i64..m.u(g.offsets, e + 1) as i64 {
+                    for j in 0..n {
+                        let mut acc = 0f32;
+                        for kk in 0..k {
+                            let bi = if g.b_kmajor { j * k + kk } else { kk * n + j };
+                            acc += m.h(g.a, r * k + kk) * m.h(b, bi);
+                        }
+                        m.set_f(g.c, r * n + j, acc);
+                    }
+                }
+            }
+        }
         Step::Wgrad(g) => {
             let (mm, nn) = (g.m_dim as i64, g.n_cols as i64);
             for e in 0..g.groups as i64 {
@@ -276,7 +308,7 @@ fn run(m: &mut Mem, step: Step) {
     }
 }
 
-fn model_case(c: MoeClass, seed: u64) {
+fn model_case(c: MoeClass, seed: u64, sm90_rows: bool) {
     let (t, h, i, e, k, dt) = (
         c.max_tokens,
         c.hidden,
@@ -330,13 +362,17 @@ fn model_case(c: MoeClass, seed: u64) {
         d_shared_w13: sw13.map(|_| r16(m.alloc(2 * h * 2 * i), &[h, 2 * i])),
         d_shared_w2: sw2.map(|_| r16(m.alloc(2 * i * h), &[i, h])),
     };
-    let ws = BwdWorkspaceLayout::new(&c, t).unwrap();
+    let ws = BwdWorkspaceLayout::new(&c, t, sm90_rows).unwrap();
     let base = m.alloc(ws.bytes);
-    backward_steps(&c, t, &args, &ws, base, &mut |s| {
+    let mut kinds = Vec::new();
+    backward_steps(&c, t, &args, &ws, base, sm90_rows, &mut |s| {
+        kinds.push(s.kind());
         run(&mut m, s);
         Ok(())
     })
     .unwrap();
+    let sm90_steps = kinds.iter().filter(|&&k| k == "rows_sm90").count();
+    assert_eq!(sm90_steps, if sm90_rows { 3 } else { 0 }, "{kinds:?}");
     let r = moe_backward_f64(&p, &x, &d_out, 0.7, 0.3).unwrap();
     let mut checks = vec![
         ("dx", args.dx, &r.dx, h),
@@ -405,6 +441,8 @@ fn launch_sequence_on_the_cpu_model_matches_f64_reference() {
     .into_iter()
     .enumerate()
     {
-        model_case(c, 0x6d6f_6562 + n as u64);
+        for sm90_rows in [false, true] {
+            model_case(c, 0x6d6f_6562 + n as u64, sm90_rows);
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! enqueue of [`super::steps::backward_steps`]'s launches.
 
 use super::abi::*;
+use super::sm90::{RowsPath, Sm90RowKernels};
 use super::steps::backward_steps;
 use super::workspace::too_big;
 use super::workspace::{BwdWorkspaceLayout, MoeBwdArgs};
@@ -20,6 +21,8 @@ pub struct MoeBackwardPlan {
     ctx: Arc<CudaContext>,
     /// [`BWD_ENTRIES`], in order.
     funcs: Vec<CudaFunction>,
+    /// The sm_90a row GEMMs, when the path and the device give them (`super::sm90`).
+    sm90: Option<Sm90RowKernels>,
 }
 
 impl std::fmt::Debug for MoeBackwardPlan {
@@ -33,9 +36,24 @@ impl std::fmt::Debug for MoeBackwardPlan {
 impl MoeBackwardPlan {
     /// Compile (or load from the cache) the backward kernels for `class`. Errors for a
     /// class the kernels do not take: f32 storage, hidden or intermediate not a multiple
-    /// of 32, no experts, top_k outside 1..=experts, a device older than sm_80.
+    /// of 32, no experts, top_k outside 1..=experts, a device older than sm_80. On an
+    /// sm_90 device the routed row GEMMs of calls with enough rows per expert run on the
+    /// sm_90a kernels (`moe_gemm_sm90.cu`), the rest on the portable ones.
     pub fn new(dev: &Device, class: MoeClass) -> Result<MoeBackwardPlan> {
+        Self::with_gemm_path(dev, class, None)
+    }
+
+    /// [`Self::new`] with the row GEMMs' path given explicitly (the lab's A/B switch, the
+    /// forward's strings): None / "auto", "portable" (every GEMM on the mma.sync
+    /// kernels), "sm90" (the sm_90a row GEMMs on every call; an error on other devices;
+    /// "sm90-bm64" / "sm90-bm128" mean the same here).
+    pub fn with_gemm_path(
+        dev: &Device,
+        class: MoeClass,
+        path: Option<&str>,
+    ) -> Result<MoeBackwardPlan> {
         Self::check_class(&class)?;
+        let path = RowsPath::parse(path)?;
         if dev.arch() < 80 {
             return Err(Error::unsupported(
                 PLAN,
@@ -55,11 +73,20 @@ impl MoeBackwardPlan {
         for (f, bytes) in [(0, ROWS_SMEM_BYTES), (1, WGRAD_SMEM_BYTES)] {
             dev.set_dynamic_shared_memory(BWD_ENTRIES[f], &funcs[f], bytes)?;
         }
+        let sm90 = Sm90RowKernels::for_path(dev, &class, path)?;
         Ok(MoeBackwardPlan {
             class,
             ctx: dev.context().clone(),
             funcs,
+            sm90,
         })
+    }
+
+    /// Whether a call of `tokens` tokens runs its routed row GEMMs on the sm_90a kernels.
+    pub fn uses_sm90_rows(&self, tokens: usize) -> bool {
+        self.sm90
+            .as_ref()
+            .is_some_and(|k| k.serves(&self.class, tokens))
     }
 
     /// The class checks (no device).
@@ -92,8 +119,10 @@ impl MoeBackwardPlan {
         &self.class
     }
 
+    /// The workspace regions of a call with `tokens` tokens (with the sm_90a row GEMMs'
+    /// regions whenever the plan has those kernels, so the size is monotone in `tokens`).
     pub fn workspace_layout(&self, tokens: usize) -> Result<BwdWorkspaceLayout> {
-        BwdWorkspaceLayout::new(&self.class, tokens)
+        BwdWorkspaceLayout::new(&self.class, tokens, self.sm90.is_some())
     }
 
     /// Workspace bytes of a call with `tokens` tokens (monotone in `tokens`).
@@ -193,14 +222,21 @@ impl MoeBackwardPlan {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        backward_steps(&self.class, t, a, &ws, workspace.ptr, &mut |step| unsafe {
-            self.launch_step(stream, step)
-        })
+        let sm90 = self.uses_sm90_rows(t);
+        backward_steps(
+            &self.class,
+            t,
+            a,
+            &ws,
+            workspace.ptr,
+            sm90,
+            &mut |step| unsafe { self.launch_step(stream, step) },
+        )
     }
 
     /// [`Self::backward_raw`] with `after(i, kind)` called after the i-th launch is
-    /// enqueued (`kind`: "rows", "wgrad", "swiglu", "router_dz", "router_dw",
-    /// "unpermute"): the lab's per-kernel timing records an event there.
+    /// enqueued (`kind`: "gather", "rows", "rows_sm90", "wgrad", "swiglu", "router_dz",
+    /// "router_dw", "unpermute"): the lab's per-kernel timing records an event there.
     ///
     /// # Safety
     /// As [`Self::backward_raw`].
@@ -219,13 +255,22 @@ impl MoeBackwardPlan {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let mut n = 0;
-        backward_steps(&self.class, t, a, &ws, workspace.ptr, &mut |step| unsafe {
-            let kind = step.kind();
-            self.launch_step(stream, step)?;
-            after(n, kind)?;
-            n += 1;
-            Ok(())
-        })
+        let sm90 = self.uses_sm90_rows(t);
+        backward_steps(
+            &self.class,
+            t,
+            a,
+            &ws,
+            workspace.ptr,
+            sm90,
+            &mut |step| unsafe {
+                let kind = step.kind();
+                self.launch_step(stream, step)?;
+                after(n, kind)?;
+                n += 1;
+                Ok(())
+            },
+        )
     }
 
     unsafe fn launch(
@@ -239,8 +284,21 @@ impl MoeBackwardPlan {
     }
 
     unsafe fn launch_step(&self, stream: RawStream, step: Step) -> Result<()> {
+        let sm90 = || {
+            self.sm90.as_ref().ok_or_else(|| {
+                Error::invalid("an sm_90a row GEMM step in a plan without those kernels")
+            })
+        };
         match step {
             Step::Rows(g) => self.rows_gemm(stream, &g),
+            Step::Gather {
+                src,
+                row_token,
+                dst,
+                rows,
+                cols,
+            } => sm90()?.gather(stream, (src, row_token, dst), rows, cols),
+            Step::Sm90Rows(g) => sm90()?.rows(stream, &g),
             Step::Wgrad(g) => self.wgrad_gemm(stream, &g),
             Step::Swiglu { slots, ptrs, inter } => self.swiglu(stream, slots, ptrs, inter),
             Step::RouterDz(p, v) => {

@@ -3,18 +3,22 @@
 
 use super::abi::*;
 use super::workspace::{BwdWorkspaceLayout, MoeBwdArgs};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::moe::plan::MoeClass;
 use crate::problem::Scoring;
 
 /// The backward's launches in stream order for a checked call of `t` tokens, workspace at
-/// `base` laid out as `ws`, each handed to `f`.
+/// `base` laid out as `ws`, each handed to `f`. `sm90_rows`: the routed row GEMMs (gu, G,
+/// dX_perm) on the sm_90a kernels over gathered x_perm / dOut_perm (`ws.perm`), which the
+/// weight gradients then read without a gather; otherwise every GEMM on the portable
+/// kernels. The shared expert's GEMMs are portable either way.
 pub(super) fn backward_steps(
     c: &MoeClass,
     t: usize,
     a: &MoeBwdArgs,
     ws: &BwdWorkspaceLayout,
     base: u64,
+    sm90_rows: bool,
     f: &mut dyn FnMut(Step) -> Result<()>,
 ) -> Result<()> {
     let (h, i, e, k) = (c.hidden, c.intermediate, c.experts, c.top_k);
@@ -28,42 +32,88 @@ pub(super) fn backward_steps(
         a.saved.slot_row.ptr,
     );
 
+    let perm = match (sm90_rows, ws.perm) {
+        (false, _) => None,
+        (true, Some(p)) => Some(p.map(at)),
+        (true, None) => {
+            return Err(Error::invalid(
+                "the sm_90a row GEMMs need the workspace's x_perm / dOut_perm regions",
+            ))
+        }
+    };
+    // (x, 1): rows gathered through row_token by the GEMM; (x_perm, 0): already permuted.
+    let (x_rows, x_gather, dout_rows, dout_gather) = match perm {
+        Some([xp, dp]) => {
+            for (src, dst) in [(a.x.ptr, xp), (a.d_out.ptr, dp)] {
+                f(Step::Gather {
+                    src,
+                    row_token: rtok,
+                    dst,
+                    rows: r,
+                    cols: h,
+                })?;
+            }
+            (xp, 0, dp, 0)
+        }
+        None => (a.x.ptr, 1, a.d_out.ptr, 1),
+    };
+    let sm90 = |a_: u64, b: u64, b_kmajor: bool, c_: u64, n: usize, k_: usize| {
+        Step::Sm90Rows(Sm90Rows {
+            a: a_,
+            b,
+            b_kmajor,
+            c: c_,
+            offsets: offs,
+            rows: r,
+            experts: e,
+            n,
+            k: k_,
+        })
+    };
     // 1. gu = X_perm·W13 (B [K=H][N=2I]).
-    f(Step::Rows(RowsGemm {
-        a: a.x.ptr,
-        a_rs: hi,
-        a_gather: 1,
-        b: a.w13.ptr,
-        b_gs: (h * 2 * i) as i64,
-        b_ks: 2 * ii,
-        b_ns: 1,
-        c: at(ws.gu),
-        ldc: 2 * ii,
-        row_token: rtok,
-        offsets: offs,
-        groups: ei,
-        total_rows: ri,
-        n_cols: 2 * ii,
-        k_dim: hi,
-    }))?;
+    if perm.is_some() {
+        f(sm90(x_rows, a.w13.ptr, false, at(ws.gu), 2 * i, h))?;
+    } else {
+        f(Step::Rows(RowsGemm {
+            a: a.x.ptr,
+            a_rs: hi,
+            a_gather: 1,
+            b: a.w13.ptr,
+            b_gs: (h * 2 * i) as i64,
+            b_ks: 2 * ii,
+            b_ns: 1,
+            c: at(ws.gu),
+            ldc: 2 * ii,
+            row_token: rtok,
+            offsets: offs,
+            groups: ei,
+            total_rows: ri,
+            n_cols: 2 * ii,
+            k_dim: hi,
+        }))?;
+    }
     // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue.
-    f(Step::Rows(RowsGemm {
-        a: a.d_out.ptr,
-        a_rs: hi,
-        a_gather: 1,
-        b: a.w2.ptr,
-        b_gs: (i * h) as i64,
-        b_ks: 1,
-        b_ns: hi,
-        c: at(ws.g),
-        ldc: ii,
-        row_token: rtok,
-        offsets: offs,
-        groups: ei,
-        total_rows: ri,
-        n_cols: ii,
-        k_dim: hi,
-    }))?;
+    if perm.is_some() {
+        f(sm90(dout_rows, a.w2.ptr, true, at(ws.g), i, h))?;
+    } else {
+        f(Step::Rows(RowsGemm {
+            a: a.d_out.ptr,
+            a_rs: hi,
+            a_gather: 1,
+            b: a.w2.ptr,
+            b_gs: (i * h) as i64,
+            b_ks: 1,
+            b_ns: hi,
+            c: at(ws.g),
+            ldc: ii,
+            row_token: rtok,
+            offsets: offs,
+            groups: ei,
+            total_rows: ri,
+            n_cols: ii,
+            k_dim: hi,
+        }))?;
+    }
     f(Step::Swiglu {
         slots: r,
         ptrs: [
@@ -82,9 +132,9 @@ pub(super) fn backward_steps(
         a: at(ws.wh),
         a_rs: ii,
         a_gather: 0,
-        b: a.d_out.ptr,
+        b: dout_rows,
         b_rs: hi,
-        b_gather: 1,
+        b_gather: dout_gather,
         c: a.dw2.ptr,
         m_dim: ii,
         n_cols: hi,
@@ -94,28 +144,32 @@ pub(super) fn backward_steps(
         groups: e as u32,
     }))?;
     // 4. dX_perm = dGU·W13ᵀ (W13 [H][2I] read as [N=H][K=2I]).
-    f(Step::Rows(RowsGemm {
-        a: at(ws.dgu),
-        a_rs: 2 * ii,
-        a_gather: 0,
-        b: a.w13.ptr,
-        b_gs: (h * 2 * i) as i64,
-        b_ks: 1,
-        b_ns: 2 * ii,
-        c: at(ws.dx_perm),
-        ldc: hi,
-        row_token: rtok,
-        offsets: offs,
-        groups: ei,
-        total_rows: ri,
-        n_cols: hi,
-        k_dim: 2 * ii,
-    }))?;
+    if perm.is_some() {
+        f(sm90(at(ws.dgu), a.w13.ptr, true, at(ws.dx_perm), h, 2 * i))?;
+    } else {
+        f(Step::Rows(RowsGemm {
+            a: at(ws.dgu),
+            a_rs: 2 * ii,
+            a_gather: 0,
+            b: a.w13.ptr,
+            b_gs: (h * 2 * i) as i64,
+            b_ks: 1,
+            b_ns: 2 * ii,
+            c: at(ws.dx_perm),
+            ldc: hi,
+            row_token: rtok,
+            offsets: offs,
+            groups: ei,
+            total_rows: ri,
+            n_cols: hi,
+            k_dim: 2 * ii,
+        }))?;
+    }
     // 5. dW13 = X_permᵀ·dGU.
     f(Step::Wgrad(WgradGemm {
-        a: a.x.ptr,
+        a: x_rows,
         a_rs: hi,
-        a_gather: 1,
+        a_gather: x_gather,
         b: at(ws.dgu),
         b_rs: 2 * ii,
         b_gather: 0,
