@@ -29,6 +29,12 @@ pub const SM90_SOURCE: &str = "moe_gemm_sm90.cu";
 pub const SM90_GEMM13_ENTRY: &str = "moe_gemm13_sm90";
 pub const SM90_GEMM2_ENTRY: &str = "moe_gemm2_sm90";
 pub const GATHER_ENTRY: &str = "moe_gather_rows";
+pub const WGRAD_SOURCE: &str = "moe_wgrad_sm90.cu";
+pub const WGRAD_ENTRY: &str = "moe_wgrad_sm90";
+/// The weight-gradient kernel's tile (BM × BN of dW) and ring depth.
+pub const WGRAD_BLOCK_M: u32 = 128;
+pub const WGRAD_BLOCK_N: u32 = 256;
+pub const WGRAD_STAGES: u32 = 4;
 pub const GATHER_THREADS: u32 = 128;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const SM90_THREADS: u32 = 384;
@@ -155,8 +161,49 @@ pub fn all_sm90_variants() -> Vec<MoeKernel> {
     }
     for dt in [DType::F16, DType::Bf16] {
         v.push(sm90_bwd_tile(true).kernel(dt));
+        v.push(wgrad_kernel(dt));
     }
     v
+}
+
+/// The backward's weight-gradient kernel (`moe_wgrad_sm90.cu`): dW\[e\] = A_eᵀ·B_e over
+/// the expert's rows, persistent over E · ceil(M / 128) · ceil(N / 256) tiles. Shared
+/// memory: STAGES · (128 + 256) · 128 B + 1024 (alignment) + 16 · STAGES (mbarriers), the
+/// .cu's SMEM_BYTES.
+pub fn wgrad_kernel(dtype: DType) -> MoeKernel {
+    let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
+    MoeKernel {
+        source_file: WGRAD_SOURCE,
+        entry: WGRAD_ENTRY,
+        defines: vec![
+            kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
+            kv("FM_STAGES", WGRAD_STAGES),
+        ],
+        block_m: WGRAD_BLOCK_M,
+        block_n: WGRAD_BLOCK_N,
+        block_threads: SM90_THREADS,
+        shared_mem_bytes: WGRAD_STAGES * (WGRAD_BLOCK_M + WGRAD_BLOCK_N) * 128
+            + 1024
+            + 16 * WGRAD_STAGES,
+        min_arch: 90,
+    }
+}
+
+/// Tiles of a weight-gradient launch: E · ceil(m / BM) · ceil(n / BN).
+pub fn wgrad_tiles(experts: usize, m: usize, n: usize) -> u64 {
+    experts as u64
+        * m.div_ceil(WGRAD_BLOCK_M as usize) as u64
+        * n.div_ceil(WGRAD_BLOCK_N as usize) as u64
+}
+
+/// Tensor-map layout of a weight gradient's operand: `[rows][cols]` 16-bit row-major,
+/// box {64 cols, 64 rows} (the rows are the reduction).
+pub fn wgrad_operand_layout(rows: usize, cols: usize) -> TiledLayout {
+    TiledLayout {
+        dims: vec![cols as u64, rows as u64],
+        strides: vec![cols as u64],
+        box_dims: vec![64, 64],
+    }
 }
 
 /// Which grouped-GEMM path a problem takes on a device of compute capability `arch`.
@@ -320,6 +367,13 @@ mod tests {
         );
         let t = sm90_tile(Gemm::G2, TileHeight::Bm64);
         assert_eq!((t.block_m(), t.block_n(), t.stages), (64, 512, 3));
+        // 4 x (A 2 boxes + B 4 boxes of 64 x 128 B) + 1024 + 64
+        assert_eq!(
+            wgrad_kernel(DType::Bf16).shared_mem_bytes,
+            4 * 6 * 8192 + 1024 + 64
+        );
+        assert_eq!(wgrad_tiles(32, 4096, 22016), 32 * 32 * 86);
+        wgrad_operand_layout(65536, 22016).check("dGU").unwrap();
         for k in all_sm90_variants() {
             assert!(k.shared_mem_bytes <= 227 * 1024, "{k:?}");
             assert_eq!(k.min_arch, 90);

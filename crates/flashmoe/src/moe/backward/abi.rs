@@ -96,6 +96,20 @@ pub(super) struct Sm90Rows {
     pub(super) k: usize,
 }
 
+/// Parameters of one sm_90a weight gradient (`moe_wgrad_sm90`, [`super::sm90`]): per
+/// expert e, `dw[e][i][j] = Σ_r a[r][i] · b[r][j]` over its rows `offsets[e]..offsets[e + 1]`
+/// of the dense 16-bit `a` (`rows` × `m`) and `b` (`rows` × `n`); dw `[E][m][n]` 16-bit.
+pub(super) struct Sm90Wgrad {
+    pub(super) a: u64,
+    pub(super) b: u64,
+    pub(super) dw: u64,
+    pub(super) offsets: u64,
+    pub(super) rows: usize,
+    pub(super) experts: usize,
+    pub(super) m: usize,
+    pub(super) n: usize,
+}
+
 pub(super) fn ceil(a: usize, b: u32) -> u32 {
     a.div_ceil(b as usize) as u32
 }
@@ -122,6 +136,7 @@ pub(super) enum Step {
         cols: usize,
     },
     Sm90Rows(Sm90Rows),
+    Sm90Wgrad(Sm90Wgrad),
     Wgrad(WgradGemm),
     /// `ptrs` = gu, G, slot_row (0: identity), topk_w (0: w = 1), dgu, wh, dw (0: none).
     Swiglu {
@@ -146,6 +161,7 @@ impl Step {
             Step::Rows(_) => "rows",
             Step::Gather { .. } => "gather",
             Step::Sm90Rows(_) => "rows_sm90",
+            Step::Sm90Wgrad(_) => "wgrad_sm90",
             Step::Wgrad(_) => "wgrad",
             Step::Swiglu { .. } => "swiglu",
             Step::RouterDz(..) => "router_dz",

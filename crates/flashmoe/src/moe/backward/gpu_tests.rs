@@ -39,7 +39,7 @@ struct Case {
     skew: bool,
     /// (d_aux, d_z); None: the losses are not trained (null d_losses).
     d_losses: Option<(f32, f32)>,
-    /// The row GEMMs' path ([`MoeBackwardPlan::with_gemm_path`]).
+    /// The routed GEMMs' path ([`MoeBackwardPlan::with_gemm_path`]).
     path: &'static str,
 }
 
@@ -500,7 +500,7 @@ fn backward_matches_f64_reference() {
                 worst = (worst.0.max(w.0), worst.1.max(w.1));
             }
             println!(
-                "moe bwd ({path} row GEMMs): {} cases passed; worst rel L2 {:.2e}, worst row \
+                "moe bwd ({path} GEMMs): {} cases passed; worst rel L2 {:.2e}, worst row \
                  {:.2e}",
                 cases.len(),
                 worst.0,
@@ -655,16 +655,14 @@ fn backward_graph_replay_matches_eager() {
                 }
                 prev = Some(g);
             }
-            println!(
-                "graph replay ({path} row GEMMs): 3 replays bit-identical to eager (seed {seed})"
-            );
+            println!("graph replay ({path} GEMMs): 3 replays bit-identical to eager (seed {seed})");
         }
     });
 }
 
 /// What each launch of a non-shared backward computes, in `backward_steps` order, and its
 /// FLOPs (R = T·k rows) as a multiple of R·H·I (GEMMs) or T·H·E (router): the portable
-/// path's 9 launches, then the sm_90a row GEMMs' 11.
+/// path's 9 launches, then the sm_90a path's 11.
 const STEP_LABELS: [(&str, f64, f64); 9] = [
     ("1 gu = X_perm·W13", 4.0, 0.0),
     ("2 G = dOut_perm·W2ᵀ", 2.0, 0.0),
@@ -692,7 +690,7 @@ const STEP_LABELS_SM90: [(&str, f64, f64); 11] = [
 
 /// Speed of the backward at the issue's shapes (seed003 at 2048 and 32768 tokens,
 /// Qwen3-30B-A3B at 8192), bf16, softmax top-k renormalised, losses trained, on each path
-/// of the row GEMMs in turn over the same inputs: the median of whole calls between CUDA
+/// of the routed GEMMs in turn over the same inputs: the median of whole calls between CUDA
 /// events, and one call with an event after every launch (the per-kernel breakdown).
 /// TFLOP/s use docs/design/moe.md's backward model, 2 × `MoeProblem::flops()` (the gu
 /// recompute not counted). Run on its own:
@@ -770,7 +768,7 @@ fn speed_backward_per_kernel() {
                     call()
                 })[2];
                 println!(
-                    "moe bwd speed {name} T={tokens} [{path} row GEMMs]: {ms:.3} ms (median of \
+                    "moe bwd speed {name} T={tokens} [{path} GEMMs]: {ms:.3} ms (median of \
                      5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF); fwd+bwd {fb_ms:.3} ms = \
                      {:.1} TFLOP/s (3 × flops())",
                     times[0],
@@ -778,7 +776,7 @@ fn speed_backward_per_kernel() {
                     flops / 1e12,
                     3.0 * p.flops() / fb_ms / 1e9
                 );
-                let labels: &[(&str, f64, f64)] = if st.plan.uses_sm90_rows(tokens) {
+                let labels: &[(&str, f64, f64)] = if st.plan.uses_sm90(tokens) {
                     &STEP_LABELS_SM90
                 } else {
                     &STEP_LABELS

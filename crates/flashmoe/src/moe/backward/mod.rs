@@ -1,9 +1,9 @@
 //! The MoE layer's backward (issues 34, 41): [`MoeBackwardPlan`], built once per
 //! [`MoeClass`](crate::moe::MoeClass) like [`MoePlan`](crate::moe::MoePlan), enqueued on the caller's stream over the
 //! caller's memory. Kernels: `kernels/moe_backward.cu` (mma.sync grouped GEMMs, sm_80 and
-//! newer) and, on sm_90 for calls with enough rows per expert, the routed row GEMMs
-//! (stages 1, 2, 4) on the forward's TMA + wgmma kernel `moe_gemm_sm90.cu` over gathered
-//! rows (`sm90.rs`); the weight gradients stay on mma.sync for now. The stages
+//! newer) and, on sm_90 for calls with enough rows per expert, the routed GEMMs on TMA +
+//! wgmma (`sm90.rs`): stages 1, 2, 4 on the forward's `moe_gemm_sm90.cu`, the weight
+//! gradients 3, 5 on `moe_wgrad_sm90.cu`, over gathered rows. The stages
 //! and their formulas are those of the f64 ground truth
 //! `crate::reference::moe_backward` and of docs/design/moe.md ("Backward"):
 //!
@@ -50,14 +50,14 @@
 //! fixed-shape tree per slot, the router and un-permute sums are sequential per thread.
 //! The same inputs give bit-identical gradients on every call.
 //!
-//! A call does O(1) checks and enqueues 9 kernels (11 with the sm_90a row GEMMs: two
+//! A call does O(1) checks and enqueues 9 kernels (11 on the sm_90a path: two
 //! gathers; +6 for a shared expert, whose GEMMs stay portable): no
 //! allocation, no synchronisation, no compile; it can be captured in a CUDA graph.
 
 //!
 //! Files (one role each): `abi.rs` (source, entries, tiles, one launch's parameters),
 //! `workspace.rs` (saved routing, call arguments, workspace regions), `steps.rs` (the
-//! launch sequence), `sm90.rs` (the sm_90a row GEMMs: path, kernels, launches),
+//! launch sequence), `sm90.rs` (the sm_90a GEMMs: path, kernels, launches),
 //! `plan.rs` ([`MoeBackwardPlan`]), `model_tests.rs` (the CPU model of
 //! the kernels driven by that sequence), `gpu_tests.rs` (lab feature).
 

@@ -21,7 +21,7 @@ pub struct MoeBackwardPlan {
     ctx: Arc<CudaContext>,
     /// [`BWD_ENTRIES`], in order.
     funcs: Vec<CudaFunction>,
-    /// The sm_90a row GEMMs, when the path and the device give them (`super::sm90`).
+    /// The sm_90a GEMMs, when the path and the device give them (`super::sm90`).
     sm90: Option<Sm90RowKernels>,
 }
 
@@ -37,15 +37,15 @@ impl MoeBackwardPlan {
     /// Compile (or load from the cache) the backward kernels for `class`. Errors for a
     /// class the kernels do not take: f32 storage, hidden or intermediate not a multiple
     /// of 32, no experts, top_k outside 1..=experts, a device older than sm_80. On an
-    /// sm_90 device the routed row GEMMs of calls with enough rows per expert run on the
+    /// sm_90 device the routed GEMMs of calls with enough rows per expert run on the
     /// sm_90a kernels (`moe_gemm_sm90.cu`), the rest on the portable ones.
     pub fn new(dev: &Device, class: MoeClass) -> Result<MoeBackwardPlan> {
         Self::with_gemm_path(dev, class, None)
     }
 
-    /// [`Self::new`] with the row GEMMs' path given explicitly (the lab's A/B switch, the
+    /// [`Self::new`] with the routed GEMMs' path given explicitly (the lab's A/B switch, the
     /// forward's strings): None / "auto", "portable" (every GEMM on the mma.sync
-    /// kernels), "sm90" (the sm_90a row GEMMs on every call; an error on other devices;
+    /// kernels), "sm90" (the sm_90a GEMMs on every call; an error on other devices;
     /// "sm90-bm64" / "sm90-bm128" mean the same here).
     pub fn with_gemm_path(
         dev: &Device,
@@ -82,8 +82,8 @@ impl MoeBackwardPlan {
         })
     }
 
-    /// Whether a call of `tokens` tokens runs its routed row GEMMs on the sm_90a kernels.
-    pub fn uses_sm90_rows(&self, tokens: usize) -> bool {
+    /// Whether a call of `tokens` tokens runs its routed GEMMs on the sm_90a kernels.
+    pub fn uses_sm90(&self, tokens: usize) -> bool {
         self.sm90
             .as_ref()
             .is_some_and(|k| k.serves(&self.class, tokens))
@@ -119,7 +119,7 @@ impl MoeBackwardPlan {
         &self.class
     }
 
-    /// The workspace regions of a call with `tokens` tokens (with the sm_90a row GEMMs'
+    /// The workspace regions of a call with `tokens` tokens (with the sm_90a GEMMs'
     /// regions whenever the plan has those kernels, so the size is monotone in `tokens`).
     pub fn workspace_layout(&self, tokens: usize) -> Result<BwdWorkspaceLayout> {
         BwdWorkspaceLayout::new(&self.class, tokens, self.sm90.is_some())
@@ -222,7 +222,7 @@ impl MoeBackwardPlan {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let sm90 = self.uses_sm90_rows(t);
+        let sm90 = self.uses_sm90(t);
         backward_steps(
             &self.class,
             t,
@@ -235,8 +235,9 @@ impl MoeBackwardPlan {
     }
 
     /// [`Self::backward_raw`] with `after(i, kind)` called after the i-th launch is
-    /// enqueued (`kind`: "gather", "rows", "rows_sm90", "wgrad", "swiglu", "router_dz",
-    /// "router_dw", "unpermute"): the lab's per-kernel timing records an event there.
+    /// enqueued (`kind`: "gather", "rows", "rows_sm90", "wgrad", "wgrad_sm90", "swiglu",
+    /// "router_dz", "router_dw", "unpermute"): the lab's per-kernel timing records an event
+    /// there.
     ///
     /// # Safety
     /// As [`Self::backward_raw`].
@@ -255,7 +256,7 @@ impl MoeBackwardPlan {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let mut n = 0;
-        let sm90 = self.uses_sm90_rows(t);
+        let sm90 = self.uses_sm90(t);
         backward_steps(
             &self.class,
             t,
@@ -286,7 +287,7 @@ impl MoeBackwardPlan {
     unsafe fn launch_step(&self, stream: RawStream, step: Step) -> Result<()> {
         let sm90 = || {
             self.sm90.as_ref().ok_or_else(|| {
-                Error::invalid("an sm_90a row GEMM step in a plan without those kernels")
+                Error::invalid("an sm_90a GEMM step in a plan without those kernels")
             })
         };
         match step {
@@ -299,6 +300,7 @@ impl MoeBackwardPlan {
                 cols,
             } => sm90()?.gather(stream, (src, row_token, dst), rows, cols),
             Step::Sm90Rows(g) => sm90()?.rows(stream, &g),
+            Step::Sm90Wgrad(g) => sm90()?.wgrad(stream, &g),
             Step::Wgrad(g) => self.wgrad_gemm(stream, &g),
             Step::Swiglu { slots, ptrs, inter } => self.swiglu(stream, slots, ptrs, inter),
             Step::RouterDz(p, v) => {

@@ -1,7 +1,10 @@
-//! The backward's routed row GEMMs on sm_90a: gu = X_perm·W13, G = dOut_perm·W2ᵀ and
-//! dX_perm = dGU·W13ᵀ on the forward's TMA + wgmma kernel `moe_gemm2_sm90` (f32 out), the
-//! last two with its K-major B variant (`FM_B_KMAJOR`: the weights read as they lie), over
-//! A operands gathered densely by `moe_gather_rows` ([`BwdWorkspaceLayout::perm`]).
+//! The backward's routed GEMMs on sm_90a: the row GEMMs gu = X_perm·W13,
+//! G = dOut_perm·W2ᵀ and dX_perm = dGU·W13ᵀ on the forward's TMA + wgmma kernel
+//! `moe_gemm2_sm90` (f32 out), the last two with its K-major B variant (`FM_B_KMAJOR`: the
+//! weights read as they lie); the weight gradients dW2 = (w⊙H)ᵀ·dOut_perm and
+//! dW13 = X_permᵀ·dGU on `moe_wgrad_sm90` (K = an expert's rows, persistent over the
+//! E · M/128 · N/256 tiles). The rows of x and dOut are first gathered densely by
+//! `moe_gather_rows` ([`BwdWorkspaceLayout::perm`]): TMA reads dense operands.
 //!
 //! Which calls take it ([`RowsPath`]): on an sm_90 device, calls with at least
 //! [`SM90_MIN_ROWS_PER_EXPERT`] rows per expert (the forward's threshold: below it both
@@ -9,7 +12,7 @@
 //!
 //! [`BwdWorkspaceLayout::perm`]: super::BwdWorkspaceLayout::perm
 
-use super::abi::{Sm90Rows, PLAN};
+use super::abi::{Sm90Rows, Sm90Wgrad, PLAN};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream};
@@ -17,14 +20,15 @@ use crate::gpu::tensor_map::{self, TensorMap};
 use crate::gpu::Device;
 use crate::moe::gemm_sm90::{
     a_layout, b_kmajor_layout, b_layout, gather_kernel, row_tiles, sm90_bwd_tile,
-    sm90_launch_config, GATHER_THREADS, SM90_MIN_ROWS_PER_EXPERT,
+    sm90_launch_config, wgrad_kernel, wgrad_operand_layout, wgrad_tiles, GATHER_THREADS,
+    SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS,
 };
 use crate::moe::kernel::MoeKernel;
 use crate::moe::plan::MoeClass;
 use cudarc::driver::{CudaFunction, LaunchConfig};
 use std::ffi::c_void;
 
-/// Which kernels run the routed row GEMMs.
+/// Which kernels run the routed GEMMs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum RowsPath {
     /// sm_90a when the device is sm_90 and a call has enough rows per expert.
@@ -61,7 +65,10 @@ pub(super) struct Sm90RowKernels {
     /// B `[k][n]` (gu) and B `[n][k]` (G, dX_perm).
     mn: (MoeKernel, CudaFunction),
     km: (MoeKernel, CudaFunction),
+    wgrad: (MoeKernel, CudaFunction),
     gather: CudaFunction,
+    /// Resident blocks of the persistent weight-gradient kernel (one per SM).
+    sm_count: u32,
     /// Every call takes them (forced), or only calls with enough rows per expert.
     forced: bool,
 }
@@ -107,6 +114,9 @@ impl Sm90RowKernels {
             ("w13", b_layout(e, h, 2 * i)),
             ("w13 as [E][H][2I] K-major", b_kmajor_layout(e, h, 2 * i)),
             ("w2 as [E][I][H] K-major", b_kmajor_layout(e, i, h)),
+            ("w⊙h", wgrad_operand_layout(rows, i)),
+            ("dOut_perm", wgrad_operand_layout(rows, h)),
+            ("dGU", wgrad_operand_layout(rows, 2 * i)),
         ] {
             l.check(name)?;
         }
@@ -114,6 +124,8 @@ impl Sm90RowKernels {
             dtype: class.dtype,
             mn: load(dev, mn)?,
             km: load(dev, sm90_bwd_tile(true).kernel(class.dtype))?,
+            wgrad: load(dev, wgrad_kernel(class.dtype))?,
+            sm_count: dev.info().sm_count.max(1),
             gather: load(dev, gather_kernel())?.1,
             forced: path == RowsPath::Sm90,
         }))
@@ -190,6 +202,42 @@ impl Sm90RowKernels {
             param(&g.c),
             param(&ni),
             param(&ki),
+            param(&ei),
+            param(&tiles),
+        ];
+        raw::launch(kernel.entry, func, cfg, stream, &mut p)
+    }
+
+    /// One weight gradient, tensor maps encoded over this call's addresses.
+    ///
+    /// # Safety
+    /// As [`Self::rows`]; `dw` holds `[E][m][n]` 16-bit elements.
+    pub(super) unsafe fn wgrad(&self, stream: RawStream, g: &Sm90Wgrad) -> Result<()> {
+        let (kernel, func) = &self.wgrad;
+        let dt = tensor_map::map_data_type("the backward's weight gradient", self.dtype)?;
+        let (m, n, r) = (g.m as u64, g.n as u64, g.rows as u64);
+        // Layout rules checked at plan time (`for_path`); only the rows vary.
+        let maps: [TensorMap; 2] = [
+            tensor_map::encode_checked("wgrad A", g.a, dt, &[m, r], &[m], &[64, 64])?,
+            tensor_map::encode_checked("wgrad B", g.b, dt, &[n, r], &[n], &[64, 64])?,
+        ];
+        let tiles = wgrad_tiles(g.experts, g.m, g.n);
+        let tiles = i32::try_from(tiles).map_err(|_| {
+            Error::unsupported(kernel.entry, format!("{tiles} weight-gradient tiles"))
+        })?;
+        let cfg = LaunchConfig {
+            grid_dim: ((tiles as u32).min(self.sm_count).max(1), 1, 1),
+            block_dim: (SM90_THREADS, 1, 1),
+            shared_mem_bytes: kernel.shared_mem_bytes,
+        };
+        let (mi, ni, ei) = (g.m as i32, g.n as i32, g.experts as i32);
+        let mut p: [*mut c_void; 8] = [
+            param(&maps[0]),
+            param(&maps[1]),
+            param(&g.offsets),
+            param(&g.dw),
+            param(&mi),
+            param(&ni),
             param(&ei),
             param(&tiles),
         ];

@@ -8,17 +8,17 @@ use crate::moe::plan::MoeClass;
 use crate::problem::Scoring;
 
 /// The backward's launches in stream order for a checked call of `t` tokens, workspace at
-/// `base` laid out as `ws`, each handed to `f`. `sm90_rows`: the routed row GEMMs (gu, G,
-/// dX_perm) on the sm_90a kernels over gathered x_perm / dOut_perm (`ws.perm`), which the
-/// weight gradients then read without a gather; otherwise every GEMM on the portable
-/// kernels. The shared expert's GEMMs are portable either way.
+/// `base` laid out as `ws`, each handed to `f`. `sm90`: the routed GEMMs (gu, G, dX_perm
+/// and the weight gradients dW2, dW13) on the sm_90a kernels over gathered x_perm /
+/// dOut_perm (`ws.perm`); otherwise every GEMM on the portable kernels. The shared
+/// expert's GEMMs are portable either way.
 pub(super) fn backward_steps(
     c: &MoeClass,
     t: usize,
     a: &MoeBwdArgs,
     ws: &BwdWorkspaceLayout,
     base: u64,
-    sm90_rows: bool,
+    sm90: bool,
     f: &mut dyn FnMut(Step) -> Result<()>,
 ) -> Result<()> {
     let (h, i, e, k) = (c.hidden, c.intermediate, c.experts, c.top_k);
@@ -32,17 +32,17 @@ pub(super) fn backward_steps(
         a.saved.slot_row.ptr,
     );
 
-    let perm = match (sm90_rows, ws.perm) {
+    let perm = match (sm90, ws.perm) {
         (false, _) => None,
         (true, Some(p)) => Some(p.map(at)),
         (true, None) => {
             return Err(Error::invalid(
-                "the sm_90a row GEMMs need the workspace's x_perm / dOut_perm regions",
+                "the sm_90a GEMMs need the workspace's x_perm / dOut_perm regions",
             ))
         }
     };
-    // (x, 1): rows gathered through row_token by the GEMM; (x_perm, 0): already permuted.
-    let (x_rows, x_gather, dout_rows, dout_gather) = match perm {
+    // The sm_90a GEMMs read dense permuted rows; the portable ones gather through row_token.
+    let (x_rows, dout_rows) = match perm {
         Some([xp, dp]) => {
             for (src, dst) in [(a.x.ptr, xp), (a.d_out.ptr, dp)] {
                 f(Step::Gather {
@@ -53,11 +53,11 @@ pub(super) fn backward_steps(
                     cols: h,
                 })?;
             }
-            (xp, 0, dp, 0)
+            (xp, dp)
         }
-        None => (a.x.ptr, 1, a.d_out.ptr, 1),
+        None => (a.x.ptr, a.d_out.ptr),
     };
-    let sm90 = |a_: u64, b: u64, b_kmajor: bool, c_: u64, n: usize, k_: usize| {
+    let rows_sm90 = |a_: u64, b: u64, b_kmajor: bool, c_: u64, n: usize, k_: usize| {
         Step::Sm90Rows(Sm90Rows {
             a: a_,
             b,
@@ -72,7 +72,7 @@ pub(super) fn backward_steps(
     };
     // 1. gu = X_perm·W13 (B [K=H][N=2I]).
     if perm.is_some() {
-        f(sm90(x_rows, a.w13.ptr, false, at(ws.gu), 2 * i, h))?;
+        f(rows_sm90(x_rows, a.w13.ptr, false, at(ws.gu), 2 * i, h))?;
     } else {
         f(Step::Rows(RowsGemm {
             a: a.x.ptr,
@@ -94,7 +94,7 @@ pub(super) fn backward_steps(
     }
     // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue.
     if perm.is_some() {
-        f(sm90(dout_rows, a.w2.ptr, true, at(ws.g), i, h))?;
+        f(rows_sm90(dout_rows, a.w2.ptr, true, at(ws.g), i, h))?;
     } else {
         f(Step::Rows(RowsGemm {
             a: a.d_out.ptr,
@@ -127,25 +127,48 @@ pub(super) fn backward_steps(
         ],
         inter: ii,
     })?;
+    let wgrad_sm90 = |a_: u64, b: u64, dw: u64, m: usize, n: usize| {
+        Step::Sm90Wgrad(Sm90Wgrad {
+            a: a_,
+            b,
+            dw,
+            offsets: offs,
+            rows: r,
+            experts: e,
+            m,
+            n,
+        })
+    };
     // 3. dW2 = (w⊙H)ᵀ·dOut_perm.
-    f(Step::Wgrad(WgradGemm {
-        a: at(ws.wh),
-        a_rs: ii,
-        a_gather: 0,
-        b: dout_rows,
-        b_rs: hi,
-        b_gather: dout_gather,
-        c: a.dw2.ptr,
-        m_dim: ii,
-        n_cols: hi,
-        row_token: rtok,
-        offsets: offs,
-        total_rows: ri,
-        groups: e as u32,
-    }))?;
+    if perm.is_some() {
+        f(wgrad_sm90(at(ws.wh), dout_rows, a.dw2.ptr, i, h))?;
+    } else {
+        f(Step::Wgrad(WgradGemm {
+            a: at(ws.wh),
+            a_rs: ii,
+            a_gather: 0,
+            b: a.d_out.ptr,
+            b_rs: hi,
+            b_gather: 1,
+            c: a.dw2.ptr,
+            m_dim: ii,
+            n_cols: hi,
+            row_token: rtok,
+            offsets: offs,
+            total_rows: ri,
+            groups: e as u32,
+        }))?;
+    }
     // 4. dX_perm = dGU·W13ᵀ (W13 [H][2I] read as [N=H][K=2I]).
     if perm.is_some() {
-        f(sm90(at(ws.dgu), a.w13.ptr, true, at(ws.dx_perm), h, 2 * i))?;
+        f(rows_sm90(
+            at(ws.dgu),
+            a.w13.ptr,
+            true,
+            at(ws.dx_perm),
+            h,
+            2 * i,
+        ))?;
     } else {
         f(Step::Rows(RowsGemm {
             a: at(ws.dgu),
@@ -166,21 +189,25 @@ pub(super) fn backward_steps(
         }))?;
     }
     // 5. dW13 = X_permᵀ·dGU.
-    f(Step::Wgrad(WgradGemm {
-        a: x_rows,
-        a_rs: hi,
-        a_gather: x_gather,
-        b: at(ws.dgu),
-        b_rs: 2 * ii,
-        b_gather: 0,
-        c: a.dw13.ptr,
-        m_dim: hi,
-        n_cols: 2 * ii,
-        row_token: rtok,
-        offsets: offs,
-        total_rows: ri,
-        groups: e as u32,
-    }))?;
+    if perm.is_some() {
+        f(wgrad_sm90(x_rows, at(ws.dgu), a.dw13.ptr, h, 2 * i))?;
+    } else {
+        f(Step::Wgrad(WgradGemm {
+            a: a.x.ptr,
+            a_rs: hi,
+            a_gather: 1,
+            b: at(ws.dgu),
+            b_rs: 2 * ii,
+            b_gather: 0,
+            c: a.dw13.ptr,
+            m_dim: hi,
+            n_cols: 2 * ii,
+            row_token: rtok,
+            offsets: offs,
+            total_rows: ri,
+            groups: e as u32,
+        }))?;
+    }
     // 6. Router: dZ, then d_router = xᵀ·dZ.
     {
         let logits = a.saved.logits.ptr;

@@ -98,7 +98,7 @@ pub struct BwdWorkspaceLayout {
     /// Shared expert: [T, 2I] f32 gu, [T, I] f32 G, [T, 2I] 16-bit dGU, [T, I] 16-bit h,
     /// [T, H] f32 dX.
     pub shared: Option<[usize; 5]>,
-    /// The sm_90a row GEMMs' dense A operands: [R, H] 16-bit x_perm and dOut_perm (rows
+    /// The sm_90a GEMMs' dense operands: [R, H] 16-bit x_perm and dOut_perm (rows
     /// gathered in permuted order); present when the plan has those kernels.
     pub perm: Option<[usize; 2]>,
     pub bytes: usize,
@@ -123,9 +123,9 @@ impl Carver {
 }
 
 impl BwdWorkspaceLayout {
-    /// The layout of a backward call of `class` with `tokens` tokens; `sm90_rows`: with
-    /// the regions of the sm_90a row GEMMs ([`BwdWorkspaceLayout::perm`]).
-    pub fn new(class: &MoeClass, tokens: usize, sm90_rows: bool) -> Result<BwdWorkspaceLayout> {
+    /// The layout of a backward call of `class` with `tokens` tokens; `sm90`: with
+    /// the regions of the sm_90a GEMMs ([`BwdWorkspaceLayout::perm`]).
+    pub fn new(class: &MoeClass, tokens: usize, sm90: bool) -> Result<BwdWorkspaceLayout> {
         let (h, i, e) = (class.hidden, class.intermediate, class.experts);
         let el = class.dtype.size_bytes();
         let rows = tokens.checked_mul(class.top_k).ok_or_else(too_big)?;
@@ -149,7 +149,7 @@ impl BwdWorkspaceLayout {
         } else {
             None
         };
-        let perm = if sm90_rows {
+        let perm = if sm90 {
             Some([c.take(mul(rows, h)?, el)?, c.take(mul(rows, h)?, el)?])
         } else {
             None
