@@ -165,6 +165,13 @@ __device__ __forceinline__ void tma_store_4d(const FmTensorMap* m, u32 src, int 
         "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
         : "memory");
 }
+__device__ __forceinline__ void tma_store_3d(const FmTensorMap* m, u32 src, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+            tmap_addr(m)),
+        "r"(c0), "r"(c1), "r"(c2), "r"(src)
+        : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {

@@ -6,7 +6,7 @@
 // Compiled at run time by NVRTC for sm_90a; self-contained. Defines (the host side and the
 // shared-memory formula live in crates/flashmoe/src/moe/backward/sm90.rs):
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (A, B and dW; accumulation is fp32)
-//   FM_STAGES      depth of the TMA ring (2..4)
+//   FM_STAGES      depth of the TMA ring (2..3)
 //
 // Tile: BM = 128 rows of dW (two consumer warpgroups of 64) × BN = 256 columns, 128 fp32
 // accumulators per thread; BK = 64 of the expert's rows per ring stage. Both operands lie
@@ -15,10 +15,11 @@
 // as the forward's B (tnspB).
 //
 // ABI (host side: crates/flashmoe/src/moe/backward/sm90.rs):
-//   moe_wgrad_sm90(FmTensorMap a_map, FmTensorMap b_map, const u32* offsets, u16* dw,
-//                  int m_dim, int n_dim, int experts, int tiles)
-//   Tensor maps: A 2-D {M, R}, B 2-D {N, R}, box {64, 64} both, 16-bit, 128-byte swizzle,
-//   out-of-bounds elements read as zero. dw = [E][M][N]; M, N multiples of 8.
+//   moe_wgrad_sm90(FmTensorMap a_map, FmTensorMap b_map, FmTensorMap dw_map,
+//                  const u32* offsets, int m_dim, int n_dim, int experts, int tiles)
+//   Tensor maps: A 2-D {M, R}, B 2-D {N, R}, dW 3-D {N, M, E} ([E][M][N]), box {64, 64}
+//   ({64, 64, 1}), 16-bit, 128-byte swizzle; loads read out-of-bounds elements as zero,
+//   stores skip them. M, N multiples of 8.
 //   tiles = E · ceil(M / BM) · ceil(N / BN); grid.x <= tiles (persistent: block b takes
 //   tiles b, b + gridDim.x, ...); block = 384 threads.
 //
@@ -29,7 +30,11 @@
 //
 // Pipeline: as moe_gemm_sm90.cu (one producer thread, full/empty mbarriers per stage), with
 // the ring's position carried across a block's tiles, so the producer loads the next
-// tile's first stages while the consumers store the last one.
+// tile's first stages while the consumers store the last one. Epilogue: each consumer
+// warpgroup writes its 64 × 256 tile in 16 bits to its own shared-memory buffer (four
+// 128-byte-swizzled boxes, conflict-free) and one thread stores it by TMA; the buffer is
+// reused once that store has read it, so the writes to HBM run under the next tile (at
+// ~128 rows per expert the kernel is bound by writing dW, 2 bytes per 256 FLOPs).
 
 #ifndef FM_DTYPE_BF16
 #define FM_DTYPE_BF16 1
@@ -38,7 +43,7 @@
 #include "fm_sm90.cuh"
 #include "moe_gemm_common.cuh"
 #ifndef FM_STAGES
-#define FM_STAGES 4
+#define FM_STAGES 3
 #endif
 
 namespace fm {
@@ -55,11 +60,13 @@ constexpr int A_BOXES = BM / 64;
 constexpr int B_BOXES = BN / 64;
 constexpr int A_BYTES = A_BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = (A_BOXES + B_BOXES) * BOX_BYTES;
+constexpr int OUT_BYTES = 64 * BN * 2;  // one consumer warpgroup's 16-bit tile
 constexpr int BAR_BYTES = 16 * STAGES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024 + BAR_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * OUT_BYTES + 1024 + BAR_BYTES;
 constexpr int ZERO_BAR = 1;  // named barrier of the 256 consumer threads
+constexpr int OUT_BAR = 2;   // + wm: named barrier of consumer warpgroup wm
 
-static_assert(STAGES >= 2 && STAGES <= 4, "FM_STAGES must be 2..4");
+static_assert(STAGES >= 2 && STAGES <= 3, "FM_STAGES must be 2..3");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
 
 struct WTile {
@@ -91,22 +98,35 @@ __device__ __forceinline__ void zero_tail(u32 st, int valid, int c) {
     }
 }
 
-// dW tile from the accumulators of consumer warpgroup wm (16-bit pairs; m < M, n < N).
-__device__ __forceinline__ void store_wtile(u16* __restrict__ dw, int M, int N, const WTile& w,
-                                            const float (&acc)[NACC], int wm, int tid) {
+// dW tile from the accumulators of consumer warpgroup wm (thread tid): into its buffer
+// `out` as four boxes of 64 rows × 64 columns (128-byte rows, 16-byte chunk c of row r at
+// c ^ (r % 8): TMA's 128-byte swizzle), then one TMA store per box inside [M) × [N).
+__device__ __forceinline__ void store_wtile(const FmTensorMap* dw_map, u32 out, int M, int N,
+                                            const WTile& w, const float (&acc)[NACC], int wm,
+                                            int tid) {
     const int wp = (tid >> 5) & 3, l = tid & 31;
-    const int col = w.n0 + 2 * (l & 3);
+    const bool leader = (tid & 127) == 0;
+    if (leader) bulk_wait_read<0>();  // the previous tile's store has read the buffer
+    named_bar_sync(OUT_BAR + wm, 128);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-        const int m = w.m0 + wm * 64 + wp * 16 + (l >> 2) + 8 * hh;
-        if (m < M) {
-            u16* row = dw + ((i64)w.e * M + m) * N;
+        const int r = wp * 16 + (l >> 2) + 8 * hh;
 #pragma unroll
-            for (int j = 0; j < NWG / 8; ++j) {
-                const int i = 4 * j + 2 * hh;
-                if (col + 8 * j < N) st_global_u32(row + col + 8 * j, pack2(acc[i], acc[i + 1]));
-            }
+        for (int j = 0; j < NWG / 8; ++j) {
+            const int i = 4 * j + 2 * hh;
+            const u32 addr = out + (j / 8) * BOX_BYTES + r * 128 + (((j % 8) ^ (r % 8)) * 16) +
+                             4 * (l & 3);
+            st_shared_u32(addr, pack2(acc[i], acc[i + 1]));
         }
+    }
+    fence_proxy_async_smem();
+    named_bar_sync(OUT_BAR + wm, 128);
+    const int m = w.m0 + wm * 64;
+    if (leader && m < M) {
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+            if (w.n0 + b * 64 < N) tma_store_3d(dw_map, out + b * BOX_BYTES, w.n0 + b * 64, m, w.e);
+        bulk_commit();
     }
 }
 
@@ -114,14 +134,16 @@ __device__ __forceinline__ void store_wtile(u16* __restrict__ dw, int M, int N, 
 
 extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     moe_wgrad_sm90(const __grid_constant__ FmTensorMap a_map,
-                   const __grid_constant__ FmTensorMap b_map, const u32* __restrict__ offsets,
-                   u16* __restrict__ dw, int m_dim, int n_dim, int experts, int tiles) {
+                   const __grid_constant__ FmTensorMap b_map,
+                   const __grid_constant__ FmTensorMap dw_map, const u32* __restrict__ offsets,
+                   int m_dim, int n_dim, int experts, int tiles) {
     using namespace fm;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x;
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
-    const u32 bars = base + STAGES * STAGE_BYTES;  // full[s] at bars + 8s, empty at + 8(S+s)
+    const u32 outs = base + STAGES * STAGE_BYTES;  // the consumers' tile buffers
+    const u32 bars = outs + 2 * OUT_BYTES;         // full[s] at bars + 8s, empty at + 8(S+s)
     const int mt = (m_dim + BM - 1) / BM;
     const int nt = (n_dim + BN - 1) / BN;
 
@@ -139,6 +161,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
         if (tid == 0) {
             tma_prefetch_desc(&a_map);
             tma_prefetch_desc(&b_map);
+            tma_prefetch_desc(&dw_map);
             u32 it = 0;
             for (u32 t = blockIdx.x; t < (u32)tiles; t += gridDim.x) {
                 const WTile w = wtile(t, offsets, mt, nt);
@@ -194,7 +217,8 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
             wgmma_wait<0>();
             if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
             reg_fence(acc);
-            store_wtile(dw, m_dim, n_dim, w, acc, wm, tid);
+            store_wtile(&dw_map, outs + wm * OUT_BYTES, m_dim, n_dim, w, acc, wm, tid);
         }
+        if ((tid & 127) == 0) bulk_wait<0>();  // the last stores are done before the exit
     }
 }

@@ -34,7 +34,7 @@ pub const WGRAD_ENTRY: &str = "moe_wgrad_sm90";
 /// The weight-gradient kernel's tile (BM × BN of dW) and ring depth.
 pub const WGRAD_BLOCK_M: u32 = 128;
 pub const WGRAD_BLOCK_N: u32 = 256;
-pub const WGRAD_STAGES: u32 = 4;
+pub const WGRAD_STAGES: u32 = 3;
 pub const GATHER_THREADS: u32 = 128;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const SM90_THREADS: u32 = 384;
@@ -168,8 +168,9 @@ pub fn all_sm90_variants() -> Vec<MoeKernel> {
 
 /// The backward's weight-gradient kernel (`moe_wgrad_sm90.cu`): dW\[e\] = A_eᵀ·B_e over
 /// the expert's rows, persistent over E · ceil(M / 128) · ceil(N / 256) tiles. Shared
-/// memory: STAGES · (128 + 256) · 128 B + 1024 (alignment) + 16 · STAGES (mbarriers), the
-/// .cu's SMEM_BYTES.
+/// memory: STAGES · (128 + 256) · 128 B (the ring) + 128 · 256 · 2 B (the 16-bit tile
+/// staged for the TMA store) + 1024 (alignment) + 16 · STAGES (mbarriers), the .cu's
+/// SMEM_BYTES.
 pub fn wgrad_kernel(dtype: DType) -> MoeKernel {
     let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
     MoeKernel {
@@ -183,6 +184,7 @@ pub fn wgrad_kernel(dtype: DType) -> MoeKernel {
         block_n: WGRAD_BLOCK_N,
         block_threads: SM90_THREADS,
         shared_mem_bytes: WGRAD_STAGES * (WGRAD_BLOCK_M + WGRAD_BLOCK_N) * 128
+            + WGRAD_BLOCK_M * WGRAD_BLOCK_N * 2
             + 1024
             + 16 * WGRAD_STAGES,
         min_arch: 90,
@@ -367,10 +369,10 @@ mod tests {
         );
         let t = sm90_tile(Gemm::G2, TileHeight::Bm64);
         assert_eq!((t.block_m(), t.block_n(), t.stages), (64, 512, 3));
-        // 4 x (A 2 boxes + B 4 boxes of 64 x 128 B) + 1024 + 64
+        // 3 x (A 2 boxes + B 4 boxes of 64 x 128 B) + the 128 x 256 tile + 1024 + 48
         assert_eq!(
             wgrad_kernel(DType::Bf16).shared_mem_bytes,
-            4 * 6 * 8192 + 1024 + 64
+            3 * 6 * 8192 + 65536 + 1024 + 48
         );
         assert_eq!(wgrad_tiles(32, 4096, 22016), 32 * 32 * 86);
         wgrad_operand_layout(65536, 22016).check("dGU").unwrap();

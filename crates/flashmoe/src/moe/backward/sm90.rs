@@ -117,6 +117,8 @@ impl Sm90RowKernels {
             ("w⊙h", wgrad_operand_layout(rows, i)),
             ("dOut_perm", wgrad_operand_layout(rows, h)),
             ("dGU", wgrad_operand_layout(rows, 2 * i)),
+            ("dw2", b_layout(e, i, h)),
+            ("dw13", b_layout(e, h, 2 * i)),
         ] {
             l.check(name)?;
         }
@@ -217,9 +219,11 @@ impl Sm90RowKernels {
         let dt = tensor_map::map_data_type("the backward's weight gradient", self.dtype)?;
         let (m, n, r) = (g.m as u64, g.n as u64, g.rows as u64);
         // Layout rules checked at plan time (`for_path`); only the rows vary.
-        let maps: [TensorMap; 2] = [
+        let e = g.experts as u64;
+        let maps: [TensorMap; 3] = [
             tensor_map::encode_checked("wgrad A", g.a, dt, &[m, r], &[m], &[64, 64])?,
             tensor_map::encode_checked("wgrad B", g.b, dt, &[n, r], &[n], &[64, 64])?,
+            tensor_map::encode_checked("dW", g.dw, dt, &[n, m, e], &[n, m * n], &[64, 64, 1])?,
         ];
         let tiles = wgrad_tiles(g.experts, g.m, g.n);
         let tiles = i32::try_from(tiles).map_err(|_| {
@@ -234,8 +238,8 @@ impl Sm90RowKernels {
         let mut p: [*mut c_void; 8] = [
             param(&maps[0]),
             param(&maps[1]),
+            param(&maps[2]),
             param(&g.offsets),
-            param(&g.dw),
             param(&mi),
             param(&ni),
             param(&ei),
