@@ -237,6 +237,12 @@ for s in "$@"; do
     # at the shapes; memcheck + racecheck over the bit-identity cases.
     moe-bwd-unit) stage moe-bwd-unit 300 ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests:: --test-threads=1 --nocapture ;;
     moe-bwd-speed) stage moe-bwd-speed 420 ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests::speed --ignored --nocapture ;;
+    moe-train)    stage moe-train 540 $BIN bench moe --pass fwd+bwd --config configs/moe-train.toml \
+                    --impl flashmoe-grad,moe-grouped-mm --out /tmp/moe-train
+                  for f in results.json results.md report.html; do cp /tmp/moe-train/$f "$OUT/moe-train-$f" 2>/dev/null; done ;;
+    moe-train-seed003) stage moe-train-seed003 540 env FLASHMOE_HOST_MEM_LIMIT_GB=118 $BIN bench moe --pass fwd+bwd \
+                    --config configs/moe-train-seed003.toml --impl flashmoe-grad,moe-grouped-mm --out /tmp/moe-train-s3
+                  for f in results.json results.md report.html; do cp /tmp/moe-train-s3/$f "$OUT/moe-train-seed003-$f" 2>/dev/null; done ;;
     moe-bwd-sanitize) for tool in memcheck racecheck; do
                     stage moe-bwd-$tool 200 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
                       ./target/release/flashmoe-gpu-tests moe::backward::gpu_tests::backward_is_bit_identical_run_to_run --test-threads=1
