@@ -5,7 +5,7 @@
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (x, weights, dOut, the 16-bit intermediates and the
 //                  weight gradients); every accumulation is fp32.
 //
-// Entries (ABI mirrored by crates/flashmoe/src/moe/backward.rs, which owns the launch
+// Entries (ABI mirrored by crates/flashmoe/src/moe/backward/, which owns the launch
 // shapes; every reduction has a fixed order, nothing accumulates across blocks, so the
 // results are bit-identical run to run):
 //
@@ -29,9 +29,13 @@
 //                       recomputed gu[r] (fp32), G = dOut . W2^T row r (fp32):
 //                       dw[a] = sum_j h_j G_j (fixed-shape tree), dH = w G,
 //                       dgu[r] = [dH u silu'(g) | dH silu(g)], wh[r] = w h (16-bit).
-//   moe_bwd_router_dz   per token: dZ (fp32 [T, E]) from dw, the routing weights, the
-//                       recomputed scores and the (d_aux, d_z) pair (null: zeros).
-//   moe_bwd_router_dw   per (c, e): d_router[c, e] = sum_t x[t, c] dZ[t, e] (t ascending).
+//   moe_bwd_router_dz   one warp per token (lanes over experts, fixed butterfly sums):
+//                       dZ (fp32 [T, E]) from dw, the routing weights, the recomputed
+//                       scores and the (d_aux, d_z) pair (null: zeros). grid.x · blockDim.x
+//                       >= 32 T.
+//   moe_bwd_router_dw   per (c, e) and token chunk z (blockIdx.z, `chunk` tokens):
+//                       part[z, c, e] = sum_t x[t, c] dZ[t, e] over the chunk, t ascending.
+//   moe_bwd_router_dw_sum  d_router[c, e] = sum_z part[z, c, e], z ascending (16-bit out).
 //   moe_bwd_unpermute   per (t, c): dx[t, c] = ((sum_s dx_perm[slot_row[t k + s], c]) +
 //                       dx_shared[t, c]) + sum_e dZ[t, e] router[c, e].
 //
@@ -339,6 +343,18 @@ extern "C" __global__ void __launch_bounds__(SW_THREADS)
     if (tid == 0 && dw != nullptr) dw[a] = red[0];
 }
 
+// Butterfly sums and maxima over a warp: every lane gets the same value, in a fixed order.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
+    return v;
+}
+
 extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
                                              const u32* __restrict__ ids,
                                              const float* __restrict__ topk_w,
@@ -347,8 +363,9 @@ extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
                                              const float* __restrict__ dloss,
                                              float* __restrict__ dz, int tokens, int experts,
                                              int top_k, int sigmoid_scoring, int renorm) {
-    const int tok = blockIdx.x * blockDim.x + threadIdx.x;
-    if (tok >= tokens) return;
+    const int tok = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (tok >= tokens) return;  // whole warps
     const float* z = logits + (i64)tok * experts;
     const u32* id = ids + (i64)tok * top_k;
     const float* w = topk_w + (i64)tok * top_k;
@@ -358,13 +375,15 @@ extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
     const float d_z = dloss != nullptr ? dloss[1] : 0.f;
     const float tf = (float)tokens;
     float m = __int_as_float(0xff800000);
-    for (int i = 0; i < experts; ++i) m = fmaxf(m, z[i]);
+    for (int i = lane; i < experts; i += 32) m = fmaxf(m, z[i]);
+    m = warp_max(m);
     float se = 0.f;
-    for (int i = 0; i < experts; ++i) se += expf(z[i] - m);
-    const float lse = m + logf(se);
+    for (int i = lane; i < experts; i += 32) se += expf(z[i] - m);
+    const float lse = m + logf(warp_sum(se));
     auto score = [&](int i) {
         return sigmoid_scoring ? sigmoid_acc(z[i]) : expf(z[i] - lse);
     };
+    // The top-k terms: every lane the same, slots in order.
     float ssel = 0.f, dot = 0.f;
     for (int s = 0; s < top_k; ++s) {
         ssel += score((int)id[s]);
@@ -380,33 +399,41 @@ extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
     auto dp = [&](int i) {
         return d_aux * (float)experts * ((float)counts[i] / (tf * (float)top_k)) / tf;
     };
+    const float cz = d_z * 2.f * lse / tf;
     if (!sigmoid_scoring) {
         float sg = 0.f;
-        for (int i = 0; i < experts; ++i) sg += score(i) * (ds(i) + dp(i));
-        for (int i = 0; i < experts; ++i) out[i] = score(i) * (ds(i) + dp(i) - sg);
+        for (int i = lane; i < experts; i += 32) sg += score(i) * (ds(i) + dp(i));
+        sg = warp_sum(sg);
+        for (int i = lane; i < experts; i += 32) {
+            const float p = score(i);
+            out[i] = p * (ds(i) + dp(i) - sg) + cz * p;
+        }
     } else {
         float total = 0.f;
-        for (int i = 0; i < experts; ++i) total += score(i);
+        for (int i = lane; i < experts; i += 32) total += score(i);
+        total = warp_sum(total);
         float pdp = 0.f;
-        if (total > 0.f)
-            for (int i = 0; i < experts; ++i) pdp += score(i) / total * dp(i);
-        for (int i = 0; i < experts; ++i) {
-            const float s = score(i);
+        if (total > 0.f) {
+            for (int i = lane; i < experts; i += 32) pdp += score(i) / total * dp(i);
+            pdp = warp_sum(pdp);
+        }
+        for (int i = lane; i < experts; i += 32) {
+            const float sv = score(i);
             const float from_aux = total > 0.f ? (dp(i) - pdp) / total : 0.f;
-            out[i] = s * (1.f - s) * (ds(i) + from_aux);
+            out[i] = sv * (1.f - sv) * (ds(i) + from_aux) + cz * expf(z[i] - lse);
         }
     }
-    const float cz = d_z * 2.f * lse / tf;
-    for (int i = 0; i < experts; ++i) out[i] += cz * expf(z[i] - lse);
 }
 
-// One block: an RD_TILE x RD_TILE tile of d_router (columns c, experts e), 256 threads of
-// 4 outputs each; RD_TILE tokens of x and dZ at a time staged in shared memory. Each
-// output sums t ascending, as the formula states.
+// One block: an RD_TILE x RD_TILE tile of d_router (columns c, experts e) over one chunk
+// of `chunk` tokens (blockIdx.z), 256 threads of 4 outputs each; RD_TILE tokens of x and
+// dZ at a time staged in shared memory. Each partial sums its tokens ascending; the chunks
+// are summed in order by moe_bwd_router_dw_sum (the chunks give the blocks to fill the
+// GPU when H · E is small against T).
 #define RD_TILE 32
 
 extern "C" __global__ void moe_bwd_router_dw(const u16* __restrict__ x, const float* __restrict__ dz,
-                      u16* __restrict__ dr, int tokens, int hidden, int experts) {
+                      float* __restrict__ part, int tokens, int hidden, int experts, int chunk) {
     __shared__ float xs[RD_TILE][RD_TILE + 1];
     __shared__ float zs[RD_TILE][RD_TILE + 1];
     const int tid = threadIdx.x;
@@ -414,15 +441,16 @@ extern "C" __global__ void moe_bwd_router_dw(const u16* __restrict__ x, const fl
     // This thread's outputs: column c0 + tid / 8, experts e0 + (tid % 8) + 8 j.
     const int ci = tid >> 3, ei = tid & 7;
     float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int t0 = 0; t0 < tokens; t0 += RD_TILE) {
+    const int t_lo = blockIdx.z * chunk, t_hi = min(tokens, t_lo + chunk);
+    for (int t0 = t_lo; t0 < t_hi; t0 += RD_TILE) {
         for (int i = tid; i < RD_TILE * RD_TILE; i += 256) {
             const int j = i / RD_TILE, l = i % RD_TILE;
             const int t = t0 + j;
-            xs[j][l] = (t < tokens && c0 + l < hidden) ? h2f(x[(i64)t * hidden + c0 + l]) : 0.f;
-            zs[j][l] = (t < tokens && e0 + l < experts) ? dz[(i64)t * experts + e0 + l] : 0.f;
+            xs[j][l] = (t < t_hi && c0 + l < hidden) ? h2f(x[(i64)t * hidden + c0 + l]) : 0.f;
+            zs[j][l] = (t < t_hi && e0 + l < experts) ? dz[(i64)t * experts + e0 + l] : 0.f;
         }
         __syncthreads();
-        const int nt = min(RD_TILE, tokens - t0);
+        const int nt = min(RD_TILE, t_hi - t0);
         for (int j = 0; j < nt; ++j) {
             const float xv = xs[j][ci];
             a0 += xv * zs[j][ei];
@@ -434,17 +462,28 @@ extern "C" __global__ void moe_bwd_router_dw(const u16* __restrict__ x, const fl
     }
     const int c = c0 + ci;
     if (c >= hidden) return;
-    u16* out = dr + (i64)c * experts + e0 + ei;
-    if (e0 + ei < experts) out[0] = f2h(a0);
-    if (e0 + ei + 8 < experts) out[8] = f2h(a1);
-    if (e0 + ei + 16 < experts) out[16] = f2h(a2);
-    if (e0 + ei + 24 < experts) out[24] = f2h(a3);
+    float* out = part + ((i64)blockIdx.z * hidden + c) * experts + e0 + ei;
+    if (e0 + ei < experts) out[0] = a0;
+    if (e0 + ei + 8 < experts) out[8] = a1;
+    if (e0 + ei + 16 < experts) out[16] = a2;
+    if (e0 + ei + 24 < experts) out[24] = a3;
+}
+
+// d_router[i] = sum_z part[z, i] for the H · E outputs i, chunks ascending.
+extern "C" __global__ void moe_bwd_router_dw_sum(const float* __restrict__ part,
+                                                 u16* __restrict__ dr, int chunks, int outputs) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= outputs) return;
+    float acc = 0.f;
+    for (int z = 0; z < chunks; ++z) acc += part[(i64)z * outputs + i];
+    dr[i] = f2h(acc);
 }
 
 // One block: UP_TOK tokens x UP_THREADS columns; dZ of those tokens staged in shared memory
-// UP_ECH experts at a time, so a column's router row is read once per UP_TOK tokens, not
-// once per token. Per (t, c) the sums are those of the formula above in its order (slots,
-// then the shared expert, then experts ascending).
+// UP_ECH experts at a time ([e][token], so one 16-byte read gives four tokens' dZ of an
+// expert: four FMAs per shared-memory read), and a column's router row is read once per
+// UP_TOK tokens, not once per token. Per (t, c) the sums are those of the formula above in
+// its order (slots, then the shared expert, then experts ascending).
 #define UP_THREADS 256
 #define UP_TOK 16
 #define UP_ECH 64
@@ -454,7 +493,7 @@ extern "C" __global__ void __launch_bounds__(UP_THREADS)
                       const float* __restrict__ dx_shared, const float* __restrict__ dz,
                       const u16* __restrict__ router, u16* __restrict__ dx, int tokens,
                       int hidden, int experts, int top_k) {
-    __shared__ float dzs[UP_TOK][UP_ECH];
+    __shared__ __align__(16) float dzs[UP_ECH][UP_TOK];
     const int tid = threadIdx.x;
     const int c = blockIdx.y * UP_THREADS + tid;
     const int t0 = blockIdx.x * UP_TOK;
@@ -467,15 +506,22 @@ extern "C" __global__ void __launch_bounds__(UP_THREADS)
         const int ne = min(UP_ECH, experts - e0);
         for (int i = tid; i < UP_TOK * UP_ECH; i += UP_THREADS) {
             const int j = i / UP_ECH, e = i % UP_ECH;
-            dzs[j][e] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
+            dzs[e][j] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
         }
         __syncthreads();
         if (col) {
             const u16* rrow = router + (i64)c * experts + e0;
             for (int e = 0; e < ne; ++e) {
                 const float r = h2f(rrow[e]);
+                const float4* d4 = reinterpret_cast<const float4*>(&dzs[e][0]);
 #pragma unroll
-                for (int j = 0; j < UP_TOK; ++j) dr[j] += dzs[j][e] * r;
+                for (int q = 0; q < UP_TOK / 4; ++q) {
+                    const float4 v = d4[q];
+                    dr[4 * q] += v.x * r;
+                    dr[4 * q + 1] += v.y * r;
+                    dr[4 * q + 2] += v.z * r;
+                    dr[4 * q + 3] += v.w * r;
+                }
             }
         }
         __syncthreads();

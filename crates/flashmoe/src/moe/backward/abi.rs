@@ -9,13 +9,14 @@ use cudarc::driver::LaunchConfig;
 pub const BWD_SOURCE: &str = "moe_backward.cu";
 
 /// Its entries, in the order [`MoeBackwardPlan`](super::MoeBackwardPlan) loads them.
-pub const BWD_ENTRIES: [&str; 6] = [
+pub const BWD_ENTRIES: [&str; 7] = [
     "moe_bwd_gemm_rows",
     "moe_bwd_gemm_wgrad",
     "moe_bwd_swiglu",
     "moe_bwd_router_dz",
     "moe_bwd_router_dw",
     "moe_bwd_unpermute",
+    "moe_bwd_router_dw_sum",
 ];
 
 /// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
@@ -147,8 +148,11 @@ pub(super) enum Step {
     /// (logits, ids, topk_w, dw, counts, d_losses, dz), (tokens, experts, top_k, sigmoid,
     /// renormalize).
     RouterDz([u64; 7], [i32; 5]),
-    /// (x, dz, d_router), (tokens, hidden, experts).
-    RouterDw([u64; 3], [i32; 3]),
+    /// (x, dz, part), (tokens, hidden, experts, chunk tokens, chunks): d_router's partial
+    /// sums per chunk of tokens.
+    RouterDw([u64; 3], [i32; 5]),
+    /// (part, d_router), (chunks, hidden · experts): the chunks summed in order.
+    RouterDwSum([u64; 2], [i32; 2]),
     /// (dx_perm, slot_row, dx_shared (0: none), dz, router, dx), (tokens, hidden, experts,
     /// top_k).
     Unpermute([u64; 6], [i32; 4]),
@@ -166,6 +170,7 @@ impl Step {
             Step::Swiglu { .. } => "swiglu",
             Step::RouterDz(..) => "router_dz",
             Step::RouterDw(..) => "router_dw",
+            Step::RouterDwSum(..) => "router_dw_sum",
             Step::Unpermute(..) => "unpermute",
         }
     }

@@ -492,6 +492,12 @@ fn backward_matches_f64_reference() {
                 inter: 32,
                 ..b
             },
+            // d_router over 3 chunks of tokens (523 + 523 + 522)
+            Case {
+                tokens: 1568,
+                scoring: Scoring::Sigmoid,
+                ..b
+            },
         ];
         for &path in paths(dev) {
             let mut worst = (0f64, 0f64);
@@ -662,8 +668,8 @@ fn backward_graph_replay_matches_eager() {
 
 /// What each launch of a non-shared backward computes, in `backward_steps` order, and its
 /// FLOPs (R = T·k rows) as a multiple of R·H·I (GEMMs) or T·H·E (router): the portable
-/// path's 9 launches, then the sm_90a path's 11.
-const STEP_LABELS: [(&str, f64, f64); 9] = [
+/// path's 10 launches, then the sm_90a path's 12.
+const STEP_LABELS: [(&str, f64, f64); 10] = [
     ("1 gu = X_perm·W13", 4.0, 0.0),
     ("2 G = dOut_perm·W2ᵀ", 2.0, 0.0),
     ("2 swiglu / dw epilogue", 0.0, 0.0),
@@ -672,9 +678,10 @@ const STEP_LABELS: [(&str, f64, f64); 9] = [
     ("5 dW13 = X_permᵀ·dGU", 4.0, 0.0),
     ("6 router dZ", 0.0, 0.0),
     ("6 d_router = xᵀ·dZ", 0.0, 2.0),
+    ("6 d_router chunks summed", 0.0, 0.0),
     ("8 un-permute (+ dZ·Rᵀ)", 0.0, 2.0),
 ];
-const STEP_LABELS_SM90: [(&str, f64, f64); 11] = [
+const STEP_LABELS_SM90: [(&str, f64, f64); 12] = [
     ("0 gather x_perm", 0.0, 0.0),
     ("0 gather dOut_perm", 0.0, 0.0),
     ("1 gu = X_perm·W13", 4.0, 0.0),
@@ -685,6 +692,7 @@ const STEP_LABELS_SM90: [(&str, f64, f64); 11] = [
     ("5 dW13 = X_permᵀ·dGU", 4.0, 0.0),
     ("6 router dZ", 0.0, 0.0),
     ("6 d_router = xᵀ·dZ", 0.0, 2.0),
+    ("6 d_router chunks summed", 0.0, 0.0),
     ("8 un-permute (+ dZ·Rᵀ)", 0.0, 2.0),
 ];
 

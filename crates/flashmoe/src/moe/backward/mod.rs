@@ -13,7 +13,8 @@
 //! 3. dW2 = (w⊙H)ᵀ·dOut_perm per expert (K = that expert's rows);
 //! 4. dX_perm = dGU·W13ᵀ (f32);
 //! 5. dW13 = X_permᵀ·dGU per expert;
-//! 6. router: dZ from dw, the aux loss and the z-loss (f32), d_router = xᵀ·dZ;
+//! 6. router: dZ from dw, the aux loss and the z-loss (f32), d_router = xᵀ·dZ (partial
+//!    sums per chunk of tokens, then summed in order);
 //! 7. shared expert (when the class has one): 1–5 as one group of all tokens, w = 1;
 //! 8. un-permute: dx_t = ((Σ_s dX_perm\[row(t, s)\]) + dX_shared,t) + dZ_t·Rᵀ, slots
 //!    ascending, a gather-sum per token (no atomics).
@@ -50,7 +51,7 @@
 //! fixed-shape tree per slot, the router and un-permute sums are sequential per thread.
 //! The same inputs give bit-identical gradients on every call.
 //!
-//! A call does O(1) checks and enqueues 9 kernels (11 on the sm_90a path: two
+//! A call does O(1) checks and enqueues 10 kernels (12 on the sm_90a path: two
 //! gathers; +6 for a shared expert, whose GEMMs stay portable): no
 //! allocation, no synchronisation, no compile; it can be captured in a CUDA graph.
 
@@ -76,7 +77,7 @@ mod workspace;
 
 pub use abi::{bwd_defines, BWD_ENTRIES, BWD_SOURCE};
 pub use plan::MoeBackwardPlan;
-pub use workspace::{BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
+pub use workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
 
 #[cfg(test)]
 mod tests {
@@ -100,6 +101,15 @@ mod tests {
     }
 
     #[test]
+    fn router_chunks_grow_with_tokens_to_16() {
+        let c: Vec<usize> = [1, 511, 512, 1100, 2048, 8192, 8193, 1 << 20]
+            .iter()
+            .map(|&t| router_chunks(t))
+            .collect();
+        assert_eq!(c, [1, 1, 1, 2, 4, 16, 16, 16]);
+    }
+
+    #[test]
     fn workspace_regions_are_aligned_disjoint_and_monotone() {
         for (shared, sm90) in [(false, false), (true, false), (false, true), (true, true)] {
             let c = class(shared);
@@ -114,6 +124,7 @@ mod tests {
                     (l.dx_perm, t * 2 * 64 * 4),
                     (l.dw, t * 2 * 4),
                     (l.dz, t * 4 * 4),
+                    (l.dr_part, router_chunks(t) * 64 * 4 * 4),
                 ];
                 if let Some(s) = l.shared {
                     regions.extend([

@@ -291,15 +291,27 @@ fn run(m: &mut Mem, step: Step) {
                 }
             }
         }
-        Step::RouterDw([x, dz, dr], [t, h, e]) => {
-            let (t, h, e) = (t as i64, h as i64, e as i64);
-            for c in 0..h {
-                for ex in 0..e {
-                    let acc: f32 = (0..t)
-                        .map(|tk| m.h(x, tk * h + c) * m.f(dz, tk * e + ex))
-                        .sum();
-                    m.set_h(dr, c * e + ex, acc);
+        Step::RouterDw([x, dz, part], [t, h, e, chunk, chunks]) => {
+            let (t, h, e, chunk) = (t as i64, h as i64, e as i64, chunk as i64);
+            for z in 0..chunks as i64 {
+                let toks = z * chunk..t.min((z + 1) * chunk);
+                for c in 0..h {
+                    for ex in 0..e {
+                        let acc: f32 = toks
+                            .clone()
+                            .map(|tk| m.h(x, tk * h + c) * m.f(dz, tk * e + ex))
+                            .sum();
+                        m.set_f(part, (z * h + c) * e + ex, acc);
+                    }
                 }
+            }
+        }
+        Step::RouterDwSum([part, dr], [chunks, outputs]) => {
+            for i in 0..outputs as i64 {
+                let acc: f32 = (0..chunks as i64)
+                    .map(|z| m.f(part, z * outputs as i64 + i))
+                    .sum();
+                m.set_h(dr, i, acc);
             }
         }
         Step::Unpermute([dxp, srow, dxs, dz, router, dx], [t, h, e, k]) => {
@@ -450,6 +462,11 @@ fn launch_sequence_on_the_cpu_model_matches_f64_reference() {
         MoeClass {
             top_k: 4,
             max_tokens: 7,
+            ..b
+        },
+        // two chunks of d_router's tokens (550 + 550)
+        MoeClass {
+            max_tokens: 1100,
             ..b
         },
     ]

@@ -236,7 +236,8 @@ impl MoeBackwardPlan {
 
     /// [`Self::backward_raw`] with `after(i, kind)` called after the i-th launch is
     /// enqueued (`kind`: "gather", "rows", "rows_sm90", "wgrad", "wgrad_sm90", "swiglu",
-    /// "router_dz", "router_dw", "unpermute"): the lab's per-kernel timing records an event
+    /// "router_dz", "router_dw", "router_dw_sum", "unpermute"): the lab's per-kernel timing
+    /// records an event
     /// there.
     ///
     /// # Safety
@@ -318,24 +319,35 @@ impl MoeBackwardPlan {
                     param(&v[3]),
                     param(&v[4]),
                 ];
-                self.launch(3, elem_cfg(v[0] as usize), stream, &mut a)
+                // One warp per token.
+                self.launch(3, elem_cfg(32 * v[0] as usize), stream, &mut a)
             }
             Step::RouterDw(p, v) => {
-                let mut a: [*mut c_void; 6] = [
+                let mut a: [*mut c_void; 7] = [
                     param(&p[0]),
                     param(&p[1]),
                     param(&p[2]),
                     param(&v[0]),
                     param(&v[1]),
                     param(&v[2]),
+                    param(&v[3]),
                 ];
-                // RD_TILE (32) columns x 32 experts per block (moe_backward.cu).
+                // RD_TILE (32) columns x 32 experts x one chunk of tokens per block.
                 let cfg = LaunchConfig {
-                    grid_dim: (ceil(v[1] as usize, 32), ceil(v[2] as usize, 32), 1),
+                    grid_dim: (
+                        ceil(v[1] as usize, 32),
+                        ceil(v[2] as usize, 32),
+                        v[4] as u32,
+                    ),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 self.launch(4, cfg, stream, &mut a)
+            }
+            Step::RouterDwSum(p, v) => {
+                let mut a: [*mut c_void; 4] =
+                    [param(&p[0]), param(&p[1]), param(&v[0]), param(&v[1])];
+                self.launch(6, elem_cfg(v[1] as usize), stream, &mut a)
             }
             Step::Unpermute(p, v) => {
                 let mut a: [*mut c_void; 10] = [

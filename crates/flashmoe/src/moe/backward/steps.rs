@@ -2,7 +2,7 @@
 //! what the CPU model of the kernels (model_tests.rs) interprets.
 
 use super::abi::*;
-use super::workspace::{BwdWorkspaceLayout, MoeBwdArgs};
+use super::workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs};
 use crate::error::{Error, Result};
 use crate::moe::plan::MoeClass;
 use crate::problem::Scoring;
@@ -223,7 +223,15 @@ pub(super) fn backward_steps(
             [logits, ids, tw, dw, cnt, dl, dz],
             [ti, ei, ki, sig, rn],
         ))?;
-        f(Step::RouterDw([a.x.ptr, dz, a.d_router.ptr], [ti, hi, ei]))?;
+        let chunks = router_chunks(t);
+        let part = at(ws.dr_part);
+        let chunk = t.div_ceil(chunks) as i32;
+        let chunks = chunks as i32;
+        f(Step::RouterDw(
+            [a.x.ptr, dz, part],
+            [ti, hi, ei, chunk, chunks],
+        ))?;
+        f(Step::RouterDwSum([part, a.d_router.ptr], [chunks, hi * ei]))?;
     }
     // 7. Shared expert: one group of all tokens, w = 1, no dw.
     let dx_shared = if let (Some(sh), Some(sw13), Some(sw2), Some(dsw13), Some(dsw2)) = (

@@ -95,6 +95,9 @@ pub struct BwdWorkspaceLayout {
     pub dw: usize,
     /// [T, E] f32 dL/d(logits).
     pub dz: usize,
+    /// [chunks, H, E] f32 partial sums of d_router = xᵀ·dZ, one per chunk of tokens
+    /// ([`router_chunks`]).
+    pub dr_part: usize,
     /// Shared expert: [T, 2I] f32 gu, [T, I] f32 G, [T, 2I] 16-bit dGU, [T, I] 16-bit h,
     /// [T, H] f32 dX.
     pub shared: Option<[usize; 5]>,
@@ -102,6 +105,13 @@ pub struct BwdWorkspaceLayout {
     /// gathered in permuted order); present when the plan has those kernels.
     pub perm: Option<[usize; 2]>,
     pub bytes: usize,
+}
+
+/// Chunks of tokens that d_router = xᵀ·dZ is split into (summed in order afterwards): one
+/// per 512 tokens, at most 16, so that its H/32 · E/32 tiles times the chunks fill the GPU
+/// (non-decreasing in `tokens`, so the workspace is monotone).
+pub fn router_chunks(tokens: usize) -> usize {
+    (tokens / 512).clamp(1, 16)
 }
 
 pub(super) fn too_big() -> Error {
@@ -138,6 +148,7 @@ impl BwdWorkspaceLayout {
         let dx_perm = c.take(mul(rows, h)?, 4)?;
         let dw = c.take(rows, 4)?;
         let dz = c.take(mul(tokens, e)?, 4)?;
+        let dr_part = c.take(mul(router_chunks(tokens), mul(h, e)?)?, 4)?;
         let shared = if class.shared_expert {
             Some([
                 c.take(mul(tokens, 2 * i)?, 4)?,
@@ -165,6 +176,7 @@ impl BwdWorkspaceLayout {
             dx_perm,
             dw,
             dz,
+            dr_part,
             shared,
             perm,
             bytes,
