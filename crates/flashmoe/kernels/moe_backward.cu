@@ -480,10 +480,11 @@ extern "C" __global__ void moe_bwd_router_dw_sum(const float* __restrict__ part,
 }
 
 // One block: UP_TOK tokens x UP_THREADS columns; dZ of those tokens staged in shared memory
-// UP_ECH experts at a time ([e][token], so one 16-byte read gives four tokens' dZ of an
-// expert: four FMAs per shared-memory read), and a column's router row is read once per
-// UP_TOK tokens, not once per token. Per (t, c) the sums are those of the formula above in
-// its order (slots, then the shared expert, then experts ascending).
+// UP_ECH experts at a time, so a column's router row is read once per UP_TOK tokens, not
+// once per token. Per (t, c) the sums are those of the formula above in its order (slots,
+// then the shared expert, then experts ascending). (Reading dZ four tokens per 16-byte
+// shared load measured 10 % slower at Qwen3's shape, H200 2026-11-29: the router rows'
+// strided reads, not shared memory, bound it.)
 #define UP_THREADS 256
 #define UP_TOK 16
 #define UP_ECH 64
@@ -493,7 +494,7 @@ extern "C" __global__ void __launch_bounds__(UP_THREADS)
                       const float* __restrict__ dx_shared, const float* __restrict__ dz,
                       const u16* __restrict__ router, u16* __restrict__ dx, int tokens,
                       int hidden, int experts, int top_k) {
-    __shared__ __align__(16) float dzs[UP_ECH][UP_TOK];
+    __shared__ float dzs[UP_TOK][UP_ECH];
     const int tid = threadIdx.x;
     const int c = blockIdx.y * UP_THREADS + tid;
     const int t0 = blockIdx.x * UP_TOK;
@@ -506,22 +507,15 @@ extern "C" __global__ void __launch_bounds__(UP_THREADS)
         const int ne = min(UP_ECH, experts - e0);
         for (int i = tid; i < UP_TOK * UP_ECH; i += UP_THREADS) {
             const int j = i / UP_ECH, e = i % UP_ECH;
-            dzs[e][j] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
+            dzs[j][e] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
         }
         __syncthreads();
         if (col) {
             const u16* rrow = router + (i64)c * experts + e0;
             for (int e = 0; e < ne; ++e) {
                 const float r = h2f(rrow[e]);
-                const float4* d4 = reinterpret_cast<const float4*>(&dzs[e][0]);
 #pragma unroll
-                for (int q = 0; q < UP_TOK / 4; ++q) {
-                    const float4 v = d4[q];
-                    dr[4 * q] += v.x * r;
-                    dr[4 * q + 1] += v.y * r;
-                    dr[4 * q + 2] += v.z * r;
-                    dr[4 * q + 3] += v.w * r;
-                }
+                for (int j = 0; j < UP_TOK; ++j) dr[j] += dzs[j][e] * r;
             }
         }
         __syncthreads();
