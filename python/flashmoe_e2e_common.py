@@ -66,8 +66,12 @@ IMPLS = {
     "flashmoe-attn": ("flashmoe", "grouped-mm", False),
     "sdpa-cudnn+compile": ("sdpa-cudnn", "grouped-mm", True),
     "flashmoe+compile": ("flashmoe", "flashmoe", True),
+    # A deliberately wrong backward (the attention's dK dropped, as a kernel that never
+    # writes it): the training gate must fail it. Never a baseline.
+    "planted-wrong-dk": ("planted-wrong-dk", "grouped-mm", False),
 }
-BASELINES = [n for n in IMPLS if not n.startswith("flashmoe")]
+PLANTED = "planted-wrong-dk"
+BASELINES = [n for n in IMPLS if not n.startswith("flashmoe") and n != PLANTED]
 DEFAULT_IMPLS = ["eager", "sdpa-flash", "sdpa-cudnn", "flashmoe"]
 
 
@@ -216,6 +220,23 @@ def attention_sdpa(backend):
     return attn
 
 
+class _DropGrad(torch.autograd.Function):
+    """Identity forward; the backward returns a zero gradient (the planted bug)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.zeros_like(g)
+
+
+def attention_planted_wrong_dk(q, k, v):
+    """The math attention with dK dropped: right forward, wrong backward."""
+    return attention_math(q, _DropGrad.apply(k), v)
+
+
 def attention_flashmoe(fm):
     def attn(q, k, v):
         return fm.attention(q, k, v, causal=True)
@@ -295,6 +316,8 @@ def build_impl(name, model):
     attn_name, moe_name, compiled = IMPLS[name]
     if attn_name == "math":
         attention = attention_math
+    elif attn_name == PLANTED:
+        attention = attention_planted_wrong_dk
     elif attn_name.startswith("sdpa"):
         if model.device.type != "cuda" and attn_name != "sdpa-math":
             raise NotApplicable(f"{attn_name} needs a CUDA device")

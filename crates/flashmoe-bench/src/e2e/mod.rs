@@ -155,11 +155,15 @@ pub struct ScriptSettings {
     pub gate_floor: Option<f64>,
     #[serde(default)]
     pub gate_cap: Option<f64>,
-    /// Train gate: per step |Δloss| ≤ max(loss_floor, loss_relative · loss).
+    /// Train gate: |Δloss| (windowed) ≤ max(loss_floor, noise_mult × the measured noise
+    /// floor), or ≤ max(loss_floor, loss_relative · loss) where no noise was measured (and in
+    /// files without `noise_mult`, per step).
     #[serde(default)]
     pub loss_floor: Option<f64>,
     #[serde(default)]
     pub loss_relative: Option<f64>,
+    #[serde(default)]
+    pub noise_mult: Option<f64>,
     #[serde(default)]
     pub lr: Option<f64>,
 }
@@ -179,9 +183,15 @@ pub struct SampledConfig {
     pub bf16_rel_l2: Option<f64>,
     #[serde(default)]
     pub gate_rel_l2: Option<f64>,
-    /// Train: the implementation whose loss curve the others are checked against.
+    /// Train: the implementation whose loss curve the others are checked against, the
+    /// second baseline whose distance from it is the noise floor, the window (steps) the
+    /// curves are averaged over.
     #[serde(default)]
     pub loss_reference: Option<String>,
+    #[serde(default)]
+    pub loss_noise_partner: Option<String>,
+    #[serde(default)]
+    pub loss_window: Option<usize>,
     pub implementations: Vec<SampledImpl>,
 }
 
@@ -247,14 +257,22 @@ impl SamplesFile {
         serde_json::from_str(text).context("the e2e samples file does not match its schema")
     }
 
-    /// Did any implementation fail its gate or error (n/a and out-of-memory do not count)?
+    /// Did any implementation fail its gate or error (n/a and out-of-memory do not count),
+    /// or the planted wrong gradient pass the train gate?
     pub fn any_failed(&self) -> bool {
         self.configs
             .iter()
             .flat_map(|c| &c.implementations)
-            .any(|i| matches!(i.status.as_str(), "failed-gate" | "error"))
+            .any(|i| match (i.name.as_str(), i.status.as_str()) {
+                (PLANTED, s) => s == "error" || (s == "ok" && i.loss_curve.is_some()),
+                (_, s) => matches!(s, "failed-gate" | "error"),
+            })
     }
 }
+
+/// The train run's implementation with a deliberately wrong backward
+/// (`python/flashmoe_e2e_common.py`): its gate must fail.
+pub const PLANTED: &str = "planted-wrong-dk";
 
 /// Implementations preferred as the candidate, in order.
 const CANDIDATES: [&str; 3] = ["flashmoe", "flashmoe+compile", "flashmoe-attn"];
@@ -378,9 +396,23 @@ fn curve_accuracy(
     }
     let floor = s.loss_floor.unwrap_or(f64::NAN);
     let relative = s.loss_relative.unwrap_or(f64::NAN);
-    let mut note = format!(
-        "per-step bound |Δloss| ≤ max({floor}, {relative} · loss) against {ref_name}'s curve"
-    );
+    let w = c.loss_window.unwrap_or(1);
+    let mut note = match (s.noise_mult, &c.loss_noise_partner) {
+        (Some(m), Some(partner)) => format!(
+            "|Δloss| averaged over {w} steps ≤ max({floor}, {m} × the noise floor: \
+             {ref_name} vs {partner}, same initialisation) against {ref_name}'s curve"
+        ),
+        (Some(_), None) => format!(
+            "|Δloss| averaged over {w} steps ≤ max({floor}, {relative} · loss) against \
+             {ref_name}'s curve (one baseline: noise floor not measured)"
+        ),
+        (None, _) => format!(
+            "per-step bound |Δloss| ≤ max({floor}, {relative} · loss) against {ref_name}'s curve"
+        ),
+    };
+    if i.name == PLANTED {
+        note = format!("a planted wrong gradient: the gate must fail it; {note}");
+    }
     if let Some(w) = i.loss_worst_step {
         note = format!("worst step {w}; {note}");
     }
@@ -650,6 +682,7 @@ mod tests {
                 gate_cap: Some(0.25),
                 loss_floor: Some(0.05),
                 loss_relative: Some(0.02),
+                noise_mult: (mode == E2eMode::Train).then_some(4.0),
                 lr: None,
             },
             configs: vec![SampledConfig {
@@ -663,6 +696,8 @@ mod tests {
                 bf16_rel_l2: Some(0.0134),
                 gate_rel_l2: Some(0.0201),
                 loss_reference: (mode == E2eMode::Train).then(|| "eager".into()),
+                loss_noise_partner: (mode == E2eMode::Train).then(|| "sdpa-math".into()),
+                loss_window: (mode == E2eMode::Train).then_some(2),
                 implementations: impls,
             }],
         }
@@ -743,6 +778,11 @@ mod tests {
         let a = c.implementations[1].accuracy.as_ref().unwrap();
         assert!(a.passed && (a.max_abs - 0.03).abs() < 1e-9);
         assert_eq!(a.reference, "eager loss curve");
+        let note = a.note.as_deref().unwrap();
+        assert!(
+            note.contains("4 × the noise floor: eager vs sdpa-math"),
+            "{note}"
+        );
         let b = &c.implementations[2];
         let ba = b.accuracy.as_ref().unwrap();
         assert!(!ba.passed && ba.max_abs == 0.5 && ba.worst_row == Some(2));
@@ -763,6 +803,35 @@ mod tests {
                     })
             .abs()
                 < 1.0
+        );
+    }
+
+    #[test]
+    fn the_planted_wrong_gradient_must_fail_the_train_gate() {
+        let mut eager = imp("eager", "ok", 30.0);
+        eager.loss_curve = Some(vec![Some(10.0), Some(9.0), Some(8.0)]);
+        let mut planted = imp(PLANTED, "failed-gate", 30.0);
+        planted.loss_curve = Some(vec![Some(10.0), Some(9.4), Some(8.9)]);
+        let f = file(E2eMode::Train, vec![eager.clone(), planted.clone()]);
+        assert!(
+            !f.any_failed(),
+            "the planted gradient failed its gate, as it must"
+        );
+        let r = to_run_results(&f, Manifest::default(), None).unwrap();
+        let a = r.configs[0].implementations[1].accuracy.as_ref().unwrap();
+        assert!(
+            !a.passed
+                && a.note
+                    .as_deref()
+                    .unwrap()
+                    .contains("planted wrong gradient")
+        );
+        planted.status = "ok".into();
+        planted.notes = vec!["the gate passed a planted wrong gradient".into()];
+        let f = file(E2eMode::Train, vec![eager, planted]);
+        assert!(
+            f.any_failed(),
+            "a gate that passes the planted gradient fails the run"
         );
     }
 
