@@ -1,6 +1,6 @@
-// Embeds every CUDA source under `kernels/` (*.cu, *.cuh) into the library, so the
-// binary carries its kernels and NVRTC compiles them at run time. The table is generated
-// from whatever files exist, so adding a kernel needs no Rust change.
+// Embeds every CUDA source under `kernels/` and its family folders (*.cu, *.cuh) into the
+// library, so the binary carries its kernels and NVRTC compiles them at run time. The
+// table is generated from whatever files exist, so adding a kernel needs no Rust change.
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -16,22 +16,19 @@ fn main() {
         println!("cargo:rerun-if-changed={manifest}");
     }
 
+    // One folder per kernel family (kernels/<family>/..., kernels/common/ for the shared
+    // headers); sources are known by their file name alone, so names are unique.
     let mut files: Vec<(String, String)> = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(&dir) {
-        for e in entries.flatten() {
-            let path = e.path();
-            let name = match path.file_name().and_then(|n| n.to_str()) {
-                Some(n) => n.to_string(),
-                None => continue,
-            };
-            if !(name.ends_with(".cu") || name.ends_with(".cuh")) || !path.is_file() {
-                continue;
-            }
-            println!("cargo:rerun-if-changed={}", path.display());
-            files.push((name, path.display().to_string()));
+    collect(&dir, &mut files);
+    files.sort();
+    for w in files.windows(2) {
+        if w[0].0 == w[1].0 {
+            panic!(
+                "two kernel sources named {} ({} and {}): names under kernels/ must be unique",
+                w[0].0, w[0].1, w[1].1
+            );
         }
     }
-    files.sort();
 
     let mut out = String::new();
     out.push_str("/// (file name, contents) of every embedded kernel source, sorted by name.\n");
@@ -43,4 +40,29 @@ fn main() {
     let out_dir = std::env::var("OUT_DIR").expect("OUT_DIR");
     std::fs::write(Path::new(&out_dir).join("kernel_sources.rs"), out)
         .expect("write kernel_sources.rs");
+}
+
+/// Every `.cu` / `.cuh` file under `dir`, recursively, as (file name, path); each folder is
+/// watched so that an added or removed file reruns this script.
+fn collect(dir: &Path, files: &mut Vec<(String, String)>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            println!("cargo:rerun-if-changed={}", path.display());
+            collect(&path, files);
+            continue;
+        }
+        let name = match path.file_name().and_then(|n| n.to_str()) {
+            Some(n) => n.to_string(),
+            None => continue,
+        };
+        if !(name.ends_with(".cu") || name.ends_with(".cuh")) || !path.is_file() {
+            continue;
+        }
+        println!("cargo:rerun-if-changed={}", path.display());
+        files.push((name, path.display().to_string()));
+    }
 }

@@ -1,4 +1,4 @@
-"""Generate the wgmma wrapper block of crates/flashmoe/kernels/fm_sm90.cuh.
+"""Generate the wgmma wrapper block of crates/flashmoe/kernels/common/fm_sm90.cuh.
 
 The wrappers differ only in N (operand count), which the C preprocessor cannot spell
 into an asm string; this prints them. Usage:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile every MoE grouped-GEMM variant (kernels/moe_grouped_gemm.cu) with NVRTC, no GPU
+"""Compile every MoE grouped-GEMM variant (kernels/moe/forward/moe_grouped_gemm.cu) with NVRTC, no GPU
 needed, and read the ptxas resource report: registers, stack frame, spills.
 
   python3 tools/kernels/moe_nvrtc_check.py                  # every variant, sm_80 and sm_90a

@@ -26,6 +26,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 KDIR = os.path.join(ROOT, "crates", "flashmoe", "kernels")
+# One folder per kernel family under KDIR (build.rs embeds them by file name): every folder
+# is an include directory, and a source is found by its name.
+KDIRS = sorted(d for d, _, _ in os.walk(KDIR))
+INCLUDES = [f"-I{d}" for d in KDIRS]
+
+
+def kernel_path(name):
+    """The path of kernel source `name` (e.g. "flash_attn_fwd.cu") under KDIR."""
+    for d in KDIRS:
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            return p
+    raise FileNotFoundError(f"no kernel source {name} under {KDIR}")
 
 # --- v1 tile table (mirror of config.rs `v1_tile`):
 # D -> (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N)
@@ -130,7 +143,7 @@ class Nvrtc:
 
 def options_for(arch, defines, verbose=True):
     # -I: kernels include fm_ptx.cuh (the Rust runtime passes it as an in-memory header).
-    opts = ["-std=c++17", f"-arch={arch}", f"-I{KDIR}"]
+    opts = ["-std=c++17", f"-arch={arch}"] + INCLUDES
     if verbose:
         opts.append("--ptxas-options=-v")
     opts += [f"-D{k}={v}" for k, v in defines.items()]
@@ -173,7 +186,7 @@ def all_jobs(archs):
 
 def run_job(nv, job, sass_dir=None):
     fname, arch, defines = job
-    src = open(os.path.join(KDIR, fname)).read()
+    src = open(kernel_path(fname)).read()
     ok, log, binary = nv.compile(src, fname, options_for(arch, defines))
     rep = parse_report(log) if ok else {}
     bad = []

@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from nvrtc_check import KDIR, Nvrtc, options_for, parse_report  # noqa: E402
+from nvrtc_check import Nvrtc, kernel_path, options_for, parse_report  # noqa: E402
 
 # Mirror of config.rs `sm90_tile`:
 # D -> (BLOCK_N, STAGES, CONSUMERS, PINGPONG, Q_REGS).
@@ -43,7 +43,7 @@ def main():
     extra = dict(kv.split("=", 1) for kv in a.D)
     os.makedirs(a.outdir, exist_ok=True)
     nv = Nvrtc()
-    src = open(os.path.join(KDIR, "flash_attn_fwd_sm90.cu")).read()
+    src = open(kernel_path("flash_attn_fwd_sm90.cu")).read()
     sass_files = []
     jobs = [(dt, d, c) for dt in a.dtypes.split(",") for d in (int(x) for x in a.dims.split(",")) for c in (1, 0)]
     for dtype, d, causal in jobs:

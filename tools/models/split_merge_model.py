@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Exhaustive model of the merge of a split work tile's two parts (merge_split in
-crates/flashmoe/kernels/fm90_epilogue.cuh, docs/design/attention-prefill-sm90.md).
+crates/flashmoe/kernels/attention/prefill/fm90_epilogue.cuh, docs/design/attention-prefill-sm90.md).
 
 Each part of a cut tile (one consumer warp per part; lane 0's view) runs, at its end:
     t = atomicAdd(ticket, 1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Model check of the varlen work-tile enumeration of the sm_90a kernel
-(kernels/fm90_scheduler.cuh: VarlenCursor, varlen_pass, decode_varlen), run on the CPU.
+(kernels/attention/prefill/fm90_scheduler.cuh: VarlenCursor, varlen_pass, decode_varlen), run on the CPU.
 
 Random packed batches (empty sequences, sk = 0, tile edges, long sequences, malformed
 offsets past the tensors) and random grids: CTAs draw ranks from one shared counter in a

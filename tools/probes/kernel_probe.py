@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-KDIR = os.path.join(ROOT, "crates", "flashmoe", "kernels")
 sys.path.insert(0, os.path.join(ROOT, "tools", "kernels"))
 import nvrtc_check as nc  # noqa: E402  (tile table, define builders, ctypes NVRTC)
 
@@ -64,7 +63,7 @@ class Compiler:
     def __init__(self, arch, tmpdir):
         self.arch = arch
         self.tmp = tmpdir
-        self.src = {f: open(os.path.join(KDIR, f)).read()
+        self.src = {f: open(nc.kernel_path(f)).read()
                     for f in ("flash_attn_fwd.cu", "attention_reference.cu")}
         try:
             self.nv = nc.Nvrtc()
@@ -106,7 +105,7 @@ class Compiler:
                 elif rep.get("error"):
                     raise RuntimeError("NVRTC compile failed:\n" + log[-3000:])
                 else:
-                    opts = tuple(["-std=c++17", f"-arch={self.arch}", f"-I{KDIR}"] +
+                    opts = tuple(["-std=c++17", f"-arch={self.arch}"] + nc.INCLUDES +
                                  [f"-D{k}={v}" for k, v in defines.items()])
                     mod = cupy.RawModule(code=self.src[fname], options=opts)
                 fn = mod.get_function(entry[fname])

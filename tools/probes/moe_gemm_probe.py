@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Standalone GPU probe for the MoE grouped GEMMs (kernels/moe_grouped_gemm.cu), PyTorch +
+"""Standalone GPU probe for the MoE grouped GEMMs (kernels/moe/forward/moe_grouped_gemm.cu), PyTorch +
 CuPy, no Rust.
 
   python3 tools/probes/moe_gemm_probe.py [--quick] [--out DIR] [--no-tune]
@@ -43,7 +43,7 @@ import cupy  # noqa: E402
 
 PEAK_BW = 3.0e12
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SRC = open(os.path.join(nc.KDIR, mc.SOURCE)).read()
+SRC = open(nc.kernel_path(mc.SOURCE)).read()
 ENTRY = {13: "moe_gemm13", 2: "moe_gemm2"}
 
 
@@ -81,7 +81,7 @@ class Kernels:
                 mod = cupy.RawModule(path=path)
             else:
                 d = mc.defines(gemm, tile, dt == "bf16")
-                mod = cupy.RawModule(code=SRC, options=tuple(["-std=c++17", f"-I{nc.KDIR}"] + [f"-D{k}={v}" for k, v in d.items()]))
+                mod = cupy.RawModule(code=SRC, options=tuple(["-std=c++17"] + nc.INCLUDES + [f"-D{k}={v}" for k, v in d.items()]))
             fn = mod.get_function(ENTRY[gemm])
             smem = mc.smem_bytes(gemm, tile)
             if smem > 48 * 1024:

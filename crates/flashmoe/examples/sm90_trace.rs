@@ -1,6 +1,6 @@
 //! Development timeline of the sm_90a attention kernel: runs the production tile of each
 //! configuration built with `FM_TRACE=1` (clock64 stamps at the phase boundaries of every
-//! warpgroup's work tiles, see `TraceEvent` in kernels/fm90_trace.cuh) and writes
+//! warpgroup's work tiles, see `TraceEvent` in kernels/attention/prefill/fm90_trace.cuh) and writes
 //! the raw stamps for `tools/probes/sm90_trace_report.py`.
 //!
 //! ```text
@@ -22,7 +22,7 @@ use flashmoe::gpu::Device;
 use flashmoe::inputs::{generate, TensorId};
 use flashmoe::{AttentionProblem, DType};
 
-// Mirrors of the FM_TRACE layout constants in kernels/fm90_trace.cuh.
+// Mirrors of the FM_TRACE layout constants in kernels/attention/prefill/fm90_trace.cuh.
 const TRACE_CTAS: usize = 132;
 const TRACE_TILES: usize = 32;
 const TRACE_EVENTS: usize = 12;

@@ -1,4 +1,4 @@
-//! Every MoE-backward kernel (`kernels/moe_backward.cu`: the grouped GEMMs over rows and
+//! Every MoE-backward kernel (`kernels/moe/backward/moe_backward.cu`: the grouped GEMMs over rows and
 //! over an expert's rows, the SwiGLU / routing-weight epilogue, the router and the
 //! un-permute) compiles with NVRTC for sm_80 and sm_90a in bf16 and fp16 on a machine
 //! without a GPU, with every entry present and no register spills. NVRTC as for

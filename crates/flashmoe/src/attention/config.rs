@@ -3,7 +3,7 @@
 //! CONTRACT between the CUDA sources in `kernels/` and the launcher in `attention/mod.rs`
 //! (keep both sides in agreement):
 //!
-//! `kernels/flash_attn_fwd.cu`, entry `flash_attn_fwd` (extern "C"), compiled with the
+//! `kernels/attention/prefill/flash_attn_fwd.cu`, entry `flash_attn_fwd` (extern "C"), compiled with the
 //! defines of [`KernelVariant::defines`]; parameters in this order:
 //! `(const u16* q, const u16* k, const u16* v, u16* o, float* lse,
 //!   int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float softmax_scale_log2
@@ -26,7 +26,7 @@
 //! Dynamic shared memory above 48 KB needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 //! set to shared_mem_bytes before the launch.)
 //!
-//! `kernels/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
+//! `kernels/attention/prefill/flash_attn_fwd_sm90.cu`, entry `flash_attn_fwd_sm90` (Hopper, sm_90a only):
 //! same layouts, masking and outputs, but q, k, v and o are passed as four TMA tensor maps
 //! by value (see [`super::tma`]; o's box is 16 rows, one consumer warp's TMA store),
 //! followed by o's address (`u16* o`, for the head dims whose epilogue stores O itself),
@@ -35,7 +35,7 @@
 //! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
 //! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
 //!
-//! `kernels/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
+//! `kernels/reference/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
 //! same parameter list but o is f32 (`float* o`), same layouts and masking.
 
@@ -605,12 +605,12 @@ pub const SM90_ENTRY: &str = "flash_attn_fwd_sm90";
 /// Head dims the sm_90a kernel serves; others fall back to v1 on Hopper.
 pub const SM90_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Grids above this many CTAs do not split tiles over key ranges (`SPLIT_MAX_CTAS` in
-/// kernels/fm90_config.cuh): the workspace holds one boundary record per slot up to it.
+/// kernels/attention/prefill/fm90_config.cuh): the workspace holds one boundary record per slot up to it.
 pub const SM90_SPLIT_MAX_CTAS: usize = 132;
 
 /// Tile configuration of one sm_90a variant: the compile-time constants of
 /// `flash_attn_fwd_sm90.cu` (FM_BLOCK_N, FM_STAGES, FM_CONSUMERS, FM_PINGPONG, FM_Q_REGS;
-/// listed in `kernels/fm90_config.cuh`) for one head dim. The software pipeline, the lazy
+/// listed in `kernels/attention/prefill/fm90_config.cuh`) for one head dim. The software pipeline, the lazy
 /// O rescale and MUFU ex2 are always on in the kernel (every tile used them; their
 /// switches were retired).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -648,7 +648,7 @@ impl Sm90Tile {
         128 * (self.consumers + 1)
     }
     /// Dynamic shared memory, THE formula (mirrored by `SMEM_BYTES` in
-    /// kernels/fm90_config.cuh): 1024 bytes of alignment slack, Q, the K and V rings, the
+    /// kernels/attention/prefill/fm90_config.cuh): 1024 bytes of alignment slack, Q, the K and V rings, the
     /// epilogue's O staging rows (row pitch 2·D + 16 bytes), 2 + 4·STAGES mbarriers of 8
     /// bytes, and the two 32-byte work-tile records the producer posts in turn.
     /// Bytes of padding per staged O row: 0 where the kernel stores O with TMA (head dim
@@ -679,7 +679,7 @@ impl Sm90Tile {
         }
     }
     /// Bytes of the launch workspace, THE formula (mirrored by `WS_BYTES` in
-    /// kernels/fm90_config.cuh): 256 for the rank dispenser; with the split, per boundary
+    /// kernels/attention/prefill/fm90_config.cuh): 256 for the rank dispenser; with the split, per boundary
     /// record (132 slots × consumers × 4 warps) a ticket and a flag (8 bytes, the block
     /// rounded up to 256) and the first part's O, m and l (D / 8 + 1 float4s per lane).
     pub const fn workspace_bytes(&self, m: Masking) -> usize {
@@ -1212,7 +1212,7 @@ mod tests {
 
     #[test]
     fn cu_source_states_the_same_formula() {
-        let src = include_str!("../../kernels/flash_attn_fwd.cu");
+        let src = include_str!("../../kernels/attention/prefill/flash_attn_fwd.cu");
         assert!(src.contains("bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)"));
         assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
         assert!(src.contains("constexpr int PITCH = DP <= 64 ? 64 : (DP <= 128 ? 128 : 256);"));
@@ -1235,7 +1235,7 @@ mod tests {
             assert!(src.contains(name), "{name} not used by the .cu");
         }
         assert!(src.contains("flash_attn_fwd("));
-        let r = include_str!("../../kernels/attention_reference.cu");
+        let r = include_str!("../../kernels/reference/attention_reference.cu");
         assert!(r.contains("attention_reference("));
     }
 
@@ -1418,7 +1418,7 @@ mod tests {
     #[test]
     fn sm90_source_states_the_same_formula() {
         // The layouts live in the kernel's configuration header, the entry in the .cu.
-        let src = include_str!("../../kernels/fm90_config.cuh");
+        let src = include_str!("../../kernels/attention/prefill/fm90_config.cuh");
         assert!(src.contains(
             "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
         ));
@@ -1436,7 +1436,7 @@ mod tests {
         ] {
             assert!(src.contains(name), "{name} not used by fm90_config.cuh");
         }
-        let entry = include_str!("../../kernels/flash_attn_fwd_sm90.cu");
+        let entry = include_str!("../../kernels/attention/prefill/flash_attn_fwd_sm90.cu");
         assert!(entry.contains("flash_attn_fwd_sm90("));
     }
 

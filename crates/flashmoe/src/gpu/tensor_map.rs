@@ -3,7 +3,7 @@
 //! A tensor map describes a 16-bit row-major tensor in global memory (its address,
 //! extents and byte strides) and the box one `cp.async.bulk.tensor` copies into shared
 //! memory. The kernels take it by value as a `const __grid_constant__` parameter
-//! (`FmTensorMap` in `kernels/fm_sm90.cuh`), so it is encoded once per buffer on the host.
+//! (`FmTensorMap` in `kernels/common/fm_sm90.cuh`), so it is encoded once per buffer on the host.
 //! Every map here uses the 128-byte swizzle the wgmma descriptors expect and reads
 //! out-of-bounds elements as zero.
 

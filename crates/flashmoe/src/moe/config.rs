@@ -1,4 +1,4 @@
-//! MoE kernels: variants, launch geometry, and the CONTRACT between `kernels/moe_*.cu` and
+//! MoE kernels: variants, launch geometry, and the CONTRACT between `kernels/moe/*/moe_*.cu` and
 //! the launcher (`moe/mod.rs`). Keep both sides in agreement.
 //!
 //! Device data (row-major, 16-bit elements are fp16 or bf16 per FM_DTYPE_BF16):
@@ -11,7 +11,7 @@
 //!    offsets = [0, T], B = router [H, E], y = logits; tile from
 //!    [`super::gemm_config::router_logits_tile`], launched like step 6 with T rows, one
 //!    expert and N = E), a fixed mma summation order. Otherwise the CUDA-core kernels:
-//!    `moe_router_logits` (kernels/moe_router.cu), one fmaf chain per (t, e) over h
+//!    `moe_router_logits` (kernels/moe/forward/moe_router.cu), one fmaf chain per (t, e) over h
 //!    ascending. Parameters: (const u16* x,
 //!    const u16* router, float* logits, int tokens, int hidden, int experts). Defines
 //!    FM_DTYPE_BF16. Block 256 threads = (256 / EPAD) token groups × EPAD experts
@@ -42,14 +42,14 @@
 //!    3b. The losses are finished on the device, so that no host sync is needed: losses
 //!    \[2\] f32 = (aux, z), aux = E · Σ_e (counts\[e\] / (T·k)) · (prob_sum\[e\] / T),
 //!    z = lse_sq_sum / T, per-expert terms in f64 summed by a fixed shared-memory tree
-//!    (kernels/moe_losses.cuh). In the full layer block 0 of `moe_permute` (step 4) does
+//!    (kernels/moe/forward/moe_losses.cuh). In the full layer block 0 of `moe_permute` (step 4) does
 //!    it, which costs no launch; the router-only stage (timed alone by the lab) launches
 //!    `moe_router_losses` (moe_router.cu: (const u32* counts, const float* prob_sum,
 //!    const float* lse_sq_sum, float* losses, int tokens, int experts, int top_k), one
 //!    block of [`LOSSES_THREADS`] threads), the same code and bits. Not among
 //!    [`select`]'s seven (it has no variants): [`losses_kernel`]. The lab's check also
 //!    finishes them on the host in f64 from the same arrays (`MoeRunner::gpu_routing`).
-//! 4. `moe_permute` (kernels/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
+//! 4. `moe_permute` (kernels/moe/forward/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r
 //!    of expert e (rows offsets\[e\]..offsets\[e+1\]), the token and its slot index (t·k + s),
 //!    stable (token order within an expert); slot_row [T·k] u32 = inverse map.
@@ -58,7 +58,7 @@
 //!    const float* lse_sq_sum, float* losses, int tokens, int experts, int top_k). Grid E
 //!    blocks of 256 threads (block e places expert e's rows with a ballot prefix; block 0
 //!    also writes offsets and the losses of step 3b). No atomics.
-//! 5. `moe_gemm13` (kernels/moe_grouped_gemm.cu): for every expert e with rows, for its
+//! 5. `moe_gemm13` (kernels/moe/forward/moe_grouped_gemm.cu): for every expert e with rows, for its
 //!    permuted rows r: g = x[row_token\[r\]] · w13\[e\]\[:, 0:I\], u = x[row_token\[r\]] ·
 //!    w13\[e\]\[:, I:2I\], h\[r\] = silu(g) · u, fp32 accumulation, h \[T·k, I\] stored 16-bit.
 //!    Parameters: (const u16* x, const u32* row_token, const u32* offsets, const u16* w13,
@@ -71,7 +71,7 @@
 //!    exit), grid.y = N / block_n (N = I for gemm13 — each block computes the gate AND up
 //!    column tiles for its n range — and H for gemm2); block = block_threads; dynamic
 //!    shared memory = shared_mem_bytes.
-//! 7. `moe_combine` (kernels/moe_combine.cu): out\[t\] = Σ_{s<k} topk_w\[t, s\] ·
+//! 7. `moe_combine` (kernels/moe/forward/moe_combine.cu): out\[t\] = Σ_{s<k} topk_w\[t, s\] ·
 //!    y[slot_row[t·k + s]] in slot order (+ shared-expert output when present), written
 //!    16-bit. Deterministic. Parameters: (const float* y, const u32* slot_row,
 //!    const float* topk_w, const float* shared_y, u16* out, int tokens, int hidden,

@@ -1,4 +1,4 @@
-//! Tile selection for the grouped GEMMs of the MoE layer (`kernels/moe_grouped_gemm.cu`,
+//! Tile selection for the grouped GEMMs of the MoE layer (`kernels/moe/forward/moe_grouped_gemm.cu`,
 //! steps 5 and 6 of the contract in [`super::config`]).
 //!
 //! The shape of the work is the number of permuted rows per expert, about T·k / E. Few rows

@@ -1,4 +1,4 @@
-//! The Hopper path of the grouped GEMMs (`kernels/moe_gemm_sm90.cu`): TMA + mbarrier ring,
+//! The Hopper path of the grouped GEMMs (`kernels/moe/forward/moe_gemm_sm90.cu`): TMA + mbarrier ring,
 //! a producer warpgroup and two wgmma consumer warpgroups, for sm_90 devices and shapes
 //! with enough rows per expert to be compute-relevant. Few rows per expert (decode-like
 //! weight streaming) stay on the portable mma.sync kernels of [`super::gemm_config`],

@@ -1,4 +1,4 @@
-//! The GPU fp32 reference of the MoE layer (`kernels/moe_reference.cu`): the ground truth
+//! The GPU fp32 reference of the MoE layer (`kernels/reference/moe_reference.cu`): the ground truth
 //! for shapes too large for the CPU f64 reference (`reference::moe::moe_f64`), itself
 //! checked against that f64 reference on small shapes (`gpu_tests.rs` and `flashmoe
 //! check`).

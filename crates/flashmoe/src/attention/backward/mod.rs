@@ -1,7 +1,7 @@
 //! Attention backward: dq, dk and dv of `o = softmax(scale · q kᵀ [mask, softcap]) v`, on
-//! the portable mma.sync kernels (`kernels/flash_attn_bwd.cu`, sm_80 and newer) or, on
+//! the portable mma.sync kernels (`kernels/attention/backward/flash_attn_bwd.cu`, sm_80 and newer) or, on
 //! compute capability 9.0 for the classes [`sm90_serves`], the wgmma kernels of
-//! `kernels/flash_attn_bwd_sm90.cu`, in the plan's [`BwdMode`]: deterministic, or fast
+//! `kernels/attention/backward/flash_attn_bwd_sm90.cu`, in the plan's [`BwdMode`]: deterministic, or fast
 //! (dQ added with f32 reductions inside the dK/dV kernel, see [`Sm90Dq`]).
 //!
 //! [`AttentionBackwardPlan::new`] does the slow work once per
@@ -34,8 +34,8 @@
 //! and the portable kernels' argument list), `tiles.rs` (modes, kernel paths, tiles and
 //! their NVRTC defines: the selection), `plan.rs` ([`AttentionBackwardPlan`], raw and
 //! cudarc layers), [`varlen`] (the varlen backward plan), `gpu_tests.rs` and
-//! `varlen_gpu_tests.rs` (lab feature). Kernels: `kernels/flash_attn_bwd.cu`,
-//! `kernels/flash_attn_bwd_sm90.cu` (design note: docs/design/attention-backward.md).
+//! `varlen_gpu_tests.rs` (lab feature). Kernels: `kernels/attention/backward/flash_attn_bwd.cu`,
+//! `kernels/attention/backward/flash_attn_bwd_sm90.cu` (design note: docs/design/attention-backward.md).
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]

@@ -1,4 +1,4 @@
-//! The kernel ABI of `kernels/decode_paged.cu`: its entries, launch constants and limits,
+//! The kernel ABI of `kernels/attention/decode/decode_paged.cu`: its entries, launch constants and limits,
 //! the defines of one build ([`DecodeKernel`]) and the parameter blocks of the two entries
 //! (byte for byte the .cu's structs). Which build a class gets is in `heuristics.rs`.
 

@@ -1,6 +1,6 @@
 //! Paged-KV decode attention: `Sq = 1..16` query rows per sequence (decode and speculative
 //! decoding) against a paged K/V cache, with GQA packing, KV splits, sliding windows and
-//! logit softcap. Kernels: `kernels/decode_paged.cu`.
+//! logit softcap. Kernels: `kernels/attention/decode/decode_paged.cu`.
 //!
 //! Shape of the API (as [`super::AttentionPlan`]): [`DecodePlan::new`] compiles once per
 //! [`DecodeClass`]; [`DecodePlan::forward_raw`] / [`DecodePlan::append_kv_raw`] do O(1)
@@ -45,7 +45,7 @@
 //!
 //! One file per responsibility, arrows only downward (each file imports only the ones
 //! above it):
-//! - `config.rs`: the kernel ABI of `kernels/decode_paged.cu` (entry names, launch
+//! - `config.rs`: the kernel ABI of `kernels/attention/decode/decode_paged.cu` (entry names, launch
 //!   constants and limits, the defines of a build, the parameter blocks of both entries);
 //! - `class.rs`: [`DecodeClass`] (validation, the byte and FLOP models);
 //! - `heuristics.rs`: the kernel build of a class (tile rows, stages), the variant table

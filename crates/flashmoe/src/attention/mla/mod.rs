@@ -1,6 +1,6 @@
 //! DeepSeek-V2/V3 Multi-head Latent Attention (MLA) paged decode: `Sq = 1..` query rows per
 //! sequence (decode and speculative decoding) of `Hq` weight-absorbed query heads against a
-//! paged cache of one latent KV head. Kernels: `kernels/mla_decode.cu`.
+//! paged cache of one latent KV head. Kernels: `kernels/attention/mla/mla_decode.cu`.
 //!
 //! Shape of the API (as [`super::decode`]): [`MlaDecodePlan::new`] compiles once per
 //! [`MlaDecodeClass`]; [`MlaDecodePlan::forward_raw`] does O(1) checks and enqueues on the

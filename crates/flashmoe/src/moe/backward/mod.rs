@@ -1,6 +1,6 @@
 //! The MoE layer's backward (issues 34, 41): [`MoeBackwardPlan`], built once per
 //! [`MoeClass`](crate::moe::MoeClass) like [`MoePlan`](crate::moe::MoePlan), enqueued on the caller's stream over the
-//! caller's memory. Kernels: `kernels/moe_backward.cu` (mma.sync grouped GEMMs, sm_80 and
+//! caller's memory. Kernels: `kernels/moe/backward/moe_backward.cu` (mma.sync grouped GEMMs, sm_80 and
 //! newer) and, on sm_90 for calls with enough rows per expert, the routed GEMMs on TMA +
 //! wgmma (`sm90.rs`): stages 1, 2, 4 on the forward's `moe_gemm_sm90.cu`, the weight
 //! gradients 3, 5 on `moe_wgrad_sm90.cu`, over gathered rows. The stages

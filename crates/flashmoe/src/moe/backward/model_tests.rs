@@ -1,4 +1,4 @@
-//! CPU model of kernels/moe_backward.cu: each kernel restated on the host (the same
+//! CPU model of kernels/moe/backward/moe_backward.cu: each kernel restated on the host (the same
 //! indexing, the same roundings to 16-bit, f32 accumulation) and driven by the plan's own
 //! launch sequence ([`backward_steps`]: the parameters `backward_raw` enqueues) over a
 //! fake address space whose memory starts as NaN, then checked against the f64 reference.
