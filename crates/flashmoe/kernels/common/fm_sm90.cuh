@@ -96,6 +96,16 @@ __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// A TMA ring's barriers (one thread, before the block's first sync): full[s] at bars + 8s
+// completes on the producer's arrive and the stage's transaction bytes, empty[s] at
+// bars + 8(stages + s) on `consumers` arrives; then the fence for the async proxy.
+__device__ __forceinline__ void mbar_init_ring(u32 bars, int stages, u32 consumers) {
+    for (int s = 0; s < stages; ++s) {
+        mbar_init(bars + 8 * s, 1);
+        mbar_init(bars + 8 * (stages + s), consumers);
+    }
+    mbar_init_fence();
+}
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }

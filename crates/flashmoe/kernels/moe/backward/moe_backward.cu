@@ -45,6 +45,7 @@
 #define FM_DTYPE_BF16 1
 #endif
 #include "fm_ptx.cuh"
+#include "fm_warp.cuh"
 #include "moe_gemm_common.cuh"
 
 __device__ __forceinline__ float h2f(u16 v) {
@@ -341,18 +342,6 @@ extern "C" __global__ void __launch_bounds__(SW_THREADS)
         __syncthreads();
     }
     if (tid == 0 && dw != nullptr) dw[a] = red[0];
-}
-
-// Butterfly sums and maxima over a warp: every lane gets the same value, in a fixed order.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, d));
-    return v;
 }
 
 extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,

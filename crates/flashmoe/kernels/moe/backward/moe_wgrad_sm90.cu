@@ -147,13 +147,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     const int mt = (m_dim + BM - 1) / BM;
     const int nt = (n_dim + BN - 1) / BN;
 
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, 1);             // the producer's arrive + tx bytes
-            mbar_init(bars + 8 * (STAGES + s), 2);  // one arrive per consumer warpgroup
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) mbar_init_ring(bars, STAGES, 2);  // one release per consumer warpgroup
     __syncthreads();
 
     if (tid < 128) {

@@ -171,13 +171,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
     tile.nrows = min(BM, (int)(offsets[e + 1] - tile.row0));
     tile.n0 = (int)ny * BN;
 
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, 1);                 // the producer's arrive + tx bytes
-            mbar_init(bars + 8 * (STAGES + s), 2);      // one arrive per consumer warpgroup
-        }
-        mbar_init_fence();
-    }
+    if (tid == 0) mbar_init_ring(bars, STAGES, 2);  // one release per consumer warpgroup
     __syncthreads();
 
     const int ktiles = (K + BK - 1) / BK;

@@ -34,6 +34,7 @@ typedef long long i64;
 #endif
 
 #define FM_MAX_EXPERTS 256
+#include "fm_warp.cuh"
 #include "moe_losses.cuh"
 #define FM_MAX_TOPK 8
 #define LOGITS_THREADS 256
@@ -70,17 +71,6 @@ __device__ __forceinline__ float sigmoidf_stable(float z) {
     }
     float e = expf(z);
     return e / (1.f + e);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
 }
 
 }  // namespace fm
@@ -188,14 +178,14 @@ moe_router_topk(const float* __restrict__ logits, u32* __restrict__ topk_ids,
         nan |= v[j] != v[j];
         m = fmaxf(m, v[j]);
     }
-    m = fm::warp_max(m);
+    m = warp_max(m);
     if (__any_sync(0xffffffffu, nan)) m = __int_as_float(0x7fffffff);
     float s = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         if (lane + 32 * j < experts) s += expf(v[j] - m);
     }
-    s = fm::warp_sum(s);
+    s = warp_sum(s);
     const float lse_t = m + logf(s);
 #if FM_SIGMOID
     float ssum = 0.f;
@@ -203,7 +193,7 @@ moe_router_topk(const float* __restrict__ logits, u32* __restrict__ topk_ids,
     for (int j = 0; j < J; ++j) {
         if (lane + 32 * j < experts) ssum += fm::sigmoidf_stable(v[j]);
     }
-    ssum = fm::warp_sum(ssum);
+    ssum = warp_sum(ssum);
 #endif
 #pragma unroll
     for (int j = 0; j < J; ++j) {
