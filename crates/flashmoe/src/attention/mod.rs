@@ -2,10 +2,10 @@
 //! selection, its plan (raw layer over pointers + strides + `CUstream`, and a cudarc
 //! layer) and its GPU tests beside it:
 //!
-//! - prefill: [`config`] (kernel variants and selection), [`tma`] (the sm_90a tensor maps),
-//!   [`plan`] ([`AttentionPlan`], built once per shape class, enqueued on the caller's
-//!   stream over the caller's memory);
-//! - varlen: [`varlen`] ([`VarlenPlan`], packed sequences on the sm_90a kernel);
+//! - prefill: [`prefill`] — [`config`] (kernel variants and selection), [`tma`] (the sm_90a
+//!   tensor maps), [`plan`] ([`AttentionPlan`], built once per shape class, enqueued on the
+//!   caller's stream over the caller's memory), [`varlen`] ([`VarlenPlan`], packed
+//!   sequences on the sm_90a kernel); re-exported here under their earlier paths;
 //! - backward: [`backward`] ([`backward::AttentionBackwardPlan`], the dense backward on the
 //!   portable and sm_90a kernels; [`backward::varlen`], the varlen backward);
 //! - decode: [`decode`] ([`decode::DecodePlan`], the paged KV cache);
@@ -18,26 +18,17 @@
 //! With the `lab` feature, `runner` adds the lab's owners of buffers (`AttentionRunner`,
 //! the one-off `forward` / `reference_forward`); engines use the plans.
 
-#[cfg(all(test, feature = "lab"))]
-mod alibi_gpu_tests;
 pub mod backward;
 pub mod cache;
-pub mod config;
 pub mod decode;
 pub mod launch;
 pub mod mla;
-pub mod plan;
-#[cfg(all(test, feature = "lab"))]
-mod plan_gpu_tests;
+pub mod prefill;
 pub mod route;
 #[cfg(feature = "lab")]
 pub mod runner;
-pub mod tma;
-#[cfg(all(test, feature = "lab"))]
-mod v1_layout_gpu_tests;
-pub mod varlen;
-#[cfg(all(test, feature = "lab"))]
-mod varlen_gpu_tests;
+
+pub use prefill::{config, plan, tma, varlen};
 
 pub use crate::gpu::{RawWorkspace, Workspace};
 pub use launch::{launch_config, softmax_scale_log2};

@@ -132,7 +132,7 @@ fn rel_l2_vs_reference(dev: &Device, c: &AttentionClass, call: &Call, o: &[u16])
     let q = bf16_to_f32(&s.clone_dtoh(&call.q).unwrap());
     let k = bf16_to_f32(&s.clone_dtoh(&call.k).unwrap());
     let v = bf16_to_f32(&s.clone_dtoh(&call.v).unwrap());
-    let mut r = super::AttentionRunner::new(dev, &p, &q, &k, &v).unwrap();
+    let mut r = crate::attention::AttentionRunner::new(dev, &p, &q, &k, &v).unwrap();
     let (ro, _) = r.run_reference(dev).unwrap();
     let got = bf16_to_f32(o);
     let num: f64 = got

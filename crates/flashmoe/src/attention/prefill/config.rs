@@ -1212,7 +1212,7 @@ mod tests {
 
     #[test]
     fn cu_source_states_the_same_formula() {
-        let src = include_str!("../../kernels/attention/prefill/flash_attn_fwd.cu");
+        let src = include_str!("../../../kernels/attention/prefill/flash_attn_fwd.cu");
         assert!(src.contains("bytes = 2 * PITCH * (BLOCK_M + 2 * STAGES * BLOCK_N)"));
         assert!(src.contains("constexpr int SMEM_BYTES = 2 * PITCH * (BM + 2 * STAGES * BN);"));
         assert!(src.contains("constexpr int PITCH = DP <= 64 ? 64 : (DP <= 128 ? 128 : 256);"));
@@ -1235,7 +1235,7 @@ mod tests {
             assert!(src.contains(name), "{name} not used by the .cu");
         }
         assert!(src.contains("flash_attn_fwd("));
-        let r = include_str!("../../kernels/reference/attention_reference.cu");
+        let r = include_str!("../../../kernels/reference/attention_reference.cu");
         assert!(r.contains("attention_reference("));
     }
 
@@ -1250,7 +1250,7 @@ mod tests {
     #[test]
     fn python_tile_table_matches() {
         // tools/kernels/nvrtc_check.py: `D: (BM, BN, WARPS, STAGES, Q_IN_REGS, MIN_BLOCKS, SUB_N),`
-        let py = include_str!("../../../../tools/kernels/nvrtc_check.py");
+        let py = include_str!("../../../../../tools/kernels/nvrtc_check.py");
         let start = py.find("V1_TILES = {").expect("V1_TILES in nvrtc_check.py");
         let table = &py[start..start + py[start..].find('}').unwrap()];
         let mut seen = 0;
@@ -1279,7 +1279,7 @@ mod tests {
     #[test]
     fn python_sm90_tile_table_matches() {
         // tools/kernels/sm90_sass.py: `D: (BLOCK_N, STAGES, CONSUMERS, PINGPONG, Q_REGS)`.
-        let py = include_str!("../../../../tools/kernels/sm90_sass.py");
+        let py = include_str!("../../../../../tools/kernels/sm90_sass.py");
         let start = py
             .find("SM90_TILES = {")
             .expect("SM90_TILES in sm90_sass.py");
@@ -1418,7 +1418,7 @@ mod tests {
     #[test]
     fn sm90_source_states_the_same_formula() {
         // The layouts live in the kernel's configuration header, the entry in the .cu.
-        let src = include_str!("../../kernels/attention/prefill/fm90_config.cuh");
+        let src = include_str!("../../../kernels/attention/prefill/fm90_config.cuh");
         assert!(src.contains(
             "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
         ));
@@ -1436,7 +1436,7 @@ mod tests {
         ] {
             assert!(src.contains(name), "{name} not used by fm90_config.cuh");
         }
-        let entry = include_str!("../../kernels/attention/prefill/flash_attn_fwd_sm90.cu");
+        let entry = include_str!("../../../kernels/attention/prefill/flash_attn_fwd_sm90.cu");
         assert!(entry.contains("flash_attn_fwd_sm90("));
     }
 

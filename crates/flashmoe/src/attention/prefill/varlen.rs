@@ -22,9 +22,9 @@
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
 
-use super::launch::launch_with_logits;
 use super::plan::AttentionClass;
 use super::tma;
+use crate::attention::launch::launch_with_logits;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{param, Element, RawIndex, RawStream, RawTensor, RawWorkspace};

@@ -30,8 +30,8 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
-use super::launch::{launch_with_logits, launch_with_logits_tail};
 use super::tma;
+use crate::attention::launch::{launch_with_logits, launch_with_logits_tail};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 pub use crate::gpu::raw::Element;
@@ -510,7 +510,7 @@ impl AttentionPlan {
         let (q, k, v, o, lse) = (a.q.ptr, a.k.ptr, a.v.ptr, a.o.ptr, a.lse.ptr);
         match self.variant.abi {
             KernelAbi::Pointers => {
-                let cfg = super::launch::launch_config(&problem, &self.variant)?;
+                let cfg = crate::attention::launch::launch_config(&problem, &self.variant)?;
                 let params = [
                     param(&q),
                     param(&k),

@@ -5,10 +5,10 @@
 //! input. Outputs are poisoned (NaN) before each launch. Each test prints "skipped: no
 //! GPU" and passes on a machine without one. Inputs are fresh random values (seed printed).
 
-use super::decode::RawIndex;
 use super::plan::AttentionClass;
 use super::varlen::{VarlenArgs, VarlenPlan};
 use crate::accuracy::{check, check_lse};
+use crate::attention::decode::RawIndex;
 use crate::dtype::DType;
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
