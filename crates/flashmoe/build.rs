@@ -18,8 +18,10 @@ fn main() {
 
     // One folder per kernel family (kernels/<family>/..., kernels/common/ for the shared
     // headers); sources are known by their file name alone, so names are unique.
+    // kernels/reference/ holds the lab's fp32 references: embedded with the `lab` feature only.
+    let lab = std::env::var_os("CARGO_FEATURE_LAB").is_some();
     let mut files: Vec<(String, String)> = Vec::new();
-    collect(&dir, &mut files);
+    collect(&dir, lab, &mut files);
     files.sort();
     for w in files.windows(2) {
         if w[0].0 == w[1].0 {
@@ -42,17 +44,21 @@ fn main() {
         .expect("write kernel_sources.rs");
 }
 
-/// Every `.cu` / `.cuh` file under `dir`, recursively, as (file name, path); each folder is
-/// watched so that an added or removed file reruns this script.
-fn collect(dir: &Path, files: &mut Vec<(String, String)>) {
+/// Every `.cu` / `.cuh` file under `dir`, recursively, as (file name, path) — `reference/`
+/// only when `lab`; each folder is watched so that an added or removed file reruns this
+/// script.
+fn collect(dir: &Path, lab: bool, files: &mut Vec<(String, String)>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
     for e in entries.flatten() {
         let path = e.path();
         if path.is_dir() {
+            if !lab && path.file_name().is_some_and(|n| n == "reference") {
+                continue;
+            }
             println!("cargo:rerun-if-changed={}", path.display());
-            collect(&path, files);
+            collect(&path, lab, files);
             continue;
         }
         let name = match path.file_name().and_then(|n| n.to_str()) {

@@ -1,5 +1,6 @@
 //! CUDA C++ sources embedded in the binary (every `*.cu` and `*.cuh` under
-//! `crates/flashmoe/kernels/`, gathered by `build.rs`).
+//! `crates/flashmoe/kernels/` and its family folders, gathered by `build.rs` and known by
+//! file name; `kernels/reference/`, the lab's fp32 references, only with the `lab` feature).
 //!
 //! Kernels are compiled at run time by NVRTC, which has no default include path: a
 //! kernel may `#include "name.cuh"` for any header embedded here (they are handed to

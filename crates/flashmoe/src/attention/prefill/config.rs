@@ -178,7 +178,9 @@ impl LogitParams {
 /// File and entry point of the v1 (portable, mma.sync) flash kernel.
 pub const FLASH_SOURCE: &str = "flash_attn_fwd.cu";
 pub const FLASH_ENTRY: &str = "flash_attn_fwd";
-/// File and entry point of the fp32 GPU reference kernel.
+/// File and entry point of the fp32 GPU reference kernel (embedded with the `lab` feature
+/// only: `kernels/reference/`).
+#[cfg(feature = "lab")]
 pub const REFERENCE_SOURCE: &str = "attention_reference.cu";
 pub const REFERENCE_ENTRY: &str = "attention_reference";
 
@@ -197,9 +199,11 @@ pub const fn v1_serves(d: usize) -> bool {
     d >= 8 && d % 8 == 0 && d <= V1_MAX_HEAD_DIM
 }
 /// The reference kernel serves every head dim from 1 to this.
+#[cfg(feature = "lab")]
 pub const REFERENCE_MAX_HEAD_DIM: usize = 256;
 /// Rows per block of the reference kernel (one warp per query row; 1 keeps the key loop
 /// block-uniform, see the .cu).
+#[cfg(feature = "lab")]
 pub const REFERENCE_BLOCK_M: u32 = 1;
 /// Largest dynamic shared memory a block may opt into on sm_80 (A100: 163 KB) is smaller
 /// than on sm_90 (227 KB = 232448 bytes); every v1 variant must fit the sm_90 limit, and
@@ -1015,6 +1019,7 @@ impl KernelVariant {
 }
 
 /// The reference variant for a head dim, dtype and masking (no problem-size checks).
+#[cfg(feature = "lab")]
 pub fn reference_variant_for(head_dim: usize, dtype: DType, m: Masking) -> Result<KernelVariant> {
     if dtype == DType::F32 {
         return Err(Error::unsupported(
@@ -1045,6 +1050,7 @@ pub fn reference_variant_for(head_dim: usize, dtype: DType, m: Masking) -> Resul
 }
 
 /// The GPU reference kernel variant for a problem.
+#[cfg(feature = "lab")]
 pub fn select_reference(problem: &AttentionProblem) -> Result<KernelVariant> {
     problem.validate()?;
     check_launch_limits("gpu-reference", problem)?;
@@ -1053,9 +1059,11 @@ pub fn select_reference(problem: &AttentionProblem) -> Result<KernelVariant> {
 
 /// Head dims of [`all_reference_variants`]: every served v1 head dim plus odd ones
 /// (the kernel is generic in D; these exercise partial lanes).
+#[cfg(feature = "lab")]
 pub const REFERENCE_TEST_HEAD_DIMS: [usize; 10] = [8, 32, 40, 64, 80, 96, 100, 128, 192, 256];
 
 /// Every reference variant (for the compile test).
+#[cfg(feature = "lab")]
 pub fn all_reference_variants() -> Vec<KernelVariant> {
     let mut out = Vec::new();
     for &d in REFERENCE_TEST_HEAD_DIMS.iter() {
@@ -1490,12 +1498,16 @@ mod tests {
         p.dtype = DType::F32;
         let e = select_v1(&p).unwrap_err().to_string();
         assert!(e.contains("f32"), "{e}");
-        let e = select_reference(&p).unwrap_err().to_string();
-        assert!(e.contains("f32") && e.contains("gpu-reference"), "{e}");
+        #[cfg(feature = "lab")]
+        {
+            let e = select_reference(&p).unwrap_err().to_string();
+            assert!(e.contains("f32") && e.contains("gpu-reference"), "{e}");
+            p.dtype = DType::F16;
+            p.head_dim = 300;
+            let e = select_reference(&p).unwrap_err().to_string();
+            assert!(e.contains("head dim 300"), "{e}");
+        }
         p.dtype = DType::F16;
-        p.head_dim = 300;
-        let e = select_reference(&p).unwrap_err().to_string();
-        assert!(e.contains("head dim 300"), "{e}");
         p.head_dim = 64;
         p.batch = 70_000;
         let e = select_v1(&p).unwrap_err().to_string();
@@ -1516,6 +1528,11 @@ mod tests {
                 assert_eq!(v.grid(&p), (1, 4, 2));
             }
         }
+    }
+
+    #[test]
+    #[cfg(feature = "lab")]
+    fn the_reference_serves_every_head_dim_to_256() {
         for d in 1..=256 {
             let p = AttentionProblem::new(1, 1, 5, d, false, DType::F16);
             let v = select_reference(&p).unwrap();
