@@ -199,6 +199,9 @@ def main(argv):
                          "curves (flashmoe_e2e_train.py) instead of the inference forward")
     ap.add_argument("--steps", type=int, default=100,
                     help="--train: steps per implementation (the loss curve's length)")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="--train: AdamW's peak learning rate (default: flashmoe_e2e_train's "
+                         "LEARNING_RATE)")
     args = ap.parse_args(argv)
     impls = [s for s in args.impl.split(",") if s]
     for n in impls:

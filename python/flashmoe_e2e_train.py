@@ -8,10 +8,12 @@ their backward passes).
 
 Method:
 - Every implementation starts from the same weights (copies of one bf16 initialisation) and
-  sees the same data: a fixed cycle of DATA_BATCHES random-token batches, which the model
-  memorises, so the loss falls and a wrong gradient shows as a different curve. The recipe
-  trains smoothly: a linear learning-rate warm-up over WARMUP_STEPS, the gradient norm
-  clipped to CLIP_NORM.
+  sees the same data: a fresh batch every step, each sequence a walk on one fixed random
+  Markov chain over DATA_STATES tokens (DATA_BRANCHES successors each) whose first half
+  repeats as its second, so the loss falls smoothly (states, then transitions, then the
+  copy, which only attention can learn) instead of by memorising a few random batches. The
+  recipe: AdamW at --lr (default LEARNING_RATE) after a linear warm-up over WARMUP_STEPS,
+  the gradient norm clipped to CLIP_NORM.
 - Memory: the implementations train in groups of as many as fit the GPU next to each other
   (parameters, gradients and AdamW's two moments, `alive_per_group`); inside a group they
   step round-robin (A B A B ...) on one stream, so drift hits them alike; a step is timed
@@ -25,8 +27,15 @@ Method:
   in the same run), as a running maximum. An implementation passes when its windowed |Δ|
   against the reference stays within max(LOSS_FLOOR, NOISE_MULT × noise floor) at every
   step. Without a second baseline the bound is max(LOSS_FLOOR, LOSS_RELATIVE · loss) and a
-  note says the noise was not measured. `planted-wrong-dk` (the attention's dK dropped) is
-  the check that the gate fails a wrong gradient.
+  note says the noise was not measured.
+- Gradient probe: bf16 training is chaotic after a few dozen steps, so a loss curve alone
+  cannot tell a wrong gradient from noise (measured: a model trained with dK dropped stays
+  closer to the reference's curve than SDPA flash does). At the initial weights and at the
+  reference's weights after its last step, every implementation's gradient on one held-out
+  batch is compared with the reference implementation's at the same weights, per parameter
+  tensor (rel L2); it passes within max(PROBE_FLOOR, NOISE_MULT × the noise partner's rel
+  L2 on that tensor). `planted-wrong-dk` (the attention's dK dropped) is the check that the
+  gates fail a wrong gradient.
 - Peak memory: the growth of `torch.cuda.max_memory_allocated` over one step above the
   parameters, gradients and optimiser state.
 """
@@ -39,8 +48,11 @@ import torch.nn.functional as F
 
 import flashmoe_e2e_common as e2e
 
-DATA_BATCHES = 16
-WINDOW = DATA_BATCHES
+# The data: a Markov chain over DATA_STATES of the vocabulary's tokens, successor
+# probabilities DATA_BRANCHES; each sequence's first half repeats as its second.
+DATA_STATES = 4096
+DATA_BRANCHES = (0.55, 0.25, 0.15, 0.05)
+WINDOW = 16
 LEARNING_RATE = 1e-3
 WARMUP_STEPS = 10
 CLIP_NORM = 1.0
@@ -49,6 +61,8 @@ CLIP_NORM = 1.0
 LOSS_FLOOR = 0.02
 NOISE_MULT = 4.0
 LOSS_RELATIVE = 0.02
+# Gradient probe: the rel-L2 floor of its per-tensor bound.
+PROBE_FLOOR = 0.05
 # Bytes of training state per parameter byte: the parameter, its gradient and AdamW's two
 # moments (the parameter's dtype), plus a quarter for activations.
 STATE_FACTOR = 5.0
@@ -59,7 +73,7 @@ MEMORY_SHARE = 0.8
 class Trainee:
     """One implementation's copy of the model: parameters, optimiser, and its forward."""
 
-    def __init__(self, name, model, use_fused_adam):
+    def __init__(self, name, model, use_fused_adam, lr=LEARNING_RATE):
         self.name = name
         self.params = {}
         self.layers = []
@@ -68,8 +82,8 @@ class Trainee:
         self.embed = self._param("embed", model.embed)
         self.ln_f = self._param("ln_f", model.ln_f)
         self.lm_head = self._param("lm_head", model.lm_head)
-        self.opt = torch.optim.AdamW(list(self.params.values()), lr=LEARNING_RATE,
-                                     fused=use_fused_adam)
+        self.lr = lr
+        self.opt = torch.optim.AdamW(list(self.params.values()), lr=lr, fused=use_fused_adam)
         self.steps = 0
         self.forward = e2e.build_impl(name, _Weights(model, self))
 
@@ -80,7 +94,7 @@ class Trainee:
 
     def step(self, ids):
         for g in self.opt.param_groups:  # linear warm-up
-            g["lr"] = LEARNING_RATE * min(1.0, (self.steps + 1) / WARMUP_STEPS)
+            g["lr"] = self.lr * min(1.0, (self.steps + 1) / WARMUP_STEPS)
         logits = self.forward(ids)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         loss.backward()
@@ -89,6 +103,27 @@ class Trainee:
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
         return loss.detach()
+
+    def gradients(self, name, model, ids):
+        """The gradient of the loss on `ids` at this copy's weights through implementation
+        `name`'s forward and backward, per parameter (the optimiser is not stepped)."""
+        forward = self.forward if name == self.name else e2e.build_impl(name, _Weights(model, self))
+        logits = forward(ids)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        grads = {k: p.grad for k, p in self.params.items()}
+        for p in self.params.values():
+            p.grad = None
+        return grads
+
+    def load(self, state):
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(state[k])
+
+    def snapshot(self):
+        """The weights, copied to host memory."""
+        return {k: p.detach().to("cpu", copy=True) for k, p in self.params.items()}
 
     def state_bytes(self):
         n = 0
@@ -113,11 +148,22 @@ class _Weights:
         self.rope = model.rope
 
 
-def data(model, batch, seq, seed):
-    g = torch.Generator(device=model.device)
-    g.manual_seed(seed + 104729 * batch + seq)
-    return [torch.randint(0, e2e.VOCAB, (batch, seq), device=model.device, generator=g)
-            for _ in range(DATA_BATCHES)]
+def data(model, batch, seq, count, seed):
+    """`count` distinct batches (made on the host, so every device sees the same tokens):
+    walks on one random Markov chain over DATA_STATES tokens, the first half of each
+    sequence repeated as its second."""
+    g = torch.Generator().manual_seed(seed + 104729 * batch + seq)
+    tokens = torch.randperm(e2e.VOCAB, generator=g)[:DATA_STATES]
+    successors = torch.randint(0, DATA_STATES, (DATA_STATES, len(DATA_BRANCHES)), generator=g)
+    rows, half = count * batch, (seq + 1) // 2
+    branch = torch.tensor(DATA_BRANCHES).expand(rows, -1).contiguous()
+    walk = torch.empty(rows, half, dtype=torch.long)
+    walk[:, 0] = torch.randint(0, DATA_STATES, (rows,), generator=g)
+    for t in range(1, half):
+        pick = torch.multinomial(branch, 1, replacement=True, generator=g)[:, 0]
+        walk[:, t] = successors[walk[:, t - 1], pick]
+    ids = tokens[torch.cat([walk, walk], 1)[:, :seq]]
+    return list(ids.view(count, batch, seq).to(model.device).unbind(0))
 
 
 def windowed(curve, w):
@@ -136,8 +182,9 @@ def noise_floor(ref, other, w):
 
 
 def curve_gate(losses, ref, noise, w):
-    """Windowed |loss - reference loss| against its bound; returns (max |Δ|, the step that
-    ends the worst window, its bound, passed). `noise`: noise_floor(...) or None."""
+    """Windowed |loss - reference loss| against its bound; returns (|Δ| of the window
+    closest to or furthest over its bound, the step that ends that window, its bound,
+    passed). `noise`: noise_floor(...) or None."""
     a, b = np.asarray(losses, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return float("nan"), -1, float("nan"), False
@@ -147,7 +194,7 @@ def curve_gate(losses, ref, noise, w):
     else:
         bound = np.maximum(LOSS_FLOOR, LOSS_RELATIVE * np.abs(windowed(b, w)))
     worst = int(np.argmax(dev - bound))
-    return float(dev.max()), worst + w - 1, float(bound[worst]), bool((dev <= bound).all())
+    return float(dev[worst]), worst + w - 1, float(bound[worst]), bool((dev <= bound).all())
 
 
 def alive_per_group(model, n, device):
@@ -159,14 +206,15 @@ def alive_per_group(model, n, device):
     return max(1, min(n, int(MEMORY_SHARE * free // per)))
 
 
-def train_group(model, names, batches, args, rows):
-    """Trains the implementations `names` round-robin; fills their rows."""
+def train_group(model, names, batches, args, rows, snapshot_of=None):
+    """Trains the implementations `names` round-robin; fills their rows. Returns the weights
+    of `snapshot_of` after its last step (host memory), or None."""
     device = model.device
     fused = device.type == "cuda"
     live = {}
     for name in names:
         try:
-            live[name] = Trainee(name, model, fused)
+            live[name] = Trainee(name, model, fused, args.lr)
         except e2e.NotApplicable as e:
             rows[name].update(status="n/a", notes=[str(e)])
         except torch.cuda.OutOfMemoryError as e:
@@ -177,7 +225,7 @@ def train_group(model, names, batches, args, rows):
     times = {n: [] for n in live}
     peak = {}
     for step in range(args.steps):
-        ids = batches[step % DATA_BATCHES]
+        ids = batches[step]
         for name in list(live):
             t = live[name]
             try:
@@ -203,6 +251,7 @@ def train_group(model, names, batches, args, rows):
                 times.pop(name, None)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    snapshot = live[snapshot_of].snapshot() if snapshot_of in live else None
     for name, t in live.items():
         r = rows[name]
         r["loss_curve"] = [float(x) for x in torch.stack(losses[name]).cpu()]
@@ -212,10 +261,52 @@ def train_group(model, names, batches, args, rows):
     live.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return snapshot
+
+
+def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
+    """Every implementation in `names`' gradient on `ids` at each of `states` ((label,
+    weights) pairs), against `ref_name`'s at the same weights: per implementation, a list of
+    (label, worst tensor, its rel L2, its bound, passed)."""
+    fused = model.device.type == "cuda"
+    probe = Trainee(ref_name, model, fused, args.lr)
+    out = {n: [] for n in names}
+    for label, state in states:
+        if state is not None:
+            probe.load(state)
+        ref = probe.gradients(ref_name, model, ids)
+        rel = {}
+        for name in names:
+            try:
+                g = probe.gradients(name, model, ids)
+            except Exception as e:  # noqa: BLE001 - reported per implementation
+                msg = str(e).splitlines()[0] if str(e) else ""
+                out[name].append(dict(state=label, error=f"{type(e).__name__}: {msg}",
+                                      passed=False))
+                continue
+            rel[name] = {k: float((g[k].float() - ref[k].float()).norm()
+                                  / ref[k].float().norm().clamp_min(1e-30)) for k in ref}
+            del g
+        noise = rel.get(noise_name)
+        for name in rel:
+            bound = {k: max(PROBE_FLOOR, NOISE_MULT * noise[k]) if noise else PROBE_FLOOR
+                     for k in ref}
+            finite = all(math.isfinite(v) for v in rel[name].values())
+            worst = max(rel[name], key=lambda k: rel[name][k] - bound[k]
+                        if math.isfinite(rel[name][k]) else math.inf)
+            out[name].append(dict(state=label, tensor=worst, rel_l2=rel[name][worst],
+                                  bound=bound[worst],
+                                  passed=finite and all(rel[name][k] <= bound[k] for k in ref)))
+        del ref
+    del probe
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 def run_config(model, batch, seq, impls, args):
-    batches = data(model, batch, seq, args.seed)
+    # One batch per step and a held-out one for the gradient probe.
+    batches = data(model, batch, seq, args.steps + 1, args.seed)
     rows = {name: dict(name=name, status="ok", notes=[], samples_ms=[]) for name in impls}
     # The two baselines that measure the noise floor train first (and together, memory
     # permitting); the rest follow in the order asked.
@@ -223,8 +314,11 @@ def run_config(model, batch, seq, impls, args):
     alive = alive_per_group(model, len(order), model.device)
     groups = [order[i:i + alive] for i in range(0, len(order), alive)]
     t_start = time.perf_counter()
+    probe_source = order[0] if order and order[0] in e2e.BASELINES else None
+    final_weights = None
     for gi, names in enumerate(groups):
-        train_group(model, names, batches, args, rows)
+        snap = train_group(model, names, batches, args, rows, probe_source)
+        final_weights = final_weights if snap is None else snap
         if len(groups) > 1:
             for name in names:
                 rows[name]["notes"].append(
@@ -239,29 +333,49 @@ def run_config(model, batch, seq, impls, args):
         ref = rows[ref_name]["loss_curve"]
         if noise_name:
             noise = noise_floor(ref, rows[noise_name]["loss_curve"], w)
+        states = [("the initial weights", None)]
+        if probe_source == ref_name and final_weights is not None:
+            states.append((f"{ref_name}'s weights after step {args.steps}", final_weights))
+        probed = [n for n in impls if "loss_curve" in rows[n] and n != ref_name]
+        probes = gradient_probe(model, states, batches[-1], probed, ref_name, noise_name, args)
         for name in impls:
             r = rows[name]
             if "loss_curve" not in r:
                 continue
             dev, worst, bound, ok = curve_gate(r["loss_curve"], ref, noise, w)
             r["loss_worst_step"] = worst if worst >= 0 and name != ref_name else None
+            failures = []
             if not ok:
-                r["status"] = "failed-gate"
-                r["notes"].insert(0,
+                failures.append(
                     f"loss curve off {ref_name}'s: windowed |Δ| {dev:.3g} (bound {bound:.3g} "
                     f"at step {worst})" if math.isfinite(dev) else "non-finite loss")
+            r["grad_probe"] = probes.get(name, [])
+            for p in r["grad_probe"]:
+                if "error" in p:
+                    failures.append(f"gradient probe at {p['state']}: {p['error']}")
+                elif not p["passed"]:
+                    failures.append(
+                        f"gradient at {p['state']} off {ref_name}'s: {p['tensor']} rel L2 "
+                        f"{p['rel_l2']:.3g} (bound {p['bound']:.3g})")
+            if failures:
+                r["status"] = "failed-gate"
+                r["notes"].insert(0, "; ".join(failures))
             elif name == e2e.PLANTED:
-                r["notes"].insert(0, "the gate passed a planted wrong gradient (dK dropped): "
+                r["notes"].insert(0, "the gates passed a planted wrong gradient (dK dropped): "
                                      f"windowed |Δ| {dev:.3g} within {bound:.3g}")
+            if r["grad_probe"] and not failures:
+                p = max(r["grad_probe"], key=lambda p: p["rel_l2"] / p["bound"])
+                r["notes"].append(f"gradient probe: worst {p['tensor']} rel L2 "
+                                  f"{p['rel_l2']:.3g} ≤ {p['bound']:.3g} at {p['state']}")
             if noise is None:
                 r["notes"].append("noise floor not measured (one baseline ran): bound "
                                   f"max({LOSS_FLOOR}, {LOSS_RELATIVE}·loss)")
-        first, last = ref[0], float(np.mean(ref[-DATA_BATCHES:]))
+        first, last = ref[0], float(np.mean(ref[-w:]))
         if not last < first - 0.5:
             for name in impls:
                 rows[name]["notes"].append(
-                    f"the reference loss fell only {first:.3f} → {last:.3f} nats: too few steps "
-                    "for the curve to say much")
+                    f"the reference loss went only from {first:.3f} to {last:.3f} nats (mean of "
+                    f"the last {w} steps): the curve says little")
     else:
         for r in rows.values():
             if "loss_curve" in r:
@@ -278,10 +392,13 @@ def run_config(model, batch, seq, impls, args):
 def run(args, configs, device, dtype, impls, out_dir):
     """The --train run: every config, the samples file written after each; returns the exit
     code."""
+    if args.lr is None:
+        args.lr = LEARNING_RATE
     result = e2e.samples_header("train", args, device, dtype, dict(
         warmup=args.warmup, steps=args.steps, loss_floor=LOSS_FLOOR,
-        loss_relative=LOSS_RELATIVE, noise_mult=NOISE_MULT, lr=LEARNING_RATE,
-        lr_warmup_steps=WARMUP_STEPS, clip_norm=CLIP_NORM, data_batches=DATA_BATCHES))
+        loss_relative=LOSS_RELATIVE, noise_mult=NOISE_MULT, probe_floor=PROBE_FLOOR,
+        lr=args.lr, lr_warmup_steps=WARMUP_STEPS, clip_norm=CLIP_NORM,
+        data_states=DATA_STATES, data_branches=list(DATA_BRANCHES)))
     model = None
     for name, batch, seq in configs:
         if model is None or model.name != name:

@@ -122,21 +122,29 @@ for s in "$@"; do
     # (scripts/device-python.sh --pack): seed 003's dense models, the MoE stacks, and the
     # large / Qwen3 models under torch.compile; e2e-train: training steps (forward, backward,
     # AdamW) and the loss-curve check on the small and medium models and a Qwen3-shaped stack.
-    e2e|e2e-moe|e2e-compile|e2e-train)
+    e2e|e2e-moe|e2e-compile)
                   python3 -m pip install -q --no-deps --no-index --target /tmp/flashmoe-site \
                     target/py-device/flashmoe-*.whl >>"$LOG" 2>&1
                   case $s in
                     e2e)     stage e2e 300 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset seed003 --out /tmp/$s ;;
                     e2e-moe) stage e2e-moe 240 env PYTHONPATH=/tmp/flashmoe-site $BIN bench e2e --preset moe --out /tmp/$s ;;
-                    e2e-train) stage e2e-train 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --train --steps 100 \
-                               --preset all --only small:4x512,medium:4x512,qwen3-30b-a3b:4x512 \
-                               --impl eager,sdpa-cudnn,sdpa-cudnn+compile,flashmoe-attn,flashmoe,flashmoe+compile --out /tmp/$s
-                               $BIN bench e2e --from-samples /tmp/$s/e2e-samples.json --out /tmp/$s >>"$LOG" 2>&1 ;;
                     *)       stage e2e-compile 300 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --preset all \
                                --only large:8x2048,qwen3-30b-a3b:8x2048 --impl sdpa-cudnn,sdpa-cudnn+compile,flashmoe,flashmoe+compile --out /tmp/$s
                                $BIN bench e2e --from-samples /tmp/$s/e2e-samples.json --out /tmp/$s >>"$LOG" 2>&1 ;;
                   esac
                   for f in results.json results.md e2e-samples.json; do cp /tmp/$s/$f "$OUT/$s-$f" 2>/dev/null; done ;;
+    # E2E_LRS: learning rates to run (one run each, outputs e2e-train-LR-*; default: the
+    # script's), E2E_STEPS: steps per implementation.
+    e2e-train)    python3 -m pip install -q --no-deps --no-index --target /tmp/flashmoe-site \
+                    target/py-device/flashmoe-*.whl >>"$LOG" 2>&1
+                  for lr in ${E2E_LRS:-default}; do
+                    d=/tmp/e2e-train-$lr; lr_arg=(); [ "$lr" = default ] || lr_arg=(--lr "$lr")
+                    stage e2e-train-$lr 480 env PYTHONPATH=/tmp/flashmoe-site python3 python/flashmoe_e2e.py --train \
+                      --steps "${E2E_STEPS:-60}" "${lr_arg[@]}" --preset all --only small:4x512,medium:4x512,qwen3-30b-a3b:4x512 \
+                      --impl sdpa-cudnn,sdpa-flash,flashmoe-attn,flashmoe,planted-wrong-dk --out $d
+                    $BIN bench e2e --from-samples $d/e2e-samples.json --out $d >>"$LOG" 2>&1
+                    for f in results.json results.md report.html e2e-samples.json; do cp $d/$f "$OUT/e2e-train-$lr-$f" 2>/dev/null; done
+                  done ;;
     check-quick)  stage check-quick 300 $BIN check --suite attention --quick ;;
     # The attention plans' GPU tests (dense, varlen, decode; windows and softcap included).
     # The attention backward (issue 40): the f64 gate on both kernel paths and every sm_90a
