@@ -33,8 +33,10 @@ Method:
   closer to the reference's curve than SDPA flash does). At the initial weights and at the
   reference's weights after its last step, every implementation's gradient on one held-out
   batch is compared with the reference implementation's at the same weights, per parameter
-  tensor (rel L2); it passes within max(PROBE_FLOOR, NOISE_MULT × the noise partner's rel
-  L2 on that tensor). `planted-wrong-dk` (the attention's dK dropped) is the check that the
+  tensor (rel L2); it passes within max(PROBE_FLOOR, NOISE_MULT × the noise partner's
+  largest rel L2 over that tensor's kind: the same weight in every layer, e.g. every w13,
+  since one tensor's noise is a noisy estimate (measured on the Qwen3-shaped stack: MoE
+  weights' noise 0.01–0.03 from layer to layer, routing flips included)). `planted-wrong-dk` (the attention's dK dropped) is the check that the
   gates fail a wrong gradient.
 - Peak memory: the growth of `torch.cuda.max_memory_allocated` over one step above the
   parameters, gradients and optimiser state.
@@ -53,7 +55,10 @@ import flashmoe_e2e_common as e2e
 DATA_STATES = 4096
 DATA_BRANCHES = (0.55, 0.25, 0.15, 0.05)
 WINDOW = 16
-LEARNING_RATE = 1e-3
+# Measured on the H200 (80 steps, batch 4 × 512): at 1e-3 the 24-layer model's loss
+# swings by ±1 and two correct torch backends part early; at 3e-4 every model's loss falls
+# smoothly (10.9 to 2.8-3.8).
+LEARNING_RATE = 3e-4
 WARMUP_STEPS = 10
 CLIP_NORM = 1.0
 # Loss-curve gate (nats): the bound's floor, the multiple of the measured noise floor, and
@@ -264,6 +269,12 @@ def train_group(model, names, batches, args, rows, snapshot_of=None):
     return snapshot
 
 
+def tensor_kind(key):
+    """The weight a parameter key names, without its layer ("l3.w13" -> "w13")."""
+    head, _, tail = key.partition(".")
+    return tail if tail and head[:1] == "l" and head[1:].isdigit() else key
+
+
 def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
     """Every implementation in `names`' gradient on `ids` at each of `states` ((label,
     weights) pairs), against `ref_name`'s at the same weights: per implementation, a list of
@@ -288,8 +299,11 @@ def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
                                   / ref[k].float().norm().clamp_min(1e-30)) for k in ref}
             del g
         noise = rel.get(noise_name)
+        kind_noise = {}
+        for k, v in (noise or {}).items():
+            kind_noise[tensor_kind(k)] = max(kind_noise.get(tensor_kind(k), 0.0), v)
         for name in rel:
-            bound = {k: max(PROBE_FLOOR, NOISE_MULT * noise[k]) if noise else PROBE_FLOOR
+            bound = {k: max(PROBE_FLOOR, NOISE_MULT * kind_noise.get(tensor_kind(k), 0.0))
                      for k in ref}
             finite = all(math.isfinite(v) for v in rel[name].values())
             worst = max(rel[name], key=lambda k: rel[name][k] - bound[k]
