@@ -221,6 +221,8 @@ def main(argv):
     if not configs:
         ap.error("no config of the preset matches --models/--only")
     os.makedirs(args.out, exist_ok=True)
+    if args.lr is not None and not (args.train and math.isfinite(args.lr) and args.lr > 0):
+        ap.error(f"--lr {args.lr}: a learning rate above 0, for --train only")
     if args.train:
         if args.steps <= args.warmup:
             ap.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")

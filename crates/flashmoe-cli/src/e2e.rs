@@ -68,6 +68,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     if let Some(n) = args.steps {
         cmd.arg("--steps").arg(n.to_string());
     }
+    if let Some(lr) = args.lr {
+        cmd.arg("--lr").arg(lr.to_string());
+    }
     let status = cmd.status().with_context(|| {
         format!(
             "cannot start {} {} (bench e2e needs python3 with PyTorch)",

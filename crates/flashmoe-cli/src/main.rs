@@ -189,6 +189,9 @@ pub struct BenchArgs {
     /// Steps per implementation for `bench e2e --train` (the length of the loss curve).
     #[arg(long, value_name = "N", requires = "train")]
     steps: Option<usize>,
+    /// AdamW's peak learning rate for `bench e2e --train` (default: the script's, 3e-4).
+    #[arg(long, value_name = "LR", requires = "train", value_parser = parse_learning_rate)]
+    lr: Option<f64>,
     /// e2e only: write the reports of a samples file python/flashmoe_e2e.py wrote
     /// (OUT/e2e-samples.json) instead of running the models; needs no PyTorch.
     #[arg(long, value_name = "FILE")]
@@ -218,6 +221,13 @@ pub struct CheckArgs {
 /// "fwd" | "bwd" | "fwd+bwd".
 fn parse_pass(s: &str) -> Result<Pass, String> {
     s.parse()
+}
+
+fn parse_learning_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(lr) if lr.is_finite() && lr > 0.0 => Ok(lr),
+        _ => Err(format!("'{s}' is not a learning rate: a finite number above 0, e.g. 3e-4")),
+    }
 }
 
 #[derive(Args)]
@@ -455,5 +465,8 @@ mod tests {
         let e = bench_err(&["flashmoe", "bench", "attention", "--train"]);
         assert!(e.contains("bench e2e --train"), "{e}");
         assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--steps", "5"]).is_err());
+        assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--lr", "1e-4"]).is_err());
+        assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--train", "--lr", "0"]).is_err());
+        assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--train", "--lr", "1e-4"]).is_ok());
     }
 }
