@@ -8,7 +8,7 @@ needed, and read the ptxas resource report: registers, stack frame, spills.
 
 Exits non-zero on a compile error or on any spill / stack frame / local memory.
 
-The tile table mirrors crates/flashmoe/src/moe/gemm_config.rs (`regime_tile`); the Rust
+The tile table mirrors crates/flashmoe/src/moe/gemm/tiles.rs (`regime_tile`); the Rust
 test `python_tile_table_matches` fails when the two differ. moe_gemm_probe.py imports it.
 """
 import argparse
@@ -22,7 +22,7 @@ from nvrtc_check import run_job as nvrtc_check_run_job  # noqa: E402
 
 SOURCE = "moe_grouped_gemm.cu"
 
-# (regime, gemm) -> (BM, BN, WARPS_M, WARPS_N, STAGES, MIN_BLOCKS); mirror of gemm_config.rs
+# (regime, gemm) -> (BM, BN, WARPS_M, WARPS_N, STAGES, MIN_BLOCKS); mirror of moe/gemm/tiles.rs
 MOE_TILES = {
     ("decode", 13): (16, 64, 1, 4, 6, 2),
     ("decode", 2): (16, 64, 1, 4, 6, 3),

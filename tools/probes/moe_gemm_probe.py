@@ -5,7 +5,7 @@ CuPy, no Rust.
   python3 tools/probes/moe_gemm_probe.py [--quick] [--out DIR] [--no-tune]
 
 1. Compiles moe_gemm13 / moe_gemm2 for every tile of the table (tools/kernels/
-   moe_nvrtc_check.py, mirror of crates/flashmoe/src/moe/gemm_config.rs) with NVRTC
+   moe_nvrtc_check.py, mirror of crates/flashmoe/src/moe/gemm/tiles.rs) with NVRTC
    (ctypes; cupy.RawModule(code=...) fallback) and loads them with CuPy.
 2. Correctness: random x / w13 / w2 (torch.randn, scaled), random routing with an expert
    that gets no token and a skewed one (in every token's top-k), offsets / row_token built

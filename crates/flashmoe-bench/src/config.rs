@@ -327,7 +327,7 @@ dtype = "f16"
 
     #[test]
     fn every_moe_preset_and_check_shape_has_kernels() {
-        // The grouped-GEMM tiles (gemm_config) and launch geometry support every shape
+        // The grouped-GEMM tiles (moe::gemm::tiles) and launch geometry support every shape
         // a preset or the check can ask for: no config is "n/a" for flashmoe-moe.
         let mut all = check_matrix(Suite::Moe, false, &[]);
         all.extend(moe_gpu_check_shapes(false));
@@ -336,7 +336,8 @@ dtype = "f16"
         }
         for c in &all {
             let ProblemSpec::Moe(p) = c else { panic!() };
-            let k = flashmoe::moe::config::select(p).unwrap_or_else(|e| panic!("{p}: {e}"));
+            let k =
+                flashmoe::moe::forward::select::select(p).unwrap_or_else(|e| panic!("{p}: {e}"));
             flashmoe::moe::launch_configs(p, &k).unwrap_or_else(|e| panic!("{p}: {e}"));
         }
     }

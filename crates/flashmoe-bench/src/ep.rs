@@ -9,7 +9,7 @@ use cudarc::driver::{result as dr, sys, CudaSlice, DevicePtr};
 use flashmoe::gpu::{Device, RawStream, RawTensor};
 use flashmoe::inputs::{stream_key, TensorId};
 use flashmoe::moe::ep::{Communicator, ExpertParallelMoe, ExpertPlacement, NcclId};
-use flashmoe::moe::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs};
+use flashmoe::moe::forward::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs};
 use flashmoe::{DType, Scoring};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

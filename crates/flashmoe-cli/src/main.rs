@@ -226,7 +226,9 @@ fn parse_pass(s: &str) -> Result<Pass, String> {
 fn parse_learning_rate(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(lr) if lr.is_finite() && lr > 0.0 => Ok(lr),
-        _ => Err(format!("'{s}' is not a learning rate: a finite number above 0, e.g. 3e-4")),
+        _ => Err(format!(
+            "'{s}' is not a learning rate: a finite number above 0, e.g. 3e-4"
+        )),
     }
 }
 
@@ -467,6 +469,8 @@ mod tests {
         assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--steps", "5"]).is_err());
         assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--lr", "1e-4"]).is_err());
         assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--train", "--lr", "0"]).is_err());
-        assert!(Cli::try_parse_from(["flashmoe", "bench", "e2e", "--train", "--lr", "1e-4"]).is_ok());
+        assert!(
+            Cli::try_parse_from(["flashmoe", "bench", "e2e", "--train", "--lr", "1e-4"]).is_ok()
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! Every MoE kernel variant (`moe::config::all_variants`) compiles with NVRTC for sm_80
+//! Every MoE kernel variant (`moe::forward::select::all_variants`) compiles with NVRTC for sm_80
 //! and sm_90a on a machine without a GPU, with no register spills, within the shared
 //! memory and register limits.
 //!
@@ -8,7 +8,7 @@
 
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::nvrtc_compile;
-use flashmoe::moe::config::{all_variants, MoeKernel};
+use flashmoe::moe::forward::select::{all_variants, MoeKernel};
 mod common;
 use common::{arch_limits, ARCHS};
 
@@ -31,7 +31,7 @@ fn every_moe_variant_compiles_without_spills() {
     common::nvrtc();
     let variants = all_variants();
     // The router / permute / combine kernels are always present; the grouped GEMMs come
-    // from gemm_config (empty in the stub of branch moe-path).
+    // from moe::gemm::tiles (empty in the stub of branch moe-path).
     for entry in [
         "moe_router_logits",
         "moe_router_logits_small",
@@ -50,7 +50,7 @@ fn every_moe_variant_compiles_without_spills() {
         );
     }
     if !variants.iter().any(|v| v.entry == "moe_gemm13") {
-        eprintln!("note: no grouped-GEMM variants (gemm_config stub)");
+        eprintln!("note: no grouped-GEMM variants (moe::gemm::tiles stub)");
     }
     let mut failures = Vec::new();
     let mut n = 0;

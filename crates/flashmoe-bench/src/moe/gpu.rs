@@ -9,7 +9,8 @@ use crate::runner::plan_backed::{PlanBacked, PlanCall};
 use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
 use flashmoe::gpu::Device;
-use flashmoe::moe::{config, MoeRunner};
+use flashmoe::moe::forward::select;
+use flashmoe::moe::MoeRunner;
 use std::rc::Rc;
 
 pub struct GpuMoe {
@@ -27,7 +28,7 @@ impl Implementation for GpuMoe {
         let ProblemSpec::Moe(p) = problem else {
             return Err("MoE layer".into());
         };
-        let kernels = config::select(p).map_err(|e| e.to_string())?;
+        let kernels = select::select(p).map_err(|e| e.to_string())?;
         let arch = self.session.device.arch();
         if let Some(k) = kernels.iter().find(|k| arch < k.min_arch) {
             return Err(format!(

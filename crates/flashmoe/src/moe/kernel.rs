@@ -1,6 +1,6 @@
 //! The record every MoE kernel is described by ([`MoeKernel`]: source, entry, defines,
 //! tile and launch shape) and the names shared by the selection modules. A leaf module:
-//! [`super::config`], [`super::gemm_config`] and [`super::gemm_sm90`] all build on it, and
+//! [`super::forward::select`], [`super::gemm::tiles`] and [`super::gemm::sm90`] all build on it, and
 //! it imports none of them.
 
 /// Backend name used in errors.

@@ -1,14 +1,17 @@
-//! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine.
-//! Kernel selection and the kernel ABI live in [`config`] (the contract at its top);
-//! grouped-GEMM variants in [`gemm_config`] and [`gemm_sm90`]; the GPU fp32 reference (lab
-//! feature) in `reference`.
-//!
-//! The engine API is [`MoePlan`] ([`plan`]): built once per [`MoeClass`], then called on
-//! the caller's stream over the caller's device weights, activations and workspace (raw
-//! pointers or cudarc buffers); no allocation, sync or compile per call, CUDA-graph safe,
-//! routing results and losses left on the device. [`launch`] holds the pipeline's launch
-//! geometry. With the `lab` feature, `runner` adds the lab's owner of one problem's
-//! buffers (`MoeRunner`) and `reference` the GPU fp32 reference.
+//! The MoE layer on the GPU: router, dropless permutation, grouped SwiGLU GEMMs, combine,
+//! and their backward. One folder a role:
+//! - [`forward`]: the forward's kernel ABI (`abi`), kernel selection (`select`), launch
+//!   geometry (`launch`) and the engine API, [`MoePlan`] (`plan`): built once per
+//!   [`MoeClass`], then called on the caller's stream over the caller's device weights,
+//!   activations and workspace (raw pointers or cudarc buffers); no allocation, sync or
+//!   compile per call, CUDA-graph safe, routing results and losses left on the device.
+//! - [`backward`]: [`backward::MoeBackwardPlan`] over the forward's saved routing.
+//! - [`gemm`]: the grouped GEMMs' tiles (portable) and the sm_90a kernels' descriptors,
+//!   shared by both passes; [`kernel`]: the record every MoE kernel is described by.
+//! - [`ep`]: expert parallelism over several GPUs.
+//! - With the `lab` feature, `runner` (the lab's owner of one problem's buffers,
+//!   `MoeRunner`, over the forward and backward plans) and `reference` (the GPU fp32
+//!   reference).
 //!
 //! Shared expert: supported, as a one-expert group of all tokens through the same grouped
 //! GEMM kernels (see the contract); its output is added by the combine with weight 1.
@@ -16,24 +19,17 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod backward;
-pub mod config;
 pub mod ep;
-pub mod gemm_config;
-pub mod gemm_sm90;
-#[cfg(all(test, feature = "lab"))]
-mod gpu_tests;
+pub mod forward;
+pub mod gemm;
 pub mod kernel;
-pub mod launch;
-pub mod plan;
-#[cfg(all(test, feature = "lab"))]
-mod plan_gpu_tests;
 #[cfg(feature = "lab")]
 pub mod reference;
 #[cfg(feature = "lab")]
 pub mod runner;
 
-pub use launch::{gemm_launch_config, launch_configs};
-pub use plan::{
+pub use forward::launch::{gemm_launch_config, launch_configs};
+pub use forward::plan::{
     MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, RawU32, RoutingArgs, TokenRange,
     WorkspaceLayout,
 };

@@ -11,8 +11,8 @@
 //! let routing = r.routing(&dev)?;                          // ids, weights, counts, losses
 //! ```
 
-use super::config::MoeKernel;
-use super::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs, WorkspaceLayout};
+use super::forward::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs, WorkspaceLayout};
+use super::kernel::MoeKernel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::{check_len, Device, DeviceTensor};
@@ -213,7 +213,7 @@ impl MoeRunner {
     /// Validate `problem` and `inputs`, build the plan (select and compile the kernels
     /// for this device), upload the inputs (rounded to the problem's dtype) once and
     /// allocate the outputs and the workspace. The grouped-GEMM path follows
-    /// [`GEMM_PATH_ENV`] when set (the lab's A/B switch; see [`super::gemm_sm90`]).
+    /// [`GEMM_PATH_ENV`] when set (the lab's A/B switch; see [`super::gemm::sm90`]).
     pub fn new(dev: &Device, problem: &MoeProblem, inputs: &MoeInputs) -> Result<MoeRunner> {
         let env = std::env::var(GEMM_PATH_ENV).ok();
         Self::with_gemm_path(dev, problem, inputs, env.as_deref())
@@ -321,7 +321,7 @@ impl MoeRunner {
     pub fn args(&self) -> &MoeArgs {
         &self.args
     }
-    /// The kernels in pipeline order (see [`select`](crate::moe::config::select)).
+    /// The kernels in pipeline order (see [`select`](crate::moe::forward::select::select)).
     pub fn kernels(&self) -> &[MoeKernel] {
         &self.kernels
     }
@@ -489,7 +489,7 @@ impl MoeRunner {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe::launch::tests::problem;
+    use crate::moe::forward::launch::tests::problem;
 
     #[test]
     fn input_lengths_name_the_tensor() {

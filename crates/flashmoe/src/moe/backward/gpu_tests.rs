@@ -16,7 +16,7 @@ use crate::gpu::raw::{RawTensor, RawU32, RawWorkspace};
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, Workspace};
 use crate::inputs::{generate, TensorId};
-use crate::moe::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
+use crate::moe::forward::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
 use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;
@@ -112,7 +112,7 @@ struct Setup {
     inputs: MoeInputs,
     d_out_host: Vec<f32>,
     bufs: Vec<CudaSlice<u16>>,
-    routing: crate::moe::plan::MoeRouting,
+    routing: crate::moe::forward::plan::MoeRouting,
     fwd_ws: Workspace,
     fwd: MoePlan,
     fwd_args: MoeArgs,

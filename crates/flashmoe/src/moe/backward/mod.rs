@@ -83,7 +83,7 @@ pub use workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting}
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::moe::plan::{MoeClass, WORKSPACE_ALIGN};
+    use crate::moe::forward::plan::{MoeClass, WORKSPACE_ALIGN};
     use crate::problem::Scoring;
 
     fn class(shared: bool) -> MoeClass {

@@ -12,7 +12,7 @@ use crate::accuracy::{error_metrics_rows, tolerance};
 use crate::dtype::DType;
 use crate::gpu::raw::{RawTensor, RawU32};
 use crate::inputs::{generate, TensorId};
-use crate::moe::plan::MoeClass;
+use crate::moe::forward::plan::MoeClass;
 use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;

@@ -10,7 +10,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::Device;
-use crate::moe::plan::{MoeClass, WORKSPACE_ALIGN};
+use crate::moe::forward::plan::{MoeClass, WORKSPACE_ALIGN};
 use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
 use std::ffi::c_void;
 use std::sync::Arc;

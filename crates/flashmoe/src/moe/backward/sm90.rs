@@ -18,13 +18,13 @@ use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream};
 use crate::gpu::tensor_map::{self, TensorMap};
 use crate::gpu::Device;
-use crate::moe::gemm_sm90::{
+use crate::moe::forward::plan::MoeClass;
+use crate::moe::gemm::sm90::{
     a_layout, b_kmajor_layout, b_layout, gather_kernel, row_tiles, sm90_bwd_tile,
     sm90_launch_config, wgrad_kernel, wgrad_operand_layout, wgrad_tiles, GATHER_THREADS,
     SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS,
 };
 use crate::moe::kernel::MoeKernel;
-use crate::moe::plan::MoeClass;
 use cudarc::driver::{CudaFunction, LaunchConfig};
 use std::ffi::c_void;
 

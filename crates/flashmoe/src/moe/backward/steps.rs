@@ -4,7 +4,7 @@
 use super::abi::*;
 use super::workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs};
 use crate::error::{Error, Result};
-use crate::moe::plan::MoeClass;
+use crate::moe::forward::plan::MoeClass;
 use crate::problem::Scoring;
 
 /// The backward's launches in stream order for a checked call of `t` tokens, workspace at

@@ -4,7 +4,7 @@
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{RawTensor, RawU32, RawWorkspace};
-use crate::moe::plan::{MoeClass, WorkspaceLayout, WORKSPACE_ALIGN};
+use crate::moe::forward::plan::{MoeClass, WorkspaceLayout, WORKSPACE_ALIGN};
 
 /// The routing tensors the forward leaves in its workspace (module doc).
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -7,8 +7,8 @@ use super::placement::ExpertPlacement;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{RawEvent, RawStream, RawWorkspace};
 use crate::gpu::Device;
-use crate::moe::config::BACKEND;
-use crate::moe::plan::{MoeArgs, MoeClass, MoePlan};
+use crate::moe::forward::abi::BACKEND;
+use crate::moe::forward::plan::{MoeArgs, MoeClass, MoePlan};
 use cudarc::driver::{result as dr, sys, CudaContext};
 use std::sync::Arc;
 

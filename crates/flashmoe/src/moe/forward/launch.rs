@@ -1,10 +1,11 @@
-//! Launch geometry of the MoE pipeline's kernels per the contract in [`super::config`]:
+//! Launch geometry of the MoE pipeline's kernels per the contract in [`super::abi`]:
 //! the grouped GEMMs' tile grids and the one-dimensional grids of the router, permute and
 //! combine kernels.
 
-use super::config::{self, MoeKernel, BACKEND};
-use super::gemm_config;
+use super::abi::{self, BACKEND};
+use super::select::{self, MoeKernel};
 use crate::error::{Error, Result};
+use crate::moe::gemm::tiles;
 use crate::problem::MoeProblem;
 use cudarc::driver::LaunchConfig;
 
@@ -62,11 +63,11 @@ pub fn gemm_launch_config(
     grid_1d(k, gx, (n / k.block_n as usize) as u64)
 }
 
-/// Launch geometry of every kernel of [`config::select`] (same order) for `p`, per the
+/// Launch geometry of every kernel of [`select::select`] (same order) for `p`, per the
 /// contract in [`config`].
 pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<LaunchConfig>> {
     if kernels.len() != 7 {
-        config::check_limits(p)?;
+        select::check_limits(p)?;
         return Err(Error::unsupported(
             BACKEND,
             format!("expected 7 pipeline kernels, got {}", kernels.len()),
@@ -81,32 +82,32 @@ pub(crate) fn pipeline_configs(
     p: &MoeProblem,
     kernels: [&MoeKernel; 7],
 ) -> Result<[LaunchConfig; 7]> {
-    config::check_limits(p)?;
+    select::check_limits(p)?;
     let (t, e, k) = (p.tokens as u64, p.experts as u64, p.top_k as u64);
-    let logits_kernel = kernels[config::K_LOGITS];
+    let logits_kernel = kernels[select::K_LOGITS];
     let logits_cfg = match logits_kernel.entry {
-        gemm_config::GEMM2_ENTRY => gemm_launch_config(logits_kernel, p.tokens, 1, p.experts)?,
-        config::LOGITS_SMALL_ENTRY => grid_1d(
+        tiles::GEMM2_ENTRY => gemm_launch_config(logits_kernel, p.tokens, 1, p.experts)?,
+        abi::LOGITS_SMALL_ENTRY => grid_1d(
             logits_kernel,
-            (t * e).div_ceil(config::LOGITS_THREADS as u64),
+            (t * e).div_ceil(abi::LOGITS_THREADS as u64),
             1,
         )?,
         _ => grid_1d(
             logits_kernel,
-            t.div_ceil(config::tiled_logits_tokens_per_block(p.experts)),
+            t.div_ceil(select::tiled_logits_tokens_per_block(p.experts)),
             1,
         )?,
     };
-    let topk_tokens = config::TOPK_THREADS as u64 / 32;
+    let topk_tokens = abi::TOPK_THREADS as u64 / 32;
     let rows = (t * k) as usize;
     Ok([
         logits_cfg,
-        grid_1d(kernels[config::K_TOPK], t.div_ceil(topk_tokens), 1)?,
-        grid_1d(kernels[config::K_STATS], e + 1, 1)?,
-        grid_1d(kernels[config::K_PERMUTE], e, 1)?,
-        gemm_launch_config(kernels[config::K_GEMM13], rows, p.experts, p.intermediate)?,
-        gemm_launch_config(kernels[config::K_GEMM2], rows, p.experts, p.hidden)?,
-        grid_1d(kernels[config::K_COMBINE], t, 1)?,
+        grid_1d(kernels[select::K_TOPK], t.div_ceil(topk_tokens), 1)?,
+        grid_1d(kernels[select::K_STATS], e + 1, 1)?,
+        grid_1d(kernels[select::K_PERMUTE], e, 1)?,
+        gemm_launch_config(kernels[select::K_GEMM13], rows, p.experts, p.intermediate)?,
+        gemm_launch_config(kernels[select::K_GEMM2], rows, p.experts, p.hidden)?,
+        grid_1d(kernels[select::K_COMBINE], t, 1)?,
     ])
 }
 
@@ -145,9 +146,9 @@ pub(crate) mod tests {
     }
 
     fn kernels(p: &MoeProblem) -> Vec<MoeKernel> {
-        let mut v = config::non_gemm_variants(p.dtype, p.scoring, p.renormalize, false).unwrap();
+        let mut v = select::non_gemm_variants(p.dtype, p.scoring, p.renormalize, false).unwrap();
         let c = v.pop().unwrap();
-        v.extend([gemm(config::GEMM13_ENTRY), gemm(config::GEMM2_ENTRY), c]);
+        v.extend([gemm(abi::GEMM13_ENTRY), gemm(abi::GEMM2_ENTRY), c]);
         v
     }
 
@@ -156,17 +157,17 @@ pub(crate) mod tests {
         let p = problem();
         let c = launch_configs(&p, &kernels(&p)).unwrap();
         // E = 40 → EPAD 64 → 4 token groups × 4 tokens = 16 tokens per block.
-        assert_eq!(c[config::K_LOGITS].grid_dim, (7, 1, 1));
-        assert_eq!(c[config::K_LOGITS].block_dim, (256, 1, 1));
-        assert_eq!(c[config::K_TOPK].grid_dim, (25, 1, 1));
-        assert_eq!(c[config::K_TOPK].block_dim, (128, 1, 1));
-        assert_eq!(c[config::K_STATS].grid_dim, (41, 1, 1));
-        assert_eq!(c[config::K_PERMUTE].grid_dim, (40, 1, 1));
+        assert_eq!(c[select::K_LOGITS].grid_dim, (7, 1, 1));
+        assert_eq!(c[select::K_LOGITS].block_dim, (256, 1, 1));
+        assert_eq!(c[select::K_TOPK].grid_dim, (25, 1, 1));
+        assert_eq!(c[select::K_TOPK].block_dim, (128, 1, 1));
+        assert_eq!(c[select::K_STATS].grid_dim, (41, 1, 1));
+        assert_eq!(c[select::K_PERMUTE].grid_dim, (40, 1, 1));
         // 200 rows / 64 → 4, + 40 experts; N / 64.
-        assert_eq!(c[config::K_GEMM13].grid_dim, (44, 2, 1));
-        assert_eq!(c[config::K_GEMM2].grid_dim, (44, 4, 1));
-        assert_eq!(c[config::K_GEMM2].shared_mem_bytes, 64 * 1024);
-        assert_eq!(c[config::K_COMBINE].grid_dim, (100, 1, 1));
+        assert_eq!(c[select::K_GEMM13].grid_dim, (44, 2, 1));
+        assert_eq!(c[select::K_GEMM2].grid_dim, (44, 4, 1));
+        assert_eq!(c[select::K_GEMM2].shared_mem_bytes, 64 * 1024);
+        assert_eq!(c[select::K_COMBINE].grid_dim, (100, 1, 1));
         // A 1-token problem with 256 experts: one token per thread group.
         let q = MoeProblem {
             tokens: 1,
@@ -175,20 +176,20 @@ pub(crate) mod tests {
             ..p.clone()
         };
         let c = launch_configs(&q, &kernels(&q)).unwrap();
-        assert_eq!(c[config::K_LOGITS].grid_dim, (1, 1, 1));
-        assert_eq!(c[config::K_GEMM13].grid_dim, (257, 2, 1));
+        assert_eq!(c[select::K_LOGITS].grid_dim, (1, 1, 1));
+        assert_eq!(c[select::K_GEMM13].grid_dim, (257, 2, 1));
         // The few-token logits kernel: one thread per (token, expert).
         let mut ks = kernels(&q);
-        ks[config::K_LOGITS].entry = config::LOGITS_SMALL_ENTRY;
+        ks[select::K_LOGITS].entry = abi::LOGITS_SMALL_ENTRY;
         let q7 = MoeProblem { tokens: 7, ..q };
         let c = launch_configs(&q7, &ks).unwrap();
-        assert_eq!(c[config::K_LOGITS].grid_dim, (7, 1, 1));
-        assert_eq!(c[config::K_LOGITS].block_dim, (256, 1, 1));
+        assert_eq!(c[select::K_LOGITS].grid_dim, (7, 1, 1));
+        assert_eq!(c[select::K_LOGITS].block_dim, (256, 1, 1));
     }
 
     #[test]
-    fn gemm_geometry_agrees_with_gemm_config() {
-        // Whatever grouped-GEMM variants gemm_config selects, the launcher's grid is the
+    fn gemm_geometry_agrees_with_the_gemm_tiles() {
+        // Whatever grouped-GEMM variants gemm::tiles selects, the launcher's grid is the
         // one the GEMM side documents.
         for (t, h, i, e, k) in [
             (1, 256, 256, 16, 8),
@@ -203,10 +204,10 @@ pub(crate) mod tests {
                 top_k: k,
                 ..problem()
             };
-            let ks = config::select(&p).unwrap_or_else(|e| panic!("{p}: {e}"));
+            let ks = select::select(&p).unwrap_or_else(|e| panic!("{p}: {e}"));
             let c = launch_configs(&p, &ks).unwrap();
-            for g in [config::K_GEMM13, config::K_GEMM2] {
-                let (gx, gy) = gemm_config::gemm_grid(&p, &ks[g]);
+            for g in [select::K_GEMM13, select::K_GEMM2] {
+                let (gx, gy) = tiles::gemm_grid(&p, &ks[g]);
                 assert_eq!(c[g].grid_dim, (gx, gy, 1), "{p} {}", ks[g].entry);
                 assert_eq!(c[g].block_dim.0, ks[g].block_threads);
             }
@@ -225,7 +226,7 @@ pub(crate) mod tests {
             "{e}"
         );
         let mut k = kernels(&problem());
-        k[config::K_GEMM2].block_m = 0;
+        k[select::K_GEMM2].block_m = 0;
         assert!(launch_configs(&problem(), &k).is_err());
         assert!(launch_configs(&problem(), &k[..3]).is_err());
     }

@@ -7,9 +7,12 @@ use super::ranges::{load, plan_selections, Bucket, TokenRange};
 use super::workspace::WorkspaceLayout;
 use crate::error::{Error, Result};
 use crate::gpu::Device;
-use crate::moe::config::{self, MoeKernel, BACKEND};
-use crate::moe::gemm_sm90::{self, GemmPath};
-use crate::moe::launch::pipeline_configs;
+use crate::moe::forward::launch::pipeline_configs;
+use crate::moe::forward::{
+    abi::BACKEND,
+    select::{self, MoeKernel},
+};
+use crate::moe::gemm::sm90::{self, GemmPath};
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 use std::sync::Arc;
 
@@ -48,7 +51,7 @@ impl std::fmt::Debug for MoePlan {
 
 impl MoePlan {
     /// Resolve, compile and load every kernel `class` needs on `dev` for 1..=max_tokens
-    /// tokens, the grouped-GEMM path chosen per token range ([`gemm_sm90::select_path`]).
+    /// tokens, the grouped-GEMM path chosen per token range ([`sm90::select_path`]).
     pub fn new(dev: &Device, class: MoeClass) -> Result<MoePlan> {
         Self::with_gemm_path(dev, class, 1, None)
     }
@@ -66,19 +69,19 @@ impl MoePlan {
         let pieces = plan_selections(&class, min_tokens, dev.arch(), path)?;
         let mut loaded = Vec::new();
         let first = &pieces[0].2 .0;
-        let topk = load(dev, &mut loaded, &first[config::K_TOPK])?;
-        let stats = load(dev, &mut loaded, &first[config::K_STATS])?;
-        let losses = load(dev, &mut loaded, &config::losses_kernel())?;
-        let permute = load(dev, &mut loaded, &first[config::K_PERMUTE])?;
-        let combine = load(dev, &mut loaded, &first[config::K_COMBINE])?;
+        let topk = load(dev, &mut loaded, &first[select::K_TOPK])?;
+        let stats = load(dev, &mut loaded, &first[select::K_STATS])?;
+        let losses = load(dev, &mut loaded, &select::losses_kernel())?;
+        let permute = load(dev, &mut loaded, &first[select::K_PERMUTE])?;
+        let combine = load(dev, &mut loaded, &first[select::K_COMBINE])?;
         let mut gather = None;
         let mut buckets = Vec::with_capacity(pieces.len());
         for (first_t, last_t, (kernels, path)) in &pieces {
             for (i, fixed) in [
-                (config::K_TOPK, topk),
-                (config::K_STATS, stats),
-                (config::K_PERMUTE, permute),
-                (config::K_COMBINE, combine),
+                (select::K_TOPK, topk),
+                (select::K_STATS, stats),
+                (select::K_PERMUTE, permute),
+                (select::K_COMBINE, combine),
             ] {
                 // These depend on the class only; a change would be a selection bug.
                 if kernels[i] != loaded[fixed].0 {
@@ -93,13 +96,12 @@ impl MoePlan {
                 Some((k13, k2)) => {
                     // The tensor maps' shapes at the largest call of the range (every
                     // other call has fewer rows, within the same limits).
-                    gemm_sm90::a_layout(rows, class.hidden, k13.block_m).check("x_perm")?;
-                    gemm_sm90::b_layout(class.experts, class.hidden, 2 * class.intermediate)
+                    sm90::a_layout(rows, class.hidden, k13.block_m).check("x_perm")?;
+                    sm90::b_layout(class.experts, class.hidden, 2 * class.intermediate)
                         .check("w13")?;
-                    gemm_sm90::a_layout(rows, class.intermediate, k2.block_m).check("h")?;
-                    gemm_sm90::b_layout(class.experts, class.intermediate, class.hidden)
-                        .check("w2")?;
-                    gather = Some(load(dev, &mut loaded, &gemm_sm90::gather_kernel())?);
+                    sm90::a_layout(rows, class.intermediate, k2.block_m).check("h")?;
+                    sm90::b_layout(class.experts, class.intermediate, class.hidden).check("w2")?;
+                    gather = Some(load(dev, &mut loaded, &sm90::gather_kernel())?);
                     Some((load(dev, &mut loaded, k13)?, load(dev, &mut loaded, k2)?))
                 }
                 None => None,
@@ -107,9 +109,9 @@ impl MoePlan {
             buckets.push(Bucket {
                 first: *first_t,
                 last: *last_t,
-                logits: load(dev, &mut loaded, &kernels[config::K_LOGITS])?,
-                gemm13: load(dev, &mut loaded, &kernels[config::K_GEMM13])?,
-                gemm2: load(dev, &mut loaded, &kernels[config::K_GEMM2])?,
+                logits: load(dev, &mut loaded, &kernels[select::K_LOGITS])?,
+                gemm13: load(dev, &mut loaded, &kernels[select::K_GEMM13])?,
+                gemm2: load(dev, &mut loaded, &kernels[select::K_GEMM2])?,
                 sm90,
             });
             // Every range's workspace and launch geometry must be computable.
@@ -212,7 +214,7 @@ impl MoePlan {
                 k(g2).block_n
             ),
             None => {
-                let why = match gemm_sm90::select_path(
+                let why = match sm90::select_path(
                     &self.class.problem(tokens),
                     self.arch,
                     self.path.as_deref(),
@@ -241,7 +243,7 @@ impl MoePlan {
         Ok(self.describe_path(self.bucket(tokens)?, tokens))
     }
 
-    /// The seven kernels of [`config::select`]'s pipeline order that a call of `tokens`
+    /// The seven kernels of [`select::select`]'s pipeline order that a call of `tokens`
     /// tokens runs (the routed experts' GEMMs may be the sm_90 ones instead: see
     /// [`MoePlan::gemm_path`]; the shared expert always runs these portable GEMMs).
     pub fn kernels(&self, tokens: usize) -> Result<Vec<MoeKernel>> {

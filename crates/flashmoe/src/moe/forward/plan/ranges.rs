@@ -1,19 +1,19 @@
 //! Kernel resolution by token range: which kernels a token count selects
-//! ([`config::select`], [`gemm_sm90::select_path`]), the maximal ranges of token counts
+//! ([`select::select`], [`sm90::select_path`]), the maximal ranges of token counts
 //! with one selection (found by bisection), and loading each distinct kernel once.
 
 use super::class::MoeClass;
 use crate::error::{Error, Result};
 use crate::gpu::Device;
-use crate::moe::config::{self, MoeKernel};
-use crate::moe::gemm_sm90::{self, GemmPath};
+use crate::moe::forward::select::{self, MoeKernel};
+use crate::moe::gemm::sm90::{self, GemmPath};
 use cudarc::driver::CudaFunction;
 
 /// The maximal token ranges `[first, last]` of `lo..=hi` on which `key` is constant, with
 /// their keys, found by bisection: O(pieces · log(hi − lo)) evaluations. Correct when each
 /// component of the key changes monotonically with the token count (never returns to a
-/// value it left), which holds for every choice [`config::select`] and
-/// [`gemm_sm90::select_path`] make (thresholds on tokens or rows per expert); a unit test
+/// value it left), which holds for every choice [`select::select`] and
+/// [`sm90::select_path`] make (thresholds on tokens or rows per expert); a unit test
 /// checks it against an exhaustive scan.
 pub(crate) fn token_pieces<K: PartialEq>(
     lo: usize,
@@ -112,8 +112,8 @@ pub(super) fn selection(
     path: Option<&str>,
 ) -> Result<Selection> {
     let p = class.problem(tokens);
-    let kernels = config::select(&p)?;
-    let sm90 = match gemm_sm90::select_path(&p, arch, path)? {
+    let kernels = select::select(&p)?;
+    let sm90 = match sm90::select_path(&p, arch, path)? {
         GemmPath::Sm90(k13, k2) => Some((k13, k2)),
         GemmPath::Portable(_) => None,
     };
@@ -136,7 +136,7 @@ pub(crate) fn plan_selections(
         )));
     }
     // Limits at the largest call first: a clear error before any bisection.
-    config::check_limits(&class.problem(class.max_tokens))?;
+    select::check_limits(&class.problem(class.max_tokens))?;
     token_pieces(min_tokens, class.max_tokens, |t| {
         selection(class, t, arch, path)
     })

@@ -9,12 +9,12 @@
 //! --nocapture --test-threads=1`.
 
 use super::plan::{MoeArgs, MoeClass, MoePlan, MoeRouting, MoeWeights, RawU32, RoutingArgs};
-use super::{GpuRouting, MoeRunner};
 use crate::accuracy::error_metrics;
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
+use crate::moe::{GpuRouting, MoeRunner};
 use crate::problem::{MoeProblem, Scoring};
 use crate::reference::moe::{compare_routing, moe_f64, MoeInputs};
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtrMut};
@@ -643,7 +643,7 @@ fn plan_bad_input_is_a_clear_error() {
 /// bit-identical, at token counts on both GEMM paths, several calls of one layer.
 #[test]
 fn expert_parallel_world_one_matches_the_plan() {
-    use super::ep::{ExpertParallelMoe, ExpertPlacement};
+    use crate::moe::ep::{ExpertParallelMoe, ExpertPlacement};
     with_gpu("moe_ep_world1_vs_plan", |dev| {
         if dev.arch() != 90 {
             eprintln!("  skipped: the expert-parallel layer needs the sm_90 token gather");

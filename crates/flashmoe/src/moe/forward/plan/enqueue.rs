@@ -9,10 +9,11 @@ use super::workspace::{WorkspaceLayout, WORKSPACE_ALIGN};
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream, RawWorkspace};
 use crate::gpu::tensor_map::{self, TensorMap};
-use crate::moe::config::{self, BACKEND};
-use crate::moe::gemm_config;
-use crate::moe::gemm_sm90;
-use crate::moe::launch::gemm_launch_config;
+use crate::moe::forward::abi::{self, BACKEND};
+use crate::moe::forward::launch::gemm_launch_config;
+use crate::moe::forward::select;
+use crate::moe::gemm::sm90;
+use crate::moe::gemm::tiles;
 use cudarc::driver::{CudaFunction, LaunchConfig};
 use std::ffi::c_void;
 
@@ -221,7 +222,7 @@ impl MoePlan {
         let (ids, topk_w, counts) = (r.topk_ids.ptr, r.topk_w.ptr, r.counts.ptr);
 
         // 1. logits
-        if self.entry(b.logits) == gemm_config::GEMM2_ENTRY {
+        if self.entry(b.logits) == tiles::GEMM2_ENTRY {
             // One-group moe_gemm2: (A = x, offsets [0, T], B = router, y = logits, N = E,
             // K = H, 1 group).
             let offs = self.one_group_offsets(tokens);
@@ -238,7 +239,7 @@ impl MoePlan {
             raw::launch(
                 "moe_gemm2 (router logits)",
                 self.func(b.logits),
-                cfgs[config::K_LOGITS],
+                cfgs[select::K_LOGITS],
                 stream,
                 &mut p,
             )?;
@@ -254,7 +255,7 @@ impl MoePlan {
             raw::launch(
                 self.entry(b.logits),
                 self.func(b.logits),
-                cfgs[config::K_LOGITS],
+                cfgs[select::K_LOGITS],
                 stream,
                 &mut p,
             )?;
@@ -271,9 +272,9 @@ impl MoePlan {
             param(&k),
         ];
         raw::launch(
-            config::TOPK_ENTRY,
+            abi::TOPK_ENTRY,
             self.func(self.topk),
-            cfgs[config::K_TOPK],
+            cfgs[select::K_TOPK],
             stream,
             &mut p,
         )?;
@@ -290,9 +291,9 @@ impl MoePlan {
             param(&k),
         ];
         raw::launch(
-            config::STATS_ENTRY,
+            abi::STATS_ENTRY,
             self.func(self.stats),
-            cfgs[config::K_STATS],
+            cfgs[select::K_STATS],
             stream,
             &mut p,
         )?;
@@ -324,11 +325,11 @@ impl MoePlan {
         ];
         let one_block = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (config::LOSSES_THREADS, 1, 1),
+            block_dim: (abi::LOSSES_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         raw::launch(
-            config::LOSSES_ENTRY,
+            abi::LOSSES_ENTRY,
             self.func(self.losses),
             one_block,
             stream,
@@ -370,7 +371,7 @@ impl MoePlan {
             (None, _, _) => self.enqueue_portable(
                 stream,
                 (b.gemm13, b.gemm2),
-                (cfgs[config::K_GEMM13], cfgs[config::K_GEMM2]),
+                (cfgs[select::K_GEMM13], cfgs[select::K_GEMM2]),
                 (a.x.ptr, row_token, offsets, a.w13.ptr, a.w2.ptr, h, y),
                 (hid, inter, e),
             )?,
@@ -449,9 +450,9 @@ impl MoePlan {
             param(&k),
         ];
         raw::launch(
-            config::PERMUTE_ENTRY,
+            abi::PERMUTE_ENTRY,
             self.func(self.permute),
-            cfgs[config::K_PERMUTE],
+            cfgs[select::K_PERMUTE],
             stream,
             &mut p,
         )
@@ -483,9 +484,9 @@ impl MoePlan {
             param(&k),
         ];
         raw::launch(
-            config::COMBINE_ENTRY,
+            abi::COMBINE_ENTRY,
             self.func(self.combine),
-            cfgs[config::K_COMBINE],
+            cfgs[select::K_COMBINE],
             stream,
             &mut p,
         )
@@ -552,11 +553,11 @@ impl MoePlan {
         let mut p: [*mut c_void; 4] = [param(&x), param(&row_token), param(&x_perm), param(&hid)];
         let cfg_gather = LaunchConfig {
             grid_dim: (rows as u32, 1, 1),
-            block_dim: (gemm_sm90::GATHER_THREADS, 1, 1),
+            block_dim: (sm90::GATHER_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         raw::launch(
-            gemm_sm90::GATHER_ENTRY,
+            sm90::GATHER_ENTRY,
             self.func(gather),
             cfg_gather,
             stream,
@@ -606,11 +607,11 @@ impl MoePlan {
             tensor_map::encode_checked("w2", w2, dt, &[hh, ii, ee], &[hh, ii * hh], &[64, 64, 1])?,
         ];
         let tiles = [
-            gemm_sm90::row_tiles(grid_rows, groups, k13.block_m) as i32,
-            gemm_sm90::row_tiles(grid_rows, groups, k2.block_m) as i32,
+            sm90::row_tiles(grid_rows, groups, k13.block_m) as i32,
+            sm90::row_tiles(grid_rows, groups, k2.block_m) as i32,
         ];
-        let cfg13 = gemm_sm90::sm90_launch_config(k13, grid_rows, groups, c.intermediate)?;
-        let cfg2 = gemm_sm90::sm90_launch_config(k2, grid_rows, groups, c.hidden)?;
+        let cfg13 = sm90::sm90_launch_config(k13, grid_rows, groups, c.intermediate)?;
+        let cfg2 = sm90::sm90_launch_config(k2, grid_rows, groups, c.hidden)?;
         let mut p: [*mut c_void; 8] = [
             param(&maps[0]),
             param(&maps[1]),

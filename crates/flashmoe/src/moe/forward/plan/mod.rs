@@ -2,8 +2,8 @@
 //! caller's stream over the caller's weights, activations and workspace.
 //!
 //! [`MoePlan::new`] does the slow work once per [`MoeClass`]: for every token count
-//! `1..=max_tokens` it resolves the kernels [`config::select`](super::config::select) and
-//! the sm_90 path choice ([`gemm_sm90::select_path`](super::gemm_sm90::select_path), or the
+//! `1..=max_tokens` it resolves the kernels [`select::select`](super::select::select) and
+//! the sm_90 path choice ([`sm90::select_path`](crate::moe::gemm::sm90::select_path), or the
 //! lab's explicit override in [`MoePlan::with_gemm_path`]) pick, compiles or loads each
 //! distinct kernel once, and sets the shared-memory attributes. The choices depend on the
 //! token count (router logits kernel, grouped-GEMM tile regime, sm_90 or portable GEMMs),
@@ -51,7 +51,7 @@
 //! every T (the offsets of the one-group GEMMs: router logits and shared expert), so that
 //! a call writes no host data to the device.
 //!
-//! Determinism: every reduction has a fixed order (contract in [`config`](super::config)); the same
+//! Determinism: every reduction has a fixed order (contract in [`config`](super::select)); the same
 //! inputs give bit-identical outputs on every call, stream and graph replay.
 
 //!

@@ -6,13 +6,15 @@
 //! relative, output relative L2 ≤ 1.6e-2 (bf16) — tokens 1, 7, 128; top_k 1, 2, 8;
 //! softmax and sigmoid; an expert that gets no token; a shared expert; fp16.
 
-use super::runner::*;
 use super::*;
 use crate::accuracy::error_metrics;
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::gpu::test_support::with_gpu;
 use crate::gpu::Device;
+use crate::moe::gemm::tiles;
+use crate::moe::reference;
+use crate::moe::runner::*;
 use crate::problem::MoeProblem;
 use crate::problem::Scoring;
 use crate::reference::moe::moe_f64;
@@ -155,7 +157,7 @@ fn moe_matches_cpu_reference_matrix() {
 
 #[test]
 fn router_gemm_matches_cpu_reference_at_ragged_token_counts() {
-    // 32 experts: the router logits take the tensor-core GEMM (config::select), whose
+    // 32 experts: the router logits take the tensor-core GEMM (select::select), whose
     // 16-row tiles are ragged at 7 and 100 tokens; experts TIED_LOW and TIED_HIGH have
     // equal router columns, so the tie-break is exercised through the GEMM too.
     with_gpu("moe_router_gemm", |dev| {
@@ -165,8 +167,8 @@ fn router_gemm_matches_cpu_reference_at_ragged_token_counts() {
                     experts: 32,
                     ..problem(tokens, 2, scoring, DType::Bf16)
                 };
-                let k = config::select(&p).unwrap();
-                assert_eq!(k[config::K_LOGITS].entry, gemm_config::GEMM2_ENTRY, "{p}");
+                let k = select::select(&p).unwrap();
+                assert_eq!(k[select::K_LOGITS].entry, tiles::GEMM2_ENTRY, "{p}");
                 check_case(dev, &p);
             }
         }

@@ -1,27 +1,27 @@
 //! The Hopper path of the grouped GEMMs (`kernels/moe/forward/moe_gemm_sm90.cu`): TMA + mbarrier ring,
 //! a producer warpgroup and two wgmma consumer warpgroups, for sm_90 devices and shapes
 //! with enough rows per expert to be compute-relevant. Few rows per expert (decode-like
-//! weight streaming) stay on the portable mma.sync kernels of [`super::gemm_config`],
+//! weight streaming) stay on the portable mma.sync kernels of [`super::tiles`],
 //! which stream weights at ~92 % of the copy bandwidth already.
 //!
 //! The kernel reads its A operand through TMA, so the routed tokens are first gathered
 //! into permuted order (`moe_gather_rows`, `x_perm`, T·k·hidden 16-bit elements of the
-//! plan's workspace). [`super::plan::MoePlan`] launches the path and encodes its tensor
+//! plan's workspace). [`crate::moe::forward::plan::MoePlan`] launches the path and encodes its tensor
 //! maps per call ([`a_layout`] / [`b_layout`] describe them).
 //! The shared-memory formula lives in ONE place, [`Sm90Tile::shared_mem_bytes`], and
 //! mirrors `SMEM_BYTES` at the top of the .cu.
 //!
-//! The choice is automatic; [`MoePlan::with_gemm_path`](super::plan::MoePlan::with_gemm_path)
+//! The choice is automatic; [`MoePlan::with_gemm_path`](crate::moe::forward::plan::MoePlan::with_gemm_path)
 //! takes an explicit override for A/B timing (the lab passes `FLASHMOE_MOE_GEMM`'s value):
 //! `portable` forces the mma.sync kernels, `sm90` makes an unsupported shape an error
 //! instead of a fallback, `sm90-bm64` / `sm90-bm128` also force the tile height.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::gemm_config::Gemm;
-use super::kernel::{MoeKernel, BACKEND, PERMUTE_SOURCE};
+use super::tiles::Gemm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::TiledLayout;
+use crate::moe::kernel::{MoeKernel, BACKEND, PERMUTE_SOURCE};
 use crate::problem::MoeProblem;
 use cudarc::driver::LaunchConfig;
 
@@ -356,7 +356,7 @@ pub fn b_kmajor_layout(experts: usize, n: usize, k: usize) -> TiledLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe::gemm_config::tests::prob;
+    use crate::moe::gemm::tiles::tests::prob;
 
     #[test]
     fn shared_memory_formula_and_limits() {

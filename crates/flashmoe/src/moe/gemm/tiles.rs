@@ -1,5 +1,5 @@
 //! Tile selection for the grouped GEMMs of the MoE layer (`kernels/moe/forward/moe_grouped_gemm.cu`,
-//! steps 5 and 6 of the contract in [`super::config`]).
+//! steps 5 and 6 of the contract in [`crate::moe::forward::abi`]).
 //!
 //! The shape of the work is the number of permuted rows per expert, about T·k / E. Few rows
 //! (decode-like) make the GEMMs pure weight streaming: a small `block_m` covers all of an
@@ -14,9 +14,9 @@
 //! `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::kernel::MoeKernel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::moe::kernel::MoeKernel;
 use crate::problem::MoeProblem;
 
 pub const GEMM_SOURCE: &str = "moe_grouped_gemm.cu";
@@ -448,7 +448,7 @@ pub(crate) mod tests {
     #[test]
     fn python_tile_table_matches() {
         // tools/kernels/moe_nvrtc_check.py: `("regime", gemm): (BM, BN, WM, WN, ST, MIN),`
-        let py = include_str!("../../../../tools/kernels/moe_nvrtc_check.py");
+        let py = include_str!("../../../../../tools/kernels/moe_nvrtc_check.py");
         let start = py
             .find("MOE_TILES = {")
             .expect("MOE_TILES in moe_nvrtc_check.py");
