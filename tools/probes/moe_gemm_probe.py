@@ -112,7 +112,7 @@ def launcher(K, gemm, tile, dt, prob, bufs):
     block = (wm * wn * 32, 1, 1)
     if gemm == 13:
         args = (cp_(bufs["x"]), cp_(bufs["row_token"]), cp_(bufs["offsets"]), cp_(bufs["w13"]),
-                cp_(bufs["h"]), np.int32(H), np.int32(I), np.int32(E))
+                cp_(bufs["h"]), np.uint64(0), np.int32(H), np.int32(I), np.int32(E))  # gu: not saved
     else:
         args = (cp_(bufs["h"]), cp_(bufs["offsets"]), cp_(bufs["w2"]), cp_(bufs["y"]),
                 np.int32(H), np.int32(I), np.int32(E))

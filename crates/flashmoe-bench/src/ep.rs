@@ -338,6 +338,7 @@ fn run_rank_inner(opts: &EpRankOptions, res: &mut EpRankResult) -> Result<()> {
     let stream = s.cu_stream();
     let args = |t: usize, o: &Outputs, w13p: u64, w2p: u64, we: usize| -> Result<MoeArgs> {
         Ok(MoeArgs {
+            gate_up: None,
             x: RawTensor::contiguous(addr(&x_all, &dev), DType::Bf16, &[t, h])?,
             router: RawTensor::contiguous(addr(&router, &dev), DType::Bf16, &[h, e])?,
             w13: RawTensor::contiguous(w13p, DType::Bf16, &[we, h, 2 * i])?,

@@ -839,6 +839,7 @@ fn moe_args(
         None => (None, None),
     };
     let args = MoeArgs {
+        gate_up: None,
         x: x.raw("x")?,
         router: router.raw("router_w")?,
         w13: w13.raw("w13")?,

@@ -161,6 +161,7 @@ impl MoeBackwardPlan {
             None => (None, None),
         };
         let args = MoeBwdArgs {
+            saved_gate_up: None,
             x: x.raw("x")?,
             router: router_w.raw("router_w")?,
             w13: w13.raw("w13")?,

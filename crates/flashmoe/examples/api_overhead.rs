@@ -267,6 +267,7 @@ fn run_moe(
         let f32t = |p: u64, shape: &[usize]| RawTensor::contiguous(p, DType::F32, shape);
         for tokens in [16, 128, 512, 2048] {
             let args = MoeArgs {
+                gate_up: None,
                 x: bf(xp, &[tokens, h])?,
                 router: bf(rp, &[h, e])?,
                 w13: bf(w13.device_ptr(stream).0, &[e, h, 2 * i])?,

@@ -374,6 +374,7 @@ impl GradCall {
                 let bwd = MoeBackwardPlan::with_gemm_path(dev, class, path.as_deref())?;
                 let shared = p.shared_expert;
                 let args = MoeBwdArgs {
+                    saved_gate_up: None,
                     x: fa.x,
                     router: fa.router,
                     w13: fa.w13,

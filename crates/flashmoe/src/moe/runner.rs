@@ -287,6 +287,7 @@ impl MoeRunner {
                 },
                 losses: losses.raw(dev, "losses", &[2])?,
             },
+            gate_up: None,
         };
         // Everything the plan checks per call, checked once here.
         plan.check(&args)?;

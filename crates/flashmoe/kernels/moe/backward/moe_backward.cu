@@ -29,6 +29,7 @@
 //                       recomputed gu[r] (fp32), G = dOut . W2^T row r (fp32):
 //                       dw[a] = sum_j h_j G_j (fixed-shape tree), dH = w G,
 //                       dgu[r] = [dH u silu'(g) | dH silu(g)], wh[r] = w h (16-bit).
+//   moe_bwd_swiglu_saved  the same with gu the forward's saved pre-activations (16-bit).
 //   moe_bwd_router_dz   one warp per token (lanes over experts, fixed butterfly sums):
 //                       dZ (fp32 [T, E]) from dw, the routing weights, the recomputed
 //                       scores and the (d_aux, d_z) pair (null: zeros). grid.x · blockDim.x
@@ -311,21 +312,26 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
 
 #define SW_THREADS 128
 
-extern "C" __global__ void __launch_bounds__(SW_THREADS)
-    moe_bwd_swiglu(const float* __restrict__ gu, const float* __restrict__ gmat,
-                   const u32* __restrict__ slot_row, const float* __restrict__ topk_w,
-                   u16* __restrict__ dgu, u16* __restrict__ wh, float* __restrict__ dw,
-                   int inter) {
+__device__ __forceinline__ float gu_value(const float* p, i64 j) { return p[j]; }
+__device__ __forceinline__ float gu_value(const u16* p, i64 j) { return h2f(p[j]); }
+
+// gu: T = float (recomputed) or u16 (saved by the forward).
+template <typename T>
+__device__ __forceinline__ void swiglu_bwd(const T* __restrict__ gu, const float* __restrict__ gmat,
+                                           const u32* __restrict__ slot_row,
+                                           const float* __restrict__ topk_w,
+                                           u16* __restrict__ dgu, u16* __restrict__ wh,
+                                           float* __restrict__ dw, int inter) {
     __shared__ float red[SW_THREADS];
     const int a = blockIdx.x, tid = threadIdx.x;
     const i64 r = slot_row != nullptr ? (i64)slot_row[a] : (i64)a;
     const float w = topk_w != nullptr ? topk_w[a] : 1.f;
-    const float* gur = gu + r * 2 * inter;
+    const T* gur = gu + r * 2 * inter;
     const float* grow = gmat + r * inter;
     u16* dgr = dgu + r * 2 * inter;
     float part = 0.f;
     for (int j = tid; j < inter; j += SW_THREADS) {
-        const float gv = gur[j], uv = gur[inter + j], G = grow[j];
+        const float gv = gu_value(gur, j), uv = gu_value(gur, inter + j), G = grow[j];
         const float s = sigmoid_acc(gv);
         const float silu = gv * s;
         const float h = silu * uv;
@@ -342,6 +348,22 @@ extern "C" __global__ void __launch_bounds__(SW_THREADS)
         __syncthreads();
     }
     if (tid == 0 && dw != nullptr) dw[a] = red[0];
+}
+
+extern "C" __global__ void __launch_bounds__(SW_THREADS)
+    moe_bwd_swiglu(const float* __restrict__ gu, const float* __restrict__ gmat,
+                   const u32* __restrict__ slot_row, const float* __restrict__ topk_w,
+                   u16* __restrict__ dgu, u16* __restrict__ wh, float* __restrict__ dw,
+                   int inter) {
+    swiglu_bwd(gu, gmat, slot_row, topk_w, dgu, wh, dw, inter);
+}
+
+extern "C" __global__ void __launch_bounds__(SW_THREADS)
+    moe_bwd_swiglu_saved(const u16* __restrict__ gu, const float* __restrict__ gmat,
+                         const u32* __restrict__ slot_row, const float* __restrict__ topk_w,
+                         u16* __restrict__ dgu, u16* __restrict__ wh, float* __restrict__ dw,
+                         int inter) {
+    swiglu_bwd(gu, gmat, slot_row, topk_w, dgu, wh, dw, inter);
 }
 
 extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,

@@ -1,4 +1,4 @@
-// flashmoe — MoE weighted combine (see the contract in crates/flashmoe/src/moe/config.rs).
+// flashmoe — MoE weighted combine (see the contract in crates/flashmoe/src/moe/forward/abi.rs).
 //
 // Self-contained (no CUDA headers). Entry `moe_combine`, grid T blocks of 256 threads
 // (block t = token t), threads stride over hidden:

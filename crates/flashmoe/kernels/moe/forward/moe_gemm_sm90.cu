@@ -2,7 +2,7 @@
 // ring guarded by mbarriers, one producer warpgroup, two consumer warpgroups on wgmma.
 //
 // Compiled at run time by NVRTC for sm_90a; self-contained. Defines (the table of
-// variants and the shared-memory formula live in crates/flashmoe/src/moe/gemm_sm90.rs and
+// variants and the shared-memory formula live in crates/flashmoe/src/moe/gemm/sm90.rs and
 // must agree with the constants below):
 //
 //   FM_GEMM        13 = moe_gemm13_sm90 (gate+up, SwiGLU epilogue), 2 = moe_gemm2_sm90
@@ -20,11 +20,13 @@
 // i.e. 128 fp32 accumulators per thread. BN = NWG·(2 / WG_M) columns per block per
 // matrix. BK = 64 (one 128-byte swizzle row of A per k tile).
 //
-// ABI (host side: crates/flashmoe/src/moe/gemm_sm90.rs):
+// ABI (host side: crates/flashmoe/src/moe/gemm/sm90.rs):
 //   moe_gemm13_sm90(FmTensorMap a_map, FmTensorMap b_map, const u32* offsets, u16* h,
-//                   int hidden, int inter, int experts, int row_tiles)
+//                   u16* gu, int hidden, int inter, int experts, int row_tiles)
 //     A = x_perm [rows][hidden] (rows gathered in permuted order by moe_gather_rows),
-//     B = w13 [E][hidden][2·inter]; h[r, n] = silu(A_r . B[:, n]) * (A_r . B[:, inter + n])
+//     B = w13 [E][hidden][2·inter]; h[r, n] = silu(A_r . B[:, n]) * (A_r . B[:, inter + n]);
+//     gu (null: not written) [rows][2·inter] 16-bit = the pre-activations A_r . B (gate |
+//     up), kept for the backward instead of recomputing them
 //   moe_gemm2_sm90(FmTensorMap a_map, FmTensorMap b_map, const u32* offsets, float* y,
 //                  int n, int k, int experts, int row_tiles)
 //     A [rows][k], B_e [k][n] (or [n][k] under FM_B_KMAJOR); y[r, j] = A_r . B_e[:, j]
@@ -110,9 +112,10 @@ struct Tile {
 };
 
 // Epilogue from the accumulators of consumer warpgroup c (thread tid of the block).
-// gemm13: out = h [rows][N] 16-bit, silu(gate) * up; gemm2: out = y [rows][N] f32.
+// gemm13: out = h [rows][N] 16-bit, silu(gate) * up, and gu [rows][2N] 16-bit (gate |
+// up) when not null; gemm2: out = y [rows][N] f32.
 // N is a multiple of 8 and col even, so a pair at col + 8j < N lies wholly inside.
-__device__ __forceinline__ void store_tile(void* out, int N, const Tile& tile,
+__device__ __forceinline__ void store_tile(void* out, u16* gu, int N, const Tile& tile,
                                            const float (&acc)[NB][NACC], int tid) {
     const int c = (tid >> 7) - 1;
     const int wm = c % WG_M, wn = c / WG_M;
@@ -131,6 +134,11 @@ __device__ __forceinline__ void store_tile(void* out, int N, const Tile& tile,
                     st_global_u32(static_cast<u16*>(out) + off + 8 * j,
                                   pack2(swiglu(acc[0][i], acc[1][i]),
                                         swiglu(acc[0][i + 1], acc[1][i + 1])));
+                    if (gu != nullptr) {
+                        u16* g = gu + (i64)(tile.row0 + r) * 2 * N + col + 8 * j;
+                        st_global_u32(g, pack2(acc[0][i], acc[0][i + 1]));
+                        st_global_u32(g + N, pack2(acc[1][i], acc[1][i + 1]));
+                    }
 #else
                     st_global_f32x2(static_cast<float*>(out) + off + 8 * j, acc[0][i],
                                     acc[0][i + 1]);
@@ -144,8 +152,8 @@ __device__ __forceinline__ void store_tile(void* out, int N, const Tile& tile,
 // The whole block: schedule, barrier setup, then the producer / consumer roles (one
 // branch each, as setmaxnreg requires). K = reduction depth, N = output columns per matrix.
 __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTensorMap* b_map,
-                                           const u32* __restrict__ offsets, void* out, int K,
-                                           int N, int experts, int row_tiles,
+                                           const u32* __restrict__ offsets, void* out, u16* gu,
+                                           int K, int N, int experts, int row_tiles,
                                            unsigned char* smem_raw) {
     const int tid = threadIdx.x;
     const u32 raw = smem_addr(smem_raw);
@@ -236,7 +244,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
         wgmma_wait<0>();
 #pragma unroll
         for (int b = 0; b < NB; ++b) reg_fence(acc[b]);
-        store_tile(out, N, tile, acc, tid);
+        store_tile(out, gu, N, tile, acc, tid);
     }
 }
 
@@ -246,9 +254,10 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
 extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     moe_gemm13_sm90(const __grid_constant__ FmTensorMap a_map,
                     const __grid_constant__ FmTensorMap b_map, const u32* __restrict__ offsets,
-                    u16* __restrict__ h, int hidden, int inter, int experts, int row_tiles) {
+                    u16* __restrict__ h, u16* __restrict__ gu, int hidden, int inter,
+                    int experts, int row_tiles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    fm::gemm_block(&a_map, &b_map, offsets, h, hidden, inter, experts, row_tiles, smem_raw);
+    fm::gemm_block(&a_map, &b_map, offsets, h, gu, hidden, inter, experts, row_tiles, smem_raw);
 }
 #endif
 
@@ -258,6 +267,6 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
                    const __grid_constant__ FmTensorMap b_map, const u32* __restrict__ offsets,
                    float* __restrict__ y, int n, int k, int experts, int row_tiles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    fm::gemm_block(&a_map, &b_map, offsets, y, k, n, experts, row_tiles, smem_raw);
+    fm::gemm_block(&a_map, &b_map, offsets, y, nullptr, k, n, experts, row_tiles, smem_raw);
 }
 #endif

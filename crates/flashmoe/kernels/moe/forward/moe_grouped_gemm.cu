@@ -1,7 +1,7 @@
 // flashmoe — MoE grouped GEMMs (portable path, sm_80 and newer, mma.sync).
 //
 // Compiled at run time by NVRTC; self-contained (no CUDA headers). One source, two entries,
-// specialised by preprocessor defines (crates/flashmoe/src/moe/gemm_config.rs owns the
+// specialised by preprocessor defines (crates/flashmoe/src/moe/gemm/tiles.rs owns the
 // table of variants and the shared-memory formula, which must agree with the constants
 // below):
 //
@@ -16,10 +16,11 @@
 //   FM_MIN_BLOCKS  second __launch_bounds__ argument
 //   BK = 64        k depth of one pipeline stage (fixed: 128-byte A rows for the swizzle)
 //
-// ABI (contract in crates/flashmoe/src/moe/config.rs, steps 5 and 6):
+// ABI (contract in crates/flashmoe/src/moe/forward/abi.rs, steps 5 and 6):
 //   moe_gemm13(const u16* x, const u32* row_token, const u32* offsets, const u16* w13,
-//              u16* h, int hidden, int inter, int experts)
-//     h[r, n] = silu(x[row_token[r]] . w13[e][:, n]) * (x[row_token[r]] . w13[e][:, I + n])
+//              u16* h, u16* gu, int hidden, int inter, int experts)
+//     h[r, n] = silu(x[row_token[r]] . w13[e][:, n]) * (x[row_token[r]] . w13[e][:, I + n]);
+//     gu (null: not written) [rows][2I] 16-bit = the pre-activations (gate | up)
 //   moe_gemm2(const u16* h, const u32* offsets, const u16* w2, float* y,
 //             int hidden, int inter, int experts)
 //     y[r, n] = h[r] . w2[e][:, n]   (f32)
@@ -28,7 +29,7 @@
 //   Block x finds its (expert, row tile) by a block-wide scan of the per-expert tile counts
 //   ceil(n_e / BM) (experts with no rows own no tile, so their weights are never read);
 //   surplus blocks exit before touching memory.
-//   Requirements (checked by gemm_config.rs): K (hidden for gemm13, inter for gemm2) a
+//   Requirements (checked by moe/gemm/tiles.rs): K (hidden for gemm13, inter for gemm2) a
 //   multiple of 8 (16-byte chunks; the k tail beyond K inside the last BK tile is
 //   zero-filled), N a multiple of BN.
 //
@@ -267,8 +268,9 @@ __device__ __forceinline__ void fill_rowoff(i64* rowoff, const u32* __restrict__
 __device__ __forceinline__ void grouped_gemm(const u16* __restrict__ a,
                                              const u32* __restrict__ row_token,
                                              const u32* __restrict__ offsets,
-                                             const u16* __restrict__ w, void* out, int K, int N,
-                                             int experts, unsigned char* smem_raw) {
+                                             const u16* __restrict__ w, void* out, u16* gu,
+                                             int K, int N, int experts,
+                                             unsigned char* smem_raw) {
     const int tid = threadIdx.x;
     const u32 smem = smem_addr(smem_raw);
     i64* rowoff = reinterpret_cast<i64*>(smem_raw + STAGES * STAGE_BYTES);
@@ -308,6 +310,12 @@ __device__ __forceinline__ void grouped_gemm(const u16* __restrict__ a,
                                   pack2(swiglu(acc[0][mt][nt][2 * hh], acc[1][mt][nt][2 * hh]),
                                         swiglu(acc[0][mt][nt][2 * hh + 1],
                                                acc[1][mt][nt][2 * hh + 1])));
+                    if (gu != nullptr) {
+                        u16* g = gu + (i64)(row0 + r) * 2 * N + col + nt * 8;
+                        st_global_u32(g, pack2(acc[0][mt][nt][2 * hh], acc[0][mt][nt][2 * hh + 1]));
+                        st_global_u32(g + N,
+                                      pack2(acc[1][mt][nt][2 * hh], acc[1][mt][nt][2 * hh + 1]));
+                    }
 #else
                     st_global_f32x2(static_cast<float*>(out) + off + nt * 8,
                                     acc[0][mt][nt][2 * hh], acc[0][mt][nt][2 * hh + 1]);
@@ -323,9 +331,9 @@ __device__ __forceinline__ void grouped_gemm(const u16* __restrict__ a,
 extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
     moe_gemm13(const u16* __restrict__ x, const u32* __restrict__ row_token,
                const u32* __restrict__ offsets, const u16* __restrict__ w13,
-               u16* __restrict__ h, int hidden, int inter, int experts) {
+               u16* __restrict__ h, u16* __restrict__ gu, int hidden, int inter, int experts) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    fm::grouped_gemm(x, row_token, offsets, w13, h, hidden, inter, experts, smem_raw);
+    fm::grouped_gemm(x, row_token, offsets, w13, h, gu, hidden, inter, experts, smem_raw);
 }
 #endif
 
@@ -335,6 +343,6 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, FM_MIN_BLOCKS)
               const u16* __restrict__ w2, float* __restrict__ y, int hidden, int inter,
               int experts) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    fm::grouped_gemm(hin, nullptr, offsets, w2, y, inter, hidden, experts, smem_raw);
+    fm::grouped_gemm(hin, nullptr, offsets, w2, y, nullptr, inter, hidden, experts, smem_raw);
 }
 #endif

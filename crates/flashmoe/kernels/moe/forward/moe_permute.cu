@@ -1,4 +1,4 @@
-// flashmoe — MoE dropless permutation (see the contract in crates/flashmoe/src/moe/config.rs).
+// flashmoe — MoE dropless permutation (see the contract in crates/flashmoe/src/moe/forward/abi.rs).
 //
 // Self-contained (no CUDA headers). One entry, `moe_permute`: grid E blocks of 256
 // threads, block e handles expert e.

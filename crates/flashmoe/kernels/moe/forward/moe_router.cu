@@ -2,7 +2,7 @@
 //
 // Compiled at run time by NVRTC; self-contained (no CUDA headers). The contract (entry
 // names, parameters, layouts, launch geometry) is the comment at the top of
-// crates/flashmoe/src/moe/config.rs; the constants below must agree with it.
+// crates/flashmoe/src/moe/forward/abi.rs; the constants below must agree with it.
 //
 // Defines:
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 storage of x and router (moe_router_logits)

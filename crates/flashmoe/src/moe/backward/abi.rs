@@ -9,7 +9,7 @@ use cudarc::driver::LaunchConfig;
 pub const BWD_SOURCE: &str = "moe_backward.cu";
 
 /// Its entries, in the order [`MoeBackwardPlan`](super::MoeBackwardPlan) loads them.
-pub const BWD_ENTRIES: [&str; 7] = [
+pub const BWD_ENTRIES: [&str; 8] = [
     "moe_bwd_gemm_rows",
     "moe_bwd_gemm_wgrad",
     "moe_bwd_swiglu",
@@ -17,6 +17,7 @@ pub const BWD_ENTRIES: [&str; 7] = [
     "moe_bwd_router_dw",
     "moe_bwd_unpermute",
     "moe_bwd_router_dw_sum",
+    "moe_bwd_swiglu_saved",
 ];
 
 /// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
@@ -139,11 +140,14 @@ pub(super) enum Step {
     Sm90Rows(Sm90Rows),
     Sm90Wgrad(Sm90Wgrad),
     Wgrad(WgradGemm),
-    /// `ptrs` = gu, G, slot_row (0: identity), topk_w (0: w = 1), dgu, wh, dw (0: none).
+    /// `ptrs` = gu, G, slot_row (0: identity), topk_w (0: w = 1), dgu, wh, dw (0: none);
+    /// `saved_gu`: gu is the forward's 16-bit gate_up (`moe_bwd_swiglu_saved`), else the
+    /// recomputed f32 one.
     Swiglu {
         slots: usize,
         ptrs: [u64; 7],
         inter: i32,
+        saved_gu: bool,
     },
     /// (logits, ids, topk_w, dw, counts, d_losses, dz), (tokens, experts, top_k, sigmoid,
     /// renormalize).

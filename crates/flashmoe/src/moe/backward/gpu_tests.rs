@@ -41,6 +41,9 @@ struct Case {
     d_losses: Option<(f32, f32)>,
     /// The routed GEMMs' path ([`MoeBackwardPlan::with_gemm_path`]).
     path: &'static str,
+    /// The backward reads the forward's saved gate/up (`MoeBwdArgs::saved_gate_up`, its
+    /// smaller workspace) instead of recomputing them.
+    saved: bool,
 }
 
 impl Case {
@@ -74,6 +77,7 @@ fn base() -> Case {
         skew: false,
         d_losses: Some((0.7, 0.3)),
         path: "auto",
+        saved: false,
     }
 }
 
@@ -115,7 +119,13 @@ struct Setup {
     routing: crate::moe::forward::plan::MoeRouting,
     fwd_ws: Workspace,
     fwd: MoePlan,
+    /// The forward's arguments, without and with the gate/up output.
     fwd_args: MoeArgs,
+    fwd_args_saving: MoeArgs,
+    /// [T·k, 2I]: the forward's gate/up (written by the setup's forward).
+    gate_up: CudaSlice<u16>,
+    /// Backward calls read `gate_up` (the case's `saved`).
+    use_saved: bool,
     _out: CudaSlice<u16>,
     saved: SavedRouting,
     d_losses: Option<CudaSlice<f32>>,
@@ -195,8 +205,15 @@ impl Setup {
                 },
                 losses: f32t(addr(&routing.losses, &s), &[2]),
             },
+            gate_up: None,
         };
-        unsafe { fwd.forward_raw(s.cu_stream(), &args, fwd_ws.raw()) }.unwrap();
+        let mut gate_up = s.alloc_zeros::<u16>(t * k * 2 * i).unwrap();
+        poison(&s, &mut gate_up);
+        let args_saving = MoeArgs {
+            gate_up: Some(r16(addr(&gate_up, &s), &[t * k, 2 * i])),
+            ..args
+        };
+        unsafe { fwd.forward_raw(s.cu_stream(), &args_saving, fwd_ws.raw()) }.unwrap();
         let saved = SavedRouting::from_forward_workspace(
             &class,
             t,
@@ -214,7 +231,12 @@ impl Setup {
             .map(|&n| s.alloc_zeros::<u16>(n).unwrap())
             .collect();
         let plan = MoeBackwardPlan::with_gemm_path(dev, class, Some(c.path)).unwrap();
-        let bwd_ws = Workspace::zeroed(&s, plan.workspace_bytes(t).unwrap()).unwrap();
+        let ws_bytes = if c.saved {
+            plan.workspace_bytes_with_saved_gate_up(t).unwrap()
+        } else {
+            plan.workspace_bytes(t).unwrap()
+        };
+        let bwd_ws = Workspace::zeroed(&s, ws_bytes).unwrap();
         s.synchronize().unwrap();
         Setup {
             class,
@@ -225,6 +247,9 @@ impl Setup {
             fwd_ws,
             fwd,
             fwd_args: args,
+            fwd_args_saving: args_saving,
+            gate_up,
+            use_saved: c.saved,
             _out: out,
             saved,
             d_losses,
@@ -235,6 +260,11 @@ impl Setup {
     }
 
     fn args(&self, s: &Arc<CudaStream>) -> MoeBwdArgs {
+        self.args_for(s, self.use_saved)
+    }
+
+    /// The backward's arguments, with (`saved`) or without the forward's gate/up.
+    fn args_for(&self, s: &Arc<CudaStream>, saved: bool) -> MoeBwdArgs {
         let c = &self.class;
         let (t, h, i, e, k, dt) = (
             c.max_tokens,
@@ -264,6 +294,7 @@ impl Setup {
                 len: e,
             },
             saved: self.saved,
+            saved_gate_up: saved.then(|| r16(&self.gate_up, &[t * k, 2 * i])),
             d_out: r16(&self.bufs[D_OUT], &[t, h]),
             d_losses: self
                 .d_losses
@@ -500,18 +531,21 @@ fn backward_matches_f64_reference() {
             },
         ];
         for &path in paths(dev) {
-            let mut worst = (0f64, 0f64);
-            for c in &cases {
-                let w = check_case(dev, &Case { path, ..*c }, seed);
-                worst = (worst.0.max(w.0), worst.1.max(w.1));
+            for saved in [false, true] {
+                let mut worst = (0f64, 0f64);
+                for c in &cases {
+                    let w = check_case(dev, &Case { path, saved, ..*c }, seed);
+                    worst = (worst.0.max(w.0), worst.1.max(w.1));
+                }
+                let gu = if saved { "saved" } else { "recomputed" };
+                println!(
+                    "moe bwd ({path} GEMMs, gate/up {gu}): {} cases passed; worst rel L2 \
+                     {:.2e}, worst row {:.2e}",
+                    cases.len(),
+                    worst.0,
+                    worst.1
+                );
             }
-            println!(
-                "moe bwd ({path} GEMMs): {} cases passed; worst rel L2 {:.2e}, worst row \
-                 {:.2e}",
-                cases.len(),
-                worst.0,
-                worst.1
-            );
         }
     });
 }
@@ -533,10 +567,11 @@ fn backward_is_bit_identical_run_to_run() {
                 ..base()
             },
         ];
-        for c in paths(dev)
-            .iter()
-            .flat_map(|&path| cases.iter().map(move |c| Case { path, ..*c }))
-        {
+        for c in paths(dev).iter().flat_map(|&path| {
+            cases
+                .iter()
+                .flat_map(move |c| [false, true].map(|saved| Case { path, saved, ..*c }))
+        }) {
             let mut st = Setup::new(dev, &c, seed);
             let a = st.run(&s);
             let b = st.run(&s);
@@ -583,6 +618,11 @@ fn backward_rejects_bad_input() {
         let mut a = good;
         a.saved.slot_row.len -= 1;
         expect(&a, ws, "slot_row");
+        let (k, i) = (c.top_k, c.inter);
+        let mut a = good;
+        a.saved_gate_up =
+            Some(RawTensor::contiguous(addr(&st.gate_up, &s), c.dtype, &[t * k, i]).unwrap());
+        expect(&a, ws, "saved_gate_up");
         let mut a = good;
         a.x = RawTensor::contiguous(good.x.ptr, c.dtype, &[t + 1, h]).unwrap();
         expect(&a, ws, "tokens");
@@ -737,49 +777,70 @@ fn speed_backward_per_kernel() {
             let flops = 2.0 * p.flops();
             let rhi = (tokens * top_k * hidden * inter) as f64;
             let the = (tokens * hidden * experts) as f64;
-            let fwd = |st: &Setup| {
-                unsafe {
-                    st.fwd
-                        .forward_raw(s.cu_stream(), &st.fwd_args, st.fwd_ws.raw())
-                }
-                .unwrap()
+            let fwd_ms = |a: &MoeArgs| {
+                median(&|| {
+                    unsafe { st.fwd.forward_raw(s.cu_stream(), a, st.fwd_ws.raw()) }.unwrap()
+                })[2]
             };
-            let f_ms = median(&|| fwd(&st))[2];
+            let (f_ms, fs_ms) = (fwd_ms(&st.fwd_args), fwd_ms(&st.fwd_args_saving));
             println!(
                 "moe fwd {name} T={tokens} H={hidden} I={inter} E={experts} k={top_k} bf16: \
-                 {f_ms:.3} ms"
+                 {f_ms:.3} ms; writing gate/up {fs_ms:.3} ms"
             );
-            for (n_path, &path) in paths(dev).iter().enumerate() {
-                if n_path > 0 {
+            let runs = paths(dev)
+                .iter()
+                .enumerate()
+                .flat_map(|(n, &path)| [(n, path, false), (n, path, true)]);
+            for (n_path, path, saved) in runs {
+                if n_path > 0 && !saved {
                     st.plan = MoeBackwardPlan::with_gemm_path(dev, st.class, Some(path)).unwrap();
                     st.bwd_ws =
                         Workspace::zeroed(&s, st.plan.workspace_bytes(tokens).unwrap()).unwrap();
                 }
-                let args = st.args(&s);
+                let gu = if saved {
+                    "gate/up saved"
+                } else {
+                    "gate/up recomputed"
+                };
+                let args = st.args_for(&s, saved);
+                let fwd_args = if saved {
+                    &st.fwd_args_saving
+                } else {
+                    &st.fwd_args
+                };
+                let fwd = || {
+                    unsafe { st.fwd.forward_raw(s.cu_stream(), fwd_args, st.fwd_ws.raw()) }.unwrap()
+                };
                 let ws = st.bwd_ws.raw();
                 let call = || unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws) }.unwrap();
+                fwd();
                 call();
                 s.synchronize().unwrap();
                 let times = median(&call);
                 let ms = times[times.len() / 2];
                 let fb_ms = median(&|| {
-                    fwd(&st);
+                    fwd();
                     call()
                 })[2];
                 println!(
-                    "moe bwd speed {name} T={tokens} [{path} GEMMs]: {ms:.3} ms (median of \
-                     5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF); fwd+bwd {fb_ms:.3} ms = \
-                     {:.1} TFLOP/s (3 × flops())",
+                    "moe bwd speed {name} T={tokens} [{path} GEMMs, {gu}]: {ms:.3} ms (median \
+                     of 5, min {:.3}) = {:.1} TFLOP/s (model {:.3} TF); fwd+bwd {fb_ms:.3} ms \
+                     = {:.1} TFLOP/s (3 × flops()); saved gate/up {} MB, workspace {} MB",
                     times[0],
                     flops / ms / 1e9,
                     flops / 1e12,
-                    3.0 * p.flops() / fb_ms / 1e9
+                    3.0 * p.flops() / fb_ms / 1e9,
+                    st.plan.saved_gate_up_bytes(tokens).unwrap() >> 20,
+                    st.plan.workspace_layout_for(tokens, saved).unwrap().bytes >> 20
                 );
-                let labels: Vec<(&str, f64, f64)> = if st.plan.uses_sm90(tokens) {
+                let mut labels: Vec<(&str, f64, f64)> = if st.plan.uses_sm90(tokens) {
                     [&GATHER_LABELS[..], &STEP_LABELS[..]].concat()
                 } else {
                     STEP_LABELS.to_vec()
                 };
+                if saved {
+                    labels.retain(|l| l.0 != STEP_LABELS[0].0);
+                }
                 let evs: Vec<_> = (0..=labels.len()).map(|_| event()).collect();
                 evs[0].record(&s).unwrap();
                 let mut kinds = Vec::new();
@@ -809,7 +870,7 @@ fn speed_backward_per_kernel() {
                     );
                 }
                 let g = st.download(&s);
-                g.assert_finite(&format!("speed {name} T={tokens} {path}"), c.dtype);
+                g.assert_finite(&format!("speed {name} T={tokens} {path} {gu}"), c.dtype);
             }
         }
     });

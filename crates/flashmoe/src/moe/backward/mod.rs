@@ -111,13 +111,14 @@ mod tests {
 
     #[test]
     fn workspace_regions_are_aligned_disjoint_and_monotone() {
-        for (shared, sm90) in [(false, false), (true, false), (false, true), (true, true)] {
+        let modes = [(false, false), (true, false), (false, true), (true, true)];
+        for ((shared, sm90), saved) in modes.into_iter().flat_map(|m| [(m, false), (m, true)]) {
             let c = class(shared);
             let mut last = 0;
             for t in 1..=16 {
-                let l = BwdWorkspaceLayout::new(&c, t, sm90).unwrap();
+                let l = BwdWorkspaceLayout::new(&c, t, sm90, saved).unwrap();
                 let mut regions = vec![
-                    (l.gu, t * 2 * 2 * 32 * 4),
+                    (l.gu, if saved { 1 } else { t * 2 * 2 * 32 * 4 }),
                     (l.g, t * 2 * 32 * 4),
                     (l.dgu, t * 2 * 64 * 2),
                     (l.wh, t * 2 * 32 * 2),
@@ -150,6 +151,10 @@ mod tests {
                 assert!(o + n <= l.bytes && l.bytes % WORKSPACE_ALIGN == 0);
                 assert!(l.bytes >= last);
                 last = l.bytes;
+                if saved {
+                    let recompute = BwdWorkspaceLayout::new(&c, t, sm90, false).unwrap();
+                    assert!(l.bytes + t * 2 * 2 * 32 * 4 - WORKSPACE_ALIGN <= recompute.bytes);
+                }
             }
         }
     }

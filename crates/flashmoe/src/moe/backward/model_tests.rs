@@ -200,17 +200,23 @@ fn run(m: &mut Mem, step: Step) {
                 }
             }
         }
-        Step::Swiglu { slots, ptrs, inter } => {
+        Step::Swiglu {
+            slots,
+            ptrs,
+            inter,
+            saved_gu,
+        } => {
             let [gu, gm, srow, tw, dgu, wh, dw] = ptrs;
             let i2 = inter as i64;
+            let gu_at = |m: &Mem, j: i64| if saved_gu { m.h(gu, j) } else { m.f(gu, j) };
             for a in 0..slots as i64 {
                 let r = if srow != 0 { m.u(srow, a) as i64 } else { a };
                 let w = if tw != 0 { m.f(tw, a) } else { 1.0 };
                 let mut dot = 0f32;
                 for j in 0..i2 {
                     let (gv, uv, gg) = (
-                        m.f(gu, r * 2 * i2 + j),
-                        m.f(gu, r * 2 * i2 + i2 + j),
+                        gu_at(m, r * 2 * i2 + j),
+                        gu_at(m, r * 2 * i2 + i2 + j),
                         m.f(gm, r * i2 + j),
                     );
                     let s = sigmoid(gv);
@@ -335,7 +341,9 @@ fn run(m: &mut Mem, step: Step) {
     }
 }
 
-fn model_case(c: MoeClass, seed: u64, sm90: bool) {
+/// `saved_gate_up`: the forward's gate/up (x·W13 of every permuted row, rounded to 16
+/// bits) is handed to the backward instead of recomputed.
+fn model_case(c: MoeClass, seed: u64, sm90: bool, saved_gate_up: bool) {
     let (t, h, i, e, k, dt) = (
         c.max_tokens,
         c.hidden,
@@ -364,6 +372,20 @@ fn model_case(c: MoeClass, seed: u64, sm90: bool) {
     let f64s = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
     let to_u = |v: &[usize]| v.iter().map(|&a| a as u32).collect::<Vec<u32>>();
     let row_token: Vec<u32> = perm.rows.iter().map(|&(tok, _)| tok).collect();
+    let gate_up = saved_gate_up.then(|| {
+        let mut gu = vec![0f32; t * k * 2 * i];
+        for ex in 0..e {
+            for r in perm.offsets[ex]..perm.offsets[ex + 1] {
+                let tok = perm.rows[r].0 as usize;
+                for n in 0..2 * i {
+                    gu[r * 2 * i + n] = (0..h)
+                        .map(|c| x.x[tok * h + c] * x.w13[(ex * h + c) * 2 * i + n])
+                        .sum();
+                }
+            }
+        }
+        r16(m.put_h(&gu), &[t * k, 2 * i])
+    });
     let args = MoeBwdArgs {
         x: r16(m.put_h(&x.x), &[t, h]),
         router: r16(m.put_h(&x.router), &[h, e]),
@@ -380,6 +402,7 @@ fn model_case(c: MoeClass, seed: u64, sm90: bool) {
             row_token: u32s(m.put_u(&row_token), t * k),
             slot_row: u32s(m.put_u(&to_u(&perm.row_of_slot)), t * k),
         },
+        saved_gate_up: gate_up,
         d_out: r16(m.put_h(&d_out), &[t, h]),
         d_losses: Some(f32t(m.put_f(&[0.7, 0.3]), &[2])),
         dx: r16(m.alloc(2 * t * h), &[t, h]),
@@ -389,7 +412,7 @@ fn model_case(c: MoeClass, seed: u64, sm90: bool) {
         d_shared_w13: sw13.map(|_| r16(m.alloc(2 * h * 2 * i), &[h, 2 * i])),
         d_shared_w2: sw2.map(|_| r16(m.alloc(2 * i * h), &[i, h])),
     };
-    let ws = BwdWorkspaceLayout::new(&c, t, sm90).unwrap();
+    let ws = BwdWorkspaceLayout::new(&c, t, sm90, saved_gate_up).unwrap();
     let base = m.alloc(ws.bytes);
     let mut kinds = Vec::new();
     backward_steps(&c, t, &args, &ws, base, sm90, &mut |s| {
@@ -399,7 +422,8 @@ fn model_case(c: MoeClass, seed: u64, sm90: bool) {
     })
     .unwrap();
     let sm90_steps = kinds.iter().filter(|k| k.ends_with("_sm90")).count();
-    assert_eq!(sm90_steps, if sm90 { 5 } else { 0 }, "{kinds:?}");
+    let gemms = 5 - usize::from(saved_gate_up);
+    assert_eq!(sm90_steps, if sm90 { gemms } else { 0 }, "{kinds:?}");
     let r = moe_backward_f64(&p, &x, &d_out, 0.7, 0.3).unwrap();
     let mut checks = vec![
         ("dx", args.dx, &r.dx, h),
@@ -474,7 +498,9 @@ fn launch_sequence_on_the_cpu_model_matches_f64_reference() {
     .enumerate()
     {
         for sm90 in [false, true] {
-            model_case(c, 0x6d6f_6562 + n as u64, sm90);
+            for saved in [false, true] {
+                model_case(c, 0x6d6f_6562 + n as u64, sm90, saved);
+            }
         }
     }
 }

@@ -119,15 +119,45 @@ impl MoeBackwardPlan {
         &self.class
     }
 
-    /// The workspace regions of a call with `tokens` tokens (with the sm_90a GEMMs'
-    /// regions whenever the plan has those kernels, so the size is monotone in `tokens`).
+    /// The workspace regions of a call with `tokens` tokens that recomputes gate/up (with
+    /// the sm_90a GEMMs' regions whenever the plan has those kernels, so the size is
+    /// monotone in `tokens`).
     pub fn workspace_layout(&self, tokens: usize) -> Result<BwdWorkspaceLayout> {
-        BwdWorkspaceLayout::new(&self.class, tokens, self.sm90.is_some())
+        self.workspace_layout_for(tokens, false)
     }
 
-    /// Workspace bytes of a call with `tokens` tokens (monotone in `tokens`).
+    /// [`Self::workspace_layout`] of a call with (`gate_up_saved`) or without the
+    /// forward's saved gate/up ([`MoeBwdArgs::saved_gate_up`]).
+    pub fn workspace_layout_for(
+        &self,
+        tokens: usize,
+        gate_up_saved: bool,
+    ) -> Result<BwdWorkspaceLayout> {
+        BwdWorkspaceLayout::new(&self.class, tokens, self.sm90.is_some(), gate_up_saved)
+    }
+
+    /// Workspace bytes of a call with `tokens` tokens that recomputes gate/up (monotone in
+    /// `tokens`; enough for either kind of call).
     pub fn workspace_bytes(&self, tokens: usize) -> Result<usize> {
         Ok(self.workspace_layout(tokens)?.bytes)
+    }
+
+    /// Workspace bytes of a call with `tokens` tokens that reads the forward's saved
+    /// gate/up: [`Self::workspace_bytes`] less the recomputed gate/up's
+    /// `T·k · 2I · 4` bytes.
+    pub fn workspace_bytes_with_saved_gate_up(&self, tokens: usize) -> Result<usize> {
+        Ok(self.workspace_layout_for(tokens, true)?.bytes)
+    }
+
+    /// Bytes of the saved gate/up of `tokens` tokens (`T·k · 2I` 16-bit elements): what a
+    /// caller that keeps them holds from the forward to the backward.
+    pub fn saved_gate_up_bytes(&self, tokens: usize) -> Result<usize> {
+        let c = &self.class;
+        tokens
+            .checked_mul(c.top_k)
+            .and_then(|r| r.checked_mul(2 * c.intermediate))
+            .and_then(|n| n.checked_mul(c.dtype.size_bytes()))
+            .ok_or_else(too_big)
     }
 
     /// The O(1) checks of a call (no GPU): every tensor's dtype, shape, alignment and
@@ -171,6 +201,9 @@ impl MoeBackwardPlan {
         a.saved.offsets.expect("offsets", e + 1)?;
         a.saved.row_token.expect("row_token", r)?;
         a.saved.slot_row.expect("slot_row", r)?;
+        if let Some(gu) = &a.saved_gate_up {
+            b16("saved_gate_up", gu, &[r, 2 * i])?;
+        }
         if let Some(d) = &a.d_losses {
             f32t("d_losses", d, &[2])?;
         }
@@ -217,7 +250,7 @@ impl MoeBackwardPlan {
         workspace: RawWorkspace,
     ) -> Result<()> {
         let t = self.check(a)?;
-        let ws = self.workspace_layout(t)?;
+        let ws = self.workspace_layout_for(t, a.saved_gate_up.is_some())?;
         workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, PLAN)?;
         self.ctx
             .bind_to_thread()
@@ -251,7 +284,7 @@ impl MoeBackwardPlan {
         after: &mut dyn FnMut(usize, &'static str) -> Result<()>,
     ) -> Result<()> {
         let t = self.check(a)?;
-        let ws = self.workspace_layout(t)?;
+        let ws = self.workspace_layout_for(t, a.saved_gate_up.is_some())?;
         workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, PLAN)?;
         self.ctx
             .bind_to_thread()
@@ -303,7 +336,12 @@ impl MoeBackwardPlan {
             Step::Sm90Rows(g) => sm90()?.rows(stream, &g),
             Step::Sm90Wgrad(g) => sm90()?.wgrad(stream, &g),
             Step::Wgrad(g) => self.wgrad_gemm(stream, &g),
-            Step::Swiglu { slots, ptrs, inter } => self.swiglu(stream, slots, ptrs, inter),
+            Step::Swiglu {
+                slots,
+                ptrs,
+                inter,
+                saved_gu,
+            } => self.swiglu(stream, slots, ptrs, inter, saved_gu),
             Step::RouterDz(p, v) => {
                 let mut a: [*mut c_void; 12] = [
                     param(&p[0]),
@@ -435,6 +473,7 @@ impl MoeBackwardPlan {
         slots: usize,
         ptrs: [u64; 7],
         inter: i32,
+        saved_gu: bool,
     ) -> Result<()> {
         let cfg = LaunchConfig {
             grid_dim: (slots as u32, 1, 1),
@@ -451,6 +490,6 @@ impl MoeBackwardPlan {
             param(&ptrs[6]),
             param(&inter),
         ];
-        self.launch(2, cfg, stream, &mut p)
+        self.launch(if saved_gu { 7 } else { 2 }, cfg, stream, &mut p)
     }
 }

@@ -70,11 +70,12 @@ pub(super) fn backward_steps(
             k: k_,
         })
     };
-    // 1. gu = X_perm·W13 (B [K=H][N=2I]).
-    if perm.is_some() {
-        f(rows_sm90(x_rows, a.w13.ptr, false, at(ws.gu), 2 * i, h))?;
-    } else {
-        f(Step::Rows(RowsGemm {
+    // 1. gu = X_perm·W13 (B [K=H][N=2I]), unless the forward kept it.
+    let saved_gu = a.saved_gate_up.map(|g| g.ptr);
+    match (saved_gu, perm.is_some()) {
+        (Some(_), _) => {}
+        (None, true) => f(rows_sm90(x_rows, a.w13.ptr, false, at(ws.gu), 2 * i, h))?,
+        (None, false) => f(Step::Rows(RowsGemm {
             a: a.x.ptr,
             a_rs: hi,
             a_gather: 1,
@@ -90,7 +91,7 @@ pub(super) fn backward_steps(
             total_rows: ri,
             n_cols: 2 * ii,
             k_dim: hi,
-        }))?;
+        }))?,
     }
     // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue.
     if perm.is_some() {
@@ -117,7 +118,7 @@ pub(super) fn backward_steps(
     f(Step::Swiglu {
         slots: r,
         ptrs: [
-            at(ws.gu),
+            saved_gu.unwrap_or(at(ws.gu)),
             at(ws.g),
             srow,
             a.topk_w.ptr,
@@ -126,6 +127,7 @@ pub(super) fn backward_steps(
             at(ws.dw),
         ],
         inter: ii,
+        saved_gu: saved_gu.is_some(),
     })?;
     let wgrad_sm90 = |a_: u64, b: u64, dw: u64, m: usize, n: usize| {
         Step::Sm90Wgrad(Sm90Wgrad {
@@ -285,6 +287,7 @@ pub(super) fn backward_steps(
             slots: t,
             ptrs: [s_gu, s_g, 0, 0, s_dgu, s_h, 0],
             inter: ii,
+            saved_gu: false,
         })?;
         let wg = |a_: u64, a_rs, b: u64, b_rs, c: u64, m_dim, n_cols| WgradGemm {
             a: a_,

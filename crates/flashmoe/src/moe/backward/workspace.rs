@@ -64,6 +64,10 @@ pub struct MoeBwdArgs {
     pub topk_w: RawTensor,
     pub counts: RawU32,
     pub saved: SavedRouting,
+    /// [T·k, 2I] 16-bit, optional: the routed rows' gate/up pre-activations the forward
+    /// wrote (`MoeArgs::gate_up` of the same call); the backward then skips recomputing
+    /// them (one grouped GEMM of 2·T·k·H·2I FLOPs and its [T·k, 2I] f32 workspace).
+    pub saved_gate_up: Option<RawTensor>,
     /// [T, H] upstream gradient of the output.
     pub d_out: RawTensor,
     /// \[2\] f32 upstream gradients of (aux loss, z-loss); None: both 0.
@@ -81,7 +85,8 @@ pub struct MoeBwdArgs {
 /// R = T·k routed rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BwdWorkspaceLayout {
-    /// [R, 2I] f32 recomputed gate/up pre-activations.
+    /// [R, 2I] f32 recomputed gate/up pre-activations (a 1-byte placeholder, unused, in
+    /// the layout of a call with the forward's saved gate/up).
     pub gu: usize,
     /// [R, I] f32 G = dOut_perm·W2ᵀ.
     pub g: usize,
@@ -134,14 +139,20 @@ impl Carver {
 
 impl BwdWorkspaceLayout {
     /// The layout of a backward call of `class` with `tokens` tokens; `sm90`: with
-    /// the regions of the sm_90a GEMMs ([`BwdWorkspaceLayout::perm`]).
-    pub fn new(class: &MoeClass, tokens: usize, sm90: bool) -> Result<BwdWorkspaceLayout> {
+    /// the regions of the sm_90a GEMMs ([`BwdWorkspaceLayout::perm`]); `gate_up_saved`:
+    /// the call reads the forward's gate/up, so no region for recomputing them.
+    pub fn new(
+        class: &MoeClass,
+        tokens: usize,
+        sm90: bool,
+        gate_up_saved: bool,
+    ) -> Result<BwdWorkspaceLayout> {
         let (h, i, e) = (class.hidden, class.intermediate, class.experts);
         let el = class.dtype.size_bytes();
         let rows = tokens.checked_mul(class.top_k).ok_or_else(too_big)?;
         let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(too_big);
         let mut c = Carver(0);
-        let gu = c.take(mul(rows, 2 * i)?, 4)?;
+        let gu = c.take(if gate_up_saved { 0 } else { mul(rows, 2 * i)? }, 4)?;
         let g = c.take(mul(rows, i)?, 4)?;
         let dgu = c.take(mul(rows, 2 * i)?, el)?;
         let wh = c.take(mul(rows, i)?, el)?;

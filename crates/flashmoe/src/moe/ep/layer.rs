@@ -313,6 +313,13 @@ impl ExpertParallelMoe {
                 "the communicator was aborted after an earlier error: build a new layer",
             ));
         }
+        if a.gate_up.is_some() {
+            return Err(Error::unsupported(
+                BACKEND,
+                "gate_up (the saved gate/up pre-activations): the expert-parallel layer has \
+                 no backward; pass None",
+            ));
+        }
         let c = self.class;
         let (r, local) = (self.rank, self.placement.local(self.rank));
         let ws_raw = RawWorkspace {

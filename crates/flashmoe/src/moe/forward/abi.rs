@@ -60,9 +60,12 @@
 //!    also writes offsets and the losses of step 3b). No atomics.
 //! 5. `moe_gemm13` (kernels/moe/forward/moe_grouped_gemm.cu): for every expert e with rows, for its
 //!    permuted rows r: g = x[row_token\[r\]] · w13\[e\]\[:, 0:I\], u = x[row_token\[r\]] ·
-//!    w13\[e\]\[:, I:2I\], h\[r\] = silu(g) · u, fp32 accumulation, h \[T·k, I\] stored 16-bit.
-//!    Parameters: (const u16* x, const u32* row_token, const u32* offsets, const u16* w13,
-//!    u16* h, int hidden, int inter, int experts). Experts with no rows read no weights.
+//!    w13\[e\]\[:, I:2I\], h\[r\] = silu(g) · u, fp32 accumulation, h \[T·k, I\] stored 16-bit;
+//!    gu \[T·k, 2I\] 16-bit = (g | u) when not null (`MoeArgs::gate_up`, kept for the
+//!    backward). Parameters: (const u16* x, const u32* row_token, const u32* offsets,
+//!    const u16* w13, u16* h, u16* gu, int hidden, int inter, int experts). Experts with no
+//!    rows read no weights. The sm_90 variant (`crate::moe::gemm::sm90`) writes the same h
+//!    and gu.
 //! 6. `moe_gemm2` (moe_grouped_gemm.cu): y\[r\] = h\[r\] · w2\[e\], fp32 accumulation, y \[T·k, H\]
 //!    f32. Parameters: (const u16* h, const u32* offsets, const u16* w2, float* y,
 //!    int hidden, int inter, int experts).

@@ -137,6 +137,7 @@ impl Io {
                 },
                 losses: f(addr(&self.routing.losses, stream), &[2]),
             },
+            gate_up: None,
         }
     }
     /// (out as f32, topk_ids, topk_w, counts, losses), after the stream drains.
@@ -241,7 +242,7 @@ fn check_against_runner(
     let w = Weights::upload(stream, c.dtype, &inputs);
     let mut io = Io::new(stream, &c, &c.dtype.encode_u16(&inputs.x));
     poison(stream, ws.buffer_mut());
-    let got = if safe {
+    let (got, gate_up) = if safe {
         // The cudarc path over `half::bf16` buffers (candle's storage type).
         assert_eq!(c.dtype, DType::Bf16, "the safe path test uses bf16");
         let up = |v: &[f32]| bf16_buffer(stream, &c.dtype.encode_u16(v));
@@ -265,12 +266,25 @@ fn check_against_runner(
         let o = stream.clone_dtoh(&out).unwrap();
         stream.synchronize().unwrap();
         r.out = o.iter().map(|v| v.to_f32()).collect();
-        r
+        (r, None)
     } else {
-        let a = io.args(stream, &c, &w);
+        // The raw path also keeps the routed rows' gate/up (checked below; `out` must not
+        // change, so the runner comparison covers it too).
+        let rows = tokens * c.top_k;
+        let mut gu = stream
+            .alloc_zeros::<u16>(rows * 2 * c.intermediate)
+            .unwrap();
+        poison(stream, &mut gu);
+        let gu_t =
+            RawTensor::contiguous(addr(&gu, stream), c.dtype, &[rows, 2 * c.intermediate]).unwrap();
+        let a = MoeArgs {
+            gate_up: Some(gu_t),
+            ..io.args(stream, &c, &w)
+        };
         unsafe { plan.forward_raw(stream.cu_stream(), &a, ws.raw()) }
             .unwrap_or_else(|e| panic!("{tag}: {e}"));
-        io.results(stream, c.dtype)
+        let gu_host = c.dtype.decode_u16(&stream.clone_dtoh(&gu).unwrap());
+        (io.results(stream, c.dtype), Some(gu_host))
     };
     got.assert_written(&tag, &c);
 
@@ -320,6 +334,33 @@ fn check_against_runner(
     }
     let m = error_metrics(&got.out, &reference.out);
     let tol = if c.dtype == DType::Bf16 { 1.6e-2 } else { 4e-3 };
+    // The saved gate/up: x·W13 of every permuted row (experts ascending, tokens ascending
+    // inside one: the reference's permutation) against f64.
+    if let (Some(gu), 0) = (&gate_up, cmp.near_ties) {
+        let perm = crate::reference::moe_grouped::permute(&p, &reference.routing);
+        let (h, i2) = (c.hidden, 2 * c.intermediate);
+        let mut want = vec![0f64; gu.len()];
+        for e in 0..c.experts {
+            for r in perm.offsets[e]..perm.offsets[e + 1] {
+                let tok = perm.rows[r].0 as usize;
+                for n in 0..i2 {
+                    want[r * i2 + n] = (0..h)
+                        .map(|k| {
+                            inputs.x[tok * h + k] as f64 * inputs.w13[(e * h + k) * i2 + n] as f64
+                        })
+                        .sum();
+                }
+            }
+        }
+        let gm = error_metrics(gu, &want);
+        assert_eq!(gm.non_finite, 0, "{tag}: gate_up has non-finite values");
+        assert!(
+            gm.rel_l2 <= tol,
+            "{tag}: gate_up rel_l2 {} > {tol}",
+            gm.rel_l2
+        );
+        eprintln!("  {tag}: gate_up rel_l2 {:.2e}", gm.rel_l2);
+    }
     eprintln!(
         "  {tag}: {} | rel_l2 {:.2e} near ties {}",
         plan.gemm_path(tokens).unwrap(),

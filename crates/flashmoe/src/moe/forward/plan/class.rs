@@ -90,6 +90,9 @@ impl MoeClass {
             }
         }
         a.out.expect_contiguous("out", dt, &[t, h], 16)?;
+        if let Some(gu) = &a.gate_up {
+            gu.expect_contiguous("gate_up", dt, &[t * k, 2 * i], 16)?;
+        }
         a.routing.topk_ids.expect("topk_ids", t * k)?;
         a.routing
             .topk_w
@@ -148,6 +151,10 @@ pub struct MoeArgs {
     /// [T, H]
     pub out: RawTensor,
     pub routing: RoutingArgs,
+    /// [T·k, 2I] 16-bit, optional: the routed rows' gate/up pre-activations (gate | up),
+    /// in the permuted row order of the routing the call writes, kept for the backward
+    /// (`MoeBwdArgs::saved_gate_up`) so that it skips recomputing them. None: not written.
+    pub gate_up: Option<RawTensor>,
 }
 
 #[cfg(test)]

@@ -116,6 +116,7 @@ impl MoePlan {
                 counts: RawU32 { ptr: cp, len: e },
                 losses: RawTensor::contiguous(lp, DType::F32, &[2])?,
             },
+            gate_up: None,
         };
         // SAFETY: every buffer is a live cudarc allocation of the plan's context (checked
         // above) at least as long as its tensor; the guards keep cudarc's stream order

@@ -174,7 +174,9 @@ impl MoePlan {
             )));
         }
         match b.sm90 {
-            Some(funcs) => self.enqueue_sm90_gemms(stream, funcs, bufs, weights, dims),
+            Some(funcs) => {
+                self.enqueue_sm90_gemms(stream, funcs, (a, offsets, h, y, 0), weights, dims)
+            }
             None => {
                 let (k13, k2) = (&self.loaded[b.gemm13].0, &self.loaded[b.gemm2].0);
                 let cfg13 = gemm_launch_config(k13, grid_rows, groups, c.intermediate)?;
@@ -184,7 +186,7 @@ impl MoePlan {
                     stream,
                     (b.gemm13, b.gemm2),
                     (cfg13, cfg2),
-                    (a, self.iota_addr, offsets, weights.0, weights.1, h, y),
+                    (a, self.iota_addr, offsets, weights.0, weights.1, h, y, 0),
                     (c.hidden as i32, c.intermediate as i32, groups as i32),
                 )
             }
@@ -354,6 +356,7 @@ impl MoePlan {
         let at = |off: usize| base + off as u64;
         let (offsets, row_token, slot_row) = (at(ws.offsets), at(ws.row_token), at(ws.slot_row));
         let (h, y) = (at(ws.h), at(ws.y));
+        let gate_up = a.gate_up.map_or(0, |g| g.ptr);
 
         self.enqueue_permute(stream, a, tokens, cfgs, base, ws)?;
         // 5-6. routed experts' grouped GEMMs
@@ -363,7 +366,7 @@ impl MoePlan {
                 self.enqueue_sm90_gemms(
                     stream,
                     (g13, g2),
-                    (at(x_perm), offsets, h, y),
+                    (at(x_perm), offsets, h, y, gate_up),
                     (a.w13.ptr, a.w2.ptr),
                     (rows, rows, c.experts),
                 )?
@@ -372,7 +375,9 @@ impl MoePlan {
                 stream,
                 (b.gemm13, b.gemm2),
                 (cfgs[select::K_GEMM13], cfgs[select::K_GEMM2]),
-                (a.x.ptr, row_token, offsets, a.w13.ptr, a.w2.ptr, h, y),
+                (
+                    a.x.ptr, row_token, offsets, a.w13.ptr, a.w2.ptr, h, y, gate_up,
+                ),
                 (hid, inter, e),
             )?,
             _ => {
@@ -401,6 +406,7 @@ impl MoePlan {
                         w2.ptr,
                         at(sh),
                         at(sy),
+                        0,
                     ),
                     (hid, inter, 1),
                 )?;
@@ -493,23 +499,24 @@ impl MoePlan {
     }
 
     /// gemm13 then gemm2 of the portable kernels (contract steps 5 and 6). `ptrs`: x,
-    /// row_token, offsets, w13, w2, h, y.
+    /// row_token, offsets, w13, w2, h, y, gate_up (0: not written).
     unsafe fn enqueue_portable(
         &self,
         stream: RawStream,
         funcs: (usize, usize),
         cfgs: (LaunchConfig, LaunchConfig),
-        ptrs: (u64, u64, u64, u64, u64, u64, u64),
+        ptrs: (u64, u64, u64, u64, u64, u64, u64, u64),
         dims: (i32, i32, i32),
     ) -> Result<()> {
-        let (x, row_token, offsets, w13, w2, h, y) = ptrs;
+        let (x, row_token, offsets, w13, w2, h, y, gate_up) = ptrs;
         let (hid, inter, experts) = dims;
-        let mut p: [*mut c_void; 8] = [
+        let mut p: [*mut c_void; 9] = [
             param(&x),
             param(&row_token),
             param(&offsets),
             param(&w13),
             param(&h),
+            param(&gate_up),
             param(&hid),
             param(&inter),
             param(&experts),
@@ -567,19 +574,20 @@ impl MoePlan {
 
     /// The sm_90 gemm13 (into h) and gemm2 (into y) over contiguous rows, with tensor maps
     /// over this call's addresses. `funcs`: gemm13, gemm2; `bufs`: a (the gathered rows),
-    /// offsets (`groups + 1` absolute row offsets), h, y, all indexed by the same rows;
+    /// offsets (`groups + 1` absolute row offsets), h, y, gate_up (0: not written), all
+    /// indexed by the same rows;
     /// `weights`: w13 and w2 of the first group's expert; `dims`: the rows the A and h
     /// maps span, the rows the groups hold at most (the grid), the group count.
     pub(crate) unsafe fn enqueue_sm90_gemms(
         &self,
         stream: RawStream,
         funcs: (usize, usize),
-        bufs: (u64, u64, u64, u64),
+        bufs: (u64, u64, u64, u64, u64),
         weights: (u64, u64),
         dims: (usize, usize, usize),
     ) -> Result<()> {
         let c = &self.class;
-        let (a, offsets, h, y) = bufs;
+        let (a, offsets, h, y, gate_up) = bufs;
         let (w13, w2) = weights;
         let (map_rows, grid_rows, groups) = dims;
         let (g13, g2) = funcs;
@@ -612,11 +620,12 @@ impl MoePlan {
         ];
         let cfg13 = sm90::sm90_launch_config(k13, grid_rows, groups, c.intermediate)?;
         let cfg2 = sm90::sm90_launch_config(k2, grid_rows, groups, c.hidden)?;
-        let mut p: [*mut c_void; 8] = [
+        let mut p: [*mut c_void; 9] = [
             param(&maps[0]),
             param(&maps[1]),
             param(&offsets),
             param(&h),
+            param(&gate_up),
             param(&hid),
             param(&inter),
             param(&e),
