@@ -393,8 +393,30 @@ fn errors(out: &[f32], reference: &[f64], row: usize) -> (f64, f64, usize) {
     (rel, worst, bad)
 }
 
-/// Run `c` against the f64 reference; returns the worst (rel L2, row error).
+/// Largest |Δ logit| (f64) between two experts of a token that the GPU's and the f64
+/// reference's top-k disagree on below which the disagreement is a near tie (the GPU's
+/// f32 logits of bf16 inputs differ from f64 by ~1e-5): the inputs are redrawn.
+const NEAR_TIE_LOGITS: f64 = 1e-3;
+
+/// Run `c` against the f64 reference; returns the worst (rel L2, row error). A routing
+/// near tie (the f32 and f64 top-k disagree on experts whose logits are within
+/// [`NEAR_TIE_LOGITS`]) redraws the inputs with the next seed, up to 4 times; any other
+/// routing difference fails.
 fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
+    for attempt in 0..4 {
+        match try_case(dev, c, seed + attempt) {
+            Some(w) => return w,
+            None => println!(
+                "{c:?}: a routing near tie at seed {}: redrawn",
+                seed + attempt
+            ),
+        }
+    }
+    panic!("{c:?}: routing near ties at 4 seeds from {seed}");
+}
+
+/// [`check_case`] at one seed; None on a routing near tie.
+fn try_case(dev: &Device, c: &Case, seed: u64) -> Option<(f64, f64)> {
     let s = dev.stream().clone();
     let mut st = Setup::new(dev, c, seed);
     let g = st.run(&s);
@@ -411,11 +433,23 @@ fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
         let (mut a, mut b) = (a.to_vec(), b.to_vec());
         a.sort_unstable();
         b.sort_unstable();
-        assert_eq!(
-            a, b,
-            "{c:?}: token {tok} routed differently by the GPU forward and the f64 reference \
-             (a near-tie; seed {seed})"
+        if a == b {
+            continue;
+        }
+        let differ: Vec<f64> = a
+            .iter()
+            .chain(&b)
+            .filter(|ex| !(a.contains(ex) && b.contains(ex)))
+            .map(|&ex| routing.logits[tok * c.experts + ex as usize])
+            .collect();
+        let spread = differ.iter().cloned().fold(f64::MIN, f64::max)
+            - differ.iter().cloned().fold(f64::MAX, f64::min);
+        assert!(
+            spread <= NEAR_TIE_LOGITS,
+            "{c:?}: token {tok} routed to {a:?} by the GPU forward and {b:?} by the f64 \
+             reference, logits {differ:?} apart by {spread:.3e} (not a near tie; seed {seed})"
         );
+        return None;
     }
     let (d_aux, d_z) = c.d_losses.unwrap_or((0.0, 0.0));
     let r = moe_backward_f64(&p, &st.inputs, &st.d_out_host, d_aux as f64, d_z as f64).unwrap();
@@ -450,7 +484,7 @@ fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
         worst = (worst.0.max(rel), worst.1.max(row_err));
     }
     println!("{c:?}:{report}");
-    worst
+    Some(worst)
 }
 
 #[test]
