@@ -4,7 +4,7 @@
 //! over the library's backward plans — `AttentionBackwardPlan` after an `AttentionPlan`
 //! forward (dense), `VarlenBackwardPlan` after a `VarlenPlan` forward (packed), and
 //! `MoeBackwardPlan` after the lab's `MoeRunner` forward (MoE, reading the routing the
-//! forward left in its workspace).
+//! forward left in its workspace and the gate/up pre-activations it kept).
 //!
 //! `prepare` uploads the inputs and d_out, allocates the gradients and runs the forward
 //! once. A `--pass bwd` launch is the backward alone over that retained forward; a
@@ -352,7 +352,10 @@ impl GradCall {
             GradLayer::Moe(p) => {
                 let m = x.moe()?;
                 let (t, h, i, e, dt) = (p.tokens, p.hidden, p.intermediate, p.experts, p.dtype);
-                let fwd = MoeRunner::new(dev, p, m)?;
+                // The training path keeps gate/up from the forward for the backward (the
+                // default of the PyTorch layer; docs/design/moe.md, "Save or recompute").
+                let mut fwd = MoeRunner::new(dev, p, m)?;
+                let gate_up = fwd.keep_gate_up(dev)?;
                 let fa = *fwd.args();
                 let d_out = upload(dev, &mut keep, dt, &x.d_out, "d_out", &[t, h])?;
                 let d_losses = if g.trains_losses() {
@@ -374,7 +377,7 @@ impl GradCall {
                 let bwd = MoeBackwardPlan::with_gemm_path(dev, class, path.as_deref())?;
                 let shared = p.shared_expert;
                 let args = MoeBwdArgs {
-                    saved_gate_up: None,
+                    saved_gate_up: Some(gate_up),
                     x: fa.x,
                     router: fa.router,
                     w13: fa.w13,
@@ -406,7 +409,7 @@ impl GradCall {
                     },
                 };
                 bwd.check(&args)?;
-                let bwd_ws = Workspace::zeroed(s, bwd.workspace_bytes(t)?)?;
+                let bwd_ws = Workspace::zeroed(s, bwd.workspace_bytes_with_saved_gate_up(t)?)?;
                 Layer::Moe {
                     fwd: Box::new(fwd),
                     bwd,
@@ -498,12 +501,20 @@ impl PlanCall for GradCall {
         }
         Ok(Outputs::Gradients(out))
     }
-    /// The backward's workspace (the forward's is the forward suites' figure).
+    /// The backward's workspace, and for the MoE layer the gate/up the forward kept for it
+    /// (the forward's workspace is the forward suites' figure).
     fn peak_extra_bytes(&self) -> Option<u64> {
         Some(match &self.layer {
-            Layer::Attention { bwd_ws, .. }
-            | Layer::Varlen { bwd_ws, .. }
-            | Layer::Moe { bwd_ws, .. } => bwd_ws.bytes() as u64,
+            Layer::Attention { bwd_ws, .. } | Layer::Varlen { bwd_ws, .. } => bwd_ws.bytes() as u64,
+            Layer::Moe {
+                bwd,
+                bwd_args,
+                bwd_ws,
+                ..
+            } => {
+                let kept = bwd.saved_gate_up_bytes(bwd_args.x.shape[0]).ok()?;
+                (bwd_ws.bytes() + kept) as u64
+            }
         })
     }
     fn notes(&self) -> Vec<String> {
@@ -514,7 +525,7 @@ impl PlanCall for GradCall {
             ),
             Layer::Varlen { .. } => "VarlenBackwardPlan after a VarlenPlan forward".into(),
             Layer::Moe { fwd, .. } => format!(
-                "MoeBackwardPlan after the MoE forward ({})",
+                "MoeBackwardPlan after the MoE forward ({}), gate/up kept from the forward",
                 fwd.gemm_path()
             ),
         };

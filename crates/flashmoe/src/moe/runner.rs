@@ -15,7 +15,7 @@ use super::forward::plan::{MoeArgs, MoeClass, MoePlan, RawU32, RoutingArgs, Work
 use super::kernel::MoeKernel;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::gpu::{check_len, Device, DeviceTensor};
+use crate::gpu::{check_len, Device, DeviceTensor, RawTensor};
 use crate::problem::MoeProblem;
 use crate::reference::moe::MoeInputs;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
@@ -189,6 +189,8 @@ pub struct MoeRunner {
     losses: DeviceTensor,
     workspace: CudaSlice<u8>,
     layout: WorkspaceLayout,
+    /// [T·k, 2I]: the routed rows' gate/up, once [`MoeRunner::keep_gate_up`] asked for them.
+    gate_up: Option<DeviceTensor>,
     /// The call over the buffers above (their addresses are stable while `self` lives).
     args: MoeArgs,
 }
@@ -307,6 +309,7 @@ impl MoeRunner {
             losses,
             workspace,
             layout,
+            gate_up: None,
             args,
         })
     }
@@ -353,6 +356,24 @@ impl MoeRunner {
         }
     }
 
+    /// Make every later [`MoeRunner::run`] also write the routed rows' gate/up
+    /// pre-activations ([`MoeArgs::gate_up`], allocated here once) for a backward that
+    /// reads them (`MoeBwdArgs::saved_gate_up`); returns their tensor.
+    pub fn keep_gate_up(&mut self, dev: &Device) -> Result<RawTensor> {
+        let p = &self.problem;
+        let shape = [p.tokens * p.top_k, 2 * p.intermediate];
+        if self.gate_up.is_none() {
+            self.gate_up = Some(DeviceTensor::alloc(dev, p.dtype, shape[0] * shape[1])?);
+        }
+        let t = self
+            .gate_up
+            .as_ref()
+            .expect("allocated above")
+            .raw(dev, "gate_up", &shape)?;
+        self.args.gate_up = Some(t);
+        Ok(t)
+    }
+
     /// The routing regions the forward leaves in the workspace ([`super::backward::SavedRouting`]),
     /// for a [`super::backward::MoeBackwardPlan`] over the same call; they hold the
     /// forward's values after [`MoeRunner::run`] and until the next poison or run.
@@ -395,6 +416,9 @@ impl MoeRunner {
     pub fn poison_outputs(&mut self, dev: &Device) -> Result<()> {
         for t in [&mut self.out, &mut self.topk_w, &mut self.losses] {
             t.poison(dev)?;
+        }
+        if let Some(g) = &mut self.gate_up {
+            g.poison(dev)?;
         }
         for s in [&mut self.topk_ids, &mut self.counts] {
             poison_u32(dev, s)?;
