@@ -817,6 +817,7 @@ fn moe_class(
 type MoeOutputs = (RawTensor, RawU32, RawTensor, RawU32, RawTensor);
 
 /// The raw arguments of an MoE call, checked against `class` (no GPU needed).
+#[allow(clippy::too_many_arguments)]
 fn moe_args(
     class: &MoeClass,
     x: &Desc,
@@ -825,6 +826,7 @@ fn moe_args(
     w2: &Desc,
     shared: Option<(Desc, Desc)>,
     (out, topk_ids, topk_w, counts, losses): MoeOutputs,
+    gate_up: Option<RawTensor>,
 ) -> PyResult<MoeArgs> {
     let dt = class.dtype;
     for (name, d) in [("x", x), ("router_w", router), ("w13", w13), ("w2", w2)] {
@@ -839,7 +841,7 @@ fn moe_args(
         None => (None, None),
     };
     let args = MoeArgs {
-        gate_up: None,
+        gate_up,
         x: x.raw("x")?,
         router: router.raw("router_w")?,
         w13: w13.raw("w13")?,
@@ -900,7 +902,7 @@ fn check_moe(
         counts.index("counts", class.experts)?,
         losses.raw("losses")?,
     );
-    moe_args(&class, &x, &router_w, &w13, &w2, shared, outs)?;
+    moe_args(&class, &x, &router_w, &w13, &w2, shared, outs, None)?;
     Ok((tokens, class.hidden, class.intermediate, class.experts))
 }
 
@@ -1487,9 +1489,11 @@ impl MoePlan {
     /// expert), combine, and the routing results. x, router_w, w13, w2 and `shared`
     /// (`(w13, w2)` or None) are descriptors; the outputs are the addresses of contiguous
     /// tensors the caller allocated: out [T, H] of x's dtype, topk_ids int32 [T, k],
-    /// topk_w f32 [T, k], counts int32 [E], losses f32 [2] = (aux, z).
+    /// topk_w f32 [T, k], counts int32 [E], losses f32 [2] = (aux, z); `gate_up`: the
+    /// address of a contiguous [T·k, 2I] tensor of x's dtype that also receives the routed
+    /// rows' gate/up pre-activations for the backward, or 0.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, x, router_w, w13, w2, shared, out, topk_ids, topk_w, counts, losses, workspace, workspace_bytes))]
+    #[pyo3(signature = (stream, x, router_w, w13, w2, shared, out, topk_ids, topk_w, counts, losses, workspace, workspace_bytes, gate_up=0))]
     fn forward(
         &self,
         stream: usize,
@@ -1505,6 +1509,7 @@ impl MoePlan {
         losses: u64,
         workspace: u64,
         workspace_bytes: usize,
+        gate_up: u64,
     ) -> PyResult<()> {
         let c = self.plan.class();
         let (t, h, k, e) = (
@@ -1527,7 +1532,13 @@ impl MoePlan {
             },
             f32s(losses, &[2]).map_err(py_err)?,
         );
-        let args = moe_args(c, &x, &router_w, &w13, &w2, shared, outs)?;
+        let gate_up = match gate_up {
+            0 => None,
+            p => Some(
+                RawTensor::contiguous(p, c.dtype, &[t * k, 2 * c.intermediate]).map_err(py_err)?,
+            ),
+        };
+        let args = moe_args(c, &x, &router_w, &w13, &w2, shared, outs, gate_up)?;
         let ws = RawWorkspace {
             ptr: workspace,
             bytes: workspace_bytes,

@@ -82,9 +82,17 @@ impl MoeBackwardPlan {
         self.plan.class().max_tokens
     }
 
-    /// Bytes of the backward's workspace for `tokens` tokens (nothing to zero).
-    fn workspace_bytes(&self, tokens: usize) -> PyResult<usize> {
-        self.plan.workspace_bytes(tokens).map_err(py_err)
+    /// Bytes of the backward's workspace for `tokens` tokens (nothing to zero); with
+    /// `gate_up_saved`, for a call that reads the forward's gate/up (smaller: no f32
+    /// recompute region).
+    #[pyo3(signature = (tokens, gate_up_saved=false))]
+    fn workspace_bytes(&self, tokens: usize, gate_up_saved: bool) -> PyResult<usize> {
+        if gate_up_saved {
+            self.plan.workspace_bytes_with_saved_gate_up(tokens)
+        } else {
+            self.plan.workspace_bytes(tokens)
+        }
+        .map_err(py_err)
     }
 
     /// Bytes at the start of the forward's workspace that the backward reads (the routing
@@ -99,9 +107,11 @@ impl MoeBackwardPlan {
     /// kept forward-workspace prefix of `saved_bytes` bytes; d_losses the address of f32
     /// [2] (d_aux, d_z) or 0; the outputs are addresses of contiguous tensors the caller
     /// allocated: dx [T, H], d_router [H, E], dw13 [E, H, 2I], dw2 [E, I, H] and
-    /// `d_shared` ((d_w13 [H, 2I], d_w2 [I, H]) or None), all of x's dtype.
+    /// `d_shared` ((d_w13 [H, 2I], d_w2 [I, H]) or None), all of x's dtype; `gate_up`: the
+    /// address of the forward's [T·k, 2I] gate/up (its `gate_up` output), or 0 to
+    /// recompute them.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, x, router_w, w13, w2, shared, topk_ids, topk_w, counts, saved, saved_bytes, d_out, d_losses, dx, d_router, dw13, dw2, d_shared, workspace, workspace_bytes))]
+    #[pyo3(signature = (stream, x, router_w, w13, w2, shared, topk_ids, topk_w, counts, saved, saved_bytes, d_out, d_losses, dx, d_router, dw13, dw2, d_shared, workspace, workspace_bytes, gate_up=0))]
     fn backward(
         &self,
         stream: usize,
@@ -124,6 +134,7 @@ impl MoeBackwardPlan {
         d_shared: Option<(u64, u64)>,
         workspace: u64,
         workspace_bytes: usize,
+        gate_up: u64,
     ) -> PyResult<()> {
         let c = self.plan.class();
         let (t, h, i, e, k, dt) = (
@@ -161,7 +172,10 @@ impl MoeBackwardPlan {
             None => (None, None),
         };
         let args = MoeBwdArgs {
-            saved_gate_up: None,
+            saved_gate_up: match gate_up {
+                0 => None,
+                p => Some(own(p, &[t * k, 2 * i])?),
+            },
             x: x.raw("x")?,
             router: router_w.raw("router_w")?,
             w13: w13.raw("w13")?,

@@ -1165,14 +1165,15 @@ def rel_errors(out, ref):
 
 
 @pytest.mark.parametrize(
-    "tokens, h, i, e, k, scoring, renorm, shared, dtype",
+    "tokens, h, i, e, k, scoring, renorm, shared, dtype, recompute",
     [
-        (67, 256, 128, 8, 2, "softmax", True, False, torch.bfloat16),
-        (37, 256, 128, 8, 3, "sigmoid", False, True, torch.float16),
-        (50, 128, 64, 4, 4, "softmax", True, False, torch.bfloat16),
+        (67, 256, 128, 8, 2, "softmax", True, False, torch.bfloat16, False),
+        (67, 256, 128, 8, 2, "softmax", True, False, torch.bfloat16, True),
+        (37, 256, 128, 8, 3, "sigmoid", False, True, torch.float16, False),
+        (50, 128, 64, 4, 4, "softmax", True, False, torch.bfloat16, False),
     ],
 )
-def test_moe_backward_matches_f64_autograd(tokens, h, i, e, k, scoring, renorm, shared, dtype):
+def test_moe_backward_matches_f64_autograd(tokens, h, i, e, k, scoring, renorm, shared, dtype, recompute):
     wts = moe_weights(h, i, e, dtype, shared)
     x = (torch.rand(tokens, h, device=DEV) * 2 - 1).to(dtype)
     leaves = [x, wts["router_w"], wts["w13"], wts["w2"]] + (list(wts["shared"]) if shared else [])
@@ -1182,7 +1183,8 @@ def test_moe_backward_matches_f64_autograd(tokens, h, i, e, k, scoring, renorm, 
 
     def run():
         poison_pool()
-        r = flashmoe.moe(*leaves[:4], top_k=k, scoring=scoring, renormalize=renorm, shared=sh)
+        r = flashmoe.moe(*leaves[:4], top_k=k, scoring=scoring, renormalize=renorm, shared=sh,
+                         recompute_gate_up=recompute)
         loss = (r.out.float() * g.float()).sum() + 0.7 * r.aux_loss + 0.3 * r.z_loss
         return r, torch.autograd.grad(loss, leaves)
 

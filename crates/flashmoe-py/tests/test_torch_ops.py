@@ -159,12 +159,13 @@ def test_moe_with_grad_takes_the_training_op(which):
         flashmoe.moe(*args.values(), top_k=2, shared=tuple(shared))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_moe_is_differentiable_on_meta(shared):
-    # the fake kernels of moe_train and moe_backward: autograd wiring, shapes and dtypes
+@pytest.mark.parametrize("shared, recompute", [(False, False), (True, False), (False, True)])
+def test_moe_is_differentiable_on_meta(shared, recompute):
+    # the fake kernels of moe_train and moe_backward: autograd wiring, shapes and dtypes, with the
+    # gate/up kept from the forward (the default) or recomputed
     x, rw, w13, w2 = (t.to("meta").requires_grad_() for t in moe_args())
     sh = (meta(64, 64).requires_grad_(), meta(32, 64).requires_grad_()) if shared else None
-    r = flashmoe.moe(x, rw, w13, w2, top_k=2, shared=sh)
+    r = flashmoe.moe(x, rw, w13, w2, top_k=2, shared=sh, recompute_gate_up=recompute)
     assert r.out.grad_fn is not None and r.aux_loss.grad_fn is not None
     leaves = (x, rw, w13, w2) + (sh if shared else ())
     grads = torch.autograd.grad((r.out, r.aux_loss, r.z_loss), leaves,
@@ -175,6 +176,12 @@ def test_moe_is_differentiable_on_meta(shared):
     r = flashmoe.moe(x.detach(), rw.detach(), w13.detach(), w2, top_k=2)
     (dw2,) = torch.autograd.grad(r.out, (w2,), torch.ones_like(r.out))
     assert dw2.shape == w2.shape
+
+
+def test_moe_recompute_gate_up_is_for_training_calls():
+    x, rw, w13, w2 = (t.to("meta") for t in moe_args())
+    with pytest.raises(ValueError, match="recompute_gate_up=True is for calls that train"):
+        flashmoe.moe(x, rw, w13, w2, top_k=2, recompute_gate_up=True)
 
 
 def test_moe_backward_traces_into_the_backward_op():

@@ -5,7 +5,11 @@ Two ops in a fragment of the ``flashmoe`` library (the inference op ``moe`` live
 
 - ``flashmoe::moe_train``: the forward of ``moe`` that also returns ``saved``, a uint8 copy of
   the first ``MoeBackwardPlan.saved_bytes(T)`` bytes of its workspace (router logits, expert
-  offsets, row tables: the routing the backward reads; T·E + T·k words, small). Registered with
+  offsets, row tables: the routing the backward reads; T·E + T·k words, small), and with
+  ``save_gate_up`` the routed rows' gate/up pre-activations ``gate_up`` [T·k, 2I] of x's dtype
+  (written by the forward's GEMM; the backward then skips recomputing them: measured on an
+  H200 1.9 ms of a 12.0 ms forward + backward at seed 003's 2048 tokens, and a smaller
+  backward workspace; docs/design/moe.md, "Save or recompute"). Registered with
   ``torch.library.register_autograd``: differentiable in x, router_w, w13, w2 and the shared
   expert's weights.
 - ``flashmoe::moe_backward``: the gradients, given d(out) and d(losses) (aux, z). Its own
@@ -31,12 +35,13 @@ from ._common import _DTYPES, _desc, _device_index, _grown_plan, _moe_plan, _raw
 _lib = torch.library.Library("flashmoe", "FRAGMENT")
 _lib.define(
     "moe_train(Tensor x, Tensor router_w, Tensor w13, Tensor w2, Tensor? shared_w13, Tensor? shared_w2, "
-    "int top_k, str scoring, bool renormalize) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "int top_k, str scoring, bool renormalize, bool save_gate_up) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _lib.define(
     "moe_backward(Tensor d_out, Tensor? d_losses, Tensor x, Tensor router_w, Tensor w13, Tensor w2, "
     "Tensor? shared_w13, Tensor? shared_w2, Tensor topk_ids, Tensor topk_weights, Tensor counts, "
-    "Tensor saved, int top_k, str scoring, bool renormalize) "
+    "Tensor saved, Tensor? gate_up, int top_k, str scoring, bool renormalize) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -71,7 +76,7 @@ def _named(x, router_w, w13, w2, shared_w13, shared_w2):
     return named
 
 
-def _moe_train_impl(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize):
+def _moe_train_impl(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize, save_gate_up):
     named = _named(x, router_w, w13, w2, shared_w13, shared_w2)
     index = _device_index(named)
     _same_dtype(named)
@@ -98,17 +103,18 @@ def _moe_train_impl(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring,
     losses = torch.empty((2,), dtype=torch.float32, device=dev)
     ws_bytes = plan.workspace_bytes(t)
     ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)
+    gate_up = torch.empty((t * top_k, 2 * i) if save_gate_up else (0,), dtype=x.dtype, device=dev)
     plan.forward(_raw_stream(index), descs[0], descs[1], descs[2], descs[3], shared, out.data_ptr(),
                  ids.data_ptr(), weights.data_ptr(), counts.data_ptr(), losses.data_ptr(), ws.data_ptr(),
-                 ws_bytes)
+                 ws_bytes, gate_up=gate_up.data_ptr() if save_gate_up else 0)
     # Stream-ordered copy of the routing prefix; the rest of the workspace (h, y) is released.
     saved = ws[:keep].clone()
-    return out, ids, weights, counts, losses, saved
+    return out, ids, weights, counts, losses, saved, gate_up
 
 
-def _moe_train_fake(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize):
+def _moe_train_fake(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize, save_gate_up):
     t, h = x.shape
-    e = router_w.shape[1]
+    e, i = router_w.shape[1], w2.shape[1]
     return (
         x.new_empty((t, h)),
         x.new_empty((t, top_k), dtype=torch.int32),
@@ -116,11 +122,12 @@ def _moe_train_fake(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring,
         x.new_empty((e,), dtype=torch.int32),
         x.new_empty((2,), dtype=torch.float32),
         x.new_empty((_saved_bytes(t, e, top_k),), dtype=torch.uint8),
+        x.new_empty((t * top_k, 2 * i) if save_gate_up else (0,)),
     )
 
 
 def _moe_backward_impl(d_out, d_losses, x, router_w, w13, w2, shared_w13, shared_w2, topk_ids, topk_weights,
-                       counts, saved, top_k, scoring, renormalize):
+                       counts, saved, gate_up, top_k, scoring, renormalize):
     named = _named(x, router_w, w13, w2, shared_w13, shared_w2)
     index = _device_index(named + [("d_out", d_out), ("topk_ids", topk_ids), ("saved", saved)])
     _same_dtype(named + [("d_out", d_out)])
@@ -144,19 +151,24 @@ def _moe_backward_impl(d_out, d_losses, x, router_w, w13, w2, shared_w13, shared
     else:
         ds13 = ds2 = x.new_empty((0,))
         shared_descs = d_shared = None
+    if gate_up is not None and (gate_up.dtype != x.dtype or gate_up.shape != (t * top_k, 2 * i)
+                                or not gate_up.is_contiguous()):
+        raise ValueError(f"gate_up must be a contiguous [{t * top_k}, {2 * i}] tensor of x's dtype "
+                         f"(moe_train's output); got {list(gate_up.shape)} {gate_up.dtype}")
     # Any contents: every region is written before it is read.
-    ws = torch.empty(plan.workspace_bytes(t), dtype=torch.uint8, device=dev)
+    ws = torch.empty(plan.workspace_bytes(t, gate_up is not None), dtype=torch.uint8, device=dev)
     plan.backward(
         _raw_stream(index), _desc(x, "x"), _desc(router_w, "router_w"), _desc(w13, "w13"), _desc(w2, "w2"),
         shared_descs, topk_ids.data_ptr(), topk_weights.data_ptr(), counts.data_ptr(), saved.data_ptr(),
         saved.numel(), _desc(d_out, "d_out"), dl.data_ptr() if dl is not None else 0, dx.data_ptr(),
         d_router.data_ptr(), dw13.data_ptr(), dw2.data_ptr(), d_shared, ws.data_ptr(), ws.numel(),
+        gate_up=gate_up.data_ptr() if gate_up is not None else 0,
     )
     return dx, d_router, dw13, dw2, ds13, ds2
 
 
 def _moe_backward_fake(d_out, d_losses, x, router_w, w13, w2, shared_w13, shared_w2, topk_ids, topk_weights,
-                       counts, saved, top_k, scoring, renormalize):
+                       counts, saved, gate_up, top_k, scoring, renormalize):
     shared = shared_w13 is not None
     return (
         torch.empty_like(x),
@@ -192,29 +204,32 @@ _lib.impl("moe_backward", _moe_backward_autograd, "Autograd")
 
 
 def _setup_context(ctx, inputs, output):
-    x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize = inputs
-    _out, ids, weights, counts, _losses, saved = output
-    ctx.save_for_backward(x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved)
+    x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize, save_gate_up = inputs
+    _out, ids, weights, counts, _losses, saved, gate_up = output
+    ctx.save_for_backward(x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved,
+                          gate_up if save_gate_up else None)
     ctx.cfg = (top_k, scoring, renormalize)
 
 
-def _backward(ctx, d_out, _d_ids, _d_weights, _d_counts, d_losses, _d_saved):
-    x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved = ctx.saved_tensors
+def _backward(ctx, d_out, _d_ids, _d_weights, _d_counts, d_losses, _d_saved, _d_gate_up):
+    x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved, gate_up = ctx.saved_tensors
     if d_out is None:
         d_out = torch.zeros_like(x)
     dx, d_router, dw13, dw2, ds13, ds2 = _moe_backward_op(
-        d_out, d_losses, x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved, *ctx.cfg
+        d_out, d_losses, x, router_w, w13, w2, shared_w13, shared_w2, ids, weights, counts, saved, gate_up,
+        *ctx.cfg
     )
     shared = shared_w13 is not None
-    return dx, d_router, dw13, dw2, ds13 if shared else None, ds2 if shared else None, None, None, None
+    return dx, d_router, dw13, dw2, ds13 if shared else None, ds2 if shared else None, None, None, None, None
 
 
 torch.library.register_autograd("flashmoe::moe_train", _backward, setup_context=_setup_context, lib=_lib)
 
 
-def moe_train(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize):
-    """The differentiable forward: (out, topk_ids, topk_weights, counts, losses[2])."""
-    out, ids, weights, counts, losses, _saved = _moe_train_op(
-        x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize
+def moe_train(x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize, save_gate_up=True):
+    """The differentiable forward: (out, topk_ids, topk_weights, counts, losses[2]).
+    ``save_gate_up``: keep the gate/up pre-activations for the backward (else recomputed)."""
+    out, ids, weights, counts, losses, _saved, _gate_up = _moe_train_op(
+        x, router_w, w13, w2, shared_w13, shared_w2, top_k, scoring, renormalize, save_gate_up
     )
     return out, ids, weights, counts, losses

@@ -959,6 +959,7 @@ def moe(
     scoring: str = "softmax",
     renormalize: bool = True,
     shared: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    recompute_gate_up: bool = False,
 ) -> MoeOutput:
     """One MoE layer: router -> top-k -> grouped SwiGLU experts (+ shared expert) -> weighted sum.
 
@@ -970,7 +971,10 @@ def moe(
     Eager calls skip the dispatcher as ``attention`` does. Differentiable: with grad mode on and
     an input requiring grad, the call runs ``torch.ops.flashmoe.moe_train`` (``_moe_autograd.py``),
     whose backward gives x, router_w, w13, w2 and the shared weights their gradients from ``out``
-    and the two losses (deterministic; the top-k ids are constants).
+    and the two losses (deterministic; the top-k ids are constants). Such a call keeps the routed
+    rows' gate/up pre-activations (T·k × 2I elements of x's dtype) for the backward;
+    ``recompute_gate_up=True`` recomputes them there instead (less memory held between forward
+    and backward, one more GEMM; only for calls that train).
     """
     s13, s2 = shared if shared is not None else (None, None)
     # (plain boolean expressions: torch.compile(fullgraph=True) traces this branch)
@@ -978,8 +982,12 @@ def moe(
         x.requires_grad or router_w.requires_grad or w13.requires_grad or w2.requires_grad
         or (s13 is not None and s13.requires_grad) or (s2 is not None and s2.requires_grad)
     ):
-        out, ids, weights, counts, losses = _moe_train(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize)
+        out, ids, weights, counts, losses = _moe_train(x, router_w, w13, w2, s13, s2, top_k, scoring, renormalize,
+                                                       not recompute_gate_up)
         return MoeOutput(out, ids, weights, counts, losses[0], losses[1])
+    if recompute_gate_up:
+        raise ValueError("flashmoe.moe: recompute_gate_up=True is for calls that train (grad mode on and an "
+                         "input requiring grad); this call runs the inference forward")
     if _plain(x, router_w, w13, w2):
         _refuse_grad("moe", (("x", x), ("router_w", router_w), ("w13", w13), ("w2", w2), ("shared_w13", s13),
                              ("shared_w2", s2)))
