@@ -217,7 +217,7 @@ for s in "$@"; do
                   cp /tmp/grad-moe/results.json "$OUT/grad-moe-qwen3-30b.json" 2>/dev/null ;;
     # Paged-KV decode (issue 22): its GPU unit tests, the check matrix, the decode preset
     # with the SDPA baselines and the paged preset (page 16 / 128 / Sk) without them.
-    unit-decode)  stage unit-decode 200 ./target/release/flashmoe-gpu-tests decode_gpu_tests --test-threads=1 --nocapture ;;
+    unit-decode)  stage unit-decode 200 ./target/release/flashmoe-gpu-tests attention::decode::gpu_tests --test-threads=1 --nocapture ;;
     check-decode) stage check-decode 240 $BIN check --suite decode ;;
     bench-decode) stage bench-decode 300 $BIN bench decode --preset decode --max-time 0.5 --out /tmp/bench-decode
                   for f in results.json results.md report.html; do cp /tmp/bench-decode/$f "$OUT/decode-$f" 2>/dev/null; done ;;
@@ -237,7 +237,7 @@ for s in "$@"; do
     sanitize-decode)
                   for tool in memcheck racecheck; do
                     stage "sanitize-decode-$tool" 150 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
-                      ./target/release/flashmoe-gpu-tests decode_gpu_tests::decode_replays_in_a_cuda_graph decode_gpu_tests::dense_cache_is_one_page_per_sequence --test-threads=1
+                      ./target/release/flashmoe-gpu-tests attention::decode::gpu_tests::decode_replays_in_a_cuda_graph attention::decode::gpu_tests::dense_cache_is_one_page_per_sequence --test-threads=1
                   done ;;
     unit-moe)     stage unit-moe 120 ./target/release/flashmoe-gpu-tests moe:: --test-threads=1 --nocapture ;;
     # The MoE backward (issue 41): every gradient vs f64 on each row-GEMM path (portable,

@@ -12,7 +12,7 @@ libnvrtc is found from $NVRTC_LIB, /work/nvrtc13 (pip install --target /work/nvr
 nvidia-cuda-nvrtc==13.0.88), the nvidia-cuda-nvrtc wheel in site-packages, or
 /usr/local/cuda/lib64.
 
-The variant table lives in crates/flashmoe/src/attention/prefill/config.rs (`v1_tile`); this
+The variant table lives in crates/flashmoe/src/attention/prefill/tiles.rs (`v1_tile`); this
 script keeps a copy in V1_TILES below, and the Rust test `python_tile_table_matches`
 fails when the two differ. kernel_probe.py imports V1_TILES from here.
 """

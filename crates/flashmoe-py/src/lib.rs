@@ -16,9 +16,10 @@ use flashmoe::attention::backward::{AttentionBackwardPlan as BPlan, BackwardArgs
 use flashmoe::attention::decode::{
     AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
 };
+use flashmoe::attention::prefill::{abi, tiles};
 use flashmoe::attention::route::{self, AttnCall, AttnShape, Elem as HalfElem, Route, WindowSize};
 use flashmoe::attention::varlen::{self, VarlenArgs, VarlenPlan as VPlan};
-use flashmoe::attention::{config, AttentionArgs, AttentionClass, AttentionPlan as Plan};
+use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan as Plan};
 use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
 use flashmoe::moe::{MoeArgs, MoeClass, MoePlan as MPlan, RawU32, RoutingArgs};
 use flashmoe::{DType, Error, Scoring};
@@ -292,8 +293,8 @@ fn check_routable(class: &AttentionClass, seq_q: usize, seq_k: usize) -> PyResul
             class.head_dim,
             class.window,
             class.softcap,
-            config::SM90_HEAD_DIMS,
-            config::V1_HEAD_DIMS_TEXT,
+            tiles::SM90_HEAD_DIMS,
+            abi::V1_HEAD_DIMS_TEXT,
             flashmoe::attention::decode::HEAD_DIMS,
         ),
     )))

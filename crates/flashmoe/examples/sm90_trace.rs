@@ -17,7 +17,8 @@ use std::error::Error;
 use std::path::PathBuf;
 
 use cudarc::driver::sys;
-use flashmoe::attention::{config, AttentionRunner};
+use flashmoe::attention::prefill::{abi, select, tiles};
+use flashmoe::attention::AttentionRunner;
 use flashmoe::gpu::Device;
 use flashmoe::inputs::{generate, TensorId};
 use flashmoe::{AttentionProblem, DType};
@@ -89,9 +90,9 @@ fn trace_one(
     let tile = flashmoe::attention::runner::sm90_tile_override()?
         .into_iter()
         .find(|t| t.head_dim as usize == problem.head_dim)
-        .or_else(|| config::sm90_tile(problem.head_dim))
+        .or_else(|| tiles::sm90_tile(problem.head_dim))
         .ok_or_else(|| format!("no sm_90a tile for head dim {}", problem.head_dim))?;
-    let mut variant = config::sm90_variant_for(&tile, problem.dtype, config::Masking::of(problem))?;
+    let mut variant = select::sm90_variant_for(&tile, problem.dtype, abi::Masking::of(problem))?;
     variant
         .defines
         .push(("FM_TRACE".to_string(), "1".to_string()));

@@ -8,11 +8,12 @@
 //!
 //! Run with `--nocapture` to see the resource report of each variant.
 
+use flashmoe::attention::prefill::abi::KernelVariant;
 #[cfg(feature = "lab")]
-use flashmoe::attention::config::all_reference_variants;
-use flashmoe::attention::config::{
+use flashmoe::attention::prefill::select::all_reference_variants;
+use flashmoe::attention::prefill::select::{
     all_sm90_variants, all_sm90_varlen_variants, all_v1_variants, v1_extra_head_dim_variants,
-    v1_masked_compile_variants, KernelVariant,
+    v1_masked_compile_variants,
 };
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::{nvrtc_compile, CompiledKernel, ImageKind, KernelCache};
@@ -272,7 +273,7 @@ fn every_attention_variant_compiles_without_spills() {
     nvrtc();
     let v1 = all_v1_variants();
     if v1.is_empty() {
-        eprintln!("note: config::all_v1_variants() is empty: no v1 kernel variants defined yet");
+        eprintln!("note: select::all_v1_variants() is empty: no v1 kernel variants defined yet");
     }
     let mut rows = compile_variants("v1", v1);
     // The portable kernel's ALiBi / window / softcap variants (the ALiBi route).

@@ -7,7 +7,8 @@ use crate::runner::gpu::{GpuSession, ReferenceCall};
 use crate::runner::plan_backed::{PlanBacked, PlanCall};
 use crate::runner::{Implementation, Outputs, Prepared, SuiteInputs};
 use anyhow::Context;
-use flashmoe::attention::{config, AttentionRunner};
+use flashmoe::attention::prefill::select;
+use flashmoe::attention::AttentionRunner;
 use flashmoe::gpu::Device;
 use std::rc::Rc;
 
@@ -43,9 +44,9 @@ impl Implementation for GpuAttention {
             return Err("attention kernel".into());
         };
         let variant = match self.kernel {
-            GpuAttentionKernel::V1 => config::select_v1(p),
+            GpuAttentionKernel::V1 => select::select_v1(p),
             GpuAttentionKernel::Sm90 => flashmoe::attention::runner::select_sm90_for_lab(p),
-            GpuAttentionKernel::Reference => config::select_reference(p),
+            GpuAttentionKernel::Reference => select::select_reference(p),
         }
         .map_err(|e| e.to_string())?;
         let arch = self.session.device.arch();
@@ -63,7 +64,7 @@ impl Implementation for GpuAttention {
         };
         let dev = &self.session.device;
         let (variant, what) = match self.kernel {
-            GpuAttentionKernel::V1 => (config::select_v1(p)?, "the v1 kernel"),
+            GpuAttentionKernel::V1 => (select::select_v1(p)?, "the v1 kernel"),
             GpuAttentionKernel::Sm90 => (
                 flashmoe::attention::runner::select_sm90_for_lab(p)?,
                 "the sm_90a kernel",

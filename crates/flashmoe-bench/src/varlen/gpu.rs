@@ -19,7 +19,8 @@ use crate::varlen::VarlenProblem;
 use anyhow::Context;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use flashmoe::attention::decode::RawIndex;
-use flashmoe::attention::{config, varlen, AttentionRunner, VarlenArgs, VarlenPlan};
+use flashmoe::attention::prefill::abi;
+use flashmoe::attention::{varlen, AttentionRunner, VarlenArgs, VarlenPlan};
 use flashmoe::gpu::{Device, DeviceTensor, Workspace};
 use flashmoe::reference::AttentionInputs;
 use flashmoe::DType;
@@ -47,10 +48,10 @@ impl Implementation for GpuVarlen {
             .runs_on(arch)
             .map_err(|why| format!("the varlen kernel {why} (this GPU is sm_{arch})"))?;
         for (what, n) in [("total_q", p.total_q()), ("total_k", p.total_k())] {
-            if n > config::MAX_SEQLEN {
+            if n > abi::MAX_SEQLEN {
                 return Err(format!(
                     "{what} = {n} exceeds the kernel's {}",
-                    config::MAX_SEQLEN
+                    abi::MAX_SEQLEN
                 ));
             }
         }

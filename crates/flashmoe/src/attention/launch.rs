@@ -3,7 +3,8 @@
 //! appended (the ABI in [`super::config`]), and the split-KV plans' kernel load
 //! (`load_split_kernel`).
 
-use super::config::{self, KernelVariant};
+use super::prefill::abi;
+use super::prefill::abi::KernelVariant;
 use crate::error::{Error, Result};
 use crate::gpu::Device;
 use crate::problem::AttentionProblem;
@@ -12,7 +13,7 @@ use cudarc::driver::{CudaFunction, LaunchConfig};
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
 const MAX_GRID: (u64, u64, u64) = ((1 << 31) - 1, 65_535, 65_535);
 
-/// Launch geometry for `problem` with `variant`, per the contract in [`config`]:
+/// Launch geometry for `problem` with `variant`, per the contract in [`abi`]:
 /// grid (ceil(Sq / block_m), Hq, B), block (block_threads, 1, 1), dynamic shared memory.
 pub fn launch_config(problem: &AttentionProblem, variant: &KernelVariant) -> Result<LaunchConfig> {
     let backend = variant.entry;
@@ -75,8 +76,8 @@ pub(crate) unsafe fn launch_with_logits(
     cfg: cudarc::driver::LaunchConfig,
     stream: crate::gpu::raw::RawStream,
     base: &[*mut std::ffi::c_void],
-    m: config::Masking,
-    lp: &config::LogitParams,
+    m: abi::Masking,
+    lp: &abi::LogitParams,
 ) -> Result<()> {
     launch_with_logits_tail(entry, func, cfg, stream, base, m, lp, &[])
 }
@@ -93,8 +94,8 @@ pub(crate) unsafe fn launch_with_logits_tail(
     cfg: cudarc::driver::LaunchConfig,
     stream: crate::gpu::raw::RawStream,
     base: &[*mut std::ffi::c_void],
-    m: config::Masking,
-    lp: &config::LogitParams,
+    m: abi::Masking,
+    lp: &abi::LogitParams,
     tail: &[*mut std::ffi::c_void],
 ) -> Result<()> {
     use crate::gpu::raw::param;
@@ -170,7 +171,7 @@ pub(crate) mod tests {
             block_threads: 128,
             shared_mem_bytes: 64 * 1024,
             min_arch: 80,
-            abi: config::KernelAbi::Pointers,
+            abi: abi::KernelAbi::Pointers,
         }
     }
 

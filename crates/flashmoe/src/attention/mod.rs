@@ -2,7 +2,8 @@
 //! selection, its plan (raw layer over pointers + strides + `CUstream`, and a cudarc
 //! layer) and its GPU tests beside it:
 //!
-//! - prefill: [`prefill`] — [`config`] (kernel variants and selection), [`tma`] (the sm_90a
+//! - prefill: [`prefill`] — `abi`, `tiles`, `select` (kernel variants, tile tables and
+//!   selection), [`tma`] (the sm_90a
 //!   tensor maps), [`plan`] ([`AttentionPlan`], built once per shape class, enqueued on the
 //!   caller's stream over the caller's memory), [`varlen`] ([`VarlenPlan`], packed
 //!   sequences on the sm_90a kernel); re-exported here under their earlier paths;
@@ -28,7 +29,7 @@ pub mod route;
 #[cfg(feature = "lab")]
 pub mod runner;
 
-pub use prefill::{config, plan, tma, varlen};
+pub use prefill::{plan, tma, varlen};
 
 pub use crate::gpu::{RawWorkspace, Workspace};
 pub use launch::{launch_config, softmax_scale_log2};

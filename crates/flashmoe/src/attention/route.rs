@@ -39,8 +39,9 @@
 //! follow a `flash-attn: ` prefix, [`Error::Unsupported`] reasons (backend `"flashmoe"`) are
 //! whole sentences.
 
-use crate::attention::config::{v1_serves, SM90_HEAD_DIMS, V1_HEAD_DIMS_TEXT};
 use crate::attention::decode::{DecodeClass, HEAD_DIMS as DECODE_HEAD_DIMS, MAX_Q_PER_SEQ};
+use crate::attention::prefill::abi::{v1_serves, V1_HEAD_DIMS_TEXT};
+use crate::attention::prefill::tiles::SM90_HEAD_DIMS;
 use crate::attention::AttentionClass;
 use crate::{DType, Error, Result};
 

@@ -3,9 +3,10 @@
 //! [`reference_forward`] calls on [`DeviceTensor`]s, which build a plan and a workspace per
 //! call (convenient, not fast). Behind the `lab` feature: engines use the plans.
 
-use super::config::{self, KernelVariant};
 use super::launch::launch_config;
 use super::plan::{AttentionArgs, AttentionPlan};
+use super::prefill::abi::KernelVariant;
+use super::prefill::{abi, select, tiles};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::{check_len, Device, DeviceTensor, Workspace};
@@ -13,28 +14,28 @@ use crate::problem::AttentionProblem;
 use cudarc::driver::LaunchConfig;
 
 /// The lab's override of the sm_90a tile table for A/B timing of tiles without a rebuild
-/// (format: [`config::parse_sm90_tile_override`]); benchmark manifests record it. Plans
+/// (format: [`tiles::parse_sm90_tile_override`]); benchmark manifests record it. Plans
 /// never read the environment: the lab passes the override to the selection explicitly.
 pub const SM90_TILE_ENV: &str = "FLASHMOE_SM90_TILE";
 
 /// The tiles [`SM90_TILE_ENV`] sets (none when unset); a malformed value is an error, not
 /// a silent fallback to the table.
-pub fn sm90_tile_override() -> Result<Vec<config::Sm90Tile>> {
+pub fn sm90_tile_override() -> Result<Vec<tiles::Sm90Tile>> {
     match std::env::var(SM90_TILE_ENV) {
-        Ok(spec) => config::parse_sm90_tile_override(&spec)
+        Ok(spec) => tiles::parse_sm90_tile_override(&spec)
             .map_err(|e| Error::unsupported("flash-sm90", format!("{SM90_TILE_ENV}: {e}"))),
         Err(_) => Ok(Vec::new()),
     }
 }
 
-/// The kernel [`config::select`] picks for this device, with the lab's tile override.
+/// The kernel [`select::select`] picks for this device, with the lab's tile override.
 pub fn select_for_lab(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
-    config::select_with_tiles(problem, arch, &sm90_tile_override()?)
+    select::select_with_tiles(problem, arch, &sm90_tile_override()?)
 }
 
-/// The sm_90a kernel for `problem` ([`config::select_sm90`]) with the lab's tile override.
+/// The sm_90a kernel for `problem` ([`select::select_sm90`]) with the lab's tile override.
 pub fn select_sm90_for_lab(problem: &AttentionProblem) -> Result<KernelVariant> {
-    config::select_sm90_with_tiles(problem, &sm90_tile_override()?)
+    select::select_sm90_with_tiles(problem, &sm90_tile_override()?)
 }
 
 /// Check buffer lengths against the problem: q/o (B·Sq·Hq·D), k/v (B·Sk·Hkv·D), lse
@@ -147,7 +148,7 @@ fn run_once(
     unsafe { plan.forward_raw(dev.stream().cu_stream(), &args, ws.raw()) }
 }
 
-/// Attention forward with the kernel [`config::select`] picks for this device (the sm_90a
+/// Attention forward with the kernel [`select::select`] picks for this device (the sm_90a
 /// kernel on Hopper where it applies, else v1):
 /// `o = softmax(scale · q kᵀ [+ causal mask]) v` and the natural-log `lse` per query row.
 /// q/k/v/o in the problem's dtype (f16 or bf16), lse in f32, layouts as in
@@ -179,7 +180,7 @@ pub fn reference_forward(
     lse: &mut DeviceTensor,
 ) -> Result<()> {
     check_call(problem, DType::F32, q, k, v, o, lse)?;
-    let variant = config::select_reference(problem)?;
+    let variant = select::select_reference(problem)?;
     run_once(dev, problem, variant, q, k, v, o, lse)
 }
 
@@ -231,7 +232,7 @@ pub struct AttentionRunner {
 
 impl AttentionRunner {
     /// Upload q, k, v (f32 values, rounded to the problem's dtype), allocate poisoned o
-    /// and lse, and build the plan of the kernel [`config::select`] picks for this device.
+    /// and lse, and build the plan of the kernel [`select::select`] picks for this device.
     pub fn new(
         dev: &Device,
         problem: &AttentionProblem,
@@ -245,7 +246,7 @@ impl AttentionRunner {
     }
 
     /// Like [`AttentionRunner::new`] with a given kernel variant (e.g.
-    /// [`config::select_v1`] to run v1 on Hopper).
+    /// [`select::select_v1`] to run v1 on Hopper).
     pub fn with_variant(
         dev: &Device,
         problem: &AttentionProblem,
@@ -296,9 +297,9 @@ impl AttentionRunner {
     pub fn launch_config(&self) -> LaunchConfig {
         let v = self.variant();
         let mut cfg = launch_config(&self.problem, v).expect("checked in with_variant");
-        if let config::KernelAbi::TensorMaps { persistent, .. } = v.abi {
+        if let abi::KernelAbi::TensorMaps { persistent, .. } = v.abi {
             cfg.grid_dim = (
-                config::sm90_grid_x(
+                select::sm90_grid_x(
                     &self.problem,
                     v.block_m,
                     persistent,
@@ -336,7 +337,7 @@ impl AttentionRunner {
     /// and return its (o, lse) in f32.
     pub fn run_reference(&mut self, dev: &Device) -> Result<(Vec<f32>, Vec<f32>)> {
         if self.reference.is_none() {
-            let variant = config::select_reference(&self.problem)?;
+            let variant = select::select_reference(&self.problem)?;
             let kernel = PlannedKernel::new(dev, &self.problem, variant)?;
             let o = DeviceTensor::alloc(dev, DType::F32, self.problem.q_elems())?;
             let lse = DeviceTensor::alloc(dev, DType::F32, self.problem.lse_elems())?;

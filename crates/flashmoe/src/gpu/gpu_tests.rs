@@ -278,7 +278,7 @@ fn attention_v1_matches_gpu_reference() {
             },
         ];
         for p in problems {
-            if let Err(e) = attention::config::select_v1(&p) {
+            if let Err(e) = attention::prefill::select::select_v1(&p) {
                 eprintln!("attention: skipped {p}: {e}");
                 continue;
             }
@@ -288,8 +288,8 @@ fn attention_v1_matches_gpu_reference() {
                 test_values(p.kv_elems(), 3),
             );
             // The kernel this device selects (sm_90a on Hopper) and v1.
-            let mut variants = vec![attention::config::select(&p, dev.arch()).unwrap()];
-            let v1 = attention::config::select_v1(&p).unwrap();
+            let mut variants = vec![attention::prefill::select::select(&p, dev.arch()).unwrap()];
+            let v1 = attention::prefill::select::select_v1(&p).unwrap();
             if variants[0] != v1 {
                 variants.push(v1);
             }
@@ -349,10 +349,10 @@ fn attention_sm90_rescale_paths_match_reference() {
             AttentionProblem::new(1, 2, 2048, 64, false, DType::F16),
         ];
         for p in problems {
-            let Ok(table) = attention::config::select(&p, dev.arch()) else {
+            let Ok(table) = attention::prefill::select::select(&p, dev.arch()) else {
                 continue;
             };
-            if table.entry != attention::config::SM90_ENTRY {
+            if table.entry != attention::prefill::abi::SM90_ENTRY {
                 eprintln!("attention sm90 rescale: skipped (not an sm_90a device)");
                 return;
             }
@@ -386,7 +386,8 @@ fn attention_sm90_rescale_paths_match_reference() {
                     all - first_tile
                 );
             }
-            let mut tile = attention::config::sm90_tile(p.head_dim).expect("an sm_90a head dim");
+            let mut tile =
+                attention::prefill::tiles::sm90_tile(p.head_dim).expect("an sm_90a head dim");
             // The lazy rescale (the kernel's only one), with Q from shared memory and from
             // registers where the tile allows it.
             for q_regs in [false, true] {
@@ -394,10 +395,10 @@ fn attention_sm90_rescale_paths_match_reference() {
                 if tile.check().is_err() {
                     continue;
                 }
-                let variant = attention::config::sm90_variant_for(
+                let variant = attention::prefill::select::sm90_variant_for(
                     &tile,
                     p.dtype,
-                    attention::config::Masking::of(&p),
+                    attention::prefill::abi::Masking::of(&p),
                 )
                 .unwrap();
                 let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();

@@ -1,7 +1,7 @@
 // flashmoe — FlashAttention-2 forward, portable path (sm_80 and newer, mma.sync).
 //
 // Compiled at run time by NVRTC; self-contained (no CUDA headers). One source, specialised
-// by preprocessor defines (see crates/flashmoe/src/attention/prefill/config.rs, which owns the
+// by preprocessor defines (see crates/flashmoe/src/attention/prefill/tiles.rs, which owns the
 // table of variants and must agree with the constants below):
 //
 //   FM_HEAD_DIM    head dim D: a multiple of 8, at most 256. The MMAs run over DP = D rounded

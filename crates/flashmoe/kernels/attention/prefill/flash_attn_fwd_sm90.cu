@@ -2,7 +2,7 @@
 // shared-memory ring, warpgroup MMAs (wgmma) with fp32 accumulators, warp specialisation.
 //
 // Compiled at run time by NVRTC for sm_90a only, specialised by defines (listed in
-// fm90_config.cuh; the table of variants is crates/flashmoe/src/attention/prefill/config.rs,
+// fm90_config.cuh; the table of variants is crates/flashmoe/src/attention/prefill/tiles.rs,
 // `sm90_tile`). This file only wires the roles together: it sets up the barriers, splits
 // the registers, and runs the producer loop (warpgroup 0) and the consumer loop (the
 // others). The roles live in headers over the generic primitives of fm_sm90.cuh, the way

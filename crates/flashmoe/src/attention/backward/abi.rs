@@ -1,7 +1,7 @@
 //! The backward kernels' ABI: their sources and entry points, and the portable kernels'
 //! argument list ([`PortableBwdLaunch`]), declared once for the dense and varlen plans.
 
-use crate::attention::config::LogitParams;
+use crate::attention::prefill::abi::LogitParams;
 use crate::error::Result;
 use crate::gpu::raw::{launch, param, RawStream};
 use cudarc::driver::{CudaFunction, LaunchConfig};

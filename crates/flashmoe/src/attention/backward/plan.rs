@@ -10,8 +10,8 @@ use super::tiles::{
     bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq,
     BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
 };
-use crate::attention::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::attention::plan::{AttentionClass, CallShape};
+use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{launch, param, RawStream, RawTensor, RawWorkspace};

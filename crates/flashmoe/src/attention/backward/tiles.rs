@@ -2,8 +2,8 @@
 //! ([`BwdKernel`], [`Sm90Dq`]), the tiles of the portable and sm_90a kernels and the NVRTC
 //! defines each tile compiles with.
 
-use crate::attention::config::Masking;
 use crate::attention::plan::AttentionClass;
+use crate::attention::prefill::abi::Masking;
 use crate::dtype::DType;
 
 /// Head dims the backward kernels serve.
@@ -170,8 +170,8 @@ impl Sm90BwdTile {
             && (!self.dq.fused()
                 || self.kv_block_m == 64
                 || (self.head_dim == 64 && self.dq == Sm90Dq::Atomic))
-            && self.kv_smem_bytes() <= crate::attention::config::MAX_SMEM_SM90
-            && self.q_smem_bytes() <= crate::attention::config::MAX_SMEM_SM90
+            && self.kv_smem_bytes() <= crate::attention::prefill::abi::MAX_SMEM_SM90
+            && self.q_smem_bytes() <= crate::attention::prefill::abi::MAX_SMEM_SM90
     }
     /// Keys per dK/dV CTA.
     pub fn kv_block_n(&self) -> u32 {
@@ -348,11 +348,11 @@ mod tests {
         for &d in &BWD_HEAD_DIMS {
             let t = BwdTile::for_head_dim(d).unwrap();
             assert!(
-                t.kv_smem_bytes() <= crate::attention::config::MAX_SMEM_SM80,
+                t.kv_smem_bytes() <= crate::attention::prefill::abi::MAX_SMEM_SM80,
                 "{t:?}"
             );
             assert!(
-                t.q_smem_bytes() <= crate::attention::config::MAX_SMEM_SM80,
+                t.q_smem_bytes() <= crate::attention::prefill::abi::MAX_SMEM_SM80,
                 "{t:?}"
             );
             assert_eq!(t.kv_block_m % 16, 0);

@@ -27,8 +27,8 @@ use super::abi::{
     PREPROCESS_ROWS,
 };
 use super::tiles::{bwd_defines, BwdTile, BWD_HEAD_DIMS};
-use crate::attention::config::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::attention::plan::AttentionClass;
+use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::attention::varlen::VarlenShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -2,9 +2,9 @@
 //! ([`AppendArgs`]; raw layer [`DecodePlan::append_kv_raw`], cudarc layer
 //! [`DecodePlan::append_kv`]).
 
+use super::abi::{AppendParams, APPEND_ENTRY};
 use super::args::{check_cache, check_strides_16b};
 use super::class::DecodeClass;
-use super::config::{AppendParams, APPEND_ENTRY};
 use super::plan::DecodePlan;
 use crate::attention::plan::Bshd;
 use crate::error::{Error, Result};

@@ -1,8 +1,8 @@
 //! A decode call's tensors ([`DecodeArgs`]) and its O(1) checks, which give the checked
 //! shape of the launch ([`DecodeShape`]).
 
+use super::abi::{DecodeKernel, DECODE_ENTRY, MAX_SPLIT_GROUPS};
 use super::class::DecodeClass;
-use super::config::{DecodeKernel, DECODE_ENTRY, MAX_SPLIT_GROUPS};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{RawIndex, RawTensor};

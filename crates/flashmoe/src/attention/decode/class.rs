@@ -1,7 +1,7 @@
 //! What a decode plan is built for ([`DecodeClass`]): its validation and the byte and FLOP
 //! models of a step.
 
-use super::config::{HEAD_DIMS, MAX_Q_PER_SEQ};
+use super::abi::{HEAD_DIMS, MAX_Q_PER_SEQ};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 

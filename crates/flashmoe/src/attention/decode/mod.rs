@@ -45,38 +45,38 @@
 //!
 //! One file per responsibility, arrows only downward (each file imports only the ones
 //! above it):
-//! - `config.rs`: the kernel ABI of `kernels/attention/decode/decode_paged.cu` (entry names, launch
+//! - `abi.rs`: the kernel ABI of `kernels/attention/decode/decode_paged.cu` (entry names, launch
 //!   constants and limits, the defines of a build, the parameter blocks of both entries);
 //! - `class.rs`: [`DecodeClass`] (validation, the byte and FLOP models);
-//! - `heuristics.rs`: the kernel build of a class (tile rows, stages), the variant table
+//! - `select.rs`: the kernel build of a class (tile rows, stages), the variant table
 //!   ([`all_decode_kernels`]) and the KV split count ([`split_heuristic`]);
 //! - `args.rs`: a call's tensors ([`DecodeArgs`]) and its O(1) checks ([`DecodeShape`]);
 //! - `plan.rs`: [`DecodePlan`]: build, splits and workspace, the forward's raw layer
 //!   ([`DecodePlan::forward_raw`]) and cudarc layer ([`DecodePlan::forward`]);
 //! - `append.rs`: the KV append ([`AppendArgs`], [`DecodePlan::append_kv_raw`],
 //!   [`DecodePlan::append_kv`]);
-//! - `decode_gpu_tests.rs` (lab): the GPU tests against the f64 reference.
+//! - `gpu_tests.rs` (lab): the GPU tests against the f64 reference.
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
+mod abi;
 mod append;
 mod args;
 mod class;
-mod config;
 #[cfg(all(test, feature = "lab"))]
-mod decode_gpu_tests;
-mod heuristics;
+mod gpu_tests;
 mod plan;
+mod select;
 
 pub use crate::gpu::raw::RawIndex;
 pub use crate::gpu::RawWorkspace;
-pub use append::AppendArgs;
-pub use args::{identity_block_table, DecodeArgs, DecodeShape};
-pub use class::DecodeClass;
-pub use config::{
+pub use abi::{
     DecodeKernel, APPEND_ENTRY, BLOCK_N, DECODE_ENTRY, DECODE_SOURCE, HEAD_DIMS, MAX_Q_PER_SEQ,
     MAX_SPLITS, MAX_SPLIT_GROUPS, MIN_KEYS_PER_SPLIT, THREADS,
 };
-pub use heuristics::{all_decode_kernels, split_heuristic};
+pub use append::AppendArgs;
+pub use args::{identity_block_table, DecodeArgs, DecodeShape};
+pub use class::DecodeClass;
 pub use plan::DecodePlan;
+pub use select::{all_decode_kernels, split_heuristic};

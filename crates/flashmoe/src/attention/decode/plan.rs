@@ -2,13 +2,13 @@
 //! workspace of a call, and the forward's two layers: [`DecodePlan::forward_raw`] (pointers,
 //! strides and a `CUstream`) and [`DecodePlan::forward`] (cudarc buffers).
 
-use super::args::{check_call, DecodeArgs, DecodeShape};
-use super::class::DecodeClass;
-use super::config::{
+use super::abi::{
     DecodeKernel, DecodeParams, APPEND_ENTRY, BLOCK_N, DECODE_ENTRY, DECODE_SOURCE, MAX_SPLITS,
     THREADS, TICKET_BYTES,
 };
-use super::heuristics::split_heuristic;
+use super::args::{check_call, DecodeArgs, DecodeShape};
+use super::class::DecodeClass;
+use super::select::split_heuristic;
 use crate::attention::launch::load_split_kernel;
 use crate::attention::plan::Bshd;
 use crate::dtype::DType;

@@ -84,14 +84,14 @@ fn class(c: &Case) -> AttentionClass {
 fn run_case(dev: &Device, case: Case, seed: u64) {
     let s = dev.stream();
     let c = class(&case);
-    let v = super::config::select_v1_alibi(&c.problem(1, 1, 1)).unwrap();
+    let v = super::select::select_v1_alibi(&c.problem(1, 1, 1)).unwrap();
     if let Err(why) = v.runs_on(dev.arch()) {
         eprintln!("{case:?}: skipped on this GPU ({why})");
         return;
     }
     let plan = AttentionPlan::new_alibi(dev, c).unwrap();
     assert!(plan.alibi());
-    assert_eq!(plan.variant().entry, super::config::FLASH_ENTRY);
+    assert_eq!(plan.variant().entry, super::abi::FLASH_ENTRY);
     let ws = plan.alloc_workspace(s).unwrap();
     let (b, sq, sk) = (case.b, case.sq, case.sk);
     let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);

@@ -29,8 +29,9 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
+use super::abi::{KernelAbi, KernelVariant, LogitParams, Masking};
 use super::tma;
+use super::{abi, select};
 use crate::attention::launch::{launch_with_logits, launch_with_logits_tail};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -241,13 +242,13 @@ impl std::fmt::Debug for AttentionPlan {
 }
 
 impl AttentionPlan {
-    /// Resolve the kernel [`config::select`] picks for `class` on `dev` (the sm_90a kernel
+    /// Resolve the kernel [`select::select`] picks for `class` on `dev` (the sm_90a kernel
     /// on Hopper for head dims 64 and 128, else the portable one), compile or load it and
     /// set its shared-memory limit.
     pub fn new(dev: &Device, class: AttentionClass) -> Result<AttentionPlan> {
         let problem = class.problem(1, 1, 1);
         problem.validate()?;
-        let variant = config::select(&problem, dev.arch())?;
+        let variant = select::select(&problem, dev.arch())?;
         Self::with_variant(dev, class, variant)
     }
 
@@ -258,7 +259,7 @@ impl AttentionPlan {
     pub fn new_alibi(dev: &Device, class: AttentionClass) -> Result<AttentionPlan> {
         let problem = class.problem(1, 1, 1);
         problem.validate()?;
-        let variant = config::select_v1_alibi(&problem)?;
+        let variant = select::select_v1_alibi(&problem)?;
         Self::with_variant(dev, class, variant)
     }
 
@@ -370,7 +371,7 @@ impl AttentionPlan {
     }
     /// Element type of o: the class's dtype, or f32 for the reference kernel.
     pub fn out_dtype(&self) -> DType {
-        if self.variant.entry == config::REFERENCE_ENTRY {
+        if self.variant.entry == abi::REFERENCE_ENTRY {
             DType::F32
         } else {
             self.class.dtype
@@ -409,7 +410,7 @@ impl AttentionPlan {
                 a.o.shape()
             )));
         }
-        let portable = self.variant.entry == config::FLASH_ENTRY;
+        let portable = self.variant.entry == abi::FLASH_ENTRY;
         if portable {
             a.o.expect("o", self.out_dtype(), &[b, sq, hq, d], 16)?;
         } else {
@@ -418,10 +419,10 @@ impl AttentionPlan {
         a.lse
             .expect_contiguous("lse", DType::F32, &[b, hq, sq], 4)?;
         for (what, value) in [("seqlen_q", sq), ("seqlen_k", sk)] {
-            if value > config::MAX_SEQLEN {
+            if value > abi::MAX_SEQLEN {
                 return Err(Error::unsupported(
                     self.variant.entry,
-                    format!("{what} = {value} exceeds {}", config::MAX_SEQLEN),
+                    format!("{what} = {value} exceeds {}", abi::MAX_SEQLEN),
                 ));
             }
         }
@@ -446,7 +447,7 @@ impl AttentionPlan {
                 }
             }
             KernelAbi::TensorMaps { .. } => {
-                let tiles = config::sm90_work_tiles(&c.problem(b, sq, sk), self.variant.block_m);
+                let tiles = select::sm90_work_tiles(&c.problem(b, sq, sk), self.variant.block_m);
                 if 2 * tiles > i32::MAX as u64 {
                     return Err(Error::unsupported(
                         self.variant.entry,
@@ -525,7 +526,7 @@ impl AttentionPlan {
                 ];
                 // The portable kernel ends with the ALiBi slopes (FM_ALIBI) and the strides;
                 // the reference kernel has neither.
-                let strides = if self.variant.entry == config::FLASH_ENTRY {
+                let strides = if self.variant.entry == abi::FLASH_ENTRY {
                     Some(V1Strides {
                         q: v1_strides("q", &a.q)?,
                         k: v1_strides("k", &a.k)?,
@@ -577,7 +578,7 @@ impl AttentionPlan {
                 ];
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        config::sm90_grid_x(&problem, bm, persistent, self.sm_count),
+                        select::sm90_grid_x(&problem, bm, persistent, self.sm_count),
                         1,
                         1,
                     ),

@@ -6,7 +6,7 @@
 //! parameters. [`bshd_tile_params`] is the pure part (dims,
 //! strides, box; unit-tested without a GPU); [`encode`] calls the driver.
 //!
-//! Layout (the v1 contract, config.rs): a (batch, seq, heads, head_dim) contiguous tensor of
+//! Layout (the v1 contract, abi.rs): a (batch, seq, heads, head_dim) contiguous tensor of
 //! 16-bit elements is described innermost first as (head_dim, heads, seq, batch). The box
 //! is (64, 1, rows, 1): 64 elements = one 128-byte row of the 128B swizzle, one head, `rows`
 //! sequence positions. Rows past `seq` are out of bounds of their own batch and are written

@@ -6,8 +6,8 @@
 //! "skipped: no GPU" and passes on a machine without one.
 
 use super::alibi_gpu_tests::{compare, poisoned};
-use super::config;
 use super::plan::{AttentionArgs, AttentionClass, AttentionPlan};
+use super::{abi, select};
 use crate::dtype::DType;
 use crate::gpu::test_support::{fresh_seed, with_gpu};
 use crate::gpu::{Device, RawTensor};
@@ -138,13 +138,13 @@ fn v1_head_dims_match_f64_reference() {
         {
             for causal in [false, true] {
                 let c = class(d, causal);
-                let v = config::select_v1(&c.problem(1, 1, 1)).unwrap();
+                let v = select::select_v1(&c.problem(1, 1, 1)).unwrap();
                 if let Err(why) = v.runs_on(dev.arch()) {
                     eprintln!("D={d}: skipped on this GPU ({why})");
                     continue;
                 }
                 let plan = AttentionPlan::with_variant(dev, c, v).unwrap();
-                assert_eq!(plan.variant().entry, config::FLASH_ENTRY);
+                assert_eq!(plan.variant().entry, abi::FLASH_ENTRY);
                 for (j, shape) in [(2, 131, 257), (1, 300, 77)].into_iter().enumerate() {
                     run(dev, &plan, shape, false, seed + (i * 10 + j) as u64);
                 }
@@ -162,7 +162,7 @@ fn v1_strided_views_match_f64_reference() {
         for (i, d) in [40, 64, 128, 192].into_iter().enumerate() {
             for causal in [false, true] {
                 let c = class(d, causal);
-                let v = config::select_v1(&c.problem(1, 1, 1)).unwrap();
+                let v = select::select_v1(&c.problem(1, 1, 1)).unwrap();
                 if let Err(why) = v.runs_on(dev.arch()) {
                     eprintln!("D={d}: skipped on this GPU ({why})");
                     continue;
@@ -197,7 +197,7 @@ fn v1_windows_and_softcap_match_f64_reference() {
                     softcap,
                     ..class(d, causal)
                 };
-                let v = config::select_v1(&c.problem(1, 1, 1)).unwrap();
+                let v = select::select_v1(&c.problem(1, 1, 1)).unwrap();
                 if let Err(why) = v.runs_on(dev.arch()) {
                     eprintln!("D={d}: skipped on this GPU ({why})");
                     continue;
@@ -219,7 +219,7 @@ fn v1_windows_and_softcap_match_f64_reference() {
             ..class(96, true)
         };
         let plan = AttentionPlan::new(dev, c).unwrap();
-        assert_eq!(plan.variant().entry, config::FLASH_ENTRY);
+        assert_eq!(plan.variant().entry, abi::FLASH_ENTRY);
         run(dev, &plan, (2, 257, 257), false, seed + 7);
         eprintln!("v1-masks: {} calls passed", n + 1);
     });

@@ -20,7 +20,8 @@
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
-use super::config::{self, KernelAbi, KernelVariant, LogitParams, Masking};
+use super::abi::{KernelAbi, KernelVariant, LogitParams, Masking};
+use super::{abi, select, tiles};
 
 use super::plan::AttentionClass;
 use super::tma;
@@ -87,21 +88,17 @@ impl std::fmt::Debug for VarlenPlan {
 pub fn varlen_variant(class: &AttentionClass) -> Result<KernelVariant> {
     let problem = class.problem(1, 1, 1);
     problem.validate()?;
-    let tile = config::sm90_tile(class.head_dim).ok_or_else(|| {
+    let tile = tiles::sm90_tile(class.head_dim).ok_or_else(|| {
         Error::unsupported(
             "flash-sm90-varlen",
             format!(
                 "head dim {} (varlen prefill runs on the sm_90a kernel: head dims {:?})",
                 class.head_dim,
-                config::SM90_HEAD_DIMS
+                tiles::SM90_HEAD_DIMS
             ),
         )
     })?;
-    config::sm90_variant_for(
-        &tile.for_varlen(),
-        class.dtype,
-        config::Masking::of(&problem),
-    )
+    select::sm90_variant_for(&tile.for_varlen(), class.dtype, abi::Masking::of(&problem))
 }
 
 /// Work tiles a launch may have at most: no sequence has more query blocks than the
@@ -178,10 +175,10 @@ fn check_maps(
         }
     }
     for (what, value) in [("total_q", tq), ("total_k", tk), ("batch + 1", rows)] {
-        if value > config::MAX_SEQLEN {
+        if value > abi::MAX_SEQLEN {
             return Err(Error::unsupported(
                 "flash-sm90-varlen",
-                format!("{what} = {value} exceeds {}", config::MAX_SEQLEN),
+                format!("{what} = {value} exceeds {}", abi::MAX_SEQLEN),
             ));
         }
     }
@@ -457,11 +454,11 @@ mod tests {
         for d in [64, 128] {
             for causal in [false, true] {
                 let v = varlen_variant(&class(d, causal)).unwrap();
-                assert_eq!(v.entry, config::SM90_ENTRY);
+                assert_eq!(v.entry, abi::SM90_ENTRY);
                 assert!(v
                     .defines
                     .contains(&("FM_VARLEN".to_string(), "1".to_string())));
-                let tile = config::sm90_tile(d).unwrap().for_varlen();
+                let tile = tiles::sm90_tile(d).unwrap().for_varlen();
                 assert_eq!(v.shared_mem_bytes, tile.shared_mem_bytes());
                 // No split of the last wave: the workspace is the dispenser alone.
                 assert_eq!(

@@ -14,7 +14,7 @@
 //! over D instead of D_qk).
 
 use super::{default_scale, BACKEND};
-use crate::attention::config::{v1_serves, V1_HEAD_DIMS_TEXT};
+use crate::attention::prefill::abi::{v1_serves, V1_HEAD_DIMS_TEXT};
 use crate::{Error, Result};
 
 /// How a call of query/key head dim `head_dim_qk` and value head dim `head_dim_v` runs on

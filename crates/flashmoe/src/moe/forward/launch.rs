@@ -64,7 +64,7 @@ pub fn gemm_launch_config(
 }
 
 /// Launch geometry of every kernel of [`select::select`] (same order) for `p`, per the
-/// contract in [`config`].
+/// contract in [`super::abi`].
 pub fn launch_configs(p: &MoeProblem, kernels: &[MoeKernel]) -> Result<Vec<LaunchConfig>> {
     if kernels.len() != 7 {
         select::check_limits(p)?;

@@ -1,6 +1,6 @@
 //! The kernel ABI of `kernels/attention/decode/decode_paged.cu`: its entries, launch constants and limits,
 //! the defines of one build ([`DecodeKernel`]) and the parameter blocks of the two entries
-//! (byte for byte the .cu's structs). Which build a class gets is in `heuristics.rs`.
+//! (byte for byte the .cu's structs). Which build a class gets is in `select.rs`.
 
 /// Kernel source of the two entries.
 pub const DECODE_SOURCE: &str = "decode_paged.cu";

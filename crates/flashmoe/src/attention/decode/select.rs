@@ -1,8 +1,8 @@
 //! Selection: the kernel build (rows per CTA, pipeline stages) of a class, every build a
 //! class can select, and the KV split count of a call.
 
+use super::abi::{DecodeKernel, BLOCK_N, HEAD_DIMS, MAX_SPLITS, MIN_KEYS_PER_SPLIT};
 use super::class::DecodeClass;
-use super::config::{DecodeKernel, BLOCK_N, HEAD_DIMS, MAX_SPLITS, MIN_KEYS_PER_SPLIT};
 use crate::dtype::DType;
 
 impl DecodeKernel {
