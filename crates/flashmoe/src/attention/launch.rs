@@ -1,6 +1,6 @@
 //! Launch helpers shared by the attention plans: the grid of the portable kernels, the
 //! kernels' log2-unit softmax scale, one launch with the window / softcap parameters
-//! appended (the ABI in [`super::config`]), and the split-KV plans' kernel load
+//! appended (the ABI in [`super::prefill::abi`]), and the split-KV plans' kernel load
 //! (`load_split_kernel`).
 
 use super::prefill::abi;

@@ -16,7 +16,7 @@
 //! (batch, seq, head) of each in `strides` (twelve i64 by value, multiples of 8; the
 //! last dimension contiguous); lse is (batch, heads_q, seqlen_q) f32 contiguous, natural
 //! log; softmax_scale_log2 = scale·log2(e). The bracketed parameters exist with
-//! FM_WINDOW, FM_SOFTCAP and FM_ALIBI (the ALiBi route, [`select_v1_alibi`]). The
+//! FM_WINDOW, FM_SOFTCAP and FM_ALIBI (the ALiBi route, [`select_v1_alibi`](super::select::select_v1_alibi)). The
 //! reference kernel below takes the list up to the softcap (no ALiBi, no strides:
 //! contiguous tensors).
 //! Grid: (ceil(seqlen_q / block_m), heads_q, batch); block: (block_threads, 1, 1);
@@ -33,9 +33,9 @@
 //! by value (see [`super::tma`]; o's box is 16 rows, one consumer warp's TMA store),
 //! followed by o's address (`u16* o`, for the head dims whose epilogue stores O itself),
 //! and an `int batch` follows `softmax_scale_log2`; the grid is
-//! 1-D over work tiles ([`sm90_grid_x`]) and the block is 128·(consumers + 1) threads with
-//! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`] picks it on compute
-//! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`], v1 everywhere else.
+//! 1-D over work tiles ([`sm90_grid_x`](super::select::sm90_grid_x)) and the block is 128·(consumers + 1) threads with
+//! block_m = 64·consumers ([`KernelAbi::TensorMaps`]). [`select`](super::select::select) picks it on compute
+//! capability 9.0 for the head dims in [`SM90_HEAD_DIMS`](super::tiles::SM90_HEAD_DIMS), v1 everywhere else.
 //!
 //! `kernels/reference/attention_reference.cu`, entry `attention_reference` (extern "C"): the simple
 //! fp32-accumulation GPU reference used by `check` for shapes too large for the CPU,
@@ -74,9 +74,9 @@ pub enum KernelAbi {
     Pointers,
     /// `(FmTensorMap tm_q, tm_k, tm_v, ..., float scale_log2, int batch)`, tensor maps by
     /// value (see [`super::tma`]) with q/k boxes of `block_m` / `block_n` rows, and a 1-D
-    /// grid over work tiles ([`sm90_grid_x`]; `persistent`: at most one CTA per SM).
+    /// grid over work tiles ([`sm90_grid_x`](super::select::sm90_grid_x); `persistent`: at most one CTA per SM).
     /// Compiled for sm_90a: runs on compute capability 9.0 only. Its last parameter is a
-    /// zeroed global-memory workspace of `workspace_bytes` ([`Sm90Tile::workspace_bytes`]).
+    /// zeroed global-memory workspace of `workspace_bytes` ([`Sm90Tile::workspace_bytes`](super::tiles::Sm90Tile::workspace_bytes)).
     TensorMaps {
         block_n: u32,
         persistent: bool,
@@ -185,7 +185,7 @@ pub const FLASH_ENTRY: &str = "flash_attn_fwd";
 pub const REFERENCE_SOURCE: &str = "attention_reference.cu";
 pub const REFERENCE_ENTRY: &str = "attention_reference";
 
-/// Head dims of the v1 kernel's tile table (one tuned configuration each, see [`v1_tile`]).
+/// Head dims of the v1 kernel's tile table (one tuned configuration each, see [`v1_tile`](super::tiles::v1_tile)).
 /// The kernel serves every multiple of 8 up to 256 ([`v1_serves`]): other head dims take
 /// the tile of the next table entry.
 pub const V1_HEAD_DIMS: [usize; 5] = [32, 64, 96, 128, 256];

@@ -322,7 +322,7 @@ impl Sm90Tile {
 /// `"D:BN,STAGES,CONSUMERS,PINGPONG[,qregs=0|1][;D:...]"`, e.g. `128:128,2,2,1` or
 /// `64:128,2,2,0,qregs=1`: the values the table sets per head dim. `qregs` (Q in
 /// registers) defaults to 0. Head dims it does not name keep the table's tile (see
-/// [`select_with_tiles`]). Errors name the bad part.
+/// [`select_with_tiles`](super::select::select_with_tiles)). Errors name the bad part.
 pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>, String> {
     let mut tiles = Vec::new();
     for entry in spec.split(';').map(str::trim).filter(|e| !e.is_empty()) {

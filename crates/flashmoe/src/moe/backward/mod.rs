@@ -22,7 +22,7 @@
 //! # What the forward must keep (inputs of [`MoeBwdArgs`])
 //! - x `[T, H]`, router `[H, E]`, w13 `[E, H, 2I]`, w2 `[E, I, H]` (+ shared_w13 `[H, 2I]`,
 //!   shared_w2 `[I, H]`), all in the class's 16-bit dtype, the layouts of
-//!   [`super::plan`];
+//!   [`crate::moe::forward::plan`];
 //! - the routing outputs: topk_ids `[T·k]` u32, topk_w `[T, k]` f32, counts `[E]` u32;
 //! - from the forward's workspace (regions of [`WorkspaceLayout`](crate::moe::WorkspaceLayout)): the router logits
 //!   `[T, E]` f32, the expert offsets `[E + 1]` u32, row_token `[R]` u32 and slot_row

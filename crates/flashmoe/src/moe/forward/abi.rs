@@ -16,7 +16,7 @@
 //!    const u16* router, float* logits, int tokens, int hidden, int experts). Defines
 //!    FM_DTYPE_BF16. Block 256 threads = (256 / EPAD) token groups × EPAD experts
 //!    (EPAD = E rounded up to 32), 4 tokens per thread: grid.x = ceil(T / (4·256/EPAD)).
-//!    Few tokens (that grid below [`SMALL_LOGITS_MAX_TILED_BLOCKS`] blocks):
+//!    Few tokens (that grid below [`SMALL_LOGITS_MAX_TILED_BLOCKS`](super::select::SMALL_LOGITS_MAX_TILED_BLOCKS) blocks):
 //!    `moe_router_logits_small` instead, same parameters and the same fmaf chain (so
 //!    bit-identical logits), one thread per (t, e): grid.x = ceil(T·E / 256).
 //! 2. `moe_router_topk` (moe_router.cu): per token, scores = softmax(logits) or
@@ -47,7 +47,7 @@
 //!    `moe_router_losses` (moe_router.cu: (const u32* counts, const float* prob_sum,
 //!    const float* lse_sq_sum, float* losses, int tokens, int experts, int top_k), one
 //!    block of [`LOSSES_THREADS`] threads), the same code and bits. Not among
-//!    [`select`]'s seven (it has no variants): [`losses_kernel`]. The lab's check also
+//!    [`select`](super::select::select)'s seven (it has no variants): [`losses_kernel`](super::select::losses_kernel). The lab's check also
 //!    finishes them on the host in f64 from the same arrays (`MoeRunner::gpu_routing`).
 //! 4. `moe_permute` (kernels/moe/forward/moe_permute.cu): offsets [E + 1] u32 = exclusive scan of
 //!    counts (single block); row_token [T·k] u32 and row_slot [T·k] u32: for permuted row r

@@ -51,7 +51,7 @@
 //! every T (the offsets of the one-group GEMMs: router logits and shared expert), so that
 //! a call writes no host data to the device.
 //!
-//! Determinism: every reduction has a fixed order (contract in [`abi`](super::super::abi)); the same
+//! Determinism: every reduction has a fixed order (contract in [`abi`](crate::moe::forward::abi)); the same
 //! inputs give bit-identical outputs on every call, stream and graph replay.
 
 //!
