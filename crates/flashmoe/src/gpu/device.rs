@@ -440,6 +440,13 @@ fn _assert_send_sync() {
     f::<Device>();
 }
 
+/// The raw-layer plan calls' first step: make `ctx`, the plan's CUDA context, current on
+/// this thread (the caller's stream and every launch belong to it).
+pub(crate) fn bind_context(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+}
+
 /// The cudarc-level plan calls' first check: `stream` belongs to `ctx`, the CUDA context the
 /// plan was built in (a kernel of one context cannot be launched on another's stream).
 pub(crate) fn check_stream_context(stream: &CudaStream, ctx: &CudaContext) -> Result<()> {

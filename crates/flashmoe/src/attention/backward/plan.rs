@@ -347,9 +347,7 @@ impl AttentionBackwardPlan {
         let (b, sq, sk) = (shape.batch, shape.seqlen_q, shape.seqlen_k);
         let hq = self.class.heads_q;
         workspace.check(self.workspace_bytes(b, sq), 16, "AttentionBackwardPlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let lse2 = workspace.ptr;
         let delta = workspace.ptr + region_bytes(b, hq, sq) as u64;
         let (sq_i, sk_i, hq_i, hkv_i) =

@@ -289,9 +289,7 @@ impl VarlenBackwardPlan {
         let (b, tq, tk) = (shape.batch, shape.total_q, shape.total_k);
         let hq = self.class.heads_q;
         workspace.check(self.workspace_bytes(tq), 16, "VarlenBackwardPlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let lse2 = workspace.ptr;
         let delta = workspace.ptr + region_bytes(hq, tq) as u64;
         let (tq_i, tk_i, hq_i, hkv_i) =

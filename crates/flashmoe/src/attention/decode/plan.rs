@@ -262,9 +262,7 @@ impl DecodePlan {
         let c = &self.class;
         let (o_off, lse_off, need) = Self::partial_bytes(c, s.splits, s.total_q);
         workspace.check(need, 16, "DecodePlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let scale = c.scale();
         let (scale_log2, softcap_log2) = if c.softcap > 0.0 {
             (scale / c.softcap, c.softcap * std::f32::consts::LOG2_E)

@@ -184,9 +184,7 @@ impl MlaDecodePlan {
         let rows = s.batch * s.seqlen_q * c.heads_q;
         let (lse_off, need) = partial_bytes(s.splits, rows);
         workspace.check(need, 16, "MlaDecodePlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let st = |t: &RawTensor, i: usize| t.strides[i] as i64;
         let split = need > 0;
         let (o_part, lse_part) = if split {

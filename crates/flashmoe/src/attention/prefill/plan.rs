@@ -495,9 +495,7 @@ impl AttentionPlan {
         let alibi_stride = self.check_alibi(alibi_slopes, shape.batch)?;
         let alibi_ptr = alibi_slopes.map_or(0, |s| s.ptr);
         workspace.check(self.workspace_bytes(), 16, "AttentionPlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let problem = self
             .class
             .problem(shape.batch, shape.seqlen_q, shape.seqlen_k);

@@ -288,9 +288,7 @@ impl VarlenPlan {
     ) -> Result<()> {
         let (shape, [pq, pk, pv]) = check_maps(&self.class, &self.variant, a)?;
         workspace.check(self.workspace_bytes(), 16, "VarlenPlan")?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let dt = self.class.dtype;
         let mq = tma::encode("q", &pq, dt, a.q.ptr)?;
         let maps = [

@@ -252,9 +252,7 @@ impl MoeBackwardPlan {
         let t = self.check(a)?;
         let ws = self.workspace_layout_for(t, a.saved_gate_up.is_some())?;
         workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, PLAN)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let sm90 = self.uses_sm90(t);
         backward_steps(
             &self.class,
@@ -286,9 +284,7 @@ impl MoeBackwardPlan {
         let t = self.check(a)?;
         let ws = self.workspace_layout_for(t, a.saved_gate_up.is_some())?;
         workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, PLAN)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let mut n = 0;
         let sm90 = self.uses_sm90(t);
         backward_steps(

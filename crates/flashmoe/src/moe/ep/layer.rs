@@ -229,9 +229,7 @@ impl ExpertParallelMoe {
                 placement.max_local()
             )));
         }
-        dev.context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(dev.context())?;
         let route = MoePlan::with_gemm_path(dev, class, 1, Some("sm90"))?;
         let local = placement.local(rank);
         let own_rows = class.max_tokens * class.top_k;
@@ -305,9 +303,7 @@ impl ExpertParallelMoe {
     /// The contract of [`MoePlan::forward_raw`] for `a` (the layer's own scratch memory
     /// replaces the workspace) and `stream`.
     pub unsafe fn forward_raw(&mut self, stream: RawStream, a: &MoeArgs) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         if self.comm.as_ref().is_some_and(|c| c.is_aborted()) {
             return Err(Error::invalid(
                 "the communicator was aborted after an earlier error: build a new layer",

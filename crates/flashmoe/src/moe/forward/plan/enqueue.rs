@@ -87,9 +87,7 @@ impl MoePlan {
         let ws = WorkspaceLayout::new(&self.class, t, b.sm90.is_some())?;
         workspace.check(ws.bytes, WORKSPACE_ALIGN as u64, "MoePlan")?;
         let cfgs = self.configs(b, t)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         self.enqueue_router(stream, a, t, b, &cfgs, workspace.ptr, &ws)?;
         match stages {
             // The layer finishes the losses in the permutation (no launch of their own).
@@ -123,9 +121,7 @@ impl MoePlan {
             ));
         };
         let cfgs = self.configs(b, t)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::gpu::device::bind_context(&self.ctx)?;
         let base = workspace.ptr;
         self.enqueue_router(stream, a, t, b, &cfgs, base, &ws)?;
         if let Some(ev) = routed {
