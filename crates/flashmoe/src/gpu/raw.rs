@@ -112,6 +112,21 @@ impl RawTensor {
         true
     }
 
+    /// The cudarc layers' check that this view of `name` fits the buffer of `buffer_len`
+    /// elements it was made from.
+    pub(crate) fn check_within(&self, name: &str, buffer_len: usize) -> Result<()> {
+        if self.span_elems() > buffer_len as u64 {
+            return Err(Error::invalid(format!(
+                "{name}'s view {:?} with strides {:?} spans {} elements but its buffer holds \
+                 {buffer_len}",
+                self.shape(),
+                self.strides(),
+                self.span_elems()
+            )));
+        }
+        Ok(())
+    }
+
     /// Elements from the base to one past the last element (0 for an empty tensor).
     pub fn span_elems(&self) -> u64 {
         if self.shape().contains(&0) {
@@ -268,6 +283,17 @@ impl RawIndex {
             cols,
             row_stride: cols,
         }
+    }
+    /// A block table of `batch` rows over a contiguous buffer of `len` int32 values (the
+    /// cudarc layers': `[batch, max_blocks]` row-major); an error when `len` is not a
+    /// multiple of `batch`.
+    pub(crate) fn block_table(ptr: u64, len: usize, batch: usize) -> Result<RawIndex> {
+        if batch == 0 || len % batch != 0 {
+            return Err(Error::invalid(format!(
+                "block_table holds {len} int32 values: not [batch = {batch}, max_blocks]"
+            )));
+        }
+        Ok(RawIndex::matrix(ptr, batch, len / batch))
     }
     /// A vector of `n` elements (seqused_k).
     pub fn vector(ptr: u64, n: usize) -> RawIndex {

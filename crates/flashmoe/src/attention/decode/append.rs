@@ -133,13 +133,6 @@ impl DecodePlan {
     {
         self.check_stream(stream)?;
         let b = k_new.shape[0];
-        if b == 0 || block_table.len() % b != 0 {
-            return Err(Error::invalid(format!(
-                "block_table holds {} int32 values: not [batch = {b}, max_blocks]",
-                block_table.len()
-            )));
-        }
-        let mb = block_table.len() / b;
         let (kc_len, vc_len) = (k_cache.buf.len(), v_cache.buf.len());
         let (knp, _g1) = k_new.buf.device_ptr(stream);
         let (vnp, _g2) = v_new.buf.device_ptr(stream);
@@ -152,21 +145,17 @@ impl DecodePlan {
             v_new: RawTensor::new(vnp, T::DTYPE, &v_new.shape, &v_new.strides)?,
             k_cache: RawTensor::new(kp, T::DTYPE, &k_cache.shape, &k_cache.strides)?,
             v_cache: RawTensor::new(vp, T::DTYPE, &v_cache.shape, &v_cache.strides)?,
-            block_table: RawIndex::matrix(btp, b, mb),
+            block_table: RawIndex::block_table(btp, block_table.len(), b)?,
             seqused_k: RawIndex::vector(sup, seqused_k.len()),
         };
         self.check_append(&args)?;
-        for (name, span, len) in [
-            ("k_new", args.k_new.span_elems(), k_new.buf.len()),
-            ("v_new", args.v_new.span_elems(), v_new.buf.len()),
-            ("k_cache", args.k_cache.span_elems(), kc_len),
-            ("v_cache", args.v_cache.span_elems(), vc_len),
+        for (name, t, len) in [
+            ("k_new", &args.k_new, k_new.buf.len()),
+            ("v_new", &args.v_new, v_new.buf.len()),
+            ("k_cache", &args.k_cache, kc_len),
+            ("v_cache", &args.v_cache, vc_len),
         ] {
-            if span > len as u64 {
-                return Err(Error::invalid(format!(
-                    "{name}'s view spans {span} elements but its buffer holds {len}"
-                )));
-            }
+            t.check_within(name, len)?;
         }
         // SAFETY: as in `forward`.
         unsafe { self.append_kv_raw(stream.cu_stream(), &args) }

@@ -366,13 +366,6 @@ impl DecodePlan {
         self.check_stream(stream)?;
         let b = q.shape[0];
         let (hq, sq) = (self.class.heads_q, q.shape[1]);
-        if b == 0 || block_table.len() % b != 0 {
-            return Err(Error::invalid(format!(
-                "block_table holds {} int32 values: not [batch = {b}, max_blocks]",
-                block_table.len()
-            )));
-        }
-        let mb = block_table.len() / b;
         let (qp, _gq) = q.buf.device_ptr(stream);
         let (kp, _gk) = k_cache.buf.device_ptr(stream);
         let (vp, _gv) = v_cache.buf.device_ptr(stream);
@@ -385,7 +378,7 @@ impl DecodePlan {
             q: RawTensor::new(qp, T::DTYPE, &q.shape, &q.strides)?,
             k_cache: RawTensor::new(kp, T::DTYPE, &k_cache.shape, &k_cache.strides)?,
             v_cache: RawTensor::new(vp, T::DTYPE, &v_cache.shape, &v_cache.strides)?,
-            block_table: RawIndex::matrix(btp, b, mb),
+            block_table: RawIndex::block_table(btp, block_table.len(), b)?,
             seqused_k: RawIndex::vector(sup, seqused_k.len()),
             o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
             lse: RawTensor::contiguous(lp, DType::F32, &[b, hq, sq])?,
@@ -393,18 +386,14 @@ impl DecodePlan {
             cu_seqlens_q: None,
         };
         let shape = self.check(&args)?;
-        for (name, span, len) in [
-            ("q", args.q.span_elems(), q.buf.len()),
-            ("k_cache", args.k_cache.span_elems(), k_cache.buf.len()),
-            ("v_cache", args.v_cache.span_elems(), v_cache.buf.len()),
-            ("o", args.o.span_elems(), o_len),
-            ("lse", args.lse.span_elems(), lse_len),
+        for (name, t, len) in [
+            ("q", &args.q, q.buf.len()),
+            ("k_cache", &args.k_cache, k_cache.buf.len()),
+            ("v_cache", &args.v_cache, v_cache.buf.len()),
+            ("o", &args.o, o_len),
+            ("lse", &args.lse, lse_len),
         ] {
-            if span > len as u64 {
-                return Err(Error::invalid(format!(
-                    "{name}'s view spans {span} elements but its buffer holds {len}"
-                )));
-            }
+            t.check_within(name, len)?;
         }
         let need = Self::partial_bytes(&self.class, shape.splits, shape.total_q).2;
         workspace.check_for(stream, need, "DecodePlan")?;

@@ -271,13 +271,6 @@ impl MlaDecodePlan {
         crate::gpu::device::check_stream_context(stream, &self.ctx)?;
         let b = q.shape[0];
         let (hq, sq) = (self.class.heads_q, q.shape[1]);
-        if b == 0 || block_table.len() % b != 0 {
-            return Err(Error::invalid(format!(
-                "block_table holds {} int32 values: not [batch = {b}, max_blocks]",
-                block_table.len()
-            )));
-        }
-        let mb = block_table.len() / b;
         let (qp, _gq) = q.buf.device_ptr(stream);
         let (kp, _gk) = kv_cache.buf.device_ptr(stream);
         let (btp, _gb) = block_table.device_ptr(stream);
@@ -288,24 +281,20 @@ impl MlaDecodePlan {
         let args = MlaArgs {
             q: RawTensor::new(qp, T::DTYPE, &q.shape, &q.strides)?,
             kv_cache: RawTensor::new(kp, T::DTYPE, &kv_cache.shape, &kv_cache.strides)?,
-            block_table: RawIndex::matrix(btp, b, mb),
+            block_table: RawIndex::block_table(btp, block_table.len(), b)?,
             seqused_k: RawIndex::vector(sup, seqused_k.len()),
             o: RawTensor::new(op, T::DTYPE, &o.shape, &o.strides)?,
             lse: RawTensor::contiguous(lp, DType::F32, &[b, sq, hq])?,
             max_seqlen_k,
         };
         let shape = self.check(&args)?;
-        for (name, span, len) in [
-            ("q", args.q.span_elems(), q.buf.len()),
-            ("kv_cache", args.kv_cache.span_elems(), kv_cache.buf.len()),
-            ("o", args.o.span_elems(), o_len),
-            ("lse", args.lse.span_elems(), lse_len),
+        for (name, t, len) in [
+            ("q", &args.q, q.buf.len()),
+            ("kv_cache", &args.kv_cache, kv_cache.buf.len()),
+            ("o", &args.o, o_len),
+            ("lse", &args.lse, lse_len),
         ] {
-            if span > len as u64 {
-                return Err(Error::invalid(format!(
-                    "{name}'s view spans {span} elements but its buffer holds {len}"
-                )));
-            }
+            t.check_within(name, len)?;
         }
         let need = partial_bytes(shape.splits, b * sq * hq).1;
         workspace.check_for(stream, need, "MlaDecodePlan")?;

@@ -727,14 +727,7 @@ impl AttentionPlan {
             ("o", &args.o, o_len),
             ("lse", &args.lse, lse_len),
         ] {
-            if t.span_elems() > len as u64 {
-                return Err(Error::invalid(format!(
-                    "{name}'s view {:?} with strides {:?} spans {} elements but its buffer holds {len}",
-                    t.shape(),
-                    t.strides(),
-                    t.span_elems()
-                )));
-            }
+            t.check_within(name, len)?;
         }
         let ws = workspace.raw();
         // SAFETY: every buffer is a live cudarc allocation of the plan's context (checked
