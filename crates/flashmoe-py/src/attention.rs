@@ -26,15 +26,7 @@ pub(crate) fn plan_class(
     heads_kv: usize,
     logits: Logits,
 ) -> PyResult<AttentionClass> {
-    let dtype = match elem("dtype", dtype)? {
-        Elem::Float(d) if d != DType::F32 => d,
-        _ => {
-            return Err(PyTypeError::new_err(format!(
-                "dtype {dtype}: {what} takes bf16 or f16"
-            )))
-        }
-    };
-    logits.class(dtype, head_dim, heads_q, heads_kv)
+    logits.class(half_dtype(dtype, what)?, head_dim, heads_q, heads_kv)
 }
 
 impl Logits {

@@ -41,22 +41,14 @@ pub(crate) fn moe_class(
             x.2
         )));
     }
-    let scoring: Scoring = scoring
-        .parse()
-        .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
-    let class = MoeClass {
+    moe_plan_class(
         dtype,
-        hidden: x.2[1],
-        intermediate: w2.2[1],
-        experts: router.2[1],
-        top_k,
+        (x.2[1], w2.2[1], router.2[1], top_k),
         scoring,
         renormalize,
-        shared_expert: shared,
+        shared,
         max_tokens,
-    };
-    class.problem(1).validate().map_err(py_err)?;
-    Ok(class)
+    )
 }
 
 /// The outputs of an MoE call: out, topk_ids, topk_w, counts, losses.
@@ -159,6 +151,35 @@ pub(crate) struct MoePlan {
     plan: MPlan,
 }
 
+/// The class of an MoE call or plan (forward or backward) from the binding's arguments:
+/// `dims` = (hidden, intermediate, experts, top_k), `scoring` "softmax" or "sigmoid";
+/// validated.
+pub(crate) fn moe_plan_class(
+    dtype: DType,
+    (hidden, intermediate, experts, top_k): (usize, usize, usize, usize),
+    scoring: &str,
+    renormalize: bool,
+    shared_expert: bool,
+    max_tokens: usize,
+) -> PyResult<MoeClass> {
+    let scoring: Scoring = scoring
+        .parse()
+        .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
+    let class = MoeClass {
+        dtype,
+        hidden,
+        intermediate,
+        experts,
+        top_k,
+        scoring,
+        renormalize,
+        shared_expert,
+        max_tokens,
+    };
+    class.problem(1).validate().map_err(py_err)?;
+    Ok(class)
+}
+
 #[pymethods]
 impl MoePlan {
     #[new]
@@ -176,29 +197,14 @@ impl MoePlan {
         shared_expert: bool,
         max_tokens: usize,
     ) -> PyResult<Self> {
-        let dtype = match elem("dtype", dtype)? {
-            Elem::Float(d) if d != DType::F32 => d,
-            _ => {
-                return Err(PyTypeError::new_err(format!(
-                    "dtype {dtype}: an MoE plan takes bf16 or f16"
-                )))
-            }
-        };
-        let scoring: Scoring = scoring
-            .parse()
-            .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
-        let class = MoeClass {
-            dtype,
-            hidden,
-            intermediate,
-            experts,
-            top_k,
+        let class = moe_plan_class(
+            half_dtype(dtype, "an MoE plan")?,
+            (hidden, intermediate, experts, top_k),
             scoring,
             renormalize,
             shared_expert,
             max_tokens,
-        };
-        class.problem(1).validate().map_err(py_err)?;
+        )?;
         let dev = self::device(device)?;
         Ok(MoePlan {
             plan: MPlan::new(&dev, class).map_err(py_err)?,

@@ -9,11 +9,11 @@
 //! region, for both GEMM paths); the torch layer keeps that prefix
 //! ([`MoeBackwardPlan::saved_bytes`]) as a uint8 tensor and hands its address here.
 
-use super::{half_dtype, py_err, same_dtype, Desc};
+use super::{half_dtype, moe_plan_class, py_err, same_dtype, Desc};
 use flashmoe::gpu::{self, RawTensor, RawWorkspace};
 use flashmoe::moe::backward::{MoeBackwardPlan as Plan, MoeBwdArgs, SavedRouting};
-use flashmoe::moe::{MoeClass, RawU32, WorkspaceLayout};
-use flashmoe::{DType, Scoring};
+use flashmoe::moe::{RawU32, WorkspaceLayout};
+use flashmoe::DType;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -55,21 +55,14 @@ impl MoeBackwardPlan {
         shared_expert: bool,
         max_tokens: usize,
     ) -> PyResult<Self> {
-        let scoring: Scoring = scoring
-            .parse()
-            .map_err(|e: String| PyValueError::new_err(format!("scoring: {e}")))?;
-        let class = MoeClass {
-            dtype: half_dtype(dtype, "an MoE backward plan")?,
-            hidden,
-            intermediate,
-            experts,
-            top_k,
+        let class = moe_plan_class(
+            half_dtype(dtype, "an MoE backward plan")?,
+            (hidden, intermediate, experts, top_k),
             scoring,
             renormalize,
             shared_expert,
             max_tokens,
-        };
-        class.problem(1).validate().map_err(py_err)?;
+        )?;
         let dev = super::device(device)?;
         Ok(MoeBackwardPlan {
             plan: Plan::new(&dev, class).map_err(py_err)?,
