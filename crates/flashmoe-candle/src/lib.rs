@@ -73,8 +73,14 @@ mod plans;
 mod value_dim;
 
 pub use mla::mla_decode;
+
+/// Drop every cached plan, device and workspace (their GPU memory is freed in stream
+/// order). Later calls make them again.
 #[cfg(feature = "cuda")]
-pub use plans::clear_caches;
+pub fn clear_caches() {
+    plans::clear();
+    mla::clear_caches();
+}
 
 /// One `CustomOp3` boilerplate for the three ops: no CPU path, `cuda_fwd` in `cuda_fwd.rs`.
 macro_rules! cuda_only_op {

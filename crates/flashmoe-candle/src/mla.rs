@@ -235,14 +235,13 @@ mod gpu {
     use flashmoe::attention::cache::{PlanCache, StreamCache};
     use flashmoe::attention::mla::{MlaArgs, MlaDecodeClass, MlaDecodePlan, RawIndex};
     use flashmoe::gpu::raw::RawTensor;
-    use flashmoe::gpu::{Device, Workspace};
+    use flashmoe::gpu::Workspace;
     use std::sync::{Arc, OnceLock};
 
     fn wrap(what: &str, e: impl std::fmt::Display) -> candle_core::Error {
         candle_core::Error::Msg(format!("flashmoe {what}: {e}")).bt()
     }
 
-    static DEVICES: OnceLock<PlanCache<usize, Device>> = OnceLock::new();
     static PLANS: OnceLock<PlanCache<(usize, MlaKey), MlaDecodePlan>> = OnceLock::new();
     /// Per `CUstream` handle: the split partials need no zeroing and hold nothing between
     /// calls, so they are kept apart from the attention plans' zeroed workspaces.
@@ -254,11 +253,7 @@ mod gpu {
         if let Some(p) = plans.get(&(ordinal, key)) {
             return Ok(p);
         }
-        let dev = DEVICES
-            .get_or_init(PlanCache::new)
-            .get_or_try_make(ordinal, || {
-                Device::from_context(stream.context().clone()).map_err(|e| wrap("device", e))
-            })?;
+        let dev = crate::plans::device(stream)?;
         let class = MlaDecodeClass {
             dtype: if key.bf16 {
                 flashmoe::DType::Bf16
@@ -280,12 +275,10 @@ mod gpu {
         })
     }
 
-    /// Drop the cached MLA plans, devices and workspaces (`crate::clear_caches` calls it).
+    /// Drop the cached MLA plans and workspaces (`crate::clear_caches` calls it; the
+    /// devices are `plans.rs`'s).
     pub fn clear() {
         if let Some(c) = PLANS.get() {
-            c.clear();
-        }
-        if let Some(c) = DEVICES.get() {
             c.clear();
         }
         if let Some(c) = WORKSPACES.get() {

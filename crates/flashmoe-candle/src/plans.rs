@@ -20,8 +20,8 @@ static PLANS: OnceLock<PlanCache<(usize, PlanKey), Plan>> = OnceLock::new();
 /// memory keeps a reference to the stream.
 static WORKSPACES: OnceLock<StreamCache<Workspace>> = OnceLock::new();
 
-/// The flashmoe device of the stream's GPU, made on first use.
-fn device(stream: &Arc<CudaStream>) -> Result<Arc<api::Device>> {
+/// The flashmoe device of the stream's GPU, made on first use (the MLA plans' too).
+pub(crate) fn device(stream: &Arc<CudaStream>) -> Result<Arc<api::Device>> {
     DEVICES
         .get_or_init(PlanCache::new)
         .get_or_try_make(stream.context().ordinal(), || api::device(stream.context()))
@@ -60,9 +60,9 @@ pub(crate) fn with_workspace<R>(
     )
 }
 
-/// Drop every cached plan and workspace (their GPU memory is freed in stream order).
-/// Later calls make them again.
-pub fn clear_caches() {
+/// Drop the cached attention plans, devices and workspaces (their GPU memory is freed in
+/// stream order; `crate::clear_caches` calls it). Later calls make them again.
+pub(crate) fn clear() {
     if let Some(c) = PLANS.get() {
         c.clear();
     }
@@ -72,5 +72,4 @@ pub fn clear_caches() {
     if let Some(c) = WORKSPACES.get() {
         c.clear();
     }
-    crate::mla::clear_caches();
 }
