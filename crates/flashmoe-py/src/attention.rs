@@ -2,8 +2,33 @@
 //! routing of a call to the prefill or decode plan (`route_attention`), and the forward and
 //! backward plans (`AttentionPlan`, `AttentionBackwardPlan`).
 
-#[allow(unused_imports)]
-use super::*;
+use crate::common::device;
+use crate::common::same_dtype;
+use crate::common::Desc;
+use crate::common::{half_dtype, py_err};
+use flashmoe::attention::backward::AttentionBackwardPlan as BPlan;
+use flashmoe::attention::backward::BackwardArgs;
+use flashmoe::attention::backward::BwdMode;
+use flashmoe::attention::decode::MAX_Q_PER_SEQ;
+use flashmoe::attention::prefill::abi;
+use flashmoe::attention::prefill::tiles;
+use flashmoe::attention::route;
+use flashmoe::attention::route::AttnCall;
+use flashmoe::attention::route::AttnShape;
+use flashmoe::attention::route::Elem as HalfElem;
+use flashmoe::attention::route::Route;
+use flashmoe::attention::route::WindowSize;
+use flashmoe::attention::AttentionArgs;
+use flashmoe::attention::AttentionClass;
+use flashmoe::attention::AttentionPlan as Plan;
+use flashmoe::gpu;
+use flashmoe::gpu::RawTensor;
+use flashmoe::gpu::RawWorkspace;
+use flashmoe::DType;
+use flashmoe::Error;
+use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
 /// The scalars of an attention class that no tensor carries: causal, the softmax scale
 /// (None: 1/sqrt(head_dim)), the sliding window `(left, right)` (-1 = unbounded) and the

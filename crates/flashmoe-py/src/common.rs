@@ -2,8 +2,22 @@
 //! tensor descriptor tuple ([`Desc`]) and its checks, the dtype helpers, and one
 //! [`Device`] per ordinal over the primary context PyTorch uses.
 
-#[allow(unused_imports)]
-use super::*;
+use flashmoe::attention::decode::RawIndex;
+use flashmoe::gpu;
+use flashmoe::gpu::Device;
+use flashmoe::gpu::RawTensor;
+use flashmoe::moe::RawU32;
+use flashmoe::DType;
+use flashmoe::Error;
+use pyo3::exceptions::PyNotImplementedError;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::OnceLock;
 
 /// The library's error as the Python exception its kind calls for.
 pub(crate) fn py_err(e: Error) -> PyErr {

@@ -1,8 +1,21 @@
 //! Paged-KV decode: the class, arguments and checks of a call (`check_attention_kvcache`,
 //! the KV append's too) and the plan (`DecodePlan`).
 
-#[allow(unused_imports)]
-use super::*;
+use crate::common::device;
+use crate::common::half_dtype;
+use crate::common::same_dtype;
+use crate::common::CHECK_OUT;
+use crate::common::{attention_dtype, py_err, Desc};
+use flashmoe::attention::decode::AppendArgs;
+use flashmoe::attention::decode::DecodeArgs;
+use flashmoe::attention::decode::DecodeClass;
+use flashmoe::attention::decode::DecodePlan as DPlan;
+use flashmoe::gpu;
+use flashmoe::gpu::RawTensor;
+use flashmoe::gpu::RawWorkspace;
+use flashmoe::DType;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
 /// A decode class from the Python layer's parameters (page size taken from the cache per
 /// call: it changes no kernel).

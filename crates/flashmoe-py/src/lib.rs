@@ -12,24 +12,10 @@
 //! tensor) naming the tensor and the rule; a shape class no kernel implements raises
 //! `NotImplementedError`; no driver, no GPU or a CUDA failure raises `RuntimeError`.
 
-// The crate's shared imports: the family modules below take them with `use super::*`.
-use flashmoe::attention::backward::{AttentionBackwardPlan as BPlan, BackwardArgs, BwdMode};
-use flashmoe::attention::decode::{
-    AppendArgs, DecodeArgs, DecodeClass, DecodePlan as DPlan, RawIndex, MAX_Q_PER_SEQ,
-};
-use flashmoe::attention::prefill::{abi, tiles};
-use flashmoe::attention::route::{self, AttnCall, AttnShape, Elem as HalfElem, Route, WindowSize};
-use flashmoe::attention::varlen::{self, VarlenArgs, VarlenPlan as VPlan};
-use flashmoe::attention::{AttentionArgs, AttentionClass, AttentionPlan as Plan};
-use flashmoe::gpu::{self, Device, RawTensor, RawWorkspace};
-use flashmoe::moe::{MoeArgs, MoeClass, MoePlan as MPlan, RawU32, RoutingArgs};
-use flashmoe::{DType, Error, Scoring};
-use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
 
-// One module per family (its calls' checks and its plan classes) over `common`.
+// One module per family (its calls' checks and its plan classes), each importing what it
+// uses from `common` and the library; lib.rs only registers them.
 mod attention;
 mod common;
 mod decode;
@@ -40,11 +26,12 @@ mod value_dim;
 mod varlen_backward;
 mod varlen_forward;
 
-use attention::*;
-use common::*;
-use decode::*;
-use moe::*;
-use varlen_forward::*;
+use attention::{check_attention, route_attention, AttentionBackwardPlan, AttentionPlan};
+use common::{device_count, device_name};
+use decode::{check_attention_kvcache, DecodePlan};
+use flashmoe::attention::decode::MAX_Q_PER_SEQ;
+use moe::{check_moe, MoePlan};
+use varlen_forward::{check_attention_varlen, VarlenPlan};
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

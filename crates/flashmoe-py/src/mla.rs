@@ -3,7 +3,7 @@
 //! (`flashmoe/_mla.py`). Same conventions as the other plans of `_core`: descriptors in,
 //! addresses of outputs the torch layer allocated, the caller's stream, no allocation.
 
-use super::{device, half_dtype, py_err, same_dtype, Desc};
+use crate::common::{device, half_dtype, py_err, same_dtype, Desc};
 use flashmoe::attention::mla::{MlaArgs, MlaDecodeClass, MlaDecodePlan as Plan, D_QK, D_V};
 use flashmoe::gpu::{self, RawTensor, RawWorkspace};
 use flashmoe::DType;

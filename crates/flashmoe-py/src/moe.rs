@@ -1,8 +1,20 @@
 //! The MoE layer's forward: the class, arguments and checks of a call (`check_moe`) and the
 //! plan (`MoePlan`); its backward is `moe_bwd.rs`.
 
-#[allow(unused_imports)]
-use super::*;
+use crate::common::{device, half_dtype, py_err, same_dtype, Desc};
+use flashmoe::gpu;
+use flashmoe::gpu::RawTensor;
+use flashmoe::gpu::RawWorkspace;
+use flashmoe::moe::MoeArgs;
+use flashmoe::moe::MoeClass;
+use flashmoe::moe::MoePlan as MPlan;
+use flashmoe::moe::RawU32;
+use flashmoe::moe::RoutingArgs;
+use flashmoe::DType;
+use flashmoe::Scoring;
+use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
 /// The MoE class of a call, from the shapes of x, the router and the weights.
 #[allow(clippy::too_many_arguments)]

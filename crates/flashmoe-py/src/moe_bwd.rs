@@ -9,7 +9,8 @@
 //! region, for both GEMM paths); the torch layer keeps that prefix
 //! ([`MoeBackwardPlan::saved_bytes`]) as a uint8 tensor and hands its address here.
 
-use super::{half_dtype, moe_plan_class, py_err, same_dtype, Desc};
+use crate::common::{half_dtype, py_err, same_dtype, Desc};
+use crate::moe::moe_plan_class;
 use flashmoe::gpu::{self, RawTensor, RawWorkspace};
 use flashmoe::moe::backward::{MoeBackwardPlan as Plan, MoeBwdArgs, SavedRouting};
 use flashmoe::moe::{RawU32, WorkspaceLayout};
@@ -63,7 +64,7 @@ impl MoeBackwardPlan {
             shared_expert,
             max_tokens,
         )?;
-        let dev = super::device(device)?;
+        let dev = crate::common::device(device)?;
         Ok(MoeBackwardPlan {
             plan: Plan::new(&dev, class).map_err(py_err)?,
         })

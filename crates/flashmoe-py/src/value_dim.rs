@@ -2,7 +2,7 @@
 //! the query/key one ([`flashmoe::attention::route::pad_value_head_dim`]), so that the torch
 //! layer pads and scales exactly as flashmoe-candle does.
 
-use super::py_err;
+use crate::common::py_err;
 use flashmoe::attention::route;
 use pyo3::prelude::*;
 

@@ -4,7 +4,8 @@
 //! other plans of `_core`: descriptors in, outputs the torch layer allocated, the caller's
 //! stream, no allocation.
 
-use super::{py_err, Desc, Logits};
+use crate::attention::Logits;
+use crate::common::{py_err, Desc};
 use flashmoe::attention::backward::varlen::{VarlenBackwardArgs, VarlenBackwardPlan as Plan};
 use flashmoe::gpu::{self, RawWorkspace};
 use pyo3::prelude::*;
@@ -41,7 +42,7 @@ impl VarlenBackwardPlan {
             window,
             softcap,
         };
-        let class = super::plan_class(
+        let class = crate::attention::plan_class(
             "a varlen attention backward plan",
             dtype,
             head_dim,
@@ -49,7 +50,7 @@ impl VarlenBackwardPlan {
             heads_kv,
             logits,
         )?;
-        let dev = super::device(device)?;
+        let dev = crate::common::device(device)?;
         Ok(VarlenBackwardPlan {
             plan: Plan::new(&dev, class).map_err(py_err)?,
         })

@@ -2,8 +2,21 @@
 //! (`check_attention_varlen`) and the forward plan (`VarlenPlan`); its backward is
 //! `varlen_backward.rs`.
 
-#[allow(unused_imports)]
-use super::*;
+use crate::attention::Logits;
+use crate::common::attention_dtype;
+use crate::common::half_dtype;
+use crate::common::CHECK_OUT;
+use crate::common::{device, py_err, Desc};
+use flashmoe::attention::varlen;
+use flashmoe::attention::varlen::VarlenArgs;
+use flashmoe::attention::varlen::VarlenPlan as VPlan;
+use flashmoe::attention::AttentionClass;
+use flashmoe::gpu;
+use flashmoe::gpu::RawTensor;
+use flashmoe::gpu::RawWorkspace;
+use flashmoe::DType;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
 
 /// The 3-D raw tensor of a packed (tokens, heads, head_dim) descriptor.
 pub(crate) fn packed(d: &Desc, name: &str) -> PyResult<RawTensor> {
