@@ -521,14 +521,15 @@ extern "C" __global__ void __launch_bounds__(UP_THREADS)
     for (int j = 0; j < UP_TOK; ++j) dr[j] = 0.f;
     for (int e0 = 0; e0 < experts; e0 += UP_ECH) {
         const int ne = min(UP_ECH, experts - e0);
-        for (int i = tid; i < UP_TOK * UP_ECH; i += UP_THREADS) {
-            const int j = i / UP_ECH, e = i % UP_ECH;
+        const int ne4 = (ne + 3) & ~3;  // the experts the four-expert steps read
+        for (int i = tid; i < UP_TOK * ne4; i += UP_THREADS) {
+            const int j = i / ne4, e = i % ne4;
             dzs[j][e] = (j < nt && e < ne) ? dz[(i64)(t0 + j) * experts + e0 + e] : 0.f;
         }
         // Consecutive threads along a row's experts; zeros past the last column / expert
         // (so the four-expert steps past `ne` add 0 · 0).
-        for (int i = tid; i < UP_THREADS * UP_ECH; i += UP_THREADS) {
-            const int r = i / UP_ECH, e = i % UP_ECH;
+        for (int i = tid; i < UP_THREADS * ne4; i += UP_THREADS) {
+            const int r = i / ne4, e = i % ne4;
             rs[r][e] = (c0 + r < hidden && e < ne) ? router[(i64)(c0 + r) * experts + e0 + e]
                                                    : (u16)0;
         }
