@@ -399,8 +399,9 @@ fn curve_accuracy(
     let w = c.loss_window.unwrap_or(1);
     let mut note = match (s.noise_mult, &c.loss_noise_partner) {
         (Some(m), Some(partner)) => format!(
-            "|Δloss| averaged over {w} steps ≤ max({floor}, {m} × the noise floor: \
-             {ref_name} vs {partner}, same initialisation) against {ref_name}'s curve"
+            "|Δloss| averaged over {w} steps ≤ max({floor}, {m} × the noise floor: the \
+             largest such gap over the run between {ref_name} and {partner}, same \
+             initialisation) against {ref_name}'s curve"
         ),
         (Some(_), None) => format!(
             "|Δloss| averaged over {w} steps ≤ max({floor}, {relative} · loss) against \
