@@ -199,7 +199,7 @@ def curve_gate(losses, ref, noise, w):
         return float("nan"), -1, float("nan"), False
     dev = np.abs(windowed(a, w) - windowed(b, w))
     if noise is not None:
-        bound = np.maximum(LOSS_FLOOR, NOISE_MULT * noise)
+        bound = np.full_like(dev, max(LOSS_FLOOR, NOISE_MULT * noise))
     else:
         bound = np.maximum(LOSS_FLOOR, LOSS_RELATIVE * np.abs(windowed(b, w)))
     worst = int(np.argmax(dev - bound))
