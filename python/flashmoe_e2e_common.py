@@ -252,10 +252,34 @@ def attention_reference(q, k, v):
 # MoE ops: x (T, H) -> (T, H); softmax scoring, top-k, renormalised weights
 # ---------------------------------------------------------------------------------------
 
+# While a list (`record_routing`), every MoE op appends its top-k ids [T, k], layer by layer:
+# the training gate's gradient probe compares routings between implementations.
+_routing_log = None
+
+
+class record_routing:
+    """Context manager: the MoE ops' top-k ids of the forwards run inside it, in order."""
+
+    def __enter__(self):
+        global _routing_log
+        _routing_log = []
+        return _routing_log
+
+    def __exit__(self, *exc):
+        global _routing_log
+        _routing_log = None
+
+
+def _log_routing(ids):
+    if _routing_log is not None:
+        _routing_log.append(ids.detach())
+
+
 def route(x, router, top_k):
     scores = torch.softmax(x.float() @ router.float(), dim=-1)
     vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
     w, ids = vals[:, :top_k], idx[:, :top_k]
+    _log_routing(ids)
     return w / w.sum(dim=-1, keepdim=True), ids
 
 
@@ -288,7 +312,10 @@ def moe_grouped_mm(x, router, w13, w2, top_k):
 def moe_flashmoe(fm):
     def moe(x, router, w13, w2, top_k):
         out = fm.moe(x, router, w13, w2, top_k=top_k, scoring="softmax", renormalize=True)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(out, (tuple, list)):
+            _log_routing(out.topk_ids)
+            return out[0]
+        return out
     return moe
 
 

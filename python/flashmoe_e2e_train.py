@@ -279,6 +279,17 @@ def tensor_kind(key):
     return tail if tail and head[:1] == "l" and head[1:].isdigit() else key
 
 
+def routing_differences(model, log, ref_log):
+    """Per MoE layer ("l5"), the tokens whose top-k expert set differs from the reference's
+    in the probe's forward: routing flips (near ties parted by upstream rounding) move a
+    token's gradient to another expert, which a wrong gradient does not explain."""
+    moe_layers = [f"l{i}" for i, lw in enumerate(model.layers) if "router" in lw]
+    if len(log) != len(moe_layers) or len(ref_log) != len(moe_layers):
+        return {}
+    return {layer: int((a.long().sort(-1).values != b.long().sort(-1).values).any(-1).sum())
+            for layer, a, b in zip(moe_layers, log, ref_log)}
+
+
 def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
     """Every implementation in `names`' gradient on `ids` at each of `states` ((label,
     weights) pairs), against `ref_name`'s at the same weights: per implementation, a list of
@@ -289,11 +300,14 @@ def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
     for label, state in states:
         if state is not None:
             probe.load(state)
-        ref = probe.gradients(ref_name, model, ids)
-        rel = {}
+        with e2e.record_routing() as ref_routing:
+            ref = probe.gradients(ref_name, model, ids)
+        rel, routing = {}, {}
         for name in names:
             try:
-                g = probe.gradients(name, model, ids)
+                with e2e.record_routing() as log:
+                    g = probe.gradients(name, model, ids)
+                routing[name] = routing_differences(model, log, ref_routing)
             except Exception as e:  # noqa: BLE001 - reported per implementation
                 msg = str(e).splitlines()[0] if str(e) else ""
                 out[name].append(dict(state=label, error=f"{type(e).__name__}: {msg}",
@@ -314,7 +328,8 @@ def gradient_probe(model, states, ids, names, ref_name, noise_name, args):
                         if math.isfinite(rel[name][k]) else math.inf)
             out[name].append(dict(state=label, tensor=worst, rel_l2=rel[name][worst],
                                   bound=bound[worst],
-                                  passed=finite and all(rel[name][k] <= bound[k] for k in ref)))
+                                  passed=finite and all(rel[name][k] <= bound[k] for k in ref),
+                                  routing_differences=routing.get(name, {})))
         del ref
     del probe
     if model.device.type == "cuda":
@@ -372,9 +387,11 @@ def run_config(model, batch, seq, impls, args):
                 if "error" in p:
                     failures.append(f"gradient probe at {p['state']}: {p['error']}")
                 elif not p["passed"]:
+                    flips = p.get("routing_differences", {}).get(p["tensor"].partition(".")[0])
                     failures.append(
                         f"gradient at {p['state']} off {ref_name}'s: {p['tensor']} rel L2 "
-                        f"{p['rel_l2']:.3g} (bound {p['bound']:.3g})")
+                        f"{p['rel_l2']:.3g} (bound {p['bound']:.3g})"
+                        + ("" if flips is None else f", {flips} tokens routed differently there"))
             if failures:
                 r["status"] = "failed-gate"
                 r["notes"].insert(0, "; ".join(failures))
