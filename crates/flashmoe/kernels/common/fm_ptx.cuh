@@ -60,6 +60,23 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b
 #endif
 }
 
+// c += a * b, m16n8k8 on tf32 operands (the f32 bit patterns; the unit reads the top 19
+// bits), A row-major (4 regs), B column-major (2 regs), fp32 accumulators.
+__device__ __forceinline__ void mma1688_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// f32 -> tf32 (10 mantissa bits), round to nearest, ties away; as an f32 bit pattern.
+__device__ __forceinline__ u32 to_tf32(float v) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+    return r;
+}
+
 // Two fp32 -> one 32-bit register of two 16-bit values (lo in bits 0..15), round to nearest.
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     u32 r;

@@ -366,14 +366,14 @@ impl MoeBackwardPlan {
                     param(&v[2]),
                     param(&v[3]),
                 ];
-                // RD_TILE (32) columns x 32 experts x one chunk of tokens per block.
+                // RD_BM (64) columns x RD_BN (64) experts x one chunk of tokens per block.
                 let cfg = LaunchConfig {
                     grid_dim: (
-                        ceil(v[1] as usize, 32),
-                        ceil(v[2] as usize, 32),
+                        ceil(v[1] as usize, 64),
+                        ceil(v[2] as usize, 64),
                         v[4] as u32,
                     ),
-                    block_dim: (256, 1, 1),
+                    block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 self.launch(4, cfg, stream, &mut a)

@@ -113,7 +113,7 @@ pub struct BwdWorkspaceLayout {
 }
 
 /// Chunks of tokens that d_router = xᵀ·dZ is split into (summed in order afterwards): one
-/// per 512 tokens, at most 16, so that its H/32 · E/32 tiles times the chunks fill the GPU
+/// per 512 tokens, at most 16, so that its H/64 · E/64 tiles times the chunks fill the GPU
 /// (non-decreasing in `tokens`, so the workspace is monotone).
 pub fn router_chunks(tokens: usize) -> usize {
     (tokens / 512).clamp(1, 16)
