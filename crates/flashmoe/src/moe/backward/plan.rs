@@ -396,10 +396,11 @@ impl MoeBackwardPlan {
                     param(&v[2]),
                     param(&v[3]),
                 ];
-                // UP_THREADS columns x UP_TOK tokens per block (moe_backward.cu).
+                // UP_TOK (64) tokens x UP_COLS (64) columns per block, UP_THREADS (128)
+                // threads (moe_backward.cu).
                 let cfg = LaunchConfig {
-                    grid_dim: (ceil(v[0] as usize, 16), ceil(v[1] as usize, 256), 1),
-                    block_dim: (256, 1, 1),
+                    grid_dim: (ceil(v[0] as usize, 64), ceil(v[1] as usize, 64), 1),
+                    block_dim: (128, 1, 1),
                     shared_mem_bytes: 0,
                 };
                 self.launch(5, cfg, stream, &mut a)
