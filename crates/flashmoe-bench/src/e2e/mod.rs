@@ -781,7 +781,7 @@ mod tests {
         assert_eq!(a.reference, "eager loss curve");
         let note = a.note.as_deref().unwrap();
         assert!(
-            note.contains("4 × the noise floor: eager vs sdpa-math"),
+            note.contains("4 × the noise floor: the largest such gap over the run between eager and sdpa-math"),
             "{note}"
         );
         let b = &c.implementations[2];
