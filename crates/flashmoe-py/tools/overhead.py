@@ -177,7 +177,7 @@ def varlen_figures():
     v = torch.randn_like(k)
     public = lambda: flashmoe.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)  # noqa: E731
     public()
-    plan = _torch._varlen_plans[(0, torch.bfloat16, d, hq, hkv, True, None, -1, -1, 0.0)]
+    plan = _torch._plans[("varlen", (0, torch.bfloat16, d, hq, hkv, True, None, -1, -1, 0.0))]
     o = torch.empty_like(q)
     lse = torch.empty(hq, sum(lens), dtype=torch.float32, device=dev)
     stream = torch.cuda.current_stream().cuda_stream

@@ -1,8 +1,8 @@
 """Helpers every module of the torch layer shares (``_torch``, ``_mla``, ``_moe_autograd``):
 tensor descriptors for the core binding, the one-device / one-dtype checks, the refusal of
 inputs that require grad on a path without a backward, the dispatcher-skipping test, the
-current raw CUDA stream, and the MoE plan cache (the inference op and the training op use
-the same plans). It imports no other module of the package but ``_core``, so the modules
+current raw CUDA stream, and the one plan cache of every family (the MoE inference op and
+the training op share its MoE plans). It imports no other module of the package but ``_core``, so the modules
 above it import it without a circle.
 """
 
@@ -92,26 +92,38 @@ def _idesc(t: torch.Tensor, name: str):
     return (t.data_ptr(), "i32", t.shape, t.stride())
 
 
-# The MoE plans, per class (the inference op and the training op share them).
-_moe_plans = {}
+# Every plan the package builds, in one cache: (family, class key) -> plan. A family is a
+# plan type ("prefill", "decode", "varlen", "backward", "varlen_backward", "mla", "moe",
+# "moe_backward"); its class key is what the plan's constructor takes, device index first.
+# Plans are kept for the process's life: a captured CUDA graph may hold their kernels.
+_plans = {}
 _MIN_PLAN_TOKENS = 256
 
 
-def _grown_plan(plans, plan_type, key, tokens):
+def _cached_plan(family, key, build):
+    """The cached plan of `family` for class `key`; `build()` makes it on the first call."""
+    plan = _plans.get((family, key))
+    if plan is None:
+        plan = build()
+        _plans[(family, key)] = plan
+    return plan
+
+
+def _grown_plan(family, plan_type, key, tokens):
     """The cached `plan_type` plan of the MoE class `key` (device index, dtype, hidden,
-    intermediate, experts, top_k, scoring, renormalize, shared) in `plans`, rebuilt with room
-    for twice as many tokens when a call outgrows it (its tables are sized by max_tokens)."""
-    plan = plans.get(key)
+    intermediate, experts, top_k, scoring, renormalize, shared), rebuilt with room for twice
+    as many tokens when a call outgrows it (its tables are sized by max_tokens)."""
+    plan = _plans.get((family, key))
     if plan is None or plan.max_tokens < tokens:
         max_tokens = _MIN_PLAN_TOKENS
         while max_tokens < tokens:
             max_tokens *= 2
         plan = plan_type(*key, max_tokens)
-        plans[key] = plan
+        _plans[(family, key)] = plan
     return plan
 
 
 def _moe_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
     """The forward plan of the class (``_core.MoePlan``), see ``_grown_plan``."""
     key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
-    return _grown_plan(_moe_plans, _core.MoePlan, key, tokens)
+    return _grown_plan("moe", _core.MoePlan, key, tokens)

@@ -11,7 +11,7 @@ host never synchronises.
 import torch
 
 from . import _core
-from ._common import _DTYPES, _desc, _device_index, _idesc, _plain, _raw_stream, _refuse_grad, _same_dtype
+from ._common import _DTYPES, _cached_plan, _desc, _device_index, _idesc, _plain, _raw_stream, _refuse_grad, _same_dtype
 
 _D_QK, _D_V = 576, 512
 _MAX_Q = _core.MAX_Q_PER_SEQ
@@ -19,16 +19,10 @@ _MAX_Q = _core.MAX_Q_PER_SEQ
 # every call (the split heuristic and workspace bound follow the class's rows).
 _Q_BUCKETS = [1, 1, 2, 4, 4] + [8] * 4 + [16] * 8
 
-_mla_plans = {}
-
-
 def _mla_plan(index, dtype, heads_q, page_size, max_q, softmax_scale):
     key = (index, dtype, heads_q, page_size, max_q, softmax_scale)
-    plan = _mla_plans.get(key)
-    if plan is None:
-        plan = _core.MlaDecodePlan(index, _DTYPES[dtype], heads_q, page_size, max_q, softmax_scale)
-        _mla_plans[key] = plan
-    return plan
+    return _cached_plan("mla", key, lambda: _core.MlaDecodePlan(index, _DTYPES[dtype], heads_q, page_size,
+                                                                 max_q, softmax_scale))
 
 
 def _mla_decode_impl(q, kv_cache, block_table, cache_seqlens, softmax_scale):

@@ -45,14 +45,9 @@ _lib.define(
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
-# (device index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
-# -> _core.MoeBackwardPlan
-_bwd_plans = {}
-
-
 def _bwd_plan(index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared, tokens):
     key = (index, dtype, hidden, intermediate, experts, top_k, scoring, renormalize, shared)
-    return _grown_plan(_bwd_plans, _core.MoeBackwardPlan, key, tokens)
+    return _grown_plan("moe_backward", _core.MoeBackwardPlan, key, tokens)
 
 
 def _saved_bytes(t, e, k):

@@ -29,8 +29,9 @@ from ._common import (  # noqa: F401  (tools/overhead.py reads some through _tor
     _desc,
     _device_index,
     _idesc,
+    _cached_plan,
     _moe_plan,
-    _moe_plans,
+    _plans,
     _plain,
     _raw_stream,
     _refuse_grad,
@@ -90,24 +91,20 @@ def _lse_sink(nbytes: int, index: int, stream: int) -> int:
 # decode plan for a decode-shaped call with a window or softcap), which also depends on the lengths;
 # the router returns the ranges of seq_q and seq_k over which its choice holds. An entry is
 # (seq_q lo, hi, seq_k lo, hi, plan, decode). _attention_plans: the entry the key's last call used
-# (the call path checks its ranges, two comparisons); _attention_routes: every entry of the key;
-# _routed_plans: plans by (index, dtype, head_dim, heads_q, heads_kv, kind, plan arguments), one per
-# route. The router runs only on a miss.
+# (the call path checks its ranges, two comparisons); _attention_routes: every entry of (key, alibi);
+# the plans themselves live in the package's one plan cache (``_common._plans``), family "route
+# prefill" or "route decode", keyed by (index, dtype, head_dim, heads_q, heads_kv, plan arguments).
+# The router runs only on a miss.
 _attention_routes = {}
-_routed_plans = {}
 
 
 def _routed_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, kind, args):
     """The cached plan of a route: kind "prefill" (``AttentionPlan``, args (causal, softmax_scale,
     window, softcap)) or "decode" (``DecodePlan``, args (max_q_per_seq, window, softcap,
     softmax_scale))."""
-    key = (index, torch_dtype, head_dim, heads_q, heads_kv, kind, args)
-    plan = _routed_plans.get(key)
-    if plan is None:
-        make = _core.AttentionPlan if kind == "prefill" else _core.DecodePlan
-        plan = make(index, dtype, head_dim, heads_q, heads_kv, *args)
-        _routed_plans[key] = plan
-    return plan
+    make = _core.AttentionPlan if kind == "prefill" else _core.DecodePlan
+    return _cached_plan("route " + kind, (index, torch_dtype, head_dim, heads_q, heads_kv) + tuple(args),
+                        lambda: make(index, dtype, head_dim, heads_q, heads_kv, *args))
 
 
 def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
@@ -117,22 +114,22 @@ def _attention_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, caus
     return _routed_plan(index, dtype, torch_dtype, head_dim, heads_q, heads_kv, "prefill", args)
 
 
-def _attention_route(key, dtype, sq, sk):
+def _attention_route(key, dtype, sq, sk, alibi=False):
     """The entry of a call whose key's last entry does not cover its lengths (or that has none):
-    another entry of the key that does, else the router's choice and its plan."""
-    entries = _attention_routes.setdefault(key, [])
+    another entry of the key that does, else the router's choice and its plan. `alibi`: the
+    ALiBi op's routes (``route_alibi_dense``), kept apart from the dense op's."""
+    entries = _attention_routes.setdefault((key, alibi), [])
     for entry in entries:
         if entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]:
-            break
-    else:
-        index, torch_dtype, d, hq, hkv, causal, softmax_scale, left, right, softcap = key
-        major, minor = torch.cuda.get_device_capability(index)
-        kind, args, ((q_lo, q_hi), (k_lo, k_hi)) = _core.route_attention(
-            dtype, d, hq, hkv, sq, sk, causal, softmax_scale, (left, right), softcap, arch=10 * major + minor)
-        plan = _routed_plan(index, dtype, torch_dtype, d, hq, hkv, kind, args)
-        entry = (q_lo, q_hi, k_lo, k_hi, plan, kind == "decode")
-        entries.append(entry)
-    _attention_plans[key] = entry
+            return entry
+    index, torch_dtype, d, hq, hkv, causal, softmax_scale, left, right, softcap = key
+    major, minor = torch.cuda.get_device_capability(index)
+    kind, args, ((q_lo, q_hi), (k_lo, k_hi)) = _core.route_attention(
+        dtype, d, hq, hkv, sq, sk, causal, softmax_scale, (left, right), softcap, arch=10 * major + minor,
+        alibi=alibi)
+    plan = _routed_plan(index, dtype, torch_dtype, d, hq, hkv, kind, args)
+    entry = (q_lo, q_hi, k_lo, k_hi, plan, kind == "decode")
+    entries.append(entry)
     return entry
 
 
@@ -245,7 +242,7 @@ def _attention_impl(q, k, v, causal, softmax_scale, window_left=-1, window_right
     key = (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap)
     entry = _attention_plans.get(key)
     if entry is None or not (entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]):
-        entry = _attention_route(key, dq[1], sq, sk)
+        entry = _attention_plans[key] = _attention_route(key, dq[1], sq, sk)
     plan = entry[4]
     dev = q.device
     o = torch.empty((b, sq, hq, d), dtype=q.dtype, device=dev)
@@ -282,8 +279,7 @@ _attention_op = torch.ops.flashmoe.attention.default
 
 # ALiBi: routed by the library (flashmoe::attention::route::route_alibi_dense): the portable
 # prefill kernel on any GPU, decode-shaped calls on the decode kernels; plans built with alibi=True.
-_alibi_plans = {}
-_alibi_routes = {}
+_alibi_plans = {}  # the ALiBi op's last entry per key, as _attention_plans
 
 
 def _attention_alibi_impl(q, k, v, alibi_slopes, causal, softmax_scale, window_left=-1, window_right=-1,
@@ -303,19 +299,7 @@ def _attention_alibi_impl(q, k, v, alibi_slopes, causal, softmax_scale, window_l
     key = (index, q.dtype, d, hq, k.shape[2], causal, softmax_scale, window_left, window_right, softcap)
     entry = _alibi_plans.get(key)
     if entry is None or not (entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]):
-        entries = _alibi_routes.setdefault(key, [])
-        for entry in entries:
-            if entry[0] <= sq <= entry[1] and entry[2] <= sk <= entry[3]:
-                break
-        else:
-            major, minor = torch.cuda.get_device_capability(index)
-            kind, args, ((q_lo, q_hi), (k_lo, k_hi)) = _core.route_attention(
-                dq[1], d, hq, k.shape[2], sq, sk, causal, softmax_scale, (window_left, window_right), softcap,
-                arch=10 * major + minor, alibi=True)
-            plan = _routed_plan(index, dq[1], q.dtype, d, hq, k.shape[2], kind, args)
-            entry = (q_lo, q_hi, k_lo, k_hi, plan, kind == "decode")
-            entries.append(entry)
-        _alibi_plans[key] = entry
+        entry = _alibi_plans[key] = _attention_route(key, dq[1], sq, sk, alibi=True)
     plan = entry[4]
     dev = q.device
     dsl = _desc(alibi_slopes, "alibi_slopes")
@@ -351,7 +335,6 @@ _attention_alibi_op = torch.ops.flashmoe.attention_alibi.default
 _BWD_HEAD_DIMS = (32, 64, 96, 128)
 # The backward plans: (device index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
 # window_left, window_right, softcap, deterministic) -> _core.AttentionBackwardPlan.
-_backward_plans = {}
 
 
 def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1,
@@ -367,11 +350,9 @@ def _attention_backward_impl(dout, q, k, v, o, lse, causal, softmax_scale, windo
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap, deterministic)
-    plan = _backward_plans.get(key)
-    if plan is None:
-        plan = _core.AttentionBackwardPlan(index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale,
-                                           (window_left, window_right), softcap, deterministic)
-        _backward_plans[key] = plan
+    plan = _cached_plan("backward", key, lambda: _core.AttentionBackwardPlan(
+        index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale, (window_left, window_right), softcap,
+        deterministic))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     # Any contents: the launch writes it before reading it (a fresh block from the caching
     # allocator, the graph's pool under capture).
@@ -515,7 +496,6 @@ def attention(
 # varlen prefill and paged-KV-cache attention
 
 
-_varlen_plans = {}
 
 
 def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
@@ -529,11 +509,8 @@ def _attention_varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _core.check_attention_varlen(dq, dk, dv, cq, ck, max_seqlen_q, max_seqlen_k)  # raises, naming it
     tq, hq, d = q.shape
     key = (index, q.dtype, d, hq, k.shape[1], causal, softmax_scale, window_left, window_right, softcap)
-    plan = _varlen_plans.get(key)
-    if plan is None:
-        plan = _core.VarlenPlan(index, dq[1], d, hq, k.shape[1], causal, softmax_scale, (window_left, window_right),
-                                softcap)
-        _varlen_plans[key] = plan
+    plan = _cached_plan("varlen", key, lambda: _core.VarlenPlan(
+        index, dq[1], d, hq, k.shape[1], causal, softmax_scale, (window_left, window_right), softcap))
     o = torch.empty((tq, hq, d), dtype=q.dtype, device=q.device)
     stream = _raw_stream(index)
     if want_lse:
@@ -557,8 +534,6 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 _register("attention_varlen", _attention_varlen_impl, _attention_varlen_fake)
 _attention_varlen_op = torch.ops.flashmoe.attention_varlen.default
 
-# The varlen backward plans, keyed as _backward_plans -> _core.VarlenBackwardPlan.
-_varlen_backward_plans = {}
 
 
 def _attention_varlen_backward_impl(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -575,11 +550,8 @@ def _attention_varlen_backward_impl(dout, q, k, v, o, lse, cu_seqlens_q, cu_seql
     tq, hq, d = q.shape
     hkv = k.shape[1]
     key = (index, q.dtype, d, hq, hkv, causal, softmax_scale, window_left, window_right, softcap)
-    plan = _varlen_backward_plans.get(key)
-    if plan is None:
-        plan = _core.VarlenBackwardPlan(index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale,
-                                        (window_left, window_right), softcap)
-        _varlen_backward_plans[key] = plan
+    plan = _cached_plan("varlen_backward", key, lambda: _core.VarlenBackwardPlan(
+        index, _DTYPES[q.dtype], d, hq, hkv, causal, softmax_scale, (window_left, window_right), softcap))
     # Zeroed: the kernels write the rows inside a sequence only, and rows past cu_seqlens[-1]
     # (padding the caller packed) then get a zero gradient instead of stale memory.
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -687,7 +659,6 @@ def attention_varlen(
     return (o, lse) if return_lse else o
 
 
-_decode_plans = {}
 _MAX_Q = _core.MAX_Q_PER_SEQ  # most query rows per sequence of a decode call (16)
 # Rows per sequence a decode plan is built for: Sq rounded up to a power of two (≤ 16), so a few
 # plans serve every call.
@@ -697,13 +668,8 @@ _Q_BUCKETS = [1, 1, 2, 4, 4] + [8] * 4 + [16] * 8
 def _decode_plan(index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale,
                  alibi=False):
     key = (index, dtype, d, hq, hkv, max_q, window_left, window_right, softcap, softmax_scale, alibi)
-    plan = _decode_plans.get(key)
-    if plan is None:
-        plan = _core.DecodePlan(
-            index, _DTYPES[dtype], d, hq, hkv, max_q, (window_left, window_right), softcap, softmax_scale, alibi
-        )
-        _decode_plans[key] = plan
-    return plan
+    return _cached_plan("decode", key, lambda: _core.DecodePlan(
+        index, _DTYPES[dtype], d, hq, hkv, max_q, (window_left, window_right), softcap, softmax_scale, alibi))
 
 
 def _cache_named(q, k_cache, v_cache, block_table, seqlens, seqlens_name, cu_seqlens_q):
