@@ -452,6 +452,9 @@ extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,
 #define RD_BM 64
 #define RD_BN 64
 #define RD_KT 32
+#if RD_BN != RD_BM
+#error "moe_bwd_router_dw stages x's columns and dZ's experts in one loop: RD_BN must equal RD_BM"
+#endif
 // Row pitch in floats, 8 mod 32: a fragment's 32 loads (rows q, q + 4; columns g) fall in
 // 32 distinct banks.
 #define RD_PITCH (RD_BM + 8)
