@@ -79,7 +79,7 @@ mod workspace;
 
 pub use abi::{bwd_defines, BWD_ENTRIES, BWD_SOURCE};
 pub use plan::MoeBackwardPlan;
-pub use workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
+pub use workspace::{dw_parts, router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
 
 #[cfg(test)]
 mod tests {
