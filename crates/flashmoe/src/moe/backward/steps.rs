@@ -96,7 +96,8 @@ pub(super) fn backward_steps(
     // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue. On the
     // sm_90a path with the forward's gate/up the epilogue is the GEMM's own (G stays in
     // registers; ws.g holds the partial sums of dw, summed per slot after it).
-    if let (Some(gu), true) = (saved_gu, perm.is_some()) {
+    let fused_swiglu = saved_gu.is_some() && perm.is_some();
+    if let (Some(gu), true) = (saved_gu, fused_swiglu) {
         f(Step::Sm90RowsSwiglu(Sm90RowsSwiglu {
             a: dout_rows,
             w2: a.w2.ptr,
@@ -139,7 +140,7 @@ pub(super) fn backward_steps(
             k_dim: hi,
         }))?;
     }
-    if !(saved_gu.is_some() && perm.is_some()) {
+    if !fused_swiglu {
         f(Step::Swiglu {
             slots: r,
             ptrs: [
