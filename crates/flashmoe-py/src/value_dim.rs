@@ -1,6 +1,7 @@
-//! `flashmoe._core.pad_value_head_dim`: the router's rule for a value head dim other than
-//! the query/key one ([`flashmoe::attention::route::pad_value_head_dim`]), so that the torch
-//! layer pads and scales exactly as flashmoe-candle does.
+//! `flashmoe._core.pad_value_head_dim` / `pad_head_dims`: the router's rule for a value head
+//! dim other than the query/key one ([`flashmoe::attention::route::pad_value_head_dim`]) and
+//! for head dims the kernels do not serve as they are, so that the torch layer pads and
+//! scales exactly as flashmoe-candle does.
 
 use crate::common::py_err;
 use flashmoe::attention::route;
@@ -23,6 +24,24 @@ fn pad_value_head_dim(
     Ok((p.head_dim, p.pad_qk(), p.pad_v(), p.softmax_scale))
 }
 
+/// `(head_dim, pad_qk, pad_v, softmax_scale)` as [`pad_value_head_dim`] for any head dims
+/// up to 256 ([`flashmoe::attention::route::pad_head_dims`]): the larger rounded up to a
+/// multiple of 8, and with `backward` to the next head dim the backward kernels serve. A
+/// head dim outside 1..=256 (or above 128 with `backward`) raises `NotImplementedError`.
+#[pyfunction]
+#[pyo3(signature = (head_dim_qk, head_dim_v, softmax_scale=None, backward=false))]
+fn pad_head_dims(
+    head_dim_qk: usize,
+    head_dim_v: usize,
+    softmax_scale: Option<f32>,
+    backward: bool,
+) -> PyResult<(usize, usize, usize, Option<f32>)> {
+    let p = route::pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, backward)
+        .map_err(py_err)?;
+    Ok((p.head_dim, p.pad_qk(), p.pad_v(), p.softmax_scale))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(pad_value_head_dim, m)?)
+    m.add_function(wrap_pyfunction!(pad_value_head_dim, m)?)?;
+    m.add_function(wrap_pyfunction!(pad_head_dims, m)?)
 }

@@ -1586,6 +1586,10 @@ VALUE_DIM_CASES = [
     (torch.bfloat16, 2, 130, 130, 4, 1, 64, 32, True),  # sm_90a at 64, MQA
     (torch.bfloat16, 2, 150, 99, 4, 2, 96, 128, True),  # q, k padded: sm_90a at 128, Sq > Sk
     (torch.float16, 1, 64, 64, 8, 8, 32, 64, False),
+    # head dims that are not multiples of 8 (FlashAttention-2 serves them by padding): all padded
+    (torch.bfloat16, 2, 150, 150, 4, 2, 59, 59, True),  # -> 64
+    (torch.float16, 1, 90, 130, 4, 4, 111, 111, False),  # -> 112 (portable kernel)
+    (torch.bfloat16, 1, 70, 70, 2, 1, 20, 36, True),  # -> 40
 ]
 
 
@@ -1602,13 +1606,10 @@ def test_attention_value_head_dim_matches_f64(case):
     ro, rlse = windowed_ref(q, k, v, 1.0 / math.sqrt(dqk), causal, (-1, -1), 0.0)
     gate(o, ro, dtype, f"o ({dqk}/{dv})")
     check_lse(lse, rlse, "lse")
-    # exactly the padded call made by hand
-    pad = max(dqk, dv)
-    if dv < dqk:
-        want = flashmoe.attention(q, k, F.pad(v, (0, pad - dv)), causal=causal)[..., :dv]
-    else:
-        want = flashmoe.attention(F.pad(q, (0, pad - dqk)), F.pad(k, (0, pad - dqk)), v, causal=causal,
-                                  softmax_scale=f32_scale(dqk))
+    # exactly the padded call made by hand: max(D_qk, D_v) rounded up to a multiple of 8
+    pad = -(-max(dqk, dv) // 8) * 8
+    want = flashmoe.attention(F.pad(q, (0, pad - dqk)), F.pad(k, (0, pad - dqk)), F.pad(v, (0, pad - dv)),
+                              causal=causal, softmax_scale=None if pad == dqk else f32_scale(dqk))[..., :dv]
     assert torch.equal(o, want)
 
 
@@ -1629,6 +1630,10 @@ VALUE_DIM_GRAD_CASES = [
     (torch.bfloat16, 2, 200, 200, 8, 2, 64, 32, True),
     (torch.float16, 2, 77, 130, 4, 4, 96, 128, True),
     (torch.bfloat16, 1, 120, 120, 4, 1, 128, 64, False),
+    # head dims without a backward kernel, padded to the next one that has one
+    (torch.bfloat16, 2, 100, 100, 4, 2, 40, 40, True),  # -> 64
+    (torch.float16, 1, 77, 77, 4, 4, 111, 111, False),  # -> 128
+    (torch.bfloat16, 1, 64, 90, 4, 1, 80, 80, True),  # -> 96
 ]
 
 

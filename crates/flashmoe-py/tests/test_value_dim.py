@@ -120,7 +120,6 @@ def close(a, b, what, tol=1e-10):
 
 
 DIMS = [(192, 128), (64, 32), (96, 128), (32, 64)]
-
 DENSE_CASES = [
     # b, sq, sk, hq, hkv, causal, softmax_scale, window, softcap
     (2, 9, 9, 4, 2, True, None, (-1, -1), 0.0),  # GQA, causal
@@ -178,6 +177,67 @@ def test_attention_inference_path(kernels, dims):
     assert o.shape == (2, 6, 4, dv) and o.is_contiguous()
     close(o, ref_dense(q, k, v, f32_default_scale(dqk), True)[0], "o")
 
+
+# Head dims the kernels do not serve as they are: not multiples of 8 (FlashAttention-2's 59, 111;
+# all three tensors padded) and, with a backward to record, dims without a backward kernel (40 → 64).
+ODD_DIMS = [(59, 59), (111, 111), (40, 40), (20, 36)]
+
+
+def served_dim(dqk, dv, backward):
+    """The head dim the kernels run the call at (the router's rule, written out)."""
+    d = -(-max(dqk, dv) // 8) * 8
+    if backward and d <= 128:
+        d = next(b for b in (32, 64, 96, 128) if b >= d)
+    return d
+
+
+@pytest.mark.parametrize("dims", ODD_DIMS)
+@pytest.mark.parametrize("case", DENSE_CASES[:3])
+def test_odd_head_dims_match_the_unpadded_reference(kernels, dims, case):
+    dqk, dv = dims
+    b, sq, sk, hq, hkv, causal, scale, window, softcap = case
+    q = torch.randn(b, sq, hq, dqk, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, sk, hkv, dqk, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, sk, hkv, dv, dtype=torch.float64, requires_grad=True)
+    o, lse = flashmoe.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    (call,) = kernels.calls
+    pad = served_dim(dqk, dv, True)
+    assert [call[n].shape[-1] for n in "qkv"] == [pad] * 3
+    assert call["softmax_scale"] == (scale if scale is not None else f32_default_scale(dqk))
+    assert o.shape == (b, sq, hq, dv) and o.is_contiguous()
+    rs = scale if scale is not None else f32_default_scale(dqk)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ro, rlse = ref_dense(q64, k64, v64, rs, causal)
+    close(o.detach(), ro.detach(), "o")
+    close(lse.detach(), rlse.detach(), "lse")
+    do = torch.randn_like(ro)
+    o.backward(do)
+    ro.backward(do)
+    for name, t, r in zip("qkv", (q, k, v), (q64, k64, v64)):
+        close(t.grad, r.grad, f"d{name}")
+    # without a backward to record, the forward's dim (the next multiple of 8)
+    kernels.calls.clear()
+    with torch.no_grad():
+        o2 = flashmoe.attention(q, k, v, causal=causal, softmax_scale=scale)
+    (call,) = kernels.calls
+    assert call["q"].shape[-1] == served_dim(dqk, dv, False)
+    close(o2, ro.detach(), "o without grad")
+
+
+def test_the_odd_rule_is_the_routers():
+    for dqk in (1, 7, 40, 59, 80, 111, 129, 250, 256):
+        for dv in (dqk, 64, 100):
+            for backward in (False, True):
+                want = served_dim(dqk, dv, backward)
+                if backward and want > 128:
+                    with pytest.raises(NotImplementedError, match="backward kernels serve head dims up to 128"):
+                        _core.pad_head_dims(dqk, dv, None, backward)
+                    continue
+                d, pqk, pv, s = _core.pad_head_dims(dqk, dv, None, backward)
+                assert (d, pqk, pv) == (want, want - dqk, want - dv)
+                assert s == (None if d == dqk else f32_default_scale(dqk))
+    with pytest.raises(NotImplementedError, match="query/key head dim 257"):
+        _core.pad_head_dims(257, 64)
 
 VARLEN_CASES = [
     # q lengths, k lengths, hq, hkv, causal
@@ -304,8 +364,8 @@ def test_meta_backward_shapes(dims):
 
 def test_errors_name_the_problem():
     q = torch.randn(1, 4, 2, 192, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="value head dim 100"):
-        flashmoe.attention(q, q, torch.randn(1, 4, 2, 100, dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match="value head dim 300"):
+        flashmoe.attention(q, q, torch.randn(1, 4, 2, 300, dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match="query/key head dim 264"):
         x = torch.randn(1, 4, 2, 264, dtype=torch.bfloat16)
         flashmoe.attention(x, x, q)

@@ -332,7 +332,7 @@ _forward_only("attention_alibi", ("q", "k", "v", "alibi_slopes"))
 _attention_alibi_op = torch.ops.flashmoe.attention_alibi.default
 
 # Head dims the backward plan serves (``flashmoe::attention::backward::BWD_HEAD_DIMS``).
-_BWD_HEAD_DIMS = (32, 64, 96, 128)
+_BWD_HEAD_DIMS = _value_dim.BWD_HEAD_DIMS
 # The backward plans: (device index, dtype, head_dim, heads_q, heads_kv, causal, softmax_scale,
 # window_left, window_right, softcap, deterministic) -> _core.AttentionBackwardPlan.
 
@@ -452,20 +452,22 @@ def attention(
     Differentiable: with grad mode on and q, k or v requiring grad, the call goes through the op,
     whose autograd formula saves q, k, v, o and lse and computes dq, dk, dv with the library's
     backward (``torch.ops.flashmoe.attention_backward``: head dims 32, 64, 96, 128, every mask,
-    window and softcap above). lse is not differentiated through. A head dim without a backward
-    raises a RuntimeError at the forward call (never a silent detach).
+    window and softcap above; other head dims up to 128 run zero-padded to the next of those, as
+    below). lse is not differentiated through. A head dim without a backward (above 128) raises a
+    RuntimeError at the forward call (never a silent detach).
 
     ``deterministic`` (FlashAttention's switch): True gives bit-identical gradients run to run;
     False the fastest backward, which on Hopper sums dq with f32 reductions in the order they land
     (dq may differ in its last bits between runs; dk and dv do not). None (the default) follows
     ``torch.are_deterministic_algorithms_enabled()`` at the forward call.
 
-    v may have a value head dim of its own (D_v ≠ D_qk, e.g. DeepSeek MLA's 192 / 128; multiples of 8
-    up to 256): o is then (batch, seqlen_q, heads_q, D_v) and the call runs exactly at D = max(D_qk,
-    D_v) on zero-padded copies (v, or q and k), ``softmax_scale`` defaulting to 1/sqrt(D_qk)
-    (``_value_dim``; docs/python.md, "Value head dim").
+    v may have a value head dim of its own (D_v ≠ D_qk, e.g. DeepSeek MLA's 192 / 128), and head dims
+    need not be multiples of 8 (1 to 256, e.g. 59 or 111 as FlashAttention-2 serves them): o is then
+    (batch, seqlen_q, heads_q, D_v) and the call runs exactly at D = max(D_qk, D_v) rounded up to a
+    multiple of 8 (with a backward to record: to the next backward head dim) on zero-padded copies,
+    ``softmax_scale`` defaulting to 1/sqrt(D_qk) (``_value_dim``; docs/python.md, "Value head dim").
     """
-    if v.shape[-1] != k.shape[-1]:  # D_v != D_qk: padded to one head dim (_value_dim)
+    if _value_dim.needs_pad(q, k, v):  # D_v != D_qk, D not a multiple of 8, ...: padded (_value_dim)
         q, k, v, softmax_scale, dv = _value_dim.pad("attention", q, k, v, softmax_scale)
         out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                         softcap=softcap, return_lse=return_lse, alibi_slopes=alibi_slopes,
@@ -639,10 +641,11 @@ def attention_varlen(
     (``torch.ops.flashmoe.attention_varlen_backward``: head dims 32, 64, 96, 128, every mask above,
     any GPU of compute capability 8.0 or newer; rows outside every sequence get zero gradients).
 
-    v may have a value head dim of its own, as in ``attention`` (o is then (total_q, heads_q, D_v));
-    the padded head dim max(D_qk, D_v) must be one the varlen kernel serves (64 or 128).
+    v may have a value head dim of its own and head dims need not be multiples of 8, as in
+    ``attention`` (o is then (total_q, heads_q, D_v)); the padded head dim must be one the varlen
+    kernel serves (64 or 128).
     """
-    if v.shape[-1] != k.shape[-1]:  # D_v != D_qk: padded to one head dim (_value_dim)
+    if _value_dim.needs_pad(q, k, v):  # D_v != D_qk, D not a multiple of 8, ...: padded (_value_dim)
         q, k, v, softmax_scale, dv = _value_dim.pad("attention_varlen", q, k, v, softmax_scale)
         out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,

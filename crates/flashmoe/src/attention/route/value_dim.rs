@@ -1,6 +1,7 @@
 //! A value head dim that differs from the query/key head dim (D_v ≠ D_qk: DeepSeek MLA's
 //! prefill, 192 / 128): the rule the front ends share to run such a call exactly on the
-//! kernels of one head dim D = max(D_qk, D_v).
+//! kernels of one head dim D = max(D_qk, D_v). [`pad_head_dims`] extends it to any head dim
+//! up to 256 (rounded up to a multiple of 8) and to the backward's head dims.
 //!
 //! - D_v < D_qk: v is zero-padded to D_qk; the padded columns of o are P·0 = 0 and are
 //!   dropped (o[..., :D_v]). The default scale 1/sqrt(D_qk) is the plan's own at D.
@@ -14,6 +15,7 @@
 //! over D instead of D_qk).
 
 use super::{default_scale, BACKEND};
+use crate::attention::backward::BWD_HEAD_DIMS;
 use crate::attention::prefill::abi::{v1_serves, V1_HEAD_DIMS_TEXT};
 use crate::{Error, Result};
 
@@ -42,9 +44,9 @@ impl ValueDimPad {
         self.head_dim - self.head_dim_v
     }
 
-    /// Whether nothing is padded (D_v = D_qk).
+    /// Whether nothing is padded.
     pub fn is_identity(&self) -> bool {
-        self.head_dim_qk == self.head_dim_v
+        self.pad_qk() == 0 && self.pad_v() == 0
     }
 }
 
@@ -81,7 +83,65 @@ pub fn pad_value_head_dim(
             )));
         }
     }
-    let head_dim = head_dim_qk.max(head_dim_v);
+    pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, false)
+}
+
+/// The padding of any call with query/key head dim `head_dim_qk` and value head dim
+/// `head_dim_v` (each 1..=256) onto kernels of one head dim: the larger of the two rounded
+/// up to a multiple of 8 (FlashAttention-2's rule for head dims such as 59 or 111), and with
+/// `backward` the smallest head dim ≥ that which the backward kernels serve (32, 64, 96,
+/// 128; 40 runs at 64). q and k, v, or all three get zero columns; the scores, softmax and
+/// lse are the unpadded call's and o's first `head_dim_v` columns are its o (the
+/// gradients of the padded columns are zero). The scale as [`pad_value_head_dim`]'s: the
+/// caller's, else 1/sqrt(head_dim_qk), passed explicitly when q and k are padded. A head dim
+/// outside 1..=256, or `backward` above 128, is an [`Error::Unsupported`] naming it.
+pub fn pad_head_dims(
+    head_dim_qk: usize,
+    head_dim_v: usize,
+    softmax_scale: Option<f32>,
+    backward: bool,
+) -> Result<ValueDimPad> {
+    for (what, d) in [
+        ("query/key head dim", head_dim_qk),
+        ("value head dim", head_dim_v),
+    ] {
+        if d == 0 || !v1_serves(d.next_multiple_of(8)) {
+            return Err(Error::unsupported(
+                BACKEND,
+                format!(
+                    "{what} {d} (query/key {head_dim_qk}, value {head_dim_v}) is not \
+                     supported: flashmoe serves head dims 1 to 256 (the kernels run at \
+                     {V1_HEAD_DIMS_TEXT}; other dims are zero-padded to the next)"
+                ),
+            ));
+        }
+    }
+    if let Some(s) = softmax_scale {
+        if !s.is_finite() {
+            return Err(Error::invalid(format!(
+                "softmax_scale must be finite (got {s})"
+            )));
+        }
+    }
+    let forward_dim = head_dim_qk.max(head_dim_v).next_multiple_of(8);
+    let head_dim = if backward {
+        *BWD_HEAD_DIMS
+            .iter()
+            .find(|&&d| d >= forward_dim)
+            .ok_or_else(|| {
+                Error::unsupported(
+                    BACKEND,
+                    format!(
+                        "the backward for head dims {head_dim_qk} / {head_dim_v}: the \
+                         backward kernels serve head dims up to {} (zero-padded to one of \
+                         {BWD_HEAD_DIMS:?})",
+                        BWD_HEAD_DIMS[BWD_HEAD_DIMS.len() - 1]
+                    ),
+                )
+            })?
+    } else {
+        forward_dim
+    };
     let softmax_scale = match softmax_scale {
         Some(s) => Some(s),
         None if head_dim == head_dim_qk => None,
@@ -150,5 +210,45 @@ mod tests {
         }
         let e = pad_value_head_dim(192, 128, Some(f32::NAN)).unwrap_err();
         assert!(matches!(e, Error::InvalidProblem(_)), "{e}");
+    }
+
+    #[test]
+    fn any_head_dim_pads_to_the_next_served_one() {
+        // FlashAttention-2's odd head dims: all three tensors padded, the scale of the dim
+        let p = pad_head_dims(59, 59, None, false).unwrap();
+        assert_eq!((p.head_dim, p.pad_qk(), p.pad_v()), (64, 5, 5));
+        assert_eq!(p.softmax_scale, Some(default_scale(59)));
+        assert!(!p.is_identity());
+        let p = pad_head_dims(111, 111, Some(0.1), false).unwrap();
+        assert_eq!((p.head_dim, p.softmax_scale), (112, Some(0.1)));
+        // a backward: the next head dim the backward kernels serve
+        for (d, want) in [(111, 128), (40, 64), (80, 96), (16, 32), (1, 32), (64, 64)] {
+            let p = pad_head_dims(d, d, None, true).unwrap();
+            assert_eq!(p.head_dim, want, "{d}");
+            assert_eq!(p.softmax_scale.is_none(), want == d, "{d}");
+        }
+        let p = pad_head_dims(96, 100, None, true).unwrap();
+        assert_eq!((p.head_dim, p.pad_qk(), p.pad_v()), (128, 32, 28));
+        // multiples of 8 without a backward are left alone, and the old rule is this one
+        assert!(pad_head_dims(128, 128, None, false).unwrap().is_identity());
+        assert_eq!(
+            pad_head_dims(192, 128, None, false).unwrap(),
+            pad_value_head_dim(192, 128, None).unwrap()
+        );
+    }
+
+    #[test]
+    fn head_dims_beyond_the_kernels_are_named() {
+        for (qk, v, backward, bad) in [
+            (0, 64, false, "query/key head dim 0"),
+            (257, 257, false, "query/key head dim 257"),
+            (64, 300, false, "value head dim 300"),
+            (136, 136, true, "backward for head dims 136 / 136"),
+            (192, 128, true, "backward kernels serve head dims up to 128"),
+        ] {
+            let e = pad_head_dims(qk, v, None, backward).unwrap_err();
+            assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+            assert!(e.to_string().contains(bad), "{e}");
+        }
     }
 }
