@@ -26,17 +26,28 @@ fn pad_value_head_dim(
 
 /// `(head_dim, pad_qk, pad_v, softmax_scale)` as [`pad_value_head_dim`] for any head dims
 /// up to 256 ([`flashmoe::attention::route::pad_head_dims`]): the larger rounded up to a
-/// multiple of 8, and with `backward` to the next head dim the backward kernels serve. A
-/// head dim outside 1..=256 (or above 128 with `backward`) raises `NotImplementedError`.
+/// multiple of 8, then to the next head dim of `target`'s kernels: "forward" (any multiple of
+/// 8), "backward" (32, 64, 96, 128) or "varlen" (64, 128). A head dim outside 1..=256, or
+/// above the target's largest, raises `NotImplementedError`; another target `ValueError`.
 #[pyfunction]
-#[pyo3(signature = (head_dim_qk, head_dim_v, softmax_scale=None, backward=false))]
+#[pyo3(signature = (head_dim_qk, head_dim_v, softmax_scale=None, target="forward"))]
 fn pad_head_dims(
     head_dim_qk: usize,
     head_dim_v: usize,
     softmax_scale: Option<f32>,
-    backward: bool,
+    target: &str,
 ) -> PyResult<(usize, usize, usize, Option<f32>)> {
-    let p = route::pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, backward)
+    let target = match target {
+        "forward" => route::PadTarget::Forward,
+        "backward" => route::PadTarget::Backward,
+        "varlen" => route::PadTarget::Varlen,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "pad_head_dims: target must be \"forward\", \"backward\" or \"varlen\", not {other:?}"
+            )))
+        }
+    };
+    let p = route::pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, target)
         .map_err(py_err)?;
     Ok((p.head_dim, p.pad_qk(), p.pad_v(), p.softmax_scale))
 }

@@ -150,10 +150,15 @@ def test_attention_errors():
         flashmoe.attention(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="4-D"):
         flashmoe.attention(q[0], q[0], q[0])
-    # head dims: multiples of 8 up to 256 (48 runs on the portable kernel), others raise
+    # head dims up to 256; those off multiples of 8 run zero-padded (44 at 48, the portable
+    # kernel: exactly the padded call made by hand); above 256 raise
     h44 = torch.randn(1, 16, 4, 44, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(NotImplementedError, match="head dim 44"):
-        flashmoe.attention(h44, h44, h44)
+    padded = F.pad(h44, (0, 4))
+    want = flashmoe.attention(padded, padded, padded, softmax_scale=f32_scale(44))[..., :44]
+    assert torch.equal(flashmoe.attention(h44, h44, h44), want)
+    h264 = torch.randn(1, 16, 4, 264, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(NotImplementedError, match="head dim 264"):
+        flashmoe.attention(h264, h264, h264)
     # a seq stride that is not a multiple of 8 elements (TMA's 16 bytes)
     wide = torch.randn(1, 16, 4 * 64 + 4, dtype=torch.bfloat16, device=DEV)
     bad = wide[..., : 4 * 64].unflatten(-1, (4, 64))
@@ -1671,6 +1676,10 @@ VARLEN_VALUE_DIM_CASES = [
     (torch.bfloat16, 64, 32, 8, 2, True, [1, 7, 130, 61], None),
     (torch.float16, 96, 128, 4, 1, True, [3, 1, 97], [5, 13, 200]),
     (torch.bfloat16, 128, 64, 4, 4, False, [33, 100], None),
+    # head dims other than the varlen kernels' 64 / 128, padded to the next (FA2's varlen calls)
+    (torch.bfloat16, 96, 96, 4, 2, True, [5, 1, 140], None),  # -> 128
+    (torch.float16, 40, 40, 4, 4, False, [17, 64], [30, 64]),  # -> 64
+    (torch.bfloat16, 59, 59, 8, 1, True, [1, 77], None),  # -> 64
 ]
 
 

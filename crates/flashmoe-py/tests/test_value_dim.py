@@ -183,11 +183,12 @@ def test_attention_inference_path(kernels, dims):
 ODD_DIMS = [(59, 59), (111, 111), (40, 40), (20, 36)]
 
 
-def served_dim(dqk, dv, backward):
+def served_dim(dqk, dv, target):
     """The head dim the kernels run the call at (the router's rule, written out)."""
     d = -(-max(dqk, dv) // 8) * 8
-    if backward and d <= 128:
-        d = next(b for b in (32, 64, 96, 128) if b >= d)
+    dims = {"forward": (), "backward": (32, 64, 96, 128), "varlen": (64, 128)}[target]
+    if dims and d <= dims[-1]:
+        d = next(b for b in dims if b >= d)
     return d
 
 
@@ -201,7 +202,7 @@ def test_odd_head_dims_match_the_unpadded_reference(kernels, dims, case):
     v = torch.randn(b, sk, hkv, dv, dtype=torch.float64, requires_grad=True)
     o, lse = flashmoe.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
     (call,) = kernels.calls
-    pad = served_dim(dqk, dv, True)
+    pad = served_dim(dqk, dv, "backward")
     assert [call[n].shape[-1] for n in "qkv"] == [pad] * 3
     assert call["softmax_scale"] == (scale if scale is not None else f32_default_scale(dqk))
     assert o.shape == (b, sq, hq, dv) and o.is_contiguous()
@@ -220,24 +221,26 @@ def test_odd_head_dims_match_the_unpadded_reference(kernels, dims, case):
     with torch.no_grad():
         o2 = flashmoe.attention(q, k, v, causal=causal, softmax_scale=scale)
     (call,) = kernels.calls
-    assert call["q"].shape[-1] == served_dim(dqk, dv, False)
+    assert call["q"].shape[-1] == served_dim(dqk, dv, "forward")
     close(o2, ro.detach(), "o without grad")
 
 
 def test_the_odd_rule_is_the_routers():
     for dqk in (1, 7, 40, 59, 80, 111, 129, 250, 256):
         for dv in (dqk, 64, 100):
-            for backward in (False, True):
-                want = served_dim(dqk, dv, backward)
-                if backward and want > 128:
-                    with pytest.raises(NotImplementedError, match="backward kernels serve head dims up to 128"):
-                        _core.pad_head_dims(dqk, dv, None, backward)
+            for target in ("forward", "backward", "varlen"):
+                want = served_dim(dqk, dv, target)
+                if target != "forward" and want > 128:
+                    with pytest.raises(NotImplementedError, match="they serve head dims up to 128"):
+                        _core.pad_head_dims(dqk, dv, None, target)
                     continue
-                d, pqk, pv, s = _core.pad_head_dims(dqk, dv, None, backward)
+                d, pqk, pv, s = _core.pad_head_dims(dqk, dv, None, target)
                 assert (d, pqk, pv) == (want, want - dqk, want - dv)
                 assert s == (None if d == dqk else f32_default_scale(dqk))
     with pytest.raises(NotImplementedError, match="query/key head dim 257"):
         _core.pad_head_dims(257, 64)
+    with pytest.raises(ValueError, match="target must be"):
+        _core.pad_head_dims(64, 64, None, "sideways")
 
 VARLEN_CASES = [
     # q lengths, k lengths, hq, hkv, causal
@@ -269,6 +272,29 @@ def test_attention_varlen_outputs_and_grads_match_the_unpadded_reference(kernels
     ro, rlse = ref_varlen(q64, k64, v64, cu_q, cu_k, f32_default_scale(dqk), causal)
     close(o.detach(), ro.detach(), "o")
     close(lse.detach(), rlse.detach(), "lse")
+    do = torch.randn_like(ro)
+    o.backward(do)
+    ro.backward(do)
+    for name, t, r in zip("qkv", (q, k, v), (q64, k64, v64)):
+        close(t.grad, r.grad, f"d{name}")
+
+
+@pytest.mark.parametrize("dims", ODD_DIMS + [(96, 96), (32, 32)])
+def test_attention_varlen_pads_to_the_varlen_head_dims(kernels, dims):
+    # the varlen kernels serve 64 and 128: every head dim up to 128 runs padded to one of them
+    dqk, dv = dims
+    lq, lk, hq, hkv = [3, 1, 8], [5, 1, 9], 4, 2
+    cu_q, cu_k = [0, 3, 4, 12], [0, 5, 6, 15]
+    cq, ck = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    q = torch.randn(cu_q[-1], hq, dqk, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(cu_k[-1], hkv, dqk, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(cu_k[-1], hkv, dv, dtype=torch.float64, requires_grad=True)
+    o = flashmoe.attention_varlen(q, k, v, cq, ck, max(lq), max(lk), causal=True)
+    (call,) = kernels.calls
+    assert [call[n].shape[-1] for n in "qkv"] == [served_dim(dqk, dv, "varlen")] * 3
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ro, _ = ref_varlen(q64, k64, v64, cu_q, cu_k, f32_default_scale(dqk), True)
+    close(o.detach(), ro.detach(), "o")
     do = torch.randn_like(ro)
     o.backward(do)
     ro.backward(do)

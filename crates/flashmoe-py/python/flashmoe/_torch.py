@@ -641,12 +641,12 @@ def attention_varlen(
     (``torch.ops.flashmoe.attention_varlen_backward``: head dims 32, 64, 96, 128, every mask above,
     any GPU of compute capability 8.0 or newer; rows outside every sequence get zero gradients).
 
-    v may have a value head dim of its own and head dims need not be multiples of 8, as in
-    ``attention`` (o is then (total_q, heads_q, D_v)); the padded head dim must be one the varlen
-    kernel serves (64 or 128).
+    v may have a value head dim of its own, and head dims other than the varlen kernels' 64 and 128
+    run zero-padded to the next of those (up to 128: 40 and 59 at 64, 96 and 111 at 128), as in ``attention``
+    (o is then (total_q, heads_q, D_v)).
     """
-    if _value_dim.needs_pad(q, k, v):  # D_v != D_qk, D not a multiple of 8, ...: padded (_value_dim)
-        q, k, v, softmax_scale, dv = _value_dim.pad("attention_varlen", q, k, v, softmax_scale)
+    if _value_dim.needs_pad(q, k, v, varlen=True):  # D_v != D_qk, D not 64/128, ...: padded (_value_dim)
+        q, k, v, softmax_scale, dv = _value_dim.pad("attention_varlen", q, k, v, softmax_scale, varlen=True)
         out = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                return_lse=return_lse)

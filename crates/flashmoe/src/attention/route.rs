@@ -46,7 +46,7 @@ use crate::attention::AttentionClass;
 use crate::{DType, Error, Result};
 
 mod value_dim;
-pub use value_dim::{pad_head_dims, pad_value_head_dim, ValueDimPad};
+pub use value_dim::{pad_head_dims, pad_value_head_dim, PadTarget, ValueDimPad};
 
 /// The backend name of the router's [`Error::Unsupported`] errors.
 pub const BACKEND: &str = "flashmoe";

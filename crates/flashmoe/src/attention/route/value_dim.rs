@@ -17,6 +17,7 @@
 use super::{default_scale, BACKEND};
 use crate::attention::backward::BWD_HEAD_DIMS;
 use crate::attention::prefill::abi::{v1_serves, V1_HEAD_DIMS_TEXT};
+use crate::attention::prefill::tiles::SM90_HEAD_DIMS;
 use crate::{Error, Result};
 
 /// How a call of query/key head dim `head_dim_qk` and value head dim `head_dim_v` runs on
@@ -83,23 +84,47 @@ pub fn pad_value_head_dim(
             )));
         }
     }
-    pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, false)
+    pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, PadTarget::Forward)
+}
+
+/// The kernels a padded call must land on ([`pad_head_dims`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PadTarget {
+    /// The forward kernels of the dense call: any multiple of 8 up to 256.
+    Forward,
+    /// A call that also runs the backward: the head dims the backward kernels serve
+    /// ([`BWD_HEAD_DIMS`]: 32, 64, 96, 128).
+    Backward,
+    /// The varlen forward (sm_90a: 64 and 128), whose head dims the varlen backward also
+    /// serves.
+    Varlen,
+}
+
+impl PadTarget {
+    fn served(self) -> &'static [usize] {
+        match self {
+            PadTarget::Forward => &[],
+            PadTarget::Backward => &BWD_HEAD_DIMS,
+            PadTarget::Varlen => &SM90_HEAD_DIMS,
+        }
+    }
 }
 
 /// The padding of any call with query/key head dim `head_dim_qk` and value head dim
 /// `head_dim_v` (each 1..=256) onto kernels of one head dim: the larger of the two rounded
-/// up to a multiple of 8 (FlashAttention-2's rule for head dims such as 59 or 111), and with
-/// `backward` the smallest head dim ≥ that which the backward kernels serve (32, 64, 96,
-/// 128; 40 runs at 64). q and k, v, or all three get zero columns; the scores, softmax and
-/// lse are the unpadded call's and o's first `head_dim_v` columns are its o (the
-/// gradients of the padded columns are zero). The scale as [`pad_value_head_dim`]'s: the
-/// caller's, else 1/sqrt(head_dim_qk), passed explicitly when q and k are padded. A head dim
-/// outside 1..=256, or `backward` above 128, is an [`Error::Unsupported`] naming it.
+/// up to a multiple of 8 (FlashAttention-2's rule for head dims such as 59 or 111), and for
+/// a [`PadTarget::Backward`] or [`PadTarget::Varlen`] call the smallest head dim ≥ that
+/// which those kernels serve (a backward at 40 runs at 64; varlen at 96 runs at 128). q and
+/// k, v, or all three get zero columns; the scores, softmax and lse are the unpadded call's
+/// and o's first `head_dim_v` columns are its o (the gradients of the padded columns are
+/// zero). The scale as [`pad_value_head_dim`]'s: the caller's, else 1/sqrt(head_dim_qk),
+/// passed explicitly when q and k are padded. A head dim outside 1..=256, or above the
+/// target's largest (128), is an [`Error::Unsupported`] naming it.
 pub fn pad_head_dims(
     head_dim_qk: usize,
     head_dim_v: usize,
     softmax_scale: Option<f32>,
-    backward: bool,
+    target: PadTarget,
 ) -> Result<ValueDimPad> {
     for (what, d) in [
         ("query/key head dim", head_dim_qk),
@@ -124,23 +149,24 @@ pub fn pad_head_dims(
         }
     }
     let forward_dim = head_dim_qk.max(head_dim_v).next_multiple_of(8);
-    let head_dim = if backward {
-        *BWD_HEAD_DIMS
-            .iter()
-            .find(|&&d| d >= forward_dim)
-            .ok_or_else(|| {
-                Error::unsupported(
-                    BACKEND,
-                    format!(
-                        "the backward for head dims {head_dim_qk} / {head_dim_v}: the \
-                         backward kernels serve head dims up to {} (zero-padded to one of \
-                         {BWD_HEAD_DIMS:?})",
-                        BWD_HEAD_DIMS[BWD_HEAD_DIMS.len() - 1]
-                    ),
-                )
-            })?
-    } else {
+    let served = target.served();
+    let head_dim = if served.is_empty() {
         forward_dim
+    } else {
+        *served.iter().find(|&&d| d >= forward_dim).ok_or_else(|| {
+            let what = match target {
+                PadTarget::Varlen => "the varlen kernels",
+                _ => "the backward kernels",
+            };
+            Error::unsupported(
+                BACKEND,
+                format!(
+                    "head dims {head_dim_qk} / {head_dim_v} on {what}: they serve head dims \
+                     up to {} (other dims zero-padded to one of {served:?})",
+                    served[served.len() - 1]
+                ),
+            )
+        })?
     };
     let softmax_scale = match softmax_scale {
         Some(s) => Some(s),
@@ -215,38 +241,56 @@ mod tests {
     #[test]
     fn any_head_dim_pads_to_the_next_served_one() {
         // FlashAttention-2's odd head dims: all three tensors padded, the scale of the dim
-        let p = pad_head_dims(59, 59, None, false).unwrap();
+        let p = pad_head_dims(59, 59, None, PadTarget::Forward).unwrap();
         assert_eq!((p.head_dim, p.pad_qk(), p.pad_v()), (64, 5, 5));
         assert_eq!(p.softmax_scale, Some(default_scale(59)));
         assert!(!p.is_identity());
-        let p = pad_head_dims(111, 111, Some(0.1), false).unwrap();
+        let p = pad_head_dims(111, 111, Some(0.1), PadTarget::Forward).unwrap();
         assert_eq!((p.head_dim, p.softmax_scale), (112, Some(0.1)));
         // a backward: the next head dim the backward kernels serve
         for (d, want) in [(111, 128), (40, 64), (80, 96), (16, 32), (1, 32), (64, 64)] {
-            let p = pad_head_dims(d, d, None, true).unwrap();
+            let p = pad_head_dims(d, d, None, PadTarget::Backward).unwrap();
             assert_eq!(p.head_dim, want, "{d}");
             assert_eq!(p.softmax_scale.is_none(), want == d, "{d}");
         }
-        let p = pad_head_dims(96, 100, None, true).unwrap();
+        // varlen: the sm_90a varlen kernels' 64 and 128
+        for (d, want) in [(40, 64), (64, 64), (96, 128), (111, 128), (8, 64)] {
+            assert_eq!(
+                pad_head_dims(d, d, None, PadTarget::Varlen)
+                    .unwrap()
+                    .head_dim,
+                want
+            );
+        }
+        let p = pad_head_dims(96, 100, None, PadTarget::Backward).unwrap();
         assert_eq!((p.head_dim, p.pad_qk(), p.pad_v()), (128, 32, 28));
         // multiples of 8 without a backward are left alone, and the old rule is this one
-        assert!(pad_head_dims(128, 128, None, false).unwrap().is_identity());
+        assert!(pad_head_dims(128, 128, None, PadTarget::Forward)
+            .unwrap()
+            .is_identity());
         assert_eq!(
-            pad_head_dims(192, 128, None, false).unwrap(),
+            pad_head_dims(192, 128, None, PadTarget::Forward).unwrap(),
             pad_value_head_dim(192, 128, None).unwrap()
         );
     }
 
     #[test]
     fn head_dims_beyond_the_kernels_are_named() {
-        for (qk, v, backward, bad) in [
-            (0, 64, false, "query/key head dim 0"),
-            (257, 257, false, "query/key head dim 257"),
-            (64, 300, false, "value head dim 300"),
-            (136, 136, true, "backward for head dims 136 / 136"),
-            (192, 128, true, "backward kernels serve head dims up to 128"),
+        use PadTarget::*;
+        for (qk, v, target, bad) in [
+            (0, 64, Forward, "query/key head dim 0"),
+            (257, 257, Forward, "query/key head dim 257"),
+            (64, 300, Forward, "value head dim 300"),
+            (
+                136,
+                136,
+                Backward,
+                "head dims 136 / 136 on the backward kernels",
+            ),
+            (192, 128, Backward, "they serve head dims up to 128"),
+            (192, 192, Varlen, "on the varlen kernels"),
         ] {
-            let e = pad_head_dims(qk, v, None, backward).unwrap_err();
+            let e = pad_head_dims(qk, v, None, target).unwrap_err();
             assert!(matches!(e, Error::Unsupported { .. }), "{e}");
             assert!(e.to_string().contains(bad), "{e}");
         }
