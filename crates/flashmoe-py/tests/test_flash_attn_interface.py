@@ -182,8 +182,6 @@ def test_alibi_is_not_implemented_until_the_op_takes_slopes(ops, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"rotary_cos": "c", "rotary_sin": "s"}, "rotary embedding"),
-    ({"rotary_cos": "c"}, "rotary embedding"),
     ({"cache_leftpad": "p"}, "cache_leftpad is not implemented"),
 ])
 def test_kvcache_options_that_are_not_implemented(ops, kwargs, words):
@@ -261,6 +259,72 @@ def test_kvcache_paged_cache_passes_the_table(kvcache_calls):
     assert calls[-1]["cache_seqlens"].tolist() == [48, 48]
     with pytest.raises(NotImplementedError, match="cache_batch_idx with a block_table"):
         fai.flash_attn_with_kvcache(q, cache, cache, block_table=table, cache_batch_idx=lens)
+
+
+def rotary_reference(torch, x, cos, sin, positions, interleaved):
+    """FlashAttention-2's rotary embedding as complex multiplication, float64: x (b, s, h, d),
+    positions (b, s); the pairs (2j, 2j + 1) (interleaved) or (j, j + r / 2) are the real and
+    imaginary parts rotated by the angle of row `position`, column j of cos / sin."""
+    r = 2 * cos.shape[1]
+    x = x.double()
+    head, tail = x[..., :r], x[..., r:]
+    if interleaved:
+        re, im = head[..., 0::2], head[..., 1::2]
+    else:
+        re, im = head[..., : r // 2], head[..., r // 2:]
+    rot = torch.complex(re, im) * torch.complex(cos.double()[positions], sin.double()[positions]).unsqueeze(2)
+    if interleaved:
+        out = torch.stack((rot.real, rot.imag), dim=-1).flatten(-2)
+    else:
+        out = torch.cat((rot.real, rot.imag), dim=-1)
+    return torch.cat((out, tail), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (8, 0))])
+def test_kvcache_rotary_rotates_q_and_the_new_keys(monkeypatch, interleaved, causal, window):
+    torch = pytest.importorskip("torch")
+    _torch = importlib.import_module("flashmoe._torch")
+    seen = []
+    monkeypatch.setattr(_torch, "attention_with_kvcache", lambda q, kc, vc, **kw: seen.append((q, kw)) or "out")
+    b, sq, hq, hk, d, r, cap = 3, 2, 4, 2, 64, 32, 40
+    q = torch.randn(b, sq, hq, d, dtype=torch.float32)
+    k, v = torch.randn(b, sq, hk, d), torch.randn(b, sq, hk, d)
+    cache = torch.empty(b, cap, hk, d)
+    angle = torch.rand(cap, r // 2) * 6.28
+    cos, sin = angle.cos(), angle.sin()
+    lens = torch.tensor([0, 7, 30], dtype=torch.int32)
+    fai.flash_attn_with_kvcache(q, cache, cache, k, v, cos, sin, lens, causal=causal, window_size=window,
+                                rotary_interleaved=interleaved)
+    (got_q, kw) = seen[-1]
+    steps = torch.arange(sq).view(1, sq)
+    at = lens.long().view(b, 1) + steps
+    want_k = rotary_reference(torch, k, cos, sin, at, interleaved)
+    # q: at the new keys' positions under a causal mask or a window, else all at cache_seqlens
+    q_at = at if (causal or window != (-1, -1)) else lens.long().view(b, 1).expand(b, sq)
+    want_q = rotary_reference(torch, q, cos, sin, q_at, interleaved)
+    assert (got_q.double() - want_q).abs().max().item() < 1e-5
+    assert (kw["k"].double() - want_k).abs().max().item() < 1e-5
+    assert kw["v"] is v and kw["cache_seqlens"] is lens
+    # the dims past rotary_dim are not touched
+    assert torch.equal(got_q[..., r:], q[..., r:]) and torch.equal(kw["k"][..., r:], k[..., r:])
+
+
+def test_kvcache_rotary_errors(monkeypatch):
+    torch = pytest.importorskip("torch")
+    _torch = importlib.import_module("flashmoe._torch")
+    monkeypatch.setattr(_torch, "attention_with_kvcache", lambda *a, **kw: "out")
+    q = torch.randn(1, 1, 2, 64)
+    cache = torch.empty(1, 16, 2, 64)
+    cos = torch.ones(16, 16)
+    with pytest.raises(ValueError, match="apply with k and v"):
+        fai.flash_attn_with_kvcache(q, cache, cache, rotary_cos=cos, rotary_sin=cos)
+    with pytest.raises(ValueError, match="go together"):
+        fai.flash_attn_with_kvcache(q, cache, cache, q, q, rotary_cos=cos)
+    with pytest.raises(ValueError, match="fewer than the cache's 16"):
+        fai.flash_attn_with_kvcache(q, cache, cache, q, q, cos[:8], cos[:8])
+    with pytest.raises(ValueError, match="rotary_dim <= headdim"):
+        fai.flash_attn_with_kvcache(q, cache, cache, q, q, torch.ones(16, 40), torch.ones(16, 40))
 
 
 def test_one_line_swap():

@@ -1393,6 +1393,44 @@ def test_flash_attn_with_kvcache_appends_in_place():
         gate(o[i], ro, torch.bfloat16, f"appended sequence {i}")
 
 
+@pytest.mark.parametrize("interleaved, causal", [(True, True), (False, False)])
+def test_flash_attn_with_kvcache_rotary_matches_f64(interleaved, causal):
+    # FA2's in-call rotary embedding: the new keys (written rotated into the cache) at positions
+    # cache_seqlens + i, q there too when causal, else at cache_seqlens; against a float64
+    # rotation (complex multiplication) and attention over the rotated cache
+    b, s_cache, hq, hkv, d, r, sq = 2, 64, 4, 2, 128, 64, 2
+    k_cache = torch.randn(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_cache = torch.randn(b, s_cache, hkv, d, dtype=torch.bfloat16, device=DEV)
+    q = torch.randn(b, sq, hq, d, dtype=torch.bfloat16, device=DEV)
+    k_new = torch.randn(b, sq, hkv, d, dtype=torch.bfloat16, device=DEV)
+    v_new = torch.randn(b, sq, hkv, d, dtype=torch.bfloat16, device=DEV)
+    angle = torch.rand(s_cache, r // 2, device=DEV) * 6.28
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEV)
+    o = flash_attn_interface.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens,
+                                                     causal=causal, rotary_interleaved=interleaved)
+
+    def rotate(x, positions):
+        x = x.double()
+        head, tail = x[..., :r], x[..., r:]
+        re, im = (head[..., 0::2], head[..., 1::2]) if interleaved else (head[..., : r // 2], head[..., r // 2:])
+        z = torch.complex(re, im) * torch.complex(cos.double()[positions], sin.double()[positions]).unsqueeze(2)
+        out = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+        return torch.cat((out, tail), -1)
+
+    at = lens.long().view(b, 1) + torch.arange(sq, device=DEV).view(1, sq)
+    k_rot = rotate(k_new, at)
+    q_rot = rotate(q, at if causal else lens.long().view(b, 1).expand(b, sq))
+    scale = 1.0 / math.sqrt(d)
+    for i in range(b):
+        n = int(lens[i]) + sq
+        written = k_cache[i, int(lens[i]):n].double()
+        assert (written - k_rot[i]).abs().max().item() <= 0.02, f"rotated keys of sequence {i}"
+        keys = torch.cat((k_cache[i, : int(lens[i])].double(), k_rot[i]))
+        ro, _ = masked_attention_ref(q_rot[i], keys, v_cache[i, :n].double(), scale, causal=causal)
+        gate(o[i], ro, torch.bfloat16, f"rotary sequence {i}")
+
+
 def test_flash_attn_interface_refuses_dropout_on_gpu():
     q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="no attention dropout"):

@@ -12,8 +12,8 @@ above, so they run where those take strided views (see ``flashmoe.attention``; e
 op's error asks for contiguous tensors).
 
 Every FA argument is accepted; one flashmoe does not implement raises instead of being ignored:
-``dropout_p`` other than 0 is a ValueError (flashmoe has no attention dropout); rotary embedding
-(``rotary_cos``/``rotary_sin``), ``cache_leftpad``, the varlen ``block_table``, ALiBi
+``dropout_p`` other than 0 is a ValueError (flashmoe has no attention dropout);
+``cache_leftpad``, the varlen ``block_table``, ALiBi
 (``alibi_slopes``, until the ops take slopes) and ``return_attn_probs=True`` (FA returns the
 softmax matrix; for the log-sum-exp use ``flashmoe.attention(..., return_lse=True)``) raise
 NotImplementedError naming the argument. ``deterministic=True`` gives bit-identical gradients;
@@ -177,6 +177,30 @@ def flash_attn_varlen_func(
                                 softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, **extra)
 
 
+def _apply_rotary(torch, x, cos, sin, offsets, interleaved, same_position):
+    """FlashAttention-2's rotary embedding of x (batch, seqlen, nheads, headdim) in float32,
+    returned in x's dtype: token i of sequence b at position offsets[b] + i (offsets[b] for every
+    token when `same_position`), its first rotary_dim = 2·cos.shape[1] dims rotated — pairs
+    (2j, 2j + 1) when `interleaved` (GPT-J), else (j, j + rotary_dim / 2) (GPT-NeoX) — by the
+    angle whose cos / sin are row `position` of cos / sin; the other dims unchanged."""
+    b, s = x.shape[0], x.shape[1]
+    ro = 2 * cos.shape[1]
+    steps = torch.zeros(s, dtype=torch.int64, device=x.device) if same_position else torch.arange(
+        s, device=x.device)
+    pos = offsets.to(torch.int64).view(b, 1) + steps.view(1, s)  # (b, s)
+    c = cos.float()[pos].unsqueeze(2)  # (b, s, 1, ro / 2)
+    sn = sin.float()[pos].unsqueeze(2)
+    xf = x.float()
+    head, tail = xf[..., :ro], xf[..., ro:]
+    if interleaved:
+        x0, x1 = head[..., 0::2], head[..., 1::2]
+        rot = torch.stack((x0 * c - x1 * sn, x0 * sn + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = head[..., : ro // 2], head[..., ro // 2:]
+        rot = torch.cat((x0 * c - x1 * sn, x0 * sn + x1 * c), dim=-1)
+    return torch.cat((rot, tail), dim=-1).to(x.dtype)
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -210,16 +234,18 @@ def flash_attn_with_kvcache(
     at cache_seqlens.. first, and attention runs over cache_seqlens + seqlen_new keys. ``causal``
     defaults to False as in FA. Returns out, and with ``return_softmax_lse`` (out, softmax_lse
     (batch, nheads, seqlen_q)). No gradient (as FA: a cache takes none): inputs that require grad
-    raise. Rotary embedding, ``cache_leftpad`` and (for now) ``alibi_slopes`` raise
-    NotImplementedError.
+    raise.
+
+    ``rotary_cos`` / ``rotary_sin`` (seqlen_ro, rotary_dim / 2), with ``k`` and ``v``: FA2's rotary
+    embedding, applied here (float32, then q's dtype) before the call: the new keys at positions
+    cache_seqlens, cache_seqlens + 1, ...; q at those positions when ``causal`` or a window is on,
+    else every query row at position cache_seqlens; ``rotary_interleaved`` pairs dims (0, 1),
+    (2, 3), ... (GPT-J), else (j, j + rotary_dim / 2) (GPT-NeoX). ``cache_leftpad`` and (for now)
+    ``alibi_slopes`` raise NotImplementedError.
     """
     name = "flash_attn_with_kvcache"
-    if rotary_cos is not None or rotary_sin is not None:
-        _not_implemented(name, "rotary embedding (rotary_cos / rotary_sin)",
-                         " (apply the rotary embedding to q and k before the call)")
     if cache_leftpad is not None:
         _not_implemented(name, "cache_leftpad")
-    del rotary_interleaved  # only meaningful with rotary_cos / rotary_sin
     if not isinstance(num_splits, numbers.Integral) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0, got {num_splits!r}")
     ops = _torch_ops()
@@ -254,6 +280,24 @@ def flash_attn_with_kvcache(
         cache_seqlens = capacity
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{name}: rotary_cos and rotary_sin go together (one of them is None)")
+    if rotary_cos is not None:
+        if k is None or v is None:
+            raise ValueError(f"{name}: rotary_cos / rotary_sin apply with k and v (the new keys), as in "
+                             "FlashAttention-2; without them, rotate q before the call")
+        d = q.shape[-1]
+        if (rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape
+                or not 0 < 2 * rotary_cos.shape[1] <= d):
+            raise ValueError(
+                f"{name}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                f"<= headdim ({d}), got {list(rotary_cos.shape)} and {list(rotary_sin.shape)}")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"{name}: rotary_cos / rotary_sin have {rotary_cos.shape[0]} positions, fewer "
+                             f"than the cache's {capacity} (FlashAttention-2's seqlen_ro >= seqlen_k)")
+        local = causal or tuple(window_size) != (-1, -1)
+        k = _apply_rotary(torch, k, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, False)
+        q = _apply_rotary(torch, q, rotary_cos, rotary_sin, cache_seqlens, rotary_interleaved, not local)
     out = ops.attention_with_kvcache(q, k_cache, v_cache, block_table=table, cache_seqlens=cache_seqlens, k=k, v=v,
                                      causal=causal, window_size=window_size, softcap=softcap,
                                      softmax_scale=softmax_scale, return_lse=bool(return_softmax_lse), **extra)
