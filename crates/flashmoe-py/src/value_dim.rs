@@ -41,9 +41,11 @@ fn pad_head_dims(
         "forward" => route::PadTarget::Forward,
         "backward" => route::PadTarget::Backward,
         "varlen" => route::PadTarget::Varlen,
-        other => return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "pad_head_dims: target must be \"forward\", \"backward\" or \"varlen\", not {other:?}"
-        ))),
+        other => {
+            let msg =
+                format!("pad_head_dims: target must be forward, backward or varlen, not {other:?}");
+            return Err(pyo3::exceptions::PyValueError::new_err(msg));
+        }
     };
     let p = route::pad_head_dims(head_dim_qk, head_dim_v, softmax_scale, target).map_err(py_err)?;
     Ok((p.head_dim, p.pad_qk(), p.pad_v(), p.softmax_scale))
