@@ -163,6 +163,9 @@ for s in "$@"; do
     python-bwd)   PYTEST_FILES="tests/test_torch_gpu.py tests/test_torch_ops.py tests/test_flash_attn_interface.py" \
                     PYTEST_K="grad or determin or graph or backward or differentiable" \
                     stage python-bwd 300 bash scripts/device-python.sh target/py-device ;;
+    # The PyTorch front end's padded head dims (odd, varlen, backward) and in-call rotary.
+    python-pad)   PYTEST_FILES="tests/test_torch_gpu.py" PYTEST_K="value_head_dim or rotary or attention_errors" \
+                    stage python-pad 240 bash scripts/device-python.sh target/py-device ;;
     unit-attn)    stage unit-attn 300 ./target/release/flashmoe-gpu-tests attention:: --test-threads=1 --nocapture ;;
     # Sliding windows and softcap beside plain attention of the same visible length (issue 22).
     bench-window) stage bench-window 420 $BIN bench attention --preset window --max-time 1 --out /tmp/bench-window
