@@ -1,6 +1,5 @@
-// Shared by the MoE grouped-GEMM kernels (moe_grouped_gemm.cu, moe_gemm_sm90.cu) and the
-// backward (moe_backward.cu): the row-tile work assignment and the epilogue math/stores.
-// Include after fm_ptx.cuh.
+// Shared by the MoE grouped-GEMM kernels (moe_grouped_gemm.cu, moe_gemm_sm90.cu): the
+// row-tile work assignment and the epilogue math/stores. Include after fm_ptx.cuh.
 #pragma once
 
 __device__ __forceinline__ float rcp(float x) {
@@ -13,23 +12,6 @@ __device__ __forceinline__ float rcp(float x) {
 __device__ __forceinline__ float swiglu(float g, float u) {
     constexpr float LOG2E = 1.4426950408889634f;
     return g * u * rcp(1.f + ex2(-g * LOG2E));
-}
-
-// A 16-bit element (the FM_DTYPE_BF16 type) as f32.
-__device__ __forceinline__ float h2f(u16 v) {
-#if FM_DTYPE_BF16
-    return __uint_as_float(((u32)v) << 16);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(v));
-    return f;
-#endif
-}
-// The logistic function with the accurate exponential (the backward's gradients).
-__device__ __forceinline__ float sigmoid_acc(float z) {
-    if (z >= 0.f) return 1.f / (1.f + expf(-z));
-    const float e = expf(z);
-    return e / (1.f + e);
 }
 
 __device__ __forceinline__ void st_global_u32(void* p, u32 a) {

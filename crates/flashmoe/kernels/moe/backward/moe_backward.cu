@@ -30,8 +30,6 @@
 //                       dw[a] = sum_j h_j G_j (fixed-shape tree), dH = w G,
 //                       dgu[r] = [dH u silu'(g) | dH silu(g)], wh[r] = w h (16-bit).
 //   moe_bwd_swiglu_saved  the same with gu the forward's saved pre-activations (16-bit).
-//   moe_bwd_dw_sum      per slot a: dw[a] = sum_p dw_part[slot_row[a], p], p ascending
-//                       (the sm_90a fused epilogue's partial sums).
 //   moe_bwd_router_dz   one warp per token (lanes over experts, fixed butterfly sums):
 //                       dZ (fp32 [T, E]) from dw, the routing weights, the recomputed
 //                       scores and the (d_aux, d_z) pair (null: zeros). grid.x · blockDim.x
@@ -54,7 +52,21 @@
 #include "fm_warp.cuh"
 #include "moe_gemm_common.cuh"
 
+__device__ __forceinline__ float h2f(u16 v) {
+#if FM_DTYPE_BF16
+    return __uint_as_float(((u32)v) << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(v));
+    return f;
+#endif
+}
 __device__ __forceinline__ u16 f2h(float v) { return (u16)(pack2(v, 0.f) & 0xffffu); }
+__device__ __forceinline__ float sigmoid_acc(float z) {
+    if (z >= 0.f) return 1.f / (1.f + expf(-z));
+    const float e = expf(z);
+    return e / (1.f + e);
+}
 
 // GEMM tiles: BM = BN = 128, BK = 64, 8 warps (2 along M x 4 along N) of 64 x 32, a
 // GB_STAGES-deep cp.async ring of 16-byte copies (dynamic shared memory, GB_SMEM_BYTES),
@@ -355,20 +367,6 @@ extern "C" __global__ void __launch_bounds__(SW_THREADS)
                          u16* __restrict__ dgu, u16* __restrict__ wh, float* __restrict__ dw,
                          int inter) {
     swiglu_bwd(gu, gmat, slot_row, topk_w, dgu, wh, dw, inter);
-}
-
-// dw[a] = sum_p dw_part[slot_row[a]][p], parts ascending: the routing weights' gradients
-// from the per-256-column partial sums that moe_gemm2_swiglu_bwd_sm90's epilogue writes
-// (the sm_90a path with the forward's gate/up). One thread per slot.
-extern "C" __global__ void moe_bwd_dw_sum(const float* __restrict__ dw_part,
-                                          const u32* __restrict__ slot_row,
-                                          float* __restrict__ dw, int slots, int parts) {
-    const int a = blockIdx.x * blockDim.x + threadIdx.x;
-    if (a >= slots) return;
-    const float* src = dw_part + (i64)slot_row[a] * parts;
-    float acc = 0.f;
-    for (int p = 0; p < parts; ++p) acc += src[p];
-    dw[a] = acc;
 }
 
 extern "C" __global__ void moe_bwd_router_dz(const float* __restrict__ logits,

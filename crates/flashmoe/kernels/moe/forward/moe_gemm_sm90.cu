@@ -14,9 +14,6 @@
 //   FM_B_KMAJOR    gemm2 only: 0 = B is [E][K][N] (N contiguous, the forward's weights),
 //                  1 = B is [E][N][K] (K contiguous: the backward reads W2 and W13
 //                  untransposed for dOut·W2ᵀ and dGU·W13ᵀ)
-//   FM_SWIGLU_BWD  gemm2 with FM_B_KMAJOR only: the backward's G = dOut_perm·W2ᵀ with the
-//                  SwiGLU backward as its epilogue (entry moe_gemm2_swiglu_bwd_sm90): G
-//                  never leaves the registers
 //
 // Tile: BM = 64·WG_M rows. A consumer warpgroup owns 64 rows x NWG columns of each of the
 // NB output matrices (gemm13: NB = 2, gate and up, NWG = 128; gemm2: NB = 1, NWG = 256),
@@ -35,16 +32,6 @@
 //     A [rows][k], B_e [k][n] (or [n][k] under FM_B_KMAJOR); y[r, j] = A_r . B_e[:, j]
 //     (f32, row stride n). The forward: A = h, B = w2, n = hidden, k = inter; the
 //     backward: gu = x_perm·W13, G = dOut_perm·W2ᵀ, dX_perm = dGU·W13ᵀ.
-//   moe_gemm2_swiglu_bwd_sm90(FmTensorMap a_map, FmTensorMap b_map, const u32* offsets,
-//                  const u16* gu, const u32* row_token, const u32* topk_ids,
-//                  const float* topk_w, u16* dgu, u16* wh, float* dw_part, int n, int k,
-//                  int experts, int row_tiles, int top_k)
-//     G = dOut_perm·W2ᵀ (n = inter, k = hidden, B K-major) and per element (r, j), with
-//     gate g and up u from the forward's gu [rows][2n] (16-bit) and the row's routing
-//     weight w (the slot of token row_token[r] whose id is the tile's expert):
-//     dgu[r, j] = w G u silu'(g), dgu[r, n + j] = w G silu(g), wh[r, j] = w silu(g) u
-//     (16-bit), and dw_part[r][p] = sum of silu(g) u G over the 256 columns of part p
-//     (f32, [rows][ceil(n / 256)], one warpgroup's columns, fixed order).
 //   Tensor maps: A 2-D {K, rows}, box {64, BM}; B 3-D {N_total, K, E} (K-major:
 //   {K, N, E}), box {64, 64, 1}; 16-bit elements, 128-byte swizzle, out-of-bounds elements
 //   read as zero (so K needs no multiple of 64, a tile may run past the last row and the
@@ -87,9 +74,6 @@
 #ifndef FM_B_KMAJOR
 #define FM_B_KMAJOR 0
 #endif
-#ifndef FM_SWIGLU_BWD
-#define FM_SWIGLU_BWD 0
-#endif
 
 namespace fm {
 
@@ -118,7 +102,6 @@ static_assert(STAGES >= 2 && STAGES <= 6, "FM_STAGES must be 2..6");
 static_assert(GROUP_M >= 1, "FM_GROUP_M must be positive");
 constexpr bool B_KMAJOR = FM_B_KMAJOR != 0;
 static_assert(!B_KMAJOR || !G13, "FM_B_KMAJOR is a gemm2 variant");
-static_assert(!FM_SWIGLU_BWD || B_KMAJOR, "FM_SWIGLU_BWD is a K-major gemm2 variant");
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory over the sm_90 per-block limit");
 
 struct Tile {
@@ -166,88 +149,12 @@ __device__ __forceinline__ void store_tile(void* out, u16* gu, int N, const Tile
     }
 }
 
-// The SwiGLU backward epilogue's operands (FM_SWIGLU_BWD; empty otherwise).
-struct Epi {
-#if FM_SWIGLU_BWD
-    const u16* gu;
-    const u32* row_token;
-    const u32* topk_ids;
-    const float* topk_w;
-    u16* dgu;
-    u16* wh;
-    float* dw_part;
-    int top_k;
-#endif
-};
-
-#if FM_SWIGLU_BWD
-// The SwiGLU backward from G's accumulators (one matrix) of consumer warpgroup c: the
-// formulas of the ABI above, per element those of moe_backward.cu's swiglu_bwd. A row's
-// NWG columns of this warpgroup lie in the 4 lanes l & 3 of its quad: each lane sums its
-// columns ascending, then the quad by two butterfly steps.
-__device__ __forceinline__ void store_swiglu_bwd(const Epi& p, int N, const Tile& tile,
-                                                 const float (&acc)[NACC], int tid) {
-    const int c = (tid >> 7) - 1;
-    const int wm = c % WG_M, wn = c / WG_M;
-    const int w = (tid >> 5) & 3, l = tid & 31;
-    const int col0 = tile.n0 + wn * NWG;  // this warpgroup's part: col0 / NWG
-    const int col = col0 + 2 * (l & 3);
-    const int parts = (N + NWG - 1) / NWG;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int r = wm * 64 + w * 16 + (l >> 2) + 8 * hh;
-        const bool live = r < tile.nrows;  // rows past the expert's are not stored
-        const i64 row = (i64)tile.row0 + r;
-        float part = 0.f;
-        if (live) {
-            const u32 tok = p.row_token[row];
-            float wt = 0.f;
-            for (int s = 0; s < p.top_k; ++s)
-                if (p.topk_ids[(i64)tok * p.top_k + s] == (u32)tile.expert)
-                    wt = p.topk_w[(i64)tok * p.top_k + s];
-            const u16* gur = p.gu + row * 2 * N;
-            u16* dgr = p.dgu + row * 2 * N;
-            u16* whr = p.wh + row * N;
-#pragma unroll
-            for (int j = 0; j < NWG / 8; ++j) {
-                const int n = col + 8 * j;
-                if (n < N) {
-                    const u32 g2 = *reinterpret_cast<const u32*>(gur + n);
-                    const u32 u2 = *reinterpret_cast<const u32*>(gur + N + n);
-                    float dg[2], du[2], hw[2];
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) {
-                        const float gv = h2f((u16)(q ? g2 >> 16 : g2 & 0xffffu));
-                        const float uv = h2f((u16)(q ? u2 >> 16 : u2 & 0xffffu));
-                        const float G = acc[4 * j + 2 * hh + q];
-                        const float sg = sigmoid_acc(gv);
-                        const float silu = gv * sg;
-                        const float h = silu * uv;
-                        part += h * G;
-                        const float dh = wt * G;
-                        dg[q] = dh * uv * sg * (1.f + gv * (1.f - sg));
-                        du[q] = dh * silu;
-                        hw[q] = wt * h;
-                    }
-                    st_global_u32(dgr + n, pack2(dg[0], dg[1]));
-                    st_global_u32(dgr + N + n, pack2(du[0], du[1]));
-                    st_global_u32(whr + n, pack2(hw[0], hw[1]));
-                }
-            }
-        }
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        if (live && (l & 3) == 0) p.dw_part[row * parts + col0 / NWG] = part;
-    }
-}
-#endif
-
 // The whole block: schedule, barrier setup, then the producer / consumer roles (one
 // branch each, as setmaxnreg requires). K = reduction depth, N = output columns per matrix.
 __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTensorMap* b_map,
                                            const u32* __restrict__ offsets, void* out, u16* gu,
-                                           const Epi& epi, int K, int N, int experts,
-                                           int row_tiles, unsigned char* smem_raw) {
+                                           int K, int N, int experts, int row_tiles,
+                                           unsigned char* smem_raw) {
     const int tid = threadIdx.x;
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
@@ -337,12 +244,7 @@ __device__ __forceinline__ void gemm_block(const FmTensorMap* a_map, const FmTen
         wgmma_wait<0>();
 #pragma unroll
         for (int b = 0; b < NB; ++b) reg_fence(acc[b]);
-#if FM_SWIGLU_BWD
-        store_swiglu_bwd(epi, N, tile, acc[0], tid);
-#else
-        (void)epi;
         store_tile(out, gu, N, tile, acc, tid);
-#endif
     }
 }
 
@@ -355,34 +257,16 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
                     u16* __restrict__ h, u16* __restrict__ gu, int hidden, int inter,
                     int experts, int row_tiles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    fm::gemm_block(&a_map, &b_map, offsets, h, gu, fm::Epi{}, hidden, inter, experts, row_tiles,
-                   smem_raw);
+    fm::gemm_block(&a_map, &b_map, offsets, h, gu, hidden, inter, experts, row_tiles, smem_raw);
 }
 #endif
 
-#if FM_GEMM == 2 && !FM_SWIGLU_BWD
+#if FM_GEMM == 2
 extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     moe_gemm2_sm90(const __grid_constant__ FmTensorMap a_map,
                    const __grid_constant__ FmTensorMap b_map, const u32* __restrict__ offsets,
                    float* __restrict__ y, int n, int k, int experts, int row_tiles) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    fm::gemm_block(&a_map, &b_map, offsets, y, nullptr, fm::Epi{}, k, n, experts, row_tiles,
-                   smem_raw);
-}
-#endif
-
-#if FM_SWIGLU_BWD
-extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
-    moe_gemm2_swiglu_bwd_sm90(const __grid_constant__ FmTensorMap a_map,
-                              const __grid_constant__ FmTensorMap b_map,
-                              const u32* __restrict__ offsets, const u16* __restrict__ gu,
-                              const u32* __restrict__ row_token, const u32* __restrict__ topk_ids,
-                              const float* __restrict__ topk_w, u16* __restrict__ dgu,
-                              u16* __restrict__ wh, float* __restrict__ dw_part, int n, int k,
-                              int experts, int row_tiles, int top_k) {
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const fm::Epi epi{gu, row_token, topk_ids, topk_w, dgu, wh, dw_part, top_k};
-    fm::gemm_block(&a_map, &b_map, offsets, nullptr, nullptr, epi, k, n, experts, row_tiles,
-                   smem_raw);
+    fm::gemm_block(&a_map, &b_map, offsets, y, nullptr, k, n, experts, row_tiles, smem_raw);
 }
 #endif

@@ -9,7 +9,7 @@ use cudarc::driver::LaunchConfig;
 pub const BWD_SOURCE: &str = "moe_backward.cu";
 
 /// Its entries, in the order [`MoeBackwardPlan`](super::MoeBackwardPlan) loads them.
-pub const BWD_ENTRIES: [&str; 9] = [
+pub const BWD_ENTRIES: [&str; 8] = [
     "moe_bwd_gemm_rows",
     "moe_bwd_gemm_wgrad",
     "moe_bwd_swiglu",
@@ -18,7 +18,6 @@ pub const BWD_ENTRIES: [&str; 9] = [
     "moe_bwd_unpermute",
     "moe_bwd_router_dw_sum",
     "moe_bwd_swiglu_saved",
-    "moe_bwd_dw_sum",
 ];
 
 /// GEMM tile of the kernels (GB_BM, GB_BN in the source), their block size and dynamic
@@ -99,30 +98,6 @@ pub(super) struct Sm90Rows {
     pub(super) k: usize,
 }
 
-/// Parameters of the sm_90a G = dOut_perm·W2ᵀ fused with the SwiGLU backward
-/// (`moe_gemm2_swiglu_bwd_sm90`, [`super::sm90`]): `a` = dOut_perm (`rows` × `h`), W2 read
-/// K-major as `[E][I][H]`; from the forward's 16-bit gate/up `gu` (`rows` × 2I) and each
-/// row's routing weight (its token's slot in `topk_ids` / `topk_w` whose id is the row's
-/// expert) it writes dGU (16-bit `rows` × 2I), w⊙h (16-bit `rows` × I) and `dw_part` (f32
-/// `rows` × ⌈I / 256⌉ partial sums of ⟨h, G⟩).
-pub(super) struct Sm90RowsSwiglu {
-    pub(super) a: u64,
-    pub(super) w2: u64,
-    pub(super) offsets: u64,
-    pub(super) gu: u64,
-    pub(super) row_token: u64,
-    pub(super) topk_ids: u64,
-    pub(super) topk_w: u64,
-    pub(super) dgu: u64,
-    pub(super) wh: u64,
-    pub(super) dw_part: u64,
-    pub(super) rows: usize,
-    pub(super) experts: usize,
-    pub(super) inter: usize,
-    pub(super) hidden: usize,
-    pub(super) top_k: usize,
-}
-
 /// Parameters of one sm_90a weight gradient (`moe_wgrad_sm90`, [`super::sm90`]): per
 /// expert e, `dw[e][i][j] = Σ_r a[r][i] · b[r][j]` over its rows `offsets[e]..offsets[e + 1]`
 /// of the dense 16-bit `a` (`rows` × `m`) and `b` (`rows` × `n`); dw `[E][m][n]` 16-bit.
@@ -163,7 +138,6 @@ pub(super) enum Step {
         cols: usize,
     },
     Sm90Rows(Sm90Rows),
-    Sm90RowsSwiglu(Sm90RowsSwiglu),
     Sm90Wgrad(Sm90Wgrad),
     Wgrad(WgradGemm),
     /// `ptrs` = gu, G, slot_row (0: identity), topk_w (0: w = 1), dgu, wh, dw (0: none);
@@ -175,9 +149,6 @@ pub(super) enum Step {
         inter: i32,
         saved_gu: bool,
     },
-    /// (dw_part, slot_row, dw), (slots, parts): dw per slot from the fused epilogue's
-    /// partial sums, parts ascending (`moe_bwd_dw_sum`).
-    DwSum([u64; 3], [i32; 2]),
     /// (logits, ids, topk_w, dw, counts, d_losses, dz), (tokens, experts, top_k, sigmoid,
     /// renormalize).
     RouterDz([u64; 7], [i32; 5]),
@@ -198,8 +169,6 @@ impl Step {
             Step::Rows(_) => "rows",
             Step::Gather { .. } => "gather",
             Step::Sm90Rows(_) => "rows_sm90",
-            Step::Sm90RowsSwiglu(_) => "rows_swiglu_sm90",
-            Step::DwSum(..) => "dw_sum",
             Step::Sm90Wgrad(_) => "wgrad_sm90",
             Step::Wgrad(_) => "wgrad",
             Step::Swiglu { .. } => "swiglu",

@@ -9,9 +9,7 @@
 //!
 //! 1. gu = X_perm·W13 (the forward's gemm13 without SwiGLU, recomputed; f32);
 //! 2. G = dOut_perm·W2ᵀ (f32), then per routed slot: dw = ⟨h, G⟩, dH = w·G, the SwiGLU
-//!    backward dGU, and w⊙h (16-bit); on the sm_90a path with the forward's gate/up, all of
-//!    it in the GEMM's epilogue (G stays in registers; dw from per-256-column partial sums
-//!    added per slot in order);
+//!    backward dGU, and w⊙h (16-bit);
 //! 3. dW2 = (w⊙H)ᵀ·dOut_perm per expert (K = that expert's rows);
 //! 4. dX_perm = dGU·W13ᵀ (f32);
 //! 5. dW13 = X_permᵀ·dGU per expert;
@@ -79,7 +77,7 @@ mod workspace;
 
 pub use abi::{bwd_defines, BWD_ENTRIES, BWD_SOURCE};
 pub use plan::MoeBackwardPlan;
-pub use workspace::{dw_parts, router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
+pub use workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs, SavedRouting};
 
 #[cfg(test)]
 mod tests {
@@ -121,8 +119,7 @@ mod tests {
                 let l = BwdWorkspaceLayout::new(&c, t, sm90, saved).unwrap();
                 let mut regions = vec![
                     (l.gu, if saved { 1 } else { t * 2 * 2 * 32 * 4 }),
-                    // I = 32: one dw partial per row on the fused sm_90a path
-                    (l.g, t * 2 * if sm90 && saved { 1 } else { 32 } * 4),
+                    (l.g, t * 2 * 32 * 4),
                     (l.dgu, t * 2 * 64 * 2),
                     (l.wh, t * 2 * 32 * 2),
                     (l.dx_perm, t * 2 * 64 * 4),

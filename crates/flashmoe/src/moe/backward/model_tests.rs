@@ -158,48 +158,6 @@ fn run(m: &mut Mem, step: Step) {
                 }
             }
         }
-        Step::Sm90RowsSwiglu(g) => {
-            // G per row as Sm90Rows (W2 K-major), then the epilogue: per 256-column part of
-            // the row, dw's partial sum; dGU and w⊙h as the Swiglu step.
-            let (n, k, kk) = (g.inter as i64, g.hidden as i64, g.top_k as i64);
-            let parts = (n + 255) / 256;
-            for e in 0..g.experts as i64 {
-                let b = g.w2 + 2 * (e * n * k) as u64;
-                for r in m.u(g.offsets, e) as i64..m.u(g.offsets, e + 1) as i64 {
-                    let tok = m.u(g.row_token, r) as i64;
-                    let slot = (0..kk)
-                        .find(|&s| m.u(g.topk_ids, tok * kk + s) as i64 == e)
-                        .expect("a routed row's expert is among its token's ids");
-                    let w = m.f(g.topk_w, tok * kk + slot);
-                    for p in 0..parts {
-                        let mut dot = 0f32;
-                        for j in p * 256..n.min((p + 1) * 256) {
-                            let mut gg = 0f32;
-                            for x in 0..k {
-                                gg += m.h(g.a, r * k + x) * m.h(b, j * k + x);
-                            }
-                            let (gv, uv) = (m.h(g.gu, r * 2 * n + j), m.h(g.gu, r * 2 * n + n + j));
-                            let s = sigmoid(gv);
-                            let h = gv * s * uv;
-                            dot += h * gg;
-                            let dh = w * gg;
-                            m.set_h(g.dgu, r * 2 * n + j, dh * uv * s * (1.0 + gv * (1.0 - s)));
-                            m.set_h(g.dgu, r * 2 * n + n + j, dh * gv * s);
-                            m.set_h(g.wh, r * n + j, w * h);
-                        }
-                        m.set_f(g.dw_part, r * parts + p, dot);
-                    }
-                }
-            }
-        }
-        Step::DwSum([part, srow, dw], [slots, parts]) => {
-            let parts = parts as i64;
-            for a in 0..slots as i64 {
-                let r = m.u(srow, a) as i64;
-                let acc: f32 = (0..parts).map(|p| m.f(part, r * parts + p)).sum();
-                m.set_f(dw, a, acc);
-            }
-        }
         Step::Sm90Wgrad(g) => {
             let (mm, nn) = (g.m as i64, g.n as i64);
             for e in 0..g.experts as i64 {

@@ -330,17 +330,6 @@ impl MoeBackwardPlan {
                 cols,
             } => sm90()?.gather(stream, (src, row_token, dst), rows, cols),
             Step::Sm90Rows(g) => sm90()?.rows(stream, &g),
-            Step::Sm90RowsSwiglu(g) => sm90()?.rows_swiglu(stream, &g),
-            Step::DwSum(p, v) => {
-                let mut a: [*mut c_void; 5] = [
-                    param(&p[0]),
-                    param(&p[1]),
-                    param(&p[2]),
-                    param(&v[0]),
-                    param(&v[1]),
-                ];
-                self.launch(8, elem_cfg(v[0] as usize), stream, &mut a)
-            }
             Step::Sm90Wgrad(g) => sm90()?.wgrad(stream, &g),
             Step::Wgrad(g) => self.wgrad_gemm(stream, &g),
             Step::Swiglu {

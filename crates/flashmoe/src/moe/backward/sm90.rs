@@ -1,8 +1,7 @@
 //! The backward's routed GEMMs on sm_90a: the row GEMMs gu = X_perm·W13,
 //! G = dOut_perm·W2ᵀ and dX_perm = dGU·W13ᵀ on the forward's TMA + wgmma kernel
 //! `moe_gemm2_sm90` (f32 out), the last two with its K-major B variant (`FM_B_KMAJOR`: the
-//! weights read as they lie); with the forward's gate/up, G with the SwiGLU backward as its
-//! epilogue instead (`moe_gemm2_swiglu_bwd_sm90`: G never written); the weight gradients dW2 = (w⊙H)ᵀ·dOut_perm and
+//! weights read as they lie); the weight gradients dW2 = (w⊙H)ᵀ·dOut_perm and
 //! dW13 = X_permᵀ·dGU on `moe_wgrad_sm90` (K = an expert's rows, persistent over the
 //! E · M/128 · N/256 tiles). The rows of x and dOut are first gathered densely by
 //! `moe_gather_rows` ([`BwdWorkspaceLayout::perm`]): TMA reads dense operands.
@@ -13,7 +12,7 @@
 //!
 //! [`BwdWorkspaceLayout::perm`]: super::BwdWorkspaceLayout::perm
 
-use super::abi::{i32_of, Sm90Rows, Sm90RowsSwiglu, Sm90Wgrad, PLAN};
+use super::abi::{Sm90Rows, Sm90Wgrad, PLAN};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, RawStream};
@@ -21,9 +20,9 @@ use crate::gpu::tensor_map::{self, TensorMap};
 use crate::gpu::Device;
 use crate::moe::forward::plan::MoeClass;
 use crate::moe::gemm::sm90::{
-    a_layout, b_kmajor_layout, b_layout, gather_kernel, row_tiles, sm90_bwd_swiglu_tile,
-    sm90_bwd_tile, sm90_launch_config, wgrad_kernel, wgrad_operand_layout, wgrad_tiles,
-    GATHER_THREADS, SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS,
+    a_layout, b_kmajor_layout, b_layout, gather_kernel, row_tiles, sm90_bwd_tile,
+    sm90_launch_config, wgrad_kernel, wgrad_operand_layout, wgrad_tiles, GATHER_THREADS,
+    SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS,
 };
 use crate::moe::kernel::MoeKernel;
 use cudarc::driver::{CudaFunction, LaunchConfig};
@@ -63,10 +62,9 @@ impl RowsPath {
 /// The loaded sm_90a row-GEMM kernels of a plan.
 pub(super) struct Sm90RowKernels {
     dtype: DType,
-    /// B `[k][n]` (gu) and B `[n][k]` (G, dX_perm); G fused with the SwiGLU backward.
+    /// B `[k][n]` (gu) and B `[n][k]` (G, dX_perm).
     mn: (MoeKernel, CudaFunction),
     km: (MoeKernel, CudaFunction),
-    km_swiglu: (MoeKernel, CudaFunction),
     wgrad: (MoeKernel, CudaFunction),
     gather: CudaFunction,
     /// Resident blocks of the persistent weight-gradient kernel (one per SM).
@@ -128,7 +126,6 @@ impl Sm90RowKernels {
             dtype: class.dtype,
             mn: load(dev, mn)?,
             km: load(dev, sm90_bwd_tile(true).kernel(class.dtype))?,
-            km_swiglu: load(dev, sm90_bwd_swiglu_tile().kernel(class.dtype))?,
             wgrad: load(dev, wgrad_kernel(class.dtype))?,
             sm_count: dev.info().sm_count.max(1),
             gather: load(dev, gather_kernel())?.1,
@@ -209,56 +206,6 @@ impl Sm90RowKernels {
             param(&ki),
             param(&ei),
             param(&tiles),
-        ];
-        raw::launch(kernel.entry, func, cfg, stream, &mut p)
-    }
-
-    /// G = dOut_perm·W2ᵀ with the SwiGLU backward as its epilogue, tensor maps encoded over
-    /// this call's addresses.
-    ///
-    /// # Safety
-    /// As [`Self::rows`]; `gu`, `dgu`, `wh`, `dw_part`, `row_token`, `topk_ids` and `topk_w`
-    /// hold the regions [`Sm90RowsSwiglu`] names.
-    pub(super) unsafe fn rows_swiglu(&self, stream: RawStream, g: &Sm90RowsSwiglu) -> Result<()> {
-        let (kernel, func) = &self.km_swiglu;
-        let dt = tensor_map::map_data_type("the backward's row GEMM", self.dtype)?;
-        let (n, k, e, r) = (
-            g.inter as u64,
-            g.hidden as u64,
-            g.experts as u64,
-            g.rows as u64,
-        );
-        let maps: [TensorMap; 2] = [
-            tensor_map::encode_checked("A rows", g.a, dt, &[k, r], &[k], &[64, kernel.block_m])?,
-            tensor_map::encode_checked(
-                "B [E][n][k]",
-                g.w2,
-                dt,
-                &[k, n, e],
-                &[k, n * k],
-                &[64, 64, 1],
-            )?,
-        ];
-        let cfg = sm90_launch_config(kernel, g.rows, g.experts, g.inter)?;
-        let (ni, ki, ei) = (g.inter as i32, g.hidden as i32, g.experts as i32);
-        let tiles = row_tiles(g.rows, g.experts, kernel.block_m) as i32;
-        let top_k = i32_of("top_k", g.top_k)?;
-        let mut p: [*mut c_void; 15] = [
-            param(&maps[0]),
-            param(&maps[1]),
-            param(&g.offsets),
-            param(&g.gu),
-            param(&g.row_token),
-            param(&g.topk_ids),
-            param(&g.topk_w),
-            param(&g.dgu),
-            param(&g.wh),
-            param(&g.dw_part),
-            param(&ni),
-            param(&ki),
-            param(&ei),
-            param(&tiles),
-            param(&top_k),
         ];
         raw::launch(kernel.entry, func, cfg, stream, &mut p)
     }

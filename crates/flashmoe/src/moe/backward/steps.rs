@@ -2,7 +2,7 @@
 //! what the CPU model of the kernels (model_tests.rs) interprets.
 
 use super::abi::*;
-use super::workspace::{dw_parts, router_chunks, BwdWorkspaceLayout, MoeBwdArgs};
+use super::workspace::{router_chunks, BwdWorkspaceLayout, MoeBwdArgs};
 use crate::error::{Error, Result};
 use crate::moe::forward::plan::MoeClass;
 use crate::problem::Scoring;
@@ -93,33 +93,8 @@ pub(super) fn backward_steps(
             k_dim: hi,
         }))?,
     }
-    // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue. On the
-    // sm_90a path with the forward's gate/up the epilogue is the GEMM's own (G stays in
-    // registers; ws.g holds the partial sums of dw, summed per slot after it).
-    let fused_swiglu = saved_gu.is_some() && perm.is_some();
-    if let (Some(gu), true) = (saved_gu, fused_swiglu) {
-        f(Step::Sm90RowsSwiglu(Sm90RowsSwiglu {
-            a: dout_rows,
-            w2: a.w2.ptr,
-            offsets: offs,
-            gu,
-            row_token: rtok,
-            topk_ids: ids,
-            topk_w: a.topk_w.ptr,
-            dgu: at(ws.dgu),
-            wh: at(ws.wh),
-            dw_part: at(ws.g),
-            rows: r,
-            experts: e,
-            inter: i,
-            hidden: h,
-            top_k: k,
-        }))?;
-        f(Step::DwSum(
-            [at(ws.g), srow, at(ws.dw)],
-            [ri, i32_of("dw parts", dw_parts(i))?],
-        ))?;
-    } else if perm.is_some() {
+    // 2. G = dOut_perm·W2ᵀ (W2 [I][H] read as [N=I][K=H]), then the slot epilogue.
+    if perm.is_some() {
         f(rows_sm90(dout_rows, a.w2.ptr, true, at(ws.g), i, h))?;
     } else {
         f(Step::Rows(RowsGemm {
@@ -140,22 +115,20 @@ pub(super) fn backward_steps(
             k_dim: hi,
         }))?;
     }
-    if !fused_swiglu {
-        f(Step::Swiglu {
-            slots: r,
-            ptrs: [
-                saved_gu.unwrap_or(at(ws.gu)),
-                at(ws.g),
-                srow,
-                a.topk_w.ptr,
-                at(ws.dgu),
-                at(ws.wh),
-                at(ws.dw),
-            ],
-            inter: ii,
-            saved_gu: saved_gu.is_some(),
-        })?;
-    }
+    f(Step::Swiglu {
+        slots: r,
+        ptrs: [
+            saved_gu.unwrap_or(at(ws.gu)),
+            at(ws.g),
+            srow,
+            a.topk_w.ptr,
+            at(ws.dgu),
+            at(ws.wh),
+            at(ws.dw),
+        ],
+        inter: ii,
+        saved_gu: saved_gu.is_some(),
+    })?;
     let wgrad_sm90 = |a_: u64, b: u64, dw: u64, m: usize, n: usize| {
         Step::Sm90Wgrad(Sm90Wgrad {
             a: a_,

@@ -5,7 +5,6 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{RawTensor, RawU32, RawWorkspace};
 use crate::moe::forward::plan::{MoeClass, WorkspaceLayout, WORKSPACE_ALIGN};
-use crate::moe::gemm::sm90::SWIGLU_BWD_PART_COLS;
 
 /// The routing tensors the forward leaves in its workspace (module doc).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -89,9 +88,7 @@ pub struct BwdWorkspaceLayout {
     /// [R, 2I] f32 recomputed gate/up pre-activations (a 1-byte placeholder, unused, in
     /// the layout of a call with the forward's saved gate/up).
     pub gu: usize,
-    /// [R, I] f32 G = dOut_perm·W2ᵀ; on the sm_90a path with the forward's gate/up (G
-    /// never leaves the fused GEMM's registers) [R, ⌈I / 256⌉] f32 partial sums of dw
-    /// ([`dw_parts`]).
+    /// [R, I] f32 G = dOut_perm·W2ᵀ.
     pub g: usize,
     /// [R, 2I] 16-bit dGU.
     pub dgu: usize,
@@ -113,12 +110,6 @@ pub struct BwdWorkspaceLayout {
     /// gathered in permuted order); present when the plan has those kernels.
     pub perm: Option<[usize; 2]>,
     pub bytes: usize,
-}
-
-/// Partial sums of dw per routed row that the sm_90a G GEMM with the SwiGLU-backward
-/// epilogue writes: one per 256 columns of I (one consumer warpgroup's).
-pub fn dw_parts(intermediate: usize) -> usize {
-    intermediate.div_ceil(SWIGLU_BWD_PART_COLS)
 }
 
 /// Chunks of tokens that d_router = xᵀ·dZ is split into (summed in order afterwards): one
@@ -162,17 +153,7 @@ impl BwdWorkspaceLayout {
         let mul = |a: usize, b: usize| a.checked_mul(b).ok_or_else(too_big);
         let mut c = Carver(0);
         let gu = c.take(if gate_up_saved { 0 } else { mul(rows, 2 * i)? }, 4)?;
-        let g = c.take(
-            mul(
-                rows,
-                if sm90 && gate_up_saved {
-                    dw_parts(i)
-                } else {
-                    i
-                },
-            )?,
-            4,
-        )?;
+        let g = c.take(mul(rows, i)?, 4)?;
         let dgu = c.take(mul(rows, 2 * i)?, el)?;
         let wh = c.take(mul(rows, i)?, el)?;
         let dx_perm = c.take(mul(rows, h)?, 4)?;

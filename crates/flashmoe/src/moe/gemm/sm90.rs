@@ -28,10 +28,6 @@ use cudarc::driver::LaunchConfig;
 pub const SM90_SOURCE: &str = "moe_gemm_sm90.cu";
 pub const SM90_GEMM13_ENTRY: &str = "moe_gemm13_sm90";
 pub const SM90_GEMM2_ENTRY: &str = "moe_gemm2_sm90";
-pub const SM90_GEMM2_SWIGLU_BWD_ENTRY: &str = "moe_gemm2_swiglu_bwd_sm90";
-/// Columns of G one consumer warpgroup of the fused SwiGLU-backward GEMM sums into one
-/// partial of dw (the .cu's NWG for gemm2): dw_part has ceil(I / 256) columns.
-pub const SWIGLU_BWD_PART_COLS: usize = 256;
 pub const GATHER_ENTRY: &str = "moe_gather_rows";
 pub const WGRAD_SOURCE: &str = "moe_wgrad_sm90.cu";
 pub const WGRAD_ENTRY: &str = "moe_wgrad_sm90";
@@ -57,9 +53,6 @@ pub struct Sm90Tile {
     /// gemm2 only: B is `[E][N][K]` (K contiguous) instead of `[E][K][N]`: the backward's
     /// dOut·W2ᵀ and dGU·W13ᵀ read the weights as they lie (`FM_B_KMAJOR`).
     pub b_kmajor: bool,
-    /// K-major gemm2 only: the backward's G = dOut·W2ᵀ with the SwiGLU backward as its
-    /// epilogue (`FM_SWIGLU_BWD`, entry `moe_gemm2_swiglu_bwd_sm90`).
-    pub swiglu_bwd: bool,
 }
 
 impl Sm90Tile {
@@ -89,10 +82,9 @@ impl Sm90Tile {
         self.stages * stage + 1024 + 16 * self.stages + 256
     }
     pub fn entry(&self) -> &'static str {
-        match (self.gemm, self.swiglu_bwd) {
-            (Gemm::G13, _) => SM90_GEMM13_ENTRY,
-            (Gemm::G2, false) => SM90_GEMM2_ENTRY,
-            (Gemm::G2, true) => SM90_GEMM2_SWIGLU_BWD_ENTRY,
+        match self.gemm {
+            Gemm::G13 => SM90_GEMM13_ENTRY,
+            Gemm::G2 => SM90_GEMM2_ENTRY,
         }
     }
     pub fn kernel(&self, dtype: DType) -> MoeKernel {
@@ -113,7 +105,6 @@ impl Sm90Tile {
                 kv("FM_STAGES", self.stages),
                 kv("FM_GROUP_M", self.group_m),
                 kv("FM_B_KMAJOR", self.b_kmajor as u32),
-                kv("FM_SWIGLU_BWD", self.swiglu_bwd as u32),
             ],
             block_m: self.block_m(),
             block_n: self.block_n(),
@@ -146,7 +137,6 @@ pub fn sm90_tile(gemm: Gemm, height: TileHeight) -> Sm90Tile {
         stages: if big { 4 } else { 3 },
         group_m: 8,
         b_kmajor: false,
-        swiglu_bwd: false,
     }
 }
 
@@ -156,15 +146,6 @@ pub fn sm90_bwd_tile(b_kmajor: bool) -> Sm90Tile {
     Sm90Tile {
         b_kmajor,
         ..sm90_tile(Gemm::G2, TileHeight::Bm128)
-    }
-}
-
-/// The backward's G = dOut_perm·W2ᵀ fused with the SwiGLU backward (calls with the
-/// forward's gate/up): [`sm90_bwd_tile`]`(true)` with the epilogue of `FM_SWIGLU_BWD`.
-pub fn sm90_bwd_swiglu_tile() -> Sm90Tile {
-    Sm90Tile {
-        swiglu_bwd: true,
-        ..sm90_bwd_tile(true)
     }
 }
 
@@ -180,7 +161,6 @@ pub fn all_sm90_variants() -> Vec<MoeKernel> {
     }
     for dt in [DType::F16, DType::Bf16] {
         v.push(sm90_bwd_tile(true).kernel(dt));
-        v.push(sm90_bwd_swiglu_tile().kernel(dt));
         v.push(wgrad_kernel(dt));
     }
     v
