@@ -1,14 +1,15 @@
 //! Launch helpers shared by the attention plans: the grid of the portable kernels, the
 //! kernels' log2-unit softmax scale, one launch with the window / softcap parameters
-//! appended (the ABI in [`super::prefill::abi`]), and the split-KV plans' kernel load
-//! (`load_split_kernel`).
+//! appended (the ABI in [`super::prefill::abi`]), and the split-KV plans' device part
+//! (`SplitDevice`: their main kernel's load, occupancy and split count).
 
 use super::prefill::abi;
 use super::prefill::abi::KernelVariant;
 use crate::error::{Error, Result};
 use crate::gpu::Device;
 use crate::problem::AttentionProblem;
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, LaunchConfig};
+use std::sync::Arc;
 
 /// Grid limits of CUDA (gridDim.x, gridDim.y, gridDim.z).
 const MAX_GRID: (u64, u64, u64) = ((1 << 31) - 1, 65_535, 65_535);
@@ -120,24 +121,66 @@ pub(crate) unsafe fn launch_with_logits_tail(
     crate::gpu::raw::launch(entry, func, cfg, stream, &mut params[..n])
 }
 
-/// The main kernel of a split-KV plan (decode, MLA decode): `entry` of `source` built with
-/// `defs`, allowed `smem` bytes of dynamic shared memory, with the CTAs of `threads`
-/// threads one SM holds at once (at least 1), which the split heuristic reads.
-pub(crate) fn load_split_kernel(
-    dev: &Device,
-    source: &str,
-    entry: &str,
-    defs: &[(String, String)],
-    smem: u32,
-    threads: u32,
-) -> Result<(CudaFunction, u32)> {
-    let func = dev.load_kernel(source, entry, defs)?;
-    dev.set_dynamic_shared_memory(entry, &func, smem)?;
-    let ctas_per_sm = func
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
-        .max(1);
-    Ok((func, ctas_per_sm))
+/// What a split-KV plan (decode, MLA decode) holds of its device besides its kernels: the
+/// context its launches bind (and callers' streams must belong to), and the inputs of its
+/// split count: SMs, the main kernel's CTAs per SM, the caller's override.
+#[derive(Clone, Debug)]
+pub(crate) struct SplitDevice {
+    pub(crate) ctx: Arc<CudaContext>,
+    sm_count: u32,
+    /// Main-kernel CTAs one SM holds at once (the compiled kernel's occupancy, at least 1).
+    pub(crate) ctas_per_sm: u32,
+    splits_override: Option<usize>,
+}
+
+impl SplitDevice {
+    /// Load the main kernel of a split-KV plan, after the sm_80 check (`needs` names what
+    /// the kernel uses of it): `entry` of `source` built with `defs`, allowed `smem` bytes of
+    /// dynamic shared memory, and its occupancy at `threads` threads a CTA.
+    pub(crate) fn load_main(
+        dev: &Device,
+        needs: &str,
+        source: &str,
+        entry: &str,
+        defs: &[(String, String)],
+        smem: u32,
+        threads: u32,
+    ) -> Result<(CudaFunction, SplitDevice)> {
+        if dev.arch() < 80 {
+            return Err(Error::unsupported(
+                entry,
+                format!(
+                    "needs sm_80 or newer ({needs}), {} is sm_{}",
+                    dev.info().name,
+                    dev.arch()
+                ),
+            ));
+        }
+        let func = dev.load_kernel(source, entry, defs)?;
+        dev.set_dynamic_shared_memory(entry, &func, smem)?;
+        let ctas_per_sm = func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .map_err(|e| Error::cuda("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
+            .max(1);
+        let split = SplitDevice {
+            ctx: dev.context().clone(),
+            sm_count: dev.info().sm_count,
+            ctas_per_sm,
+            splits_override: None,
+        };
+        Ok((func, split))
+    }
+
+    /// Force the split count (clamped to 1..=`max`); None restores the heuristic.
+    pub(crate) fn set_override(&mut self, splits: Option<usize>, max: usize) {
+        self.splits_override = splits.map(|s| s.clamp(1, max));
+    }
+
+    /// The override, else `heuristic` of the CTA slots (SMs × CTAs per SM).
+    pub(crate) fn splits(&self, heuristic: impl FnOnce(usize) -> usize) -> usize {
+        self.splits_override
+            .unwrap_or_else(|| heuristic((self.sm_count * self.ctas_per_sm) as usize))
+    }
 }
 
 #[cfg(test)]

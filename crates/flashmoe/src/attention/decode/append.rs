@@ -75,7 +75,7 @@ impl DecodePlan {
     pub unsafe fn append_kv_raw(&self, stream: RawStream, a: &AppendArgs) -> Result<()> {
         let (b, sn) = self.check_append(a)?;
         let (_, ps, mb) = (a.k_cache.shape[0], a.k_cache.shape[1], a.block_table.cols);
-        crate::gpu::device::bind_context(&self.ctx)?;
+        crate::gpu::device::bind_context(&self.split.ctx)?;
         let st = |t: &RawTensor, i: usize| t.strides[i] as i64;
         let (kn, vn, k, v) = (&a.k_new, &a.v_new, &a.k_cache, &a.v_cache);
         let p = AppendParams {

@@ -9,15 +9,13 @@ use super::abi::{
 use super::args::{check_call, DecodeArgs, DecodeShape};
 use super::class::DecodeClass;
 use super::select::split_heuristic;
-use crate::attention::launch::load_split_kernel;
+use crate::attention::launch::SplitDevice;
 use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, Element, RawIndex, RawStream, RawTensor};
 use crate::gpu::{Device, RawWorkspace, Workspace};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -27,11 +25,7 @@ pub struct DecodePlan {
     pub(super) kernel: DecodeKernel,
     pub(super) fwd: CudaFunction,
     pub(super) append: CudaFunction,
-    pub(super) ctx: Arc<CudaContext>,
-    pub(super) sm_count: u32,
-    /// Decode CTAs resident per SM (occupancy of the compiled kernel).
-    pub(super) ctas_per_sm: u32,
-    pub(super) splits_override: Option<usize>,
+    pub(super) split: SplitDevice,
 }
 
 impl std::fmt::Debug for DecodePlan {
@@ -39,8 +33,7 @@ impl std::fmt::Debug for DecodePlan {
         f.debug_struct("DecodePlan")
             .field("class", &self.class)
             .field("kernel", &self.kernel)
-            .field("ctas_per_sm", &self.ctas_per_sm)
-            .field("splits_override", &self.splits_override)
+            .field("split", &self.split)
             .finish()
     }
 }
@@ -62,23 +55,14 @@ impl DecodePlan {
 
     fn build(dev: &Device, class: DecodeClass, alibi: bool) -> Result<DecodePlan> {
         class.validate()?;
-        if dev.arch() < 80 {
-            return Err(Error::unsupported(
-                DECODE_ENTRY,
-                format!(
-                    "needs sm_80 or newer (mma.sync bf16, cp.async), {} is sm_{}",
-                    dev.info().name,
-                    dev.arch()
-                ),
-            ));
-        }
         let kernel = DecodeKernel {
             alibi,
             ..DecodeKernel::for_class(&class)
         };
         let defs = kernel.defines();
-        let (fwd, ctas_per_sm) = load_split_kernel(
+        let (fwd, split) = SplitDevice::load_main(
             dev,
+            "mma.sync bf16, cp.async",
             DECODE_SOURCE,
             DECODE_ENTRY,
             &defs,
@@ -91,17 +75,14 @@ impl DecodePlan {
             kernel,
             fwd,
             append,
-            ctx: dev.context().clone(),
-            sm_count: dev.info().sm_count,
-            ctas_per_sm,
-            splits_override: None,
+            split,
         })
     }
 
     /// Force the number of KV splits (clamped to 1..=[`MAX_SPLITS`]); None restores the
     /// heuristic. The workspace size follows ([`DecodePlan::workspace_bytes`]).
     pub fn with_splits(mut self, splits: Option<usize>) -> DecodePlan {
-        self.splits_override = splits.map(|s| s.clamp(1, MAX_SPLITS));
+        self.split.set_override(splits, MAX_SPLITS);
         self
     }
 
@@ -156,7 +137,7 @@ impl DecodePlan {
     }
     /// Decode CTAs resident per SM on this device.
     pub fn ctas_per_sm(&self) -> u32 {
-        self.ctas_per_sm
+        self.split.ctas_per_sm
     }
 
     /// KV splits of a call with `batch` sequences of at most `max_seqlen_k` keys: the
@@ -165,14 +146,11 @@ impl DecodePlan {
     /// [`MIN_KEYS_PER_SPLIT`](super::MIN_KEYS_PER_SPLIT) keys.
     /// Independent of the call's Sq, so [`DecodePlan::workspace_bytes`] bounds every call.
     pub fn splits(&self, batch: usize, max_seqlen_k: usize) -> usize {
-        if let Some(s) = self.splits_override {
-            return s;
-        }
         let m_blocks =
             (self.class.group() * self.class.max_q_per_seq).div_ceil(self.kernel.block_m());
         let ctas = batch * self.class.heads_kv * m_blocks;
-        let slots = (self.sm_count * self.ctas_per_sm) as usize;
-        split_heuristic(ctas, slots, max_seqlen_k.div_ceil(BLOCK_N))
+        self.split
+            .splits(|slots| split_heuristic(ctas, slots, max_seqlen_k.div_ceil(BLOCK_N)))
     }
 
     /// Workspace bytes of a call (0 when it runs unsplit): the split merge's tickets, then
@@ -262,7 +240,7 @@ impl DecodePlan {
         let c = &self.class;
         let (o_off, lse_off, need) = Self::partial_bytes(c, s.splits, s.total_q);
         workspace.check(need, 16, "DecodePlan")?;
-        crate::gpu::device::bind_context(&self.ctx)?;
+        crate::gpu::device::bind_context(&self.split.ctx)?;
         let scale = c.scale();
         let (scale_log2, softcap_log2) = if c.softcap > 0.0 {
             (scale / c.softcap, c.softcap * std::f32::consts::LOG2_E)
@@ -334,7 +312,7 @@ impl DecodePlan {
     }
 
     pub(super) fn check_stream(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
+        crate::gpu::device::check_stream_context(stream, &self.split.ctx)?;
         Ok(())
     }
 

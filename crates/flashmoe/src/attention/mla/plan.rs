@@ -5,15 +5,13 @@ use super::abi::*;
 use super::args::*;
 use super::class::MlaDecodeClass;
 use super::select::*;
-use crate::attention::launch::load_split_kernel;
+use crate::attention::launch::SplitDevice;
 use crate::attention::plan::Bshd;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{self, param, Element, RawIndex, RawStream, RawTensor, RawWorkspace};
 use crate::gpu::{Device, Workspace};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -23,10 +21,7 @@ pub struct MlaDecodePlan {
     kernel: MlaKernel,
     fwd: CudaFunction,
     combine: CudaFunction,
-    ctx: Arc<CudaContext>,
-    sm_count: u32,
-    ctas_per_sm: u32,
-    splits_override: Option<usize>,
+    split: SplitDevice,
 }
 
 impl std::fmt::Debug for MlaDecodePlan {
@@ -34,8 +29,7 @@ impl std::fmt::Debug for MlaDecodePlan {
         f.debug_struct("MlaDecodePlan")
             .field("class", &self.class)
             .field("kernel", &self.kernel)
-            .field("ctas_per_sm", &self.ctas_per_sm)
-            .field("splits_override", &self.splits_override)
+            .field("split", &self.split)
             .finish()
     }
 }
@@ -68,16 +62,6 @@ impl MlaDecodePlan {
         kernel: MlaKernel,
     ) -> Result<MlaDecodePlan> {
         class.validate()?;
-        if dev.arch() < 80 {
-            return Err(Error::unsupported(
-                MLA_ENTRY,
-                format!(
-                    "needs sm_80 or newer (mma.sync, cp.async), {} is sm_{}",
-                    dev.info().name,
-                    dev.arch()
-                ),
-            ));
-        }
         if !Self::kernels_for(dev, class.dtype)?.contains(&kernel) {
             return Err(Error::unsupported(
                 MLA_ENTRY,
@@ -85,8 +69,9 @@ impl MlaDecodePlan {
             ));
         }
         let defs = kernel.defines();
-        let (fwd, ctas_per_sm) = load_split_kernel(
+        let (fwd, split) = SplitDevice::load_main(
             dev,
+            "mma.sync, cp.async",
             MLA_SOURCE,
             MLA_ENTRY,
             &defs,
@@ -99,17 +84,14 @@ impl MlaDecodePlan {
             kernel,
             fwd,
             combine,
-            ctx: dev.context().clone(),
-            sm_count: dev.info().sm_count,
-            ctas_per_sm,
-            splits_override: None,
+            split,
         })
     }
 
     /// Force the number of KV splits (clamped to 1..=[`MAX_SPLITS`]); None restores the
     /// heuristic. [`MlaDecodePlan::workspace_bytes`] follows.
     pub fn with_splits(mut self, splits: Option<usize>) -> MlaDecodePlan {
-        self.splits_override = splits.map(|s| s.clamp(1, MAX_SPLITS));
+        self.split.set_override(splits, MAX_SPLITS);
         self
     }
 
@@ -124,12 +106,9 @@ impl MlaDecodePlan {
     /// override, else [`mla_split_heuristic`] over B · row blocks (at `max_q_per_seq`) CTAs.
     /// Independent of the call's Sq.
     pub fn splits(&self, batch: usize, max_seqlen_k: usize) -> usize {
-        if let Some(s) = self.splits_override {
-            return s;
-        }
         let ctas = batch * self.class.m_blocks(self.class.max_q_per_seq);
-        let slots = (self.sm_count * self.ctas_per_sm) as usize;
-        mla_split_heuristic(ctas, slots, max_seqlen_k.div_ceil(64))
+        self.split
+            .splits(|slots| mla_split_heuristic(ctas, slots, max_seqlen_k.div_ceil(64)))
     }
 
     /// Workspace bytes of a call of `batch` sequences bounded by `max_seqlen_k` keys (0 when
@@ -184,7 +163,7 @@ impl MlaDecodePlan {
         let rows = s.batch * s.seqlen_q * c.heads_q;
         let (lse_off, need) = partial_bytes(s.splits, rows);
         workspace.check(need, 16, "MlaDecodePlan")?;
-        crate::gpu::device::bind_context(&self.ctx)?;
+        crate::gpu::device::bind_context(&self.split.ctx)?;
         let st = |t: &RawTensor, i: usize| t.strides[i] as i64;
         let split = need > 0;
         let (o_part, lse_part) = if split {
@@ -268,7 +247,7 @@ impl MlaDecodePlan {
         K: DevicePtr<T>,
         O: DevicePtrMut<T>,
     {
-        crate::gpu::device::check_stream_context(stream, &self.ctx)?;
+        crate::gpu::device::check_stream_context(stream, &self.split.ctx)?;
         let b = q.shape[0];
         let (hq, sq) = (self.class.heads_q, q.shape[1]);
         let (qp, _gq) = q.buf.device_ptr(stream);
