@@ -110,3 +110,21 @@ __device__ __forceinline__ float ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
     return r;
 }
+
+// log2 x, lg2(0) = -inf
+__device__ __forceinline__ float lg2(float x) {
+    float r;
+    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): absolute error a few 1e-7 (ex2.approx and
+// rcp.approx), where tanh.approx.f32 has a relative 2^-11 (too coarse for the backward's
+// 1 - tanh^2 once multiplied by the softcap inside an exponent). Saturates to +-1
+// (2^inf = inf, 1/inf = 0).
+__device__ __forceinline__ float tanh_acc(float x) {
+    const float e = ex2(x * 2.8853900817779268f);  // 2 log2 e
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
+    return fmaf(-2.f, r, 1.f);
+}

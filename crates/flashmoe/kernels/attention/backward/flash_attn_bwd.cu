@@ -81,7 +81,7 @@
 #ifndef FM_DTYPE_BF16
 #define FM_DTYPE_BF16 1
 #endif
-#include "fm_ptx.cuh"  // u32/u16/i64, cp.async, ldmatrix, mma.sync, pack2, ex2
+#include "fm_ptx.cuh"  // u32/u16/i64, cp.async, ldmatrix, mma.sync, pack2, ex2, tanh_acc
 #ifndef FM_CAUSAL
 #define FM_CAUSAL 0
 #endif
@@ -169,16 +169,6 @@ __device__ __forceinline__ void cp_async4(u32 dst, const void* src, bool pred) {
     const int n = pred ? 4 : 0;
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n)
                  : "memory");
-}
-
-// tanh(x) = 1 - 2 / (2^(2 x log2 e) + 1): absolute error a few 1e-7 (ex2.approx and
-// rcp.approx), where tanh.approx.f32 has a relative 2^-11 (too coarse once multiplied by
-// the softcap inside an exponent). Saturates to +-1 (2^inf = inf, 1/inf = 0).
-__device__ __forceinline__ float tanh_acc(float x) {
-    const float e = ex2(x * (2.f * LOG2E));
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
-    return fmaf(-2.f, r, 1.f);
 }
 
 // Byte offset of 16-byte chunk `ch` of row `r` inside a swizzled tile.

@@ -142,22 +142,6 @@ struct DecodeParams {
 static_assert(sizeof(DecodeParams) == 248, "DecodeParams layout (decode/config.rs)");
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
-__device__ __forceinline__ float lg2(float x) {
-    float r;
-    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
-__device__ __forceinline__ float rcp(float x) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
-// tanh(x) = 1 - 2 / (e^{2x} + 1): absolute error ~2e-7 (tanh.approx's 5e-4 times a softcap of
-// 30-50 would move logits by 0.02). e^{2x} = inf gives 1, e^{2x} = 0 gives -1.
-__device__ __forceinline__ float tanh_acc(float x) {
-    return 1.f - 2.f * rcp(ex2(x * 2.8853900817779268f) + 1.f);
-}
-
 // Byte offset of 16-byte chunk `ch` of row `r` inside a swizzled tile.
 __device__ __forceinline__ u32 swz(int r, int ch) {
     return (u32)(r * PITCH_B + ((ch ^ (r & 7)) << 4));

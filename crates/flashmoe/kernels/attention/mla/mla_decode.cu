@@ -135,11 +135,6 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u);
 __device__ __forceinline__ void pair_sync(int rg) {
     asm volatile("bar.sync %0, 64;\n" ::"r"(1 + rg) : "memory");
 }
-__device__ __forceinline__ float lg2(float x) {
-    float r;
-    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
 
 // Byte offset of 16-byte chunk `ch` of row `r` in a swizzled tile (XOR on the low 3 bits:
 // the 8 chunks of a 128-byte group permute among themselves).

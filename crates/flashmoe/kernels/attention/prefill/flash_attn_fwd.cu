@@ -154,11 +154,6 @@ static_assert(!WINDOW || CAUSAL, "FM_WINDOW needs FM_CAUSAL (the window's right 
 // PTX wrappers (the ones shared with the other mma.sync kernels are in fm_ptx.cuh)
 // ----------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float lg2(float x) {
-    float r;
-    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000u); }
 __device__ __forceinline__ float tanh_approx(float x) {
     float r;

@@ -11,12 +11,6 @@
 
 namespace fm90 {
 
-__device__ __forceinline__ float lg2(float x) {
-    float r;
-    asm("lg2.approx.f32 %0, %1;\n" : "=f"(r) : "f"(x));
-    return r;
-}
-
 // The meeting of a split tile's two parts at their boundary record, per consumer warp (16
 // rows; both parts hold the same rows in the same warp of the same warpgroup). The warp
 // takes a ticket: the first publishes its O (unnormalised), m and l (per-thread partial)
