@@ -23,14 +23,15 @@ fn every_sm90_backward_variant_compiles_without_spills() {
     let classes = all_sm90_bwd_classes();
     assert_eq!(
         classes.len(),
-        2 * 2 * 3,
-        "head dims 64/128 x bf16/f16 x (non-causal, causal, window)"
+        2 * 2 * 6,
+        "head dims 64/128 x bf16/f16 x (non-causal, causal, window) x (softcap or not)"
     );
     for class in classes {
         // Every class: the production tile and the fused-dQ tiles that serve its masking;
-        // bf16 causal: every tile the lab times.
+        // bf16 causal without softcap: every tile the lab times.
         let mut tiles = Sm90BwdTile::lab_tiles(class.head_dim);
-        let plain_causal = class.causal && class.window == flashmoe::problem::NO_WINDOW;
+        let plain_causal =
+            class.causal && class.window == flashmoe::problem::NO_WINDOW && class.softcap == 0.0;
         if !(plain_causal && class.dtype == flashmoe::DType::Bf16) {
             let prod = tiles[0];
             tiles.retain(|t| *t == prod || t.dq.fused());
@@ -45,11 +46,12 @@ fn every_sm90_backward_variant_compiles_without_spills() {
             // FLASHMOE_BWD_CUBIN_DIR=dir: each variant's cubin there, for nvdisasm.
             if let Some(dir) = std::env::var_os("FLASHMOE_BWD_CUBIN_DIR") {
                 let name = format!(
-                    "bwd-d{}-{:?}-c{}-w{}-m{}-n{}-s{}-{:?}.cubin",
+                    "bwd-d{}-{:?}-c{}-w{}-cap{}-m{}-n{}-s{}-{:?}.cubin",
                     class.head_dim,
                     class.dtype,
                     u8::from(class.causal),
                     u8::from(class.window != flashmoe::problem::NO_WINDOW),
+                    u8::from(class.softcap > 0.0),
                     tile.kv_block_m,
                     tile.q_block_n,
                     tile.stages,

@@ -20,9 +20,12 @@
 //   FM_STAGES       depth of the streamed-tile ring of both kernels (2 or 3)
 //   FM_DQ_MODE      0: dQ by flash_attn_bwd_sm90_dq; 1: fused, unordered reductions;
 //                   2: fused, each dQ tile takes the key blocks in increasing order
-// Softcap is not served here (the plan routes it to flash_attn_bwd.cu); neither are
-// windows with the ordered fused dQ (a tile's contributors are then not a prefix of the key
-// blocks).
+//   FM_SOFTCAP      1: logits are c * tanh(scale * q.k / c) (c = softcap): P comes through
+//                   tanh_acc as in flash_attn_bwd.cu, and dS takes the factor 1 - tanh^2,
+//                   the tanh recovered from P itself (lg2 P + lse2 = c log2 e tanh), so
+//                   no register holds it between the two
+// Windows with the ordered fused dQ are not served (a tile's contributors are then not a
+// prefix of the key blocks).
 //
 // The preprocess is flash_attn_bwd.cu's (`flash_attn_bwd_preprocess`): the workspace holds
 // lse2 = LSE·log2 e (+inf for a row that sees no key) and delta = rowsum(dO∘O), both
@@ -32,8 +35,10 @@
 // Sk, heads_kv, D); lse2, delta: (batch, heads_q, Sq) f32):
 //   flash_attn_bwd_sm90_dkdv(q, k, v, dout, lse2, delta, u16* dk, u16* dv, int seqlen_q,
 //        int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
-//        float* dq_accum, int* dq_sem,      (FM_DQ_MODE 1/2 only, else null)
+//        float softcap_log2, float* dq_accum, int* dq_sem, (FM_DQ_MODE 1/2 only, else null)
 //        int window_left, int window_right)
+//     scale_log2 = scale * log2 e, or with FM_SOFTCAP scale / softcap (the tanh argument);
+//     softcap_log2 = softcap * log2 e (unread without FM_SOFTCAP)
 //     grid (ceil(Sk / 128), heads_kv, batch), or (heads_kv * batch, ceil(Sk / 128), 1) with
 //     FM_DQ_MODE 2; block 256, dynamic smem KV_SMEM.
 //   Fused dQ: dq_accum holds one f32 tile of 64 query rows x D per (batch, query head,
@@ -42,7 +47,7 @@
 //   zeroes both before, flash_attn_bwd_sm90_dq_convert(dq_accum, dq, Sq, heads_q, scale)
 //   (grid (ceil(Sq / 64), heads_q, batch), block 256) writes dq after.
 //   flash_attn_bwd_sm90_dq(q, k, v, dout, lse2, delta, u16* dq, seqlen_q, seqlen_k,
-//        heads_q, heads_kv, scale, scale_log2, window_left, window_right)
+//        heads_q, heads_kv, scale, scale_log2, softcap_log2, window_left, window_right)
 //     grid (ceil(Sq / 128), heads_q, batch), block 256, dynamic smem Q_SMEM.
 //
 // Structure. Both kernels run two warpgroups; warpgroup w owns 64 rows of the stationary
@@ -99,6 +104,9 @@
 #ifndef FM_DQ_MODE
 #define FM_DQ_MODE 0
 #endif
+#ifndef FM_SOFTCAP
+#define FM_SOFTCAP 0
+#endif
 #include "fm_sm90.cuh"
 
 namespace fmb90 {
@@ -107,6 +115,7 @@ constexpr int D = FM_HEAD_DIM;
 constexpr bool CAUSAL = FM_CAUSAL != 0;
 constexpr bool WINDOW = FM_WINDOW != 0;
 static_assert(!WINDOW || CAUSAL, "FM_WINDOW implies FM_CAUSAL");
+constexpr bool SOFTCAP = FM_SOFTCAP != 0;
 constexpr int CPR = D / 8;    // 16-byte chunks per row
 constexpr int NWG = 2;        // warpgroups; each owns 64 stationary rows
 constexpr int THREADS = 128 * NWG;
@@ -171,6 +180,25 @@ static_assert(KV_SMEM <= 227 * 1024 && Q_SMEM <= 227 * 1024, "shared memory");
 __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0); }
 
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+
+// P of a visible raw score s = q.k against its row's lse2 (log2 units): the forward's logit,
+// softcapped through tanh_acc with FM_SOFTCAP.
+__device__ __forceinline__ float prob(float s, float scale_log2, float softcap_log2, float lse2) {
+    const float logit = SOFTCAP ? softcap_log2 * tanh_acc(s * scale_log2) : s * scale_log2;
+    return ex2(logit - lse2);
+}
+
+// dS of one score: P (dP - delta), times 1 - tanh^2 with FM_SOFTCAP, the tanh recovered from
+// P as (lg2 P + lse2) / softcap_log2 (inv_cap = 1 / softcap_log2); P = 0 (masked, or
+// underflowed) gives 0 without reading lg2 0 = -inf.
+__device__ __forceinline__ float dscore(float p, float dp, float delta, float lse2, float inv_cap) {
+    float ds = p * (dp - delta);
+    if (SOFTCAP) {
+        const float t = (lg2(p) + lse2) * inv_cap;
+        ds = p > 0.f ? ds * (1.f - t * t) : 0.f;
+    }
+    return ds;
+}
 
 __device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
     return x < lo ? lo : (x > hi ? hi : x);
@@ -354,8 +382,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                              const u16* __restrict__ dout, const float* __restrict__ lse2,
                              const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
                              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
-                             float scale_log2, float* __restrict__ dq_accum, int* __restrict__ dq_sem,
-                             int window_left, int window_right) {
+                             float scale_log2, float softcap_log2, float* __restrict__ dq_accum,
+                             int* __restrict__ dq_sem, int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
@@ -373,6 +401,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
     const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
+    const float inv_cap = SOFTCAP ? 1.f / softcap_log2 : 0.f;
 
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* gen = smem_raw + (base - smem_addr(smem_raw));
@@ -509,16 +538,17 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                     const bool vis = !need_mask || (m0 + col >= qlo[h] && m0 + col < seqlen_q &&
                                                      (!WINDOW || m0 + col <= qhi[h]));
                     float& x = st[4 * j + 2 * h + c];
-                    x = vis ? ex2(x * scale_log2 - L[col]) : 0.f;
+                    x = vis ? prob(x, scale_log2, softcap_log2, L[col]) : 0.f;
                 }
-        // dS^T = P^T (dP^T - delta), into dpt
+        // dS^T = P^T (dP^T - delta) [* (1 - tanh^2)], into dpt
         auto make_ds = [&]() {
 #pragma unroll
             for (int j = 0; j < BM_KV / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = 8 * j + 2 * (lane & 3) + (e & 1);
-                    dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - Dl[col]);
+                    dpt[4 * j + e] = dscore(st[4 * j + e], dpt[4 * j + e], Dl[col], SOFTCAP ? L[col] : 0.f,
+                                            inv_cap);
                 }
         };
         // Fused dQ: this step's tile(s), and (ordered) this key block's turn on them. With
@@ -626,7 +656,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                            const u16* __restrict__ dout, const float* __restrict__ lse2,
                            const float* __restrict__ delta, u16* __restrict__ dq, int seqlen_q,
                            int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
-                           int window_left, int window_right) {
+                           float softcap_log2, int window_left, int window_right) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
@@ -637,6 +667,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const i64 q_off = ((i64)batch * seqlen_q * heads_q + head) * D;
     const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
+    const float inv_cap = SOFTCAP ? 1.f / softcap_log2 : 0.f;
 
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sO = base + Q_OFF_O;
@@ -723,14 +754,15 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                     const int key = n0 + 8 * j + 2 * (lane & 3) + c;
                     const bool vis = !need_mask || (key <= khi[h] && key < seqlen_k && (!WINDOW || key >= klo[h]));
                     float& x = s[4 * j + 2 * h + c];
-                    x = vis ? ex2(x * scale_log2 - lr2[h]) : 0.f;
+                    x = vis ? prob(x, scale_log2, softcap_log2, lr2[h]) : 0.f;
                 }
         wgmma_wait<0>();
         reg_fence(dp);
 #pragma unroll
         for (int j = 0; j < BN_Q / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - dl[e >> 1]);
+            for (int e = 0; e < 4; ++e)
+                dp[4 * j + e] = dscore(s[4 * j + e], dp[4 * j + e], dl[e >> 1], lr2[e >> 1], inv_cap);
         pack_a<BN_Q>(dp, pa);
         wgmma_fence();
         issue_pb<BN_Q>(dq_acc, pa, sK);  // dQ += dS K

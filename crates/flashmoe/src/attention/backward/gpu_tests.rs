@@ -380,6 +380,21 @@ fn backward_sm90_and_portable_match_f64_reference() {
                 c
             }),
         )
+        .chain(
+            // Softcap (the tanh recovered from P for dS): small and large caps, with a
+            // window, Sq != Sk, GQA, both dtypes and head dims.
+            [
+                (Case::new(64, Bf16, 4, 2, 200, 177, true), NO_WINDOW, 5.0),
+                (Case::new(128, F16, 2, 2, 130, 200, false), NO_WINDOW, 30.0),
+                (Case::new(64, F16, 2, 1, 257, 257, false), (48, 16), 2.0),
+                (Case::new(128, Bf16, 8, 2, 300, 333, true), (64, -1), 50.0),
+            ]
+            .map(|(mut c, w, cap)| {
+                c.window = w;
+                c.softcap = cap;
+                c
+            }),
+        )
         .collect::<Vec<_>>();
         let sm90 = dev.arch() == 90;
         if !sm90 {
@@ -764,15 +779,19 @@ fn backward_sanitizer_cases() {
         {
             check_case(dev, c, seed + n as u64);
         }
-        // The sm_90a kernels on partial tiles, GQA, Sq != Sk and a window: each dQ mode.
+        // The sm_90a kernels on partial tiles, GQA, Sq != Sk, a window and a softcap: each
+        // dQ mode.
         if dev.arch() == 90 {
             let mut w = Case::new(128, DType::Bf16, 4, 2, 150, 77, true);
             w.window = (40, 8);
+            let mut cap = Case::new(64, DType::Bf16, 8, 2, 129, 130, false);
+            cap.softcap = 5.0;
             for (n, c) in [
                 Case::new(64, DType::Bf16, 8, 2, 129, 130, true),
                 Case::new(128, DType::Bf16, 8, 2, 129, 130, false),
                 Case::new(128, DType::F16, 2, 2, 130, 65, true),
                 w,
+                cap,
             ]
             .iter()
             .enumerate()
@@ -790,7 +809,7 @@ fn backward_sanitizer_cases() {
 fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
     let mut tiles = Sm90BwdTile::lab_tiles(c.d);
     let prod = tiles[0];
-    let fast = Sm90BwdTile::for_mode(c.d, BwdMode::Fast);
+    let fast = Sm90BwdTile::for_class(&c.class(), BwdMode::Fast);
     tiles.retain(|t| {
         (*t == prod || Some(*t) == fast || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class())
     });

@@ -82,7 +82,7 @@ impl AttentionBackwardPlan {
         mode: BwdMode,
     ) -> Result<AttentionBackwardPlan> {
         let kernel = if dev.arch() == 90 && sm90_serves(&class) {
-            Sm90BwdTile::for_mode(class.head_dim, mode).map(BwdKernel::Sm90)
+            Sm90BwdTile::for_class(&class, mode).map(BwdKernel::Sm90)
         } else {
             None
         };
@@ -166,8 +166,8 @@ impl AttentionBackwardPlan {
                     return Err(Error::unsupported(
                         backend,
                         format!(
-                            "the sm_90a kernels serve head dims {BWD_SM90_HEAD_DIMS:?}, no \
-                             softcap; not {class:?}"
+                            "the sm_90a kernels serve head dims {BWD_SM90_HEAD_DIMS:?} in bf16 or \
+                             f16; not {class:?}"
                         ),
                     ));
                 }
@@ -491,6 +491,7 @@ impl AttentionBackwardPlan {
             param(&hkv_i),
             param(&self.scale),
             param(&scale_log2),
+            param(&self.logits.softcap_log2),
             param(&dq_accum),
             param(&dq_sem),
             param(&self.logits.window_left),
@@ -539,6 +540,7 @@ impl AttentionBackwardPlan {
             param(&hkv_i),
             param(&self.scale),
             param(&scale_log2),
+            param(&self.logits.softcap_log2),
             param(&self.logits.window_left),
             param(&self.logits.window_right),
         ];

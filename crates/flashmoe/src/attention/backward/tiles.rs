@@ -29,7 +29,7 @@ pub enum BwdKernel {
     /// `flash_attn_bwd.cu` (mma.sync, sm_80 and newer): every class the backward serves.
     Portable,
     /// `flash_attn_bwd_sm90.cu` (wgmma, compute capability 9.0): head dims 64 and 128,
-    /// bf16/f16, causal or not, sliding windows, Sq ≠ Sk, GQA; no softcap.
+    /// bf16/f16, causal or not, sliding windows, softcap, Sq ≠ Sk, GQA.
     Sm90(Sm90BwdTile),
 }
 
@@ -120,6 +120,19 @@ impl Sm90BwdTile {
             },
         })
     }
+    /// The production tile for `class` and `mode`: [`Sm90BwdTile::for_mode`]'s, with 64
+    /// query rows a dK/dV step where its 128 do not serve the class (softcap at D=64).
+    pub fn for_class(class: &AttentionClass, mode: BwdMode) -> Option<Sm90BwdTile> {
+        let t = Sm90BwdTile::for_mode(class.head_dim, mode)?;
+        Some(if t.serves(class) {
+            t
+        } else {
+            Sm90BwdTile {
+                kv_block_m: 64,
+                ..t
+            }
+        })
+    }
     /// The production tile of `head_dim` first, then the others the lab times beside it
     /// (those that spill registers are not listed: the kernel pair with 128 query rows a
     /// dK/dV step at D=64, with 128 keys a dQ step at D=128).
@@ -157,9 +170,11 @@ impl Sm90BwdTile {
         out
     }
     /// Whether this tile serves `class`'s masking: the ordered fused dQ needs every dQ
-    /// tile's key blocks to be a prefix, which a sliding window breaks.
+    /// tile's key blocks to be a prefix, which a sliding window breaks; with a softcap, 128
+    /// query rows a dK/dV step spill registers (the tanh and the 1 - tanh^2 factor).
     pub fn serves(&self, class: &AttentionClass) -> bool {
-        self.dq != Sm90Dq::Ordered || !Masking::of(&class.problem(1, 1, 1)).window
+        let m = Masking::of(&class.problem(1, 1, 1));
+        (self.dq != Sm90Dq::Ordered || !m.window) && !(m.softcap && self.kv_block_m == 128)
     }
     /// Whether the kernels accept this tile.
     pub fn is_valid(&self) -> bool {
@@ -209,10 +224,7 @@ impl Sm90BwdTile {
 
 /// Whether the sm_90a backward serves `class` (on a compute capability 9.0 device).
 pub fn sm90_serves(class: &AttentionClass) -> bool {
-    let m = Masking::of(&class.problem(1, 1, 1));
-    BWD_SM90_HEAD_DIMS.contains(&class.head_dim)
-        && matches!(class.dtype, DType::Bf16 | DType::F16)
-        && !m.softcap
+    BWD_SM90_HEAD_DIMS.contains(&class.head_dim) && matches!(class.dtype, DType::Bf16 | DType::F16)
 }
 
 /// The NVRTC defines of the sm_90a backward module for `class` with `tile`.
@@ -228,6 +240,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
         ("FM_Q_BLOCK_N".into(), tile.q_block_n.to_string()),
         ("FM_STAGES".into(), tile.stages.to_string()),
         ("FM_DQ_MODE".into(), tile.dq.define().to_string()),
+        ("FM_SOFTCAP".into(), b(m.softcap)),
     ]
 }
 
