@@ -91,3 +91,44 @@ fn every_sm90_backward_variant_compiles_without_spills() {
         }
     }
 }
+
+/// The varlen builds (`FM_VARLEN`) of every class's dQ-kernel tiles: the dK/dV and dQ
+/// kernels compile without spills and without serialised wgmmas, and the fused-dQ
+/// workspace kernels are not in them (varlen runs the dQ kernel).
+#[test]
+fn every_sm90_varlen_backward_variant_compiles_without_spills() {
+    use flashmoe::attention::backward::varlen::varlen_sm90_bwd_defines;
+    nvrtc();
+    let src = kernels::source(BWD_SM90_SOURCE).unwrap();
+    let cache = KernelCache::offline(None);
+    let arch = "sm_90a";
+    let mut built = 0;
+    for class in all_sm90_bwd_classes() {
+        let tiles = Sm90BwdTile::lab_tiles(class.head_dim);
+        for tile in tiles.into_iter().filter(|t| !t.dq.fused()) {
+            let defs = varlen_sm90_bwd_defines(&class, &tile);
+            let k = cache
+                .compile(BWD_SM90_SOURCE, src, BWD_SM90_DKDV_ENTRY, &defs, arch)
+                .unwrap_or_else(|e| panic!("varlen {class:?} {tile:?}: {e}"))
+                .compiled;
+            for f in &k.all_functions {
+                eprintln!(
+                    "sm90 varlen bwd D={} {:?} causal={} softcap={} {tile:?}: {f}",
+                    class.head_dim, class.dtype, class.causal, class.softcap
+                );
+            }
+            assert!(k.all_functions.iter().any(|f| f.name == BWD_SM90_DQ_ENTRY));
+            for entry in [BWD_SM90_DQ_CONVERT_ENTRY, BWD_SM90_DQ_ZERO_ENTRY] {
+                assert!(!k.all_functions.iter().any(|f| f.name == entry), "{entry}");
+            }
+            assert!(!k.spills(), "varlen {class:?} {tile:?} spills: {}", k.log);
+            assert!(
+                !k.log.contains("C7511"),
+                "varlen {class:?} {tile:?}: wgmmas serialised: {}",
+                k.log
+            );
+            built += 1;
+        }
+    }
+    assert!(built >= 24, "{built} varlen variants");
+}

@@ -82,6 +82,7 @@
 #define FM_DTYPE_BF16 1
 #endif
 #include "fm_ptx.cuh"  // u32/u16/i64, cp.async, ldmatrix, mma.sync, pack2, ex2, tanh_acc
+#include "fm_bwd_span.cuh"  // Span: one sequence's rows, dense or varlen
 #ifndef FM_CAUSAL
 #define FM_CAUSAL 0
 #endif
@@ -283,43 +284,6 @@ __device__ __forceinline__ void store_rows(const float (&acc)[DT][4], float mul,
 
 __device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
     return x < lo ? lo : (x > hi ? hi : x);
-}
-
-// The rows of one sequence: query rows q0 .. q0 + sq of the packed (or batched) q, key rows
-// k0 .. k0 + sk; the lse/delta index of (head h, row i) is l0 + h * lh + i.
-struct Span {
-    i64 q0, k0, l0, lh;
-    int sq, sk;
-};
-
-// Dense: sequence `b` of a (batch, seq, heads, D) batch.
-__device__ __forceinline__ Span dense_span(int b, int seqlen_q, int seqlen_k, int heads_q) {
-    Span s;
-    s.q0 = (i64)b * seqlen_q;
-    s.k0 = (i64)b * seqlen_k;
-    s.l0 = (i64)b * heads_q * seqlen_q;
-    s.lh = seqlen_q;
-    s.sq = seqlen_q;
-    s.sk = seqlen_k;
-    return s;
-}
-
-// Varlen: sequence `b` from the offsets, clamped into [0, total] with end >= start.
-__device__ __forceinline__ Span varlen_span(const int* __restrict__ cu_q,
-                                            const int* __restrict__ cu_k, int b, int total_q,
-                                            int total_k) {
-    const int q0 = min(max(cu_q[b], 0), total_q);
-    const int q1 = min(max(cu_q[b + 1], q0), total_q);
-    const int k0 = min(max(cu_k[b], 0), total_k);
-    const int k1 = min(max(cu_k[b + 1], k0), total_k);
-    Span s;
-    s.q0 = q0;
-    s.k0 = k0;
-    s.l0 = q0;
-    s.lh = total_q;
-    s.sq = q1 - q0;
-    s.sk = k1 - k0;
-    return s;
 }
 
 }  // namespace fmb

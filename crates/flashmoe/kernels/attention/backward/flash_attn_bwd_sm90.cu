@@ -24,6 +24,15 @@
 //                   tanh_acc as in flash_attn_bwd.cu, and dS takes the factor 1 - tanh^2,
 //                   the tanh recovered from P itself (lg2 P + lse2 = c log2 e tanh), so
 //                   no register holds it between the two
+//   FM_VARLEN       1: packed variable-length sequences (the layouts of flash_attn_bwd.cu's
+//                   FM_VARLEN: q, dO, dq (total_q, heads_q, D), k, v, dk, dv (total_k,
+//                   heads_kv, D), lse2 / delta (heads_q, total_q)); every kernel below
+//                   takes `const int* cu_seqlens_q, const int* cu_seqlens_k` last, its
+//                   seqlen_q / seqlen_k are total_q / total_k, blockIdx.z (gridDim.z =
+//                   batch) the sequence, and its row grid is sized by the longest sequence
+//                   (CTAs past their sequence's end return at once). FM_DQ_MODE 0 only:
+//                   the deterministic kernel pair, whose workspace (lse2, delta) does not
+//                   depend on the batch.
 // Windows with the ordered fused dQ are not served (a tile's contributors are then not a
 // prefix of the key blocks).
 //
@@ -107,7 +116,18 @@
 #ifndef FM_SOFTCAP
 #define FM_SOFTCAP 0
 #endif
+#ifndef FM_VARLEN
+#define FM_VARLEN 0
+#endif
+#if FM_VARLEN
+#define FM_CU_PARAMS , const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
+#define FM_SPAN(b) varlen_span(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k)
+#else
+#define FM_CU_PARAMS
+#define FM_SPAN(b) dense_span(b, seqlen_q, seqlen_k, heads_q)
+#endif
 #include "fm_sm90.cuh"
+#include "fm_bwd_span.cuh"  // Span: one sequence's rows, dense or varlen
 
 namespace fmb90 {
 
@@ -140,6 +160,7 @@ constexpr bool FUSED_DQ = DQ_MODE != 0;
 constexpr bool ORDERED_DQ = DQ_MODE == 2;
 static_assert(DQ_MODE >= 0 && DQ_MODE <= 2, "FM_DQ_MODE must be 0, 1 or 2");
 static_assert(!(WINDOW && DQ_MODE == 2), "windows with the ordered fused dQ are not served");
+static_assert(!(FM_VARLEN && FUSED_DQ), "varlen runs the dQ kernel (FM_DQ_MODE 0)");
 static_assert(!FUSED_DQ || BM_KV == 64 || D == 64,
               "the fused dQ product takes 128 query rows a step only at D = 64");
 // Fused dQ: the step's dQ = dS (BM_KV queries x 128 keys) . K (128 keys x D), in tiles of
@@ -383,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                              const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
                              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
                              float scale_log2, float softcap_log2, float* __restrict__ dq_accum,
-                             int* __restrict__ dq_sem, int window_left, int window_right) {
+                             int* __restrict__ dq_sem, int window_left, int window_right FM_CU_PARAMS) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
@@ -397,9 +418,14 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const int kblock = blockIdx.x, kvh = blockIdx.y, batch = blockIdx.z;
 #endif
     const int n0 = kblock * BN_KV;
+    const Span sp = FM_SPAN(batch);
+    // From here on seqlen_q / seqlen_k are this sequence's lengths.
+    seqlen_q = sp.sq;
+    seqlen_k = sp.sk;
+    if (n0 >= seqlen_k) return;  // varlen: past this sequence's keys (the whole CTA)
     const int group = heads_q / heads_kv;
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
-    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 kv_off = (sp.k0 * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
     const float inv_cap = SOFTCAP ? 1.f / softcap_log2 : 0.f;
 
@@ -452,13 +478,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     };
     auto load_step = [&](const StepPos& p, int buf) {
         const int m0 = p.mb * BM_KV;
-        const i64 q_off = ((i64)batch * seqlen_q * heads_q + p.h) * D;
+        const i64 q_off = (sp.q0 * heads_q + p.h) * D;
         load_tile<BM_KV>(base + KV_OFF_Q + buf * tile_bytes(BM_KV), q, q_off, q_stride, m0, seqlen_q, tid);
         load_tile<BM_KV>(base + KV_OFF_O + buf * tile_bytes(BM_KV), dout, q_off, q_stride, m0, seqlen_q, tid);
         // lse2 rows by threads [0, BM_KV), delta rows by [BM_KV, 2 BM_KV).
         static_assert(2 * BM_KV <= THREADS, "one lse2/delta element a thread");
         if (tid < 2 * BM_KV) {
-            const i64 l_off = ((i64)batch * heads_q + p.h) * seqlen_q;
+            const i64 l_off = sp.l0 + (i64)p.h * sp.lh;
             const int r = tid % BM_KV;
             const bool ok = m0 + r < seqlen_q;
             const float* src = (tid < BM_KV ? lse2 : delta) + (ok ? l_off + m0 + r : 0);
@@ -488,8 +514,6 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     // (An array indexed by step parity: it costs 8 bytes of stack where a computed address
     // costs registers, and the D = 128 kernel is at the 255-register limit.)
     const u32 sDS[2] = {base + KV_OFF_DS, base + KV_OFF_DS + DS_BYTES};
-    const int n_qtiles = (seqlen_q + DQ_TM - 1) / DQ_TM;
-    (void)n_qtiles;
 
     mbar_wait(ring.fixed(), 0);
     int buf = 0, round = 0;
@@ -553,7 +577,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         };
         // Fused dQ: this step's tile(s), and (ordered) this key block's turn on them. With
         // 128 query rows a step, warpgroup w's tile may lie past Sq (then it adds nothing).
-        const int tile = (batch * heads_q + at.h) * n_qtiles + m0 / DQ_TM + (BM_KV == 64 ? 0 : cw);
+        const i64 tile = sp.qt0 + at.h * sp.nt + m0 / DQ_TM + (BM_KV == 64 ? 0 : cw);
         const bool tile_live = BM_KV == 64 || m0 + cw * 64 < seqlen_q;
         auto wait_turn = [&]() {
             if constexpr (ORDERED_DQ) {
@@ -656,16 +680,21 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                            const u16* __restrict__ dout, const float* __restrict__ lse2,
                            const float* __restrict__ delta, u16* __restrict__ dq, int seqlen_q,
                            int seqlen_k, int heads_q, int heads_kv, float scale, float scale_log2,
-                           float softcap_log2, int window_left, int window_right) {
+                           float softcap_log2, int window_left, int window_right FM_CU_PARAMS) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
     const int m0 = blockIdx.x * BM_Q;
     const int head = blockIdx.y, batch = blockIdx.z;
+    const Span sp = FM_SPAN(batch);
+    // From here on seqlen_q / seqlen_k are this sequence's lengths.
+    seqlen_q = sp.sq;
+    seqlen_k = sp.sk;
+    if (m0 >= seqlen_q) return;  // varlen: past this sequence's queries (the whole CTA)
     const int kvh = head / (heads_q / heads_kv);
     const i64 q_stride = (i64)heads_q * D, kv_stride = (i64)heads_kv * D;
-    const i64 q_off = ((i64)batch * seqlen_q * heads_q + head) * D;
-    const i64 kv_off = ((i64)batch * seqlen_k * heads_kv + kvh) * D;
+    const i64 q_off = (sp.q0 * heads_q + head) * D;
+    const i64 kv_off = (sp.k0 * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
     const float inv_cap = SOFTCAP ? 1.f / softcap_log2 : 0.f;
 
@@ -685,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
 
     float lr2[2], dl[2];
     int klo[2], khi[2];  // first and last visible key (khi -1: none)
-    const i64 l_off = ((i64)batch * heads_q + head) * seqlen_q;
+    const i64 l_off = sp.l0 + (i64)head * sp.lh;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int i = m0 + cw * 64 + warp * 16 + (lane >> 2) + 8 * h;
@@ -787,6 +816,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     store_acc(dq_acc, scale, dq, q_off, q_stride, m0 + cw * 64, seqlen_q, warp, lane);
 }
 
+#if !FM_VARLEN  // (varlen runs the dQ kernel)
 // ----------------------------------------------------------------------------------------
 // Fused dQ (FM_DQ_MODE 1 or 2): the workspace before and after the dK/dV kernel.
 // ----------------------------------------------------------------------------------------
@@ -807,7 +837,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
     using namespace fmb90;
     const int tid = threadIdx.x, cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
     const int m0 = blockIdx.x * DQ_TM, head = blockIdx.y, batch = blockIdx.z;
-    const i64 tile = ((i64)batch * heads_q + head) * gridDim.x + blockIdx.x;
+    const Span sp = dense_span(batch, seqlen_q, 0, heads_q);
+    const i64 tile = sp.qt0 + head * sp.nt + blockIdx.x;
     const float* g = dq_accum + tile * DQ_TILE + cw * (DQ_TILE / 2);
 #pragma unroll
     for (int j = 0; j < D / 16; ++j) {
@@ -818,8 +849,9 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS)
             const int r = m0 + warp * 16 + (lane >> 2) + 8 * h;
             if (r >= seqlen_q) continue;
             const float lo = h ? x.z : x.x, hi = h ? x.w : x.y;
-            *reinterpret_cast<u32*>(dq + (((i64)batch * seqlen_q + r) * heads_q + head) * D + col) =
+            *reinterpret_cast<u32*>(dq + ((sp.q0 + r) * heads_q + head) * D + col) =
                 pack2(lo * scale, hi * scale);
         }
     }
 }
+#endif  // !FM_VARLEN

@@ -17,16 +17,23 @@
 //! atomics), graph-capturable (no allocation, no synchronisation).
 //!
 //! Unlike the varlen forward (sm_90a, head dims 64 and 128), this runs on compute
-//! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`].
+//! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`]. On compute capability
+//! 9.0, [`VarlenBackwardPlan::with_kernel`] also runs the sm_90a kernel pair
+//! (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, `Sm90Dq::Kernel` tiles: deterministic as
+//! well, the same workspace) at head dims 64 and 128; `new` keeps the portable kernels
+//! until that build has passed its GPU checks.
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::abi::{
-    PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SOURCE,
-    PREPROCESS_ROWS,
+    PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SM90_DKDV_ENTRY,
+    BWD_SM90_DQ_ENTRY, BWD_SM90_SOURCE, BWD_SOURCE, PREPROCESS_ROWS,
 };
-use super::tiles::{bwd_defines, BwdTile, BWD_HEAD_DIMS};
+use super::tiles::{
+    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdTile, Sm90BwdTile, Sm90Dq,
+    BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
+};
 use crate::attention::plan::AttentionClass;
 use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
 use crate::attention::varlen::VarlenShape;
@@ -42,6 +49,17 @@ const BACKEND: &str = "varlen attention backward";
 /// The NVRTC defines of the varlen backward module: the dense module's plus `FM_VARLEN`.
 pub fn varlen_bwd_defines(class: &AttentionClass, tile: &BwdTile) -> Vec<(String, String)> {
     let mut d = bwd_defines(class, tile);
+    d.push(("FM_VARLEN".into(), "1".into()));
+    d
+}
+
+/// The NVRTC defines of the varlen sm_90a backward module: the dense sm_90a module's plus
+/// `FM_VARLEN` (a `Sm90Dq::Kernel` tile: the kernels refuse the fused dQ with varlen).
+pub fn varlen_sm90_bwd_defines(
+    class: &AttentionClass,
+    tile: &Sm90BwdTile,
+) -> Vec<(String, String)> {
+    let mut d = sm90_bwd_defines(class, tile);
     d.push(("FM_VARLEN".into(), "1".into()));
     d
 }
@@ -164,6 +182,7 @@ pub fn check_varlen_backward(c: &AttentionClass, a: &VarlenBackwardArgs) -> Resu
 pub struct VarlenBackwardPlan {
     class: AttentionClass,
     tile: BwdTile,
+    kernel: BwdKernel,
     logits: LogitParams,
     scale: f32,
     preprocess: CudaFunction,
@@ -177,6 +196,7 @@ impl std::fmt::Debug for VarlenBackwardPlan {
         f.debug_struct("VarlenBackwardPlan")
             .field("class", &self.class)
             .field("tile", &self.tile)
+            .field("kernel", &self.kernel)
             .finish()
     }
 }
@@ -191,6 +211,18 @@ impl VarlenBackwardPlan {
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its varlen kernels for `dev`
     /// (compute capability 8.0 or newer) and set their shared-memory limits.
     pub fn new(dev: &Device, class: AttentionClass) -> Result<VarlenBackwardPlan> {
+        Self::with_kernel(dev, class, BwdKernel::Portable)
+    }
+
+    /// [`VarlenBackwardPlan::new`] with the kernels chosen by the caller: `Portable`, or on
+    /// compute capability 9.0 `Sm90` with a `Sm90Dq::Kernel` tile of the class's head dim
+    /// (64 or 128; the fused-dQ tiles need a workspace that grows with the batch and are
+    /// not served here).
+    pub fn with_kernel(
+        dev: &Device,
+        class: AttentionClass,
+        kernel: BwdKernel,
+    ) -> Result<VarlenBackwardPlan> {
         let problem = class.problem(1, 1, 1);
         problem.validate()?;
         if !matches!(class.dtype, DType::Bf16 | DType::F16) {
@@ -231,14 +263,29 @@ impl VarlenBackwardPlan {
             BWD_PREPROCESS_ENTRY,
             &bwd_defines(&class, &tile),
         )?;
-        let defines = varlen_bwd_defines(&class, &tile);
-        let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
-        let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
-        dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
-        dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+        let (dkdv, dq) = match kernel {
+            BwdKernel::Portable => {
+                let defines = varlen_bwd_defines(&class, &tile);
+                let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
+                let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
+                dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
+                dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
+                (dkdv, dq)
+            }
+            BwdKernel::Sm90(t) => {
+                check_sm90_varlen(dev, &class, &t)?;
+                let defines = varlen_sm90_bwd_defines(&class, &t);
+                let dkdv = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DKDV_ENTRY, &defines)?;
+                let dq = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ENTRY, &defines)?;
+                dev.set_dynamic_shared_memory(BWD_SM90_DKDV_ENTRY, &dkdv, t.kv_smem_bytes())?;
+                dev.set_dynamic_shared_memory(BWD_SM90_DQ_ENTRY, &dq, t.q_smem_bytes())?;
+                (dkdv, dq)
+            }
+        };
         Ok(VarlenBackwardPlan {
             class,
             tile,
+            kernel,
             logits: LogitParams::of(&problem),
             scale: problem.scale(),
             preprocess,
@@ -251,8 +298,13 @@ impl VarlenBackwardPlan {
     pub fn class(&self) -> &AttentionClass {
         &self.class
     }
+    /// The portable kernels' tile (what they would run with; see [`Self::kernel`]).
     pub fn tile(&self) -> &BwdTile {
         &self.tile
+    }
+    /// Which kernels the plan runs.
+    pub fn kernel(&self) -> BwdKernel {
+        self.kernel
     }
 
     /// Bytes of the workspace a call of `total_q` packed query rows needs: the f32 Delta
@@ -321,6 +373,75 @@ impl VarlenBackwardPlan {
         let lp = &self.logits;
         let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
         let (cu_q, cu_k) = (a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr);
+        if let BwdKernel::Sm90(t) = self.kernel {
+            // The sm_90a pair: the dense kernels' arguments with total_q / total_k as the
+            // lengths, then the offsets (FM_CU_PARAMS); one grid z index per sequence.
+            let kv = LaunchConfig {
+                grid_dim: (
+                    (a.max_seqlen_k as u32).div_ceil(t.kv_block_n()),
+                    self.class.heads_kv as u32,
+                    b as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: t.kv_smem_bytes(),
+            };
+            let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
+            let null = 0u64;
+            let mut params = [
+                param(&q),
+                param(&k),
+                param(&v),
+                param(&d_o),
+                param(&lse2),
+                param(&delta),
+                param(&dk),
+                param(&dv),
+                param(&tq_i),
+                param(&tk_i),
+                param(&hq_i),
+                param(&hkv_i),
+                param(&self.scale),
+                param(&lp.scale_log2),
+                param(&lp.softcap_log2),
+                param(&null),
+                param(&null),
+                param(&lp.window_left),
+                param(&lp.window_right),
+                param(&cu_q),
+                param(&cu_k),
+            ];
+            launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+            let qc = LaunchConfig {
+                grid_dim: (
+                    (a.max_seqlen_q as u32).div_ceil(t.q_block_m()),
+                    hq as u32,
+                    b as u32,
+                ),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: t.q_smem_bytes(),
+            };
+            let mut params = [
+                param(&q),
+                param(&k),
+                param(&v),
+                param(&d_o),
+                param(&lse2),
+                param(&delta),
+                param(&dq),
+                param(&tq_i),
+                param(&tk_i),
+                param(&hq_i),
+                param(&hkv_i),
+                param(&self.scale),
+                param(&lp.scale_log2),
+                param(&lp.softcap_log2),
+                param(&lp.window_left),
+                param(&lp.window_right),
+                param(&cu_q),
+                param(&cu_k),
+            ];
+            return launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &mut params);
+        }
         let t = &self.tile;
         let kv = LaunchConfig {
             grid_dim: (
@@ -365,6 +486,48 @@ impl VarlenBackwardPlan {
         };
         args.launch(BWD_DQ_ENTRY, &self.dq, qc, stream, &[a.dq.ptr])
     }
+}
+
+/// Whether the varlen sm_90a pair serves `class` with tile `t` on `dev`: compute capability
+/// 9.0, a head dim of [`BWD_SM90_HEAD_DIMS`] matching the tile's, a valid `Sm90Dq::Kernel`
+/// tile.
+fn check_sm90_varlen(dev: &Device, class: &AttentionClass, t: &Sm90BwdTile) -> Result<()> {
+    if dev.arch() != 90 {
+        let (major, minor) = dev.info().compute_capability;
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "the sm_90a kernels need compute capability 9.0, but {} is {major}.{minor}",
+                dev.info().name
+            ),
+        ));
+    }
+    if !sm90_serves(class) {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "the sm_90a kernels serve head dims {BWD_SM90_HEAD_DIMS:?} in bf16 or f16; \
+                 not {class:?}"
+            ),
+        ));
+    }
+    if !t.is_valid() || t.head_dim as usize != class.head_dim {
+        return Err(Error::invalid(format!(
+            "sm_90a backward tile {t:?} is not valid for head dim {}",
+            class.head_dim
+        )));
+    }
+    if t.dq != Sm90Dq::Kernel {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!(
+                "the varlen sm_90a backward runs the dQ kernel (Sm90Dq::Kernel); {:?} needs a \
+                 workspace that grows with the batch, not served",
+                t.dq
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[allow(dead_code)]

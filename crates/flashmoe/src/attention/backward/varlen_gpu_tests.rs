@@ -10,7 +10,7 @@
 
 use super::gpu_tests::{errors, poisoned};
 use super::varlen::{VarlenBackwardArgs, VarlenBackwardPlan};
-use super::{AttentionBackwardPlan, BackwardArgs, BwdKernel};
+use super::{sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, Sm90BwdTile};
 use crate::attention::plan::AttentionClass;
 use crate::attention::varlen::{VarlenArgs, VarlenPlan};
 use crate::dtype::DType;
@@ -300,9 +300,13 @@ fn judge(c: &Case, got: &[Vec<u16>; 3], h: &Host, seed: u64) -> (f64, f64) {
 }
 
 fn check_case(dev: &Device, c: &Case, seed: u64) -> (f64, f64) {
+    check_case_on(dev, c, seed, BwdKernel::Portable)
+}
+
+fn check_case_on(dev: &Device, c: &Case, seed: u64, kernel: BwdKernel) -> (f64, f64) {
     let s = dev.stream();
     let h = host(c, seed);
-    let plan = VarlenBackwardPlan::new(dev, c.class()).unwrap();
+    let plan = VarlenBackwardPlan::with_kernel(dev, c.class(), kernel).unwrap();
     let mut bufs = Bufs::new(s, c, &h, plan.workspace_bytes(c.totals().0));
     unsafe { plan.backward_raw(s.cu_stream(), &bufs.args(s, c), bufs.ws(s)) }.unwrap();
     let got = bufs.grads(s);
@@ -379,15 +383,32 @@ fn varlen_backward_matches_f64_reference() {
             .causal(),
         ];
         let mut worst = (0f64, 0f64);
+        let mut worst90 = (0f64, 0f64);
         for (n, c) in cases.iter().enumerate() {
-            let e = check_case(dev, c, seed.wrapping_add(1000 * n as u64));
+            let sd = seed.wrapping_add(1000 * n as u64);
+            let e = check_case(dev, c, sd);
             worst = (worst.0.max(e.0), worst.1.max(e.1));
+            // Compute capability 9.0: the sm_90a pair too, every dQ-kernel tile the lab
+            // times for the head dim (64, 128).
+            if dev.arch() == 90 && sm90_serves(&c.class()) {
+                for t in Sm90BwdTile::lab_tiles(c.d)
+                    .into_iter()
+                    .filter(|t| !t.dq.fused())
+                {
+                    eprintln!("  sm_90a tile {t:?}:");
+                    let e = check_case_on(dev, c, sd, BwdKernel::Sm90(t));
+                    worst90 = (worst90.0.max(e.0), worst90.1.max(e.1));
+                }
+            }
         }
         eprintln!(
-            "varlen bwd: {} cases passed; worst rel L2 {:.2e}, worst row {:.2e}",
+            "varlen bwd: {} cases passed; worst rel L2 {:.2e}, worst row {:.2e}; sm_90a pair \
+             worst rel L2 {:.2e}, worst row {:.2e}",
             cases.len(),
             worst.0,
-            worst.1
+            worst.1,
+            worst90.0,
+            worst90.1
         );
     });
 }
@@ -407,49 +428,55 @@ fn varlen_backward_equals_dense_on_equal_lengths() {
         .enumerate()
         {
             let h = host(c, seed + n as u64);
-            let vplan = VarlenBackwardPlan::new(dev, c.class()).unwrap();
-            // The portable kernels (on sm_90a the dense plan may pick its wgmma kernels).
-            let dplan =
-                AttentionBackwardPlan::with_kernel(dev, c.class(), Some(BwdKernel::Portable))
-                    .unwrap();
-            let (b, (sq, sk)) = (c.lens.len(), c.lens[0]);
-            let vb = Bufs::new(s, c, &h, vplan.workspace_bytes(c.totals().0));
-            unsafe { vplan.backward_raw(s.cu_stream(), &vb.args(s, c), vb.ws(s)) }.unwrap();
-            let vg = vb.grads(s);
-            judge(c, &vg, &h, seed);
-            // The dense call: lse from (heads, total) to (batch, heads, seq).
-            let mut lse = vec![0f32; h.lse.len()];
-            for bi in 0..b {
-                for head in 0..c.hq {
-                    for i in 0..sq {
-                        lse[(bi * c.hq + head) * sq + i] = h.lse[head * b * sq + bi * sq + i];
+            // The portable kernels, and on compute capability 9.0 the sm_90a pair (its
+            // production dQ-kernel tile), each against the dense plan on the same kernels.
+            let mut kernels = vec![BwdKernel::Portable];
+            if dev.arch() == 90 && sm90_serves(&c.class()) {
+                kernels.push(BwdKernel::Sm90(Sm90BwdTile::for_head_dim(c.d).unwrap()));
+            }
+            for kernel in kernels {
+                let vplan = VarlenBackwardPlan::with_kernel(dev, c.class(), kernel).unwrap();
+                let dplan =
+                    AttentionBackwardPlan::with_kernel(dev, c.class(), Some(kernel)).unwrap();
+                let (b, (sq, sk)) = (c.lens.len(), c.lens[0]);
+                let vb = Bufs::new(s, c, &h, vplan.workspace_bytes(c.totals().0));
+                unsafe { vplan.backward_raw(s.cu_stream(), &vb.args(s, c), vb.ws(s)) }.unwrap();
+                let vg = vb.grads(s);
+                judge(c, &vg, &h, seed);
+                // The dense call: lse from (heads, total) to (batch, heads, seq).
+                let mut lse = vec![0f32; h.lse.len()];
+                for bi in 0..b {
+                    for head in 0..c.hq {
+                        for i in 0..sq {
+                            lse[(bi * c.hq + head) * sq + i] = h.lse[head * b * sq + bi * sq + i];
+                        }
                     }
                 }
+                let db = Bufs::new(s, c, &h, dplan.workspace_bytes(b, sq));
+                let dl = s.clone_htod(&lse).unwrap();
+                let (qs, ks) = ([b, sq, c.hq, c.d], [b, sk, c.hkv, c.d]);
+                let t = |p, sh: &[usize]| RawTensor::contiguous(p, c.dtype, sh).unwrap();
+                let da = BackwardArgs {
+                    q: t(addr(&db.q, s), &qs),
+                    k: t(addr(&db.k, s), &ks),
+                    v: t(addr(&db.v, s), &ks),
+                    o: t(addr(&db.o, s), &qs),
+                    d_o: t(addr(&db.d_o, s), &qs),
+                    lse: RawTensor::contiguous(addr(&dl, s), DType::F32, &[b, c.hq, sq]).unwrap(),
+                    dq: t(addr(&db.dq, s), &qs),
+                    dk: t(addr(&db.dk, s), &ks),
+                    dv: t(addr(&db.dv, s), &ks),
+                };
+                unsafe { dplan.backward_raw(s.cu_stream(), &da, db.ws(s)) }.unwrap();
+                let dg = db.grads(s);
+                for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
+                    assert!(
+                        vg[i] == dg[i],
+                        "{c:?}: varlen {name} differs from the dense plan's"
+                    );
+                }
+                eprintln!("varlen bwd == dense bwd bit for bit ({kernel:?}): {c:?}");
             }
-            let db = Bufs::new(s, c, &h, dplan.workspace_bytes(b, sq));
-            let dl = s.clone_htod(&lse).unwrap();
-            let (qs, ks) = ([b, sq, c.hq, c.d], [b, sk, c.hkv, c.d]);
-            let t = |p, sh: &[usize]| RawTensor::contiguous(p, c.dtype, sh).unwrap();
-            let da = BackwardArgs {
-                q: t(addr(&db.q, s), &qs),
-                k: t(addr(&db.k, s), &ks),
-                v: t(addr(&db.v, s), &ks),
-                o: t(addr(&db.o, s), &qs),
-                d_o: t(addr(&db.d_o, s), &qs),
-                lse: RawTensor::contiguous(addr(&dl, s), DType::F32, &[b, c.hq, sq]).unwrap(),
-                dq: t(addr(&db.dq, s), &qs),
-                dk: t(addr(&db.dk, s), &ks),
-                dv: t(addr(&db.dv, s), &ks),
-            };
-            unsafe { dplan.backward_raw(s.cu_stream(), &da, db.ws(s)) }.unwrap();
-            let dg = db.grads(s);
-            for (i, name) in ["dq", "dk", "dv"].iter().enumerate() {
-                assert!(
-                    vg[i] == dg[i],
-                    "{c:?}: varlen {name} differs from the dense plan's"
-                );
-            }
-            eprintln!("varlen bwd == dense bwd bit for bit: {c:?}");
         }
     });
 }
