@@ -154,6 +154,18 @@ for s in "$@"; do
     # tests (carry target/py-device: scripts/device-python.sh --pack).
     bwd-unit)     stage bwd-unit 240 ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests:: --skip backward_speed \
                       --skip backward_sanitizer_cases --test-threads=1 --nocapture ;;
+    # The varlen backward: the f64 gate on the portable kernels and (9.0) the sm_90a pair's
+    # dQ-kernel tiles, equal lengths bit-identical to the dense plan on each, after the
+    # varlen forward, bad input; then both sanitizers over its small ragged cases.
+    bwd-varlen)   stage bwd-varlen 300 ./target/release/flashmoe-gpu-tests attention::backward::varlen_gpu_tests:: \
+                      --skip varlen_backward_speed --skip varlen_backward_sanitizer_cases --test-threads=1 --nocapture
+                  for tool in memcheck racecheck; do
+                    stage bwd-varlen-$tool 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+                      ./target/release/flashmoe-gpu-tests attention::backward::varlen_gpu_tests::varlen_backward_sanitizer_cases \
+                      --test-threads=1 --nocapture
+                  done ;;
+    bwd-varlen-speed) stage bwd-varlen-speed 240 ./target/release/flashmoe-gpu-tests \
+                      attention::backward::varlen_gpu_tests::varlen_backward_speed --nocapture ;;
     bwd-speed)    stage bwd-speed 420 ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests::backward_speed --nocapture ;;
     bwd-sanitize) for tool in memcheck racecheck; do
                     FLASHMOE_BWD_REPEATS=2 stage bwd-$tool 240 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \

@@ -637,15 +637,20 @@ fn backward_speed() {
         for d in [64, 128] {
             for seq in [1024, 4096, 16384] {
                 for causal in [false, true] {
-                    configs.push((d, seq, causal));
+                    configs.push((d, seq, causal, 0.0));
                 }
             }
+            // Softcap (Gemma-2's 50) at 4k: the sm_90a build beside the portable kernels.
+            for causal in [false, true] {
+                configs.push((d, 4096, causal, 50.0));
+            }
         }
-        for (d, seq, causal) in configs {
+        for (d, seq, causal, softcap) in configs {
             let heads = 2048 / d;
             let b = 16384 / seq;
             let mut c = Case::new(d, DType::Bf16, heads, heads, seq, seq, causal);
             c.b = b;
+            c.softcap = softcap;
             let p = c.problem();
             let n = b * seq * heads * d;
             let rnd = |id: TensorId| {
@@ -663,7 +668,7 @@ fn backward_speed() {
                 kernels.extend(
                     tiles
                         .into_iter()
-                        .filter(|t| *t == prod || t.dq.fused())
+                        .filter(|t| (*t == prod || t.dq.fused()) && t.serves(&c.class()))
                         .map(BwdKernel::Sm90),
                 );
             }
@@ -726,8 +731,8 @@ fn backward_speed() {
             }
             let tf = time(5, &fwd);
             let mut line = format!(
-                "bwd speed B={b} H={heads} S={seq} D={d} causal={causal}: forward ({}) {:.1} \
-                 TFLOP/s; backward",
+                "bwd speed B={b} H={heads} S={seq} D={d} causal={causal} softcap={softcap}: \
+                 forward ({}) {:.1} TFLOP/s; backward",
                 fplan.variant().entry,
                 p.flops() / tf / 1e12
             );

@@ -574,7 +574,8 @@ fn varlen_backward_rejects_bad_input() {
 }
 
 /// Small ragged cases with partial tiles, empty sides, GQA, a window and a softcap: the
-/// run compute-sanitizer (memcheck, racecheck) goes through.
+/// run compute-sanitizer (memcheck, racecheck) goes through, on the portable kernels and
+/// (compute capability 9.0) the sm_90a pair.
 #[test]
 fn varlen_backward_sanitizer_cases() {
     with_gpu("varlen-bwd-sanitizer", |dev| {
@@ -591,12 +592,18 @@ fn varlen_backward_sanitizer_cases() {
         .enumerate()
         {
             check_case(dev, c, seed + n as u64);
+            // Compute capability 9.0: the sm_90a pair on the same cases.
+            if dev.arch() == 90 {
+                let t = Sm90BwdTile::for_head_dim(c.d).unwrap();
+                check_case_on(dev, c, seed + n as u64, BwdKernel::Sm90(t));
+            }
         }
     });
 }
 
 /// Speed of the varlen backward (all three launches), bf16, 16k packed tokens, model dim
-/// 2048: equal lengths beside the dense plan on the same shape, and ragged lengths. Host
+/// 2048: equal lengths beside the dense plan on the same shape, and ragged lengths; on
+/// compute capability 9.0 the sm_90a pair beside the portable kernels. Host
 /// wall time over back-to-back calls (synchronised before and after); TFLOP/s with FLOPs =
 /// 2.5 × the forward's, summed per sequence. o and lse are random (speed does not depend
 /// on them; finite values keep every P finite).
@@ -675,6 +682,21 @@ fn varlen_backward_speed() {
                     t * 1e3,
                     flops / t / 1e12
                 );
+                if dev.arch() == 90 {
+                    // The sm_90a pair (its production dQ-kernel tile) on the same call.
+                    let t90 = Sm90BwdTile::for_head_dim(d).unwrap();
+                    let p90 = VarlenBackwardPlan::with_kernel(dev, c.class(), BwdKernel::Sm90(t90))
+                        .unwrap();
+                    let bwd90 = || unsafe { p90.backward_raw(s.cu_stream(), &a, ws) }.unwrap();
+                    time(2, &bwd90);
+                    let t9 = time(iters, &bwd90);
+                    line.push_str(&format!(
+                        "; sm_90a pair {:.3} ms = {:.1} TFLOP/s ({:.2}x)",
+                        t9 * 1e3,
+                        flops / t9 / 1e12,
+                        t / t9
+                    ));
+                }
                 if what.starts_with("equal") {
                     // The dense plan on the same (16, 1024) batch: the same tiles and work.
                     let dplan = AttentionBackwardPlan::with_kernel(
