@@ -315,10 +315,39 @@ extern "C" __global__ void __launch_bounds__(GB_THREADS, 2)
 
 #define SW_THREADS 128
 
-__device__ __forceinline__ float gu_value(const float* p, i64 j) { return p[j]; }
-__device__ __forceinline__ float gu_value(const u16* p, i64 j) { return h2f(p[j]); }
+// Eight consecutive pre-activations from a 16-byte aligned address: one 16-byte load of
+// 16-bit values, two of f32.
+__device__ __forceinline__ void gu_load8(const u16* p, float (&v)[8]) {
+    const uint4 x = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = h2f((u16)(w[i] & 0xffffu));
+        v[2 * i + 1] = h2f((u16)(w[i] >> 16));
+    }
+}
+__device__ __forceinline__ void gu_load8(const float* p, float (&v)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
 
-// gu: T = float (recomputed) or u16 (saved by the forward).
+// The SwiGLU backward of one element: dgu's gate and up parts, w h, and h G for dw.
+struct SwigluGrad {
+    float dg, du, wh, hg;
+};
+__device__ __forceinline__ SwigluGrad swiglu_grad(float gv, float uv, float G, float w) {
+    const float s = sigmoid_acc(gv);
+    const float silu = gv * s;
+    const float h = silu * uv;
+    const float dh = w * G;
+    return {dh * uv * s * (1.f + gv * (1.f - s)), dh * silu, w * h, h * G};
+}
+
+// gu: T = float (recomputed) or u16 (saved by the forward). inter is a multiple of 32 (the
+// plan's rule), so every row is 16-byte aligned and each thread takes 8 consecutive
+// columns a step: 16-byte loads and stores (one element a thread a step measured
+// 2.2-2.4 TB/s on the H200). Each thread sums its h G in column order, the block by a
+// fixed tree: bit-identical run to run.
 template <typename T>
 __device__ __forceinline__ void swiglu_bwd(const T* __restrict__ gu, const float* __restrict__ gmat,
                                            const u32* __restrict__ slot_row,
@@ -332,17 +361,27 @@ __device__ __forceinline__ void swiglu_bwd(const T* __restrict__ gu, const float
     const T* gur = gu + r * 2 * inter;
     const float* grow = gmat + r * inter;
     u16* dgr = dgu + r * 2 * inter;
+    u16* whr = wh + r * inter;
     float part = 0.f;
-    for (int j = tid; j < inter; j += SW_THREADS) {
-        const float gv = gu_value(gur, j), uv = gu_value(gur, inter + j), G = grow[j];
-        const float s = sigmoid_acc(gv);
-        const float silu = gv * s;
-        const float h = silu * uv;
-        part += h * G;
-        const float dh = w * G;
-        dgr[j] = f2h(dh * uv * s * (1.f + gv * (1.f - s)));
-        dgr[inter + j] = f2h(dh * silu);
-        wh[r * inter + j] = f2h(w * h);
+    for (int j = 8 * tid; j < inter; j += 8 * SW_THREADS) {
+        float gv[8], uv[8], G[8];
+        gu_load8(gur + j, gv);
+        gu_load8(gur + inter + j, uv);
+        gu_load8(grow + j, G);
+        u32 dg[4], du[4], hw[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const SwigluGrad e0 = swiglu_grad(gv[2 * i], uv[2 * i], G[2 * i], w);
+            const SwigluGrad e1 = swiglu_grad(gv[2 * i + 1], uv[2 * i + 1], G[2 * i + 1], w);
+            part += e0.hg;
+            part += e1.hg;
+            dg[i] = pack2(e0.dg, e1.dg);
+            du[i] = pack2(e0.du, e1.du);
+            hw[i] = pack2(e0.wh, e1.wh);
+        }
+        st_global_v4(dgr + j, dg[0], dg[1], dg[2], dg[3]);
+        st_global_v4(dgr + inter + j, du[0], du[1], du[2], du[3]);
+        st_global_v4(whr + j, hw[0], hw[1], hw[2], hw[3]);
     }
     red[tid] = part;
     __syncthreads();
