@@ -1,5 +1,6 @@
-//! The backward kernels' ABI: their sources and entry points, and the portable kernels'
-//! argument list ([`PortableBwdLaunch`]), declared once for the dense and varlen plans.
+//! The backward kernels' ABI: their sources and entry points, and the argument list the
+//! dK/dV and dQ kernels of both builds (portable and sm_90a) take ([`BwdLaunch`]), declared
+//! once for the dense and varlen plans.
 
 use crate::attention::prefill::abi::LogitParams;
 use crate::error::Result;
@@ -25,12 +26,13 @@ pub const BWD_SM90_DQ_CONVERT_ENTRY: &str = "flash_attn_bwd_sm90_dq_convert";
 /// Query rows of one f32 dQ tile of the fused modes (the dK/dV kernel's step).
 pub(super) const SM90_DQ_TILE_ROWS: usize = 64;
 
-/// The portable kernels' ABI (`flash_attn_bwd.cu`): the arguments the dK/dV and the dQ
-/// kernel take, in their order, declared once for the dense and the varlen plans. The
-/// kernels' lists are the inputs, then the kernel's outputs (dk, dv or dq), then the
-/// shapes, the logit parameters and, built with FM_VARLEN, the two offset arrays
+/// The dK/dV and dQ kernels' ABI, `flash_attn_bwd.cu`'s and `flash_attn_bwd_sm90.cu`'s
+/// alike: the arguments they take, in their order, declared once for the dense and the
+/// varlen plans. The lists are the inputs, then the kernel's outputs (dk, dv or dq), then
+/// the shapes, the logit parameters, the sm_90a dK/dV kernel's fused-dQ workspace (its
+/// f32 tiles and semaphores), the window and, built with FM_VARLEN, the two offset arrays
 /// (`FM_CU_PARAMS`).
-pub(super) struct PortableBwdLaunch {
+pub(super) struct BwdLaunch {
     pub q: u64,
     pub k: u64,
     pub v: u64,
@@ -48,9 +50,9 @@ pub(super) struct PortableBwdLaunch {
     pub cu_seqlens: Option<(u64, u64)>,
 }
 
-impl PortableBwdLaunch {
-    /// Enqueue `entry` (the dK/dV kernel with `outputs` = [dk, dv], the dQ kernel with
-    /// [dq]) on `stream`.
+impl BwdLaunch {
+    /// Enqueue `entry` (a portable kernel, or the sm_90a dQ kernel; `outputs` = [dk, dv]
+    /// for a dK/dV kernel, [dq] for a dQ kernel) on `stream`.
     ///
     /// # Safety
     /// As [`launch`]: `func` is `entry` of a module built for this ABI (varlen exactly when
@@ -63,11 +65,46 @@ impl PortableBwdLaunch {
         stream: RawStream,
         outputs: &[u64],
     ) -> Result<()> {
+        self.enqueue(entry, func, cfg, stream, outputs, None)
+    }
+
+    /// Enqueue the sm_90a dK/dV kernel ([`BWD_SM90_DKDV_ENTRY`]) writing dk and dv; `dq_ws`
+    /// = the fused-dQ f32 tiles and their semaphores (zeros for the dQ-kernel tiles).
+    ///
+    /// # Safety
+    /// As [`BwdLaunch::launch`].
+    pub unsafe fn launch_sm90_dkdv(
+        &self,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        stream: RawStream,
+        (dk, dv): (u64, u64),
+        dq_ws: (u64, u64),
+    ) -> Result<()> {
+        self.enqueue(
+            BWD_SM90_DKDV_ENTRY,
+            func,
+            cfg,
+            stream,
+            &[dk, dv],
+            Some(dq_ws),
+        )
+    }
+
+    unsafe fn enqueue(
+        &self,
+        entry: &str,
+        func: &CudaFunction,
+        cfg: LaunchConfig,
+        stream: RawStream,
+        outputs: &[u64],
+        dq_ws: Option<(u64, u64)>,
+    ) -> Result<()> {
         debug_assert!(matches!(outputs.len(), 1 | 2), "[dk, dv] or [dq]");
         let lp = &self.logits;
-        // At most 6 inputs + 2 outputs + 9 scalars + 2 offsets, on the stack (no allocation
-        // per call).
-        let mut params = [std::ptr::null_mut(); 19];
+        // At most 6 inputs + 2 outputs + 7 scalars + 2 workspace + 2 window + 2 offsets, on
+        // the stack (no allocation per call).
+        let mut params = [std::ptr::null_mut(); 21];
         let mut n = 0;
         let mut push = |p| {
             params[n] = p;
@@ -96,6 +133,10 @@ impl PortableBwdLaunch {
         }
         for p in [&self.scale, &lp.scale_log2, &lp.softcap_log2] {
             push(param(p));
+        }
+        if let Some((accum, sem)) = &dq_ws {
+            push(param(accum));
+            push(param(sem));
         }
         push(param(&lp.window_left));
         push(param(&lp.window_right));

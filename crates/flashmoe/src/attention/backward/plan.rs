@@ -2,7 +2,7 @@
 //! layer (pointers on the caller's stream) and the cudarc layer.
 
 use super::abi::{
-    PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SM90_DKDV_ENTRY,
+    BwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SM90_DKDV_ENTRY,
     BWD_SM90_DQ_CONVERT_ENTRY, BWD_SM90_DQ_ENTRY, BWD_SM90_DQ_ZERO_ENTRY, BWD_SM90_SOURCE,
     BWD_SOURCE, PREPROCESS_ROWS, SM90_DQ_TILE_ROWS,
 };
@@ -375,10 +375,23 @@ impl AttentionBackwardPlan {
             &mut params,
         )?;
 
-        let lp = &self.logits;
-        let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
+        let args = BwdLaunch {
+            q: a.q.ptr,
+            k: a.k.ptr,
+            v: a.v.ptr,
+            d_o,
+            lse2,
+            delta,
+            seqlen_q: sq_i,
+            seqlen_k: sk_i,
+            heads_q: hq_i,
+            heads_kv: hkv_i,
+            scale: self.scale,
+            logits: self.logits,
+            cu_seqlens: None,
+        };
         if let BwdKernel::Sm90(t) = self.kernel {
-            return self.launch_sm90(&t, stream, a, (b, sq, sk), lse2, delta);
+            return self.launch_sm90(&t, stream, &args, a, (b, sq, sk));
         }
         let t = &self.tile;
         let kv = LaunchConfig {
@@ -389,21 +402,6 @@ impl AttentionBackwardPlan {
             ),
             block_dim: (32 * t.kv_warps, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
-        };
-        let args = PortableBwdLaunch {
-            q,
-            k,
-            v,
-            d_o,
-            lse2,
-            delta,
-            seqlen_q: sq_i,
-            seqlen_k: sk_i,
-            heads_q: hq_i,
-            heads_kv: hkv_i,
-            scale: self.scale,
-            logits: *lp,
-            cu_seqlens: None,
         };
         args.launch(
             BWD_DKDV_ENTRY,
@@ -431,19 +429,14 @@ impl AttentionBackwardPlan {
         &self,
         t: &Sm90BwdTile,
         stream: RawStream,
+        args: &BwdLaunch,
         a: &BackwardArgs,
         (b, sq, sk): (usize, usize, usize),
-        lse2: u64,
-        delta: u64,
     ) -> Result<()> {
-        let (sq_i, sk_i) = (sq as i32, sk as i32);
-        let (hq_i, hkv_i) = (self.class.heads_q as i32, self.class.heads_kv as i32);
-        let (q, k, v, d_o) = (a.q.ptr, a.k.ptr, a.v.ptr, a.d_o.ptr);
         let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
-        let scale_log2 = self.logits.scale_log2;
         // Fused dQ: the f32 tiles and their semaphores follow lse2 and delta.
         let (dq_accum, dq_sem) = if t.dq.fused() {
-            let accum = delta + region_bytes(b, self.class.heads_q, sq) as u64;
+            let accum = args.delta + region_bytes(b, self.class.heads_q, sq) as u64;
             let (accum_bytes, sem_bytes) = self.dq_accum_bytes(b, sq);
             let sem = accum + accum_bytes as u64;
             let zero = self
@@ -476,28 +469,7 @@ impl AttentionBackwardPlan {
             block_dim: (256, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
         };
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dk),
-            param(&dv),
-            param(&sq_i),
-            param(&sk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&scale_log2),
-            param(&self.logits.softcap_log2),
-            param(&dq_accum),
-            param(&dq_sem),
-            param(&self.logits.window_left),
-            param(&self.logits.window_right),
-        ];
-        launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+        args.launch_sm90_dkdv(&self.dkdv, kv, stream, (dk, dv), (dq_accum, dq_sem))?;
         if t.dq.fused() {
             let cc = LaunchConfig {
                 grid_dim: (
@@ -511,8 +483,8 @@ impl AttentionBackwardPlan {
             let mut params = [
                 param(&dq_accum),
                 param(&dq),
-                param(&sq_i),
-                param(&hq_i),
+                param(&args.seqlen_q),
+                param(&args.heads_q),
                 param(&self.scale),
             ];
             return launch(BWD_SM90_DQ_CONVERT_ENTRY, &self.dq, cc, stream, &mut params);
@@ -526,25 +498,7 @@ impl AttentionBackwardPlan {
             block_dim: (256, 1, 1),
             shared_mem_bytes: t.q_smem_bytes(),
         };
-        let mut params = [
-            param(&q),
-            param(&k),
-            param(&v),
-            param(&d_o),
-            param(&lse2),
-            param(&delta),
-            param(&dq),
-            param(&sq_i),
-            param(&sk_i),
-            param(&hq_i),
-            param(&hkv_i),
-            param(&self.scale),
-            param(&scale_log2),
-            param(&self.logits.softcap_log2),
-            param(&self.logits.window_left),
-            param(&self.logits.window_right),
-        ];
-        launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &mut params)
+        args.launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &[dq])
     }
 }
 

@@ -27,7 +27,7 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 use super::abi::{
-    PortableBwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SM90_DKDV_ENTRY,
+    BwdLaunch, BWD_DKDV_ENTRY, BWD_DQ_ENTRY, BWD_PREPROCESS_ENTRY, BWD_SM90_DKDV_ENTRY,
     BWD_SM90_DQ_ENTRY, BWD_SM90_SOURCE, BWD_SOURCE, PREPROCESS_ROWS,
 };
 use super::tiles::{
@@ -370,12 +370,23 @@ impl VarlenBackwardPlan {
             &mut params,
         )?;
 
-        let lp = &self.logits;
-        let (q, k, v) = (a.q.ptr, a.k.ptr, a.v.ptr);
-        let (cu_q, cu_k) = (a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr);
+        let args = BwdLaunch {
+            q: a.q.ptr,
+            k: a.k.ptr,
+            v: a.v.ptr,
+            d_o,
+            lse2,
+            delta,
+            seqlen_q: tq_i,
+            seqlen_k: tk_i,
+            heads_q: hq_i,
+            heads_kv: hkv_i,
+            scale: self.scale,
+            logits: self.logits,
+            cu_seqlens: Some((a.cu_seqlens_q.ptr, a.cu_seqlens_k.ptr)),
+        };
         if let BwdKernel::Sm90(t) = self.kernel {
-            // The sm_90a pair: the dense kernels' arguments with total_q / total_k as the
-            // lengths, then the offsets (FM_CU_PARAMS); one grid z index per sequence.
+            // The sm_90a pair: one grid z index per sequence, as the portable kernels.
             let kv = LaunchConfig {
                 grid_dim: (
                     (a.max_seqlen_k as u32).div_ceil(t.kv_block_n()),
@@ -385,32 +396,8 @@ impl VarlenBackwardPlan {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: t.kv_smem_bytes(),
             };
-            let (dk, dv, dq) = (a.dk.ptr, a.dv.ptr, a.dq.ptr);
-            let null = 0u64;
-            let mut params = [
-                param(&q),
-                param(&k),
-                param(&v),
-                param(&d_o),
-                param(&lse2),
-                param(&delta),
-                param(&dk),
-                param(&dv),
-                param(&tq_i),
-                param(&tk_i),
-                param(&hq_i),
-                param(&hkv_i),
-                param(&self.scale),
-                param(&lp.scale_log2),
-                param(&lp.softcap_log2),
-                param(&null),
-                param(&null),
-                param(&lp.window_left),
-                param(&lp.window_right),
-                param(&cu_q),
-                param(&cu_k),
-            ];
-            launch(BWD_SM90_DKDV_ENTRY, &self.dkdv, kv, stream, &mut params)?;
+            let no_dq_ws = (0u64, 0u64);
+            args.launch_sm90_dkdv(&self.dkdv, kv, stream, (a.dk.ptr, a.dv.ptr), no_dq_ws)?;
             let qc = LaunchConfig {
                 grid_dim: (
                     (a.max_seqlen_q as u32).div_ceil(t.q_block_m()),
@@ -420,27 +407,7 @@ impl VarlenBackwardPlan {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: t.q_smem_bytes(),
             };
-            let mut params = [
-                param(&q),
-                param(&k),
-                param(&v),
-                param(&d_o),
-                param(&lse2),
-                param(&delta),
-                param(&dq),
-                param(&tq_i),
-                param(&tk_i),
-                param(&hq_i),
-                param(&hkv_i),
-                param(&self.scale),
-                param(&lp.scale_log2),
-                param(&lp.softcap_log2),
-                param(&lp.window_left),
-                param(&lp.window_right),
-                param(&cu_q),
-                param(&cu_k),
-            ];
-            return launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &mut params);
+            return args.launch(BWD_SM90_DQ_ENTRY, &self.dq, qc, stream, &[a.dq.ptr]);
         }
         let t = &self.tile;
         let kv = LaunchConfig {
@@ -451,21 +418,6 @@ impl VarlenBackwardPlan {
             ),
             block_dim: (32 * t.kv_warps, 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
-        };
-        let args = PortableBwdLaunch {
-            q,
-            k,
-            v,
-            d_o,
-            lse2,
-            delta,
-            seqlen_q: tq_i,
-            seqlen_k: tk_i,
-            heads_q: hq_i,
-            heads_kv: hkv_i,
-            scale: self.scale,
-            logits: *lp,
-            cu_seqlens: Some((cu_q, cu_k)),
         };
         args.launch(
             BWD_DKDV_ENTRY,
