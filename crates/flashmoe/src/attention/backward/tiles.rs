@@ -407,4 +407,48 @@ mod tests {
         assert_eq!(get(&d, "FM_CAUSAL"), "0");
         assert_eq!(get(&d, "FM_WINDOW"), "0");
     }
+
+    #[test]
+    fn softcap_runs_on_sm90_tiles_that_fit_and_keeps_the_portable_default() {
+        let class = |d: usize, softcap: f32| AttentionClass {
+            dtype: DType::Bf16,
+            head_dim: d,
+            heads_q: 4,
+            heads_kv: 2,
+            causal: true,
+            softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap,
+        };
+        for d in BWD_SM90_HEAD_DIMS {
+            let (plain, capped) = (class(d, 0.0), class(d, 30.0));
+            assert!(sm90_serves(&plain) && sm90_serves(&capped));
+            assert!(sm90_default(&plain) && !sm90_default(&capped));
+            for mode in [BwdMode::Fast, BwdMode::Deterministic] {
+                // The plain class takes the mode's production tile; the softcapped one the
+                // same tile with 64 query rows a dK/dV step (128 spill with the tanh).
+                let t = Sm90BwdTile::for_class(&plain, mode).unwrap();
+                assert_eq!(t, Sm90BwdTile::for_mode(d, mode).unwrap());
+                let tc = Sm90BwdTile::for_class(&capped, mode).unwrap();
+                assert!(tc.serves(&capped) && tc.is_valid(), "{tc:?}");
+                assert_eq!(
+                    tc,
+                    Sm90BwdTile {
+                        kv_block_m: 64,
+                        ..t
+                    }
+                );
+                let get = |defs: Vec<(String, String)>| {
+                    defs.into_iter().find(|(n, _)| n == "FM_SOFTCAP").unwrap().1
+                };
+                assert_eq!(get(sm90_bwd_defines(&plain, &t)), "0");
+                assert_eq!(get(sm90_bwd_defines(&capped, &tc)), "1");
+            }
+            // Every lab tile that serves a softcap class keeps 64 query rows a step.
+            for t in Sm90BwdTile::lab_tiles(d) {
+                assert_eq!(t.serves(&capped), t.kv_block_m == 64, "{t:?}");
+            }
+        }
+        assert!(!sm90_serves(&class(96, 0.0)));
+    }
 }

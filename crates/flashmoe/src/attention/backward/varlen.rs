@@ -538,6 +538,14 @@ mod tests {
         assert_eq!(&var[..dense.len()], &dense[..]);
         assert_eq!(var.len(), dense.len() + 1);
         assert_eq!(var.last().unwrap(), &("FM_VARLEN".into(), "1".into()));
+        // The sm_90a pair: the dense sm_90a module's defines plus FM_VARLEN, a dQ-kernel tile.
+        let t90 = Sm90BwdTile::for_head_dim(64).unwrap();
+        assert_eq!(t90.dq, Sm90Dq::Kernel);
+        let dense = sm90_bwd_defines(&c, &t90);
+        let var = varlen_sm90_bwd_defines(&c, &t90);
+        assert_eq!(&var[..dense.len()], &dense[..]);
+        assert_eq!(var.len(), dense.len() + 1);
+        assert_eq!(var.last().unwrap(), &("FM_VARLEN".into(), "1".into()));
     }
 
     #[test]
