@@ -104,14 +104,6 @@
 #ifndef FM_Q_BLOCK_N
 #define FM_Q_BLOCK_N 64
 #endif
-#ifndef FM_VARLEN
-#define FM_VARLEN 0
-#endif
-#if FM_VARLEN
-#define FM_CU_PARAMS , const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
-#else
-#define FM_CU_PARAMS
-#endif
 
 namespace fmb {
 
@@ -338,11 +330,7 @@ extern "C" __global__ void __launch_bounds__(fmb::KV_THREADS, 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int n0 = blockIdx.x * BN_KV;
     const int kvh = blockIdx.y, batch = blockIdx.z;
-#if FM_VARLEN
-    const Span sp = varlen_span(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, seqlen_k);
-#else
-    const Span sp = dense_span(batch, seqlen_q, seqlen_k, heads_q);
-#endif
+    const Span sp = FM_SPAN(batch);
     // From here on seqlen_q / seqlen_k are this sequence's lengths.
     seqlen_q = sp.sq;
     seqlen_k = sp.sk;
@@ -510,11 +498,7 @@ extern "C" __global__ void __launch_bounds__(fmb::Q_THREADS, 1)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int m0 = blockIdx.x * BM_Q;
     const int head = blockIdx.y, batch = blockIdx.z;
-#if FM_VARLEN
-    const Span sp = varlen_span(cu_seqlens_q, cu_seqlens_k, batch, seqlen_q, seqlen_k);
-#else
-    const Span sp = dense_span(batch, seqlen_q, seqlen_k, heads_q);
-#endif
+    const Span sp = FM_SPAN(batch);
     // From here on seqlen_q / seqlen_k are this sequence's lengths.
     seqlen_q = sp.sq;
     seqlen_k = sp.sk;

@@ -116,16 +116,6 @@
 #ifndef FM_SOFTCAP
 #define FM_SOFTCAP 0
 #endif
-#ifndef FM_VARLEN
-#define FM_VARLEN 0
-#endif
-#if FM_VARLEN
-#define FM_CU_PARAMS , const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
-#define FM_SPAN(b) varlen_span(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k)
-#else
-#define FM_CU_PARAMS
-#define FM_SPAN(b) dense_span(b, seqlen_q, seqlen_k, heads_q)
-#endif
 #include "fm_sm90.cuh"
 #include "fm_bwd_span.cuh"  // Span: one sequence's rows, dense or varlen
 

@@ -4,6 +4,20 @@
 // flash_attn_bwd_sm90.cu; needs i64 (fm_ptx.cuh).
 #pragma once
 
+// FM_VARLEN (default 0): the kernels' extra parameters (FM_CU_PARAMS, last in their lists)
+// and the Span of sequence b (FM_SPAN: from the kernel's seqlen_q, seqlen_k, heads_q and,
+// varlen, cu_seqlens_q / cu_seqlens_k).
+#ifndef FM_VARLEN
+#define FM_VARLEN 0
+#endif
+#if FM_VARLEN
+#define FM_CU_PARAMS , const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k
+#define FM_SPAN(b) varlen_span(cu_seqlens_q, cu_seqlens_k, b, seqlen_q, seqlen_k)
+#else
+#define FM_CU_PARAMS
+#define FM_SPAN(b) dense_span(b, seqlen_q, seqlen_k, heads_q)
+#endif
+
 // Query rows q0 .. q0 + sq of q / dO / dq, key rows k0 .. k0 + sk of k / v / dk / dv; the
 // lse2 / delta index of (head h, row i) is l0 + h lh + i. The sm_90a kernels' fused dQ
 // (dense only) keeps one f32 tile per 64 query rows: the sequence's tile of (head h, row
