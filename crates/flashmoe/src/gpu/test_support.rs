@@ -17,12 +17,19 @@ pub(crate) fn with_gpu(name: &str, f: impl FnOnce(&Device)) {
     }
 }
 
-/// A fresh seed per call (printed, so a failure can be replayed by hand).
+/// A fresh seed per call, or `FLASHMOE_TEST_SEED`'s (printed, so a failure can be replayed).
 pub(crate) fn fresh_seed(tag: &str) -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
+    // FLASHMOE_TEST_SEED replays a failure's seed (printed below and in its message).
+    let t = match std::env::var("FLASHMOE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
+        Some(s) => s,
+        None => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    };
     eprintln!("{tag}: seed {t}");
     t
 }

@@ -7,8 +7,8 @@ use super::abi::{
     BWD_SOURCE, PREPROCESS_ROWS, SM90_DQ_TILE_ROWS,
 };
 use super::tiles::{
-    bwd_defines, sm90_bwd_defines, sm90_default, sm90_serves, BwdKernel, BwdMode, BwdTile,
-    Sm90BwdTile, Sm90Dq, BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
+    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq,
+    BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
 };
 use crate::attention::plan::{AttentionClass, CallShape};
 use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
@@ -81,7 +81,7 @@ impl AttentionBackwardPlan {
         class: AttentionClass,
         mode: BwdMode,
     ) -> Result<AttentionBackwardPlan> {
-        let kernel = if dev.arch() == 90 && sm90_default(&class) {
+        let kernel = if dev.arch() == 90 && sm90_serves(&class) {
             Sm90BwdTile::for_class(&class, mode).map(BwdKernel::Sm90)
         } else {
             None

@@ -227,16 +227,6 @@ pub fn sm90_serves(class: &AttentionClass) -> bool {
     BWD_SM90_HEAD_DIMS.contains(&class.head_dim) && matches!(class.dtype, DType::Bf16 | DType::F16)
 }
 
-/// Whether [`AttentionBackwardPlan::new`](super::AttentionBackwardPlan::new) picks the
-/// sm_90a kernels for `class` on compute capability 9.0: the classes [`sm90_serves`] but
-/// softcap, whose sm_90a build (2026-11-29, session 29) has passed its compile checks and
-/// not yet its GPU checks; until then it runs only where a caller selects it
-/// (`with_kernel`, the lab's tiles, the GPU tests), and softcap's default stays the
-/// portable kernels.
-pub fn sm90_default(class: &AttentionClass) -> bool {
-    sm90_serves(class) && class.softcap == 0.0
-}
-
 /// The NVRTC defines of the sm_90a backward module for `class` with `tile`.
 pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(String, String)> {
     let m = Masking::of(&class.problem(1, 1, 1));
@@ -423,7 +413,6 @@ mod tests {
         for d in BWD_SM90_HEAD_DIMS {
             let (plain, capped) = (class(d, 0.0), class(d, 30.0));
             assert!(sm90_serves(&plain) && sm90_serves(&capped));
-            assert!(sm90_default(&plain) && !sm90_default(&capped));
             for mode in [BwdMode::Fast, BwdMode::Deterministic] {
                 // The plain class takes the mode's production tile; the softcapped one the
                 // same tile with 64 query rows a dK/dV step (128 spill with the tanh).

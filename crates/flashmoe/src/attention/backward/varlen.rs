@@ -18,10 +18,10 @@
 //!
 //! Unlike the varlen forward (sm_90a, head dims 64 and 128), this runs on compute
 //! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`]. On compute capability
-//! 9.0, [`VarlenBackwardPlan::with_kernel`] also runs the sm_90a kernel pair
-//! (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, `Sm90Dq::Kernel` tiles: deterministic as
-//! well, the same workspace) at head dims 64 and 128; `new` keeps the portable kernels
-//! until that build has passed its GPU checks.
+//! 9.0, at head dims 64 and 128, [`VarlenBackwardPlan::new`] runs the sm_90a kernel pair
+//! instead (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, the deterministic production tile,
+//! `Sm90Dq::Kernel`: deterministic as well, the same workspace); `with_kernel` picks
+//! either.
 
 // `x % n != 0` instead of `is_multiple_of`: the workspace's rust-version is 1.80.
 #![allow(clippy::manual_is_multiple_of)]
@@ -31,7 +31,7 @@ use super::abi::{
     BWD_SM90_DQ_ENTRY, BWD_SM90_SOURCE, BWD_SOURCE, PREPROCESS_ROWS,
 };
 use super::tiles::{
-    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdTile, Sm90BwdTile, Sm90Dq,
+    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq,
     BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
 };
 use crate::attention::plan::AttentionClass;
@@ -209,9 +209,16 @@ fn region_bytes(heads_q: usize, total_q: usize) -> usize {
 impl VarlenBackwardPlan {
     /// Check that the backward serves `class` (bf16 or f16, a head dim of
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its varlen kernels for `dev`
-    /// (compute capability 8.0 or newer) and set their shared-memory limits.
+    /// (compute capability 8.0 or newer) and set their shared-memory limits: on compute
+    /// capability 9.0 the sm_90a pair for the classes [`sm90_serves`] (tile
+    /// [`Sm90BwdTile::for_class`] in [`BwdMode::Deterministic`]), otherwise the portable
+    /// kernels.
     pub fn new(dev: &Device, class: AttentionClass) -> Result<VarlenBackwardPlan> {
-        Self::with_kernel(dev, class, BwdKernel::Portable)
+        let kernel = match Sm90BwdTile::for_class(&class, BwdMode::Deterministic) {
+            Some(t) if dev.arch() == 90 && sm90_serves(&class) => BwdKernel::Sm90(t),
+            _ => BwdKernel::Portable,
+        };
+        Self::with_kernel(dev, class, kernel)
     }
 
     /// [`VarlenBackwardPlan::new`] with the kernels chosen by the caller: `Portable`, or on
@@ -468,6 +475,12 @@ fn check_sm90_varlen(dev: &Device, class: &AttentionClass, t: &Sm90BwdTile) -> R
             "sm_90a backward tile {t:?} is not valid for head dim {}",
             class.head_dim
         )));
+    }
+    if !t.serves(class) {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!("sm_90a backward tile {t:?} does not serve {class:?} (Sm90BwdTile::serves)"),
+        ));
     }
     if t.dq != Sm90Dq::Kernel {
         return Err(Error::unsupported(
