@@ -56,8 +56,9 @@ pub use abi::{
 };
 pub use plan::{AttentionBackwardPlan, BackwardArgs};
 pub use tiles::{
-    all_bwd_classes, all_sm90_bwd_classes, bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel,
-    BwdMode, BwdTile, Sm90BwdTile, Sm90Dq, BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
+    all_bwd_classes, all_sm90_bwd_classes, bwd_defines, default_kernel, sm90_bwd_defines,
+    sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq, BWD_HEAD_DIMS,
+    BWD_SM90_HEAD_DIMS,
 };
 
 use crate::problem::AttentionProblem;

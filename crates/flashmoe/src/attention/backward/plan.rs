@@ -7,8 +7,8 @@ use super::abi::{
     BWD_SOURCE, PREPROCESS_ROWS, SM90_DQ_TILE_ROWS,
 };
 use super::tiles::{
-    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq,
-    BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
+    bwd_defines, default_kernel, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile,
+    Sm90BwdTile, Sm90Dq, BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
 };
 use crate::attention::plan::{AttentionClass, CallShape};
 use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
@@ -73,7 +73,8 @@ impl AttentionBackwardPlan {
     /// Check that the backward serves `class` (bf16 or f16, a head dim of
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its kernels for `dev` (compute
     /// capability 8.0 or newer) and set their shared-memory limits. On compute capability
-    /// 9.0 the classes [`sm90_serves`] run the sm_90a kernels, the others the portable ones.
+    /// 9.0 the classes [`sm90_serves`] run the sm_90a kernels ([`default_kernel`]: but
+    /// softcap at head dim 64 when deterministic), the others the portable ones.
     /// `mode` picks between the fastest kernels and bit-identical gradients
     /// ([`BwdMode`]); off compute capability 9.0 both are the portable kernels.
     pub fn new(
@@ -81,12 +82,7 @@ impl AttentionBackwardPlan {
         class: AttentionClass,
         mode: BwdMode,
     ) -> Result<AttentionBackwardPlan> {
-        let kernel = if dev.arch() == 90 && sm90_serves(&class) {
-            Sm90BwdTile::for_class(&class, mode).map(BwdKernel::Sm90)
-        } else {
-            None
-        };
-        Self::with_kernel(dev, class, Some(kernel.unwrap_or(BwdKernel::Portable)))
+        Self::with_kernel(dev, class, Some(default_kernel(&class, mode, dev.arch())))
     }
 
     /// [`AttentionBackwardPlan::new`] with the kernels chosen by the caller (`None`: the
@@ -135,10 +131,7 @@ impl AttentionBackwardPlan {
         }
         let kernel = match kernel {
             Some(k) => k,
-            None if dev.arch() == 90 && sm90_serves(&class) => {
-                BwdKernel::Sm90(Sm90BwdTile::for_head_dim(class.head_dim).unwrap())
-            }
-            None => BwdKernel::Portable,
+            None => default_kernel(&class, BwdMode::Deterministic, dev.arch()),
         };
         let defines = bwd_defines(&class, &tile);
         let preprocess = dev.load_kernel(BWD_SOURCE, BWD_PREPROCESS_ENTRY, &defines)?;

@@ -33,6 +33,13 @@ pub enum BwdKernel {
     Sm90(Sm90BwdTile),
 }
 
+impl BwdKernel {
+    /// Whether these are the sm_90a kernels.
+    pub fn is_sm90(&self) -> bool {
+        matches!(self, BwdKernel::Sm90(_))
+    }
+}
+
 /// How the sm_90a backward makes dQ (the kernels' FM_DQ_MODE).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Sm90Dq {
@@ -225,6 +232,22 @@ impl Sm90BwdTile {
 /// Whether the sm_90a backward serves `class` (on a compute capability 9.0 device).
 pub fn sm90_serves(class: &AttentionClass) -> bool {
     BWD_SM90_HEAD_DIMS.contains(&class.head_dim) && matches!(class.dtype, DType::Bf16 | DType::F16)
+}
+
+/// The kernels a plan picks for `class` in `mode` on a device of compute capability `arch`
+/// ([`AttentionBackwardPlan::new`](super::AttentionBackwardPlan::new); the varlen plan in
+/// [`BwdMode::Deterministic`]): on 9.0 the sm_90a pair with [`Sm90BwdTile::for_class`]'s
+/// tile for the classes [`sm90_serves`], except softcap at head dim 64 when deterministic,
+/// where that pair measured no faster than the portable kernels (H200, B=4 H=32 S=4096:
+/// 9.10 vs 9.04 ms, causal 6.19 vs 4.11; each score costs 4 MUFU operations in each
+/// kernel, docs/design/attention-backward.md); the portable kernels otherwise.
+pub fn default_kernel(class: &AttentionClass, mode: BwdMode, arch: u32) -> BwdKernel {
+    let slow_softcap =
+        class.softcap != 0.0 && class.head_dim == 64 && mode == BwdMode::Deterministic;
+    match Sm90BwdTile::for_class(class, mode) {
+        Some(t) if arch == 90 && sm90_serves(class) && !slow_softcap => BwdKernel::Sm90(t),
+        _ => BwdKernel::Portable,
+    }
 }
 
 /// The NVRTC defines of the sm_90a backward module for `class` with `tile`.
@@ -439,5 +462,37 @@ mod tests {
             }
         }
         assert!(!sm90_serves(&class(96, 0.0)));
+    }
+
+    #[test]
+    fn default_kernel_is_sm90_on_9_0_but_deterministic_softcap_at_d64() {
+        let class = |d: usize, softcap: f32| AttentionClass {
+            dtype: DType::Bf16,
+            head_dim: d,
+            heads_q: 4,
+            heads_kv: 2,
+            causal: false,
+            softmax_scale: None,
+            window: crate::problem::NO_WINDOW,
+            softcap,
+        };
+        for mode in [BwdMode::Fast, BwdMode::Deterministic] {
+            for d in [32, 64, 96, 128] {
+                for cap in [0.0, 30.0] {
+                    let c = class(d, cap);
+                    assert_eq!(default_kernel(&c, mode, 80), BwdKernel::Portable);
+                    let want = sm90_serves(&c)
+                        && !(cap != 0.0 && d == 64 && mode == BwdMode::Deterministic);
+                    let got = default_kernel(&c, mode, 90);
+                    assert_eq!(got.is_sm90(), want, "{c:?} {mode:?}");
+                    if want {
+                        assert_eq!(
+                            got,
+                            BwdKernel::Sm90(Sm90BwdTile::for_class(&c, mode).unwrap())
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -18,8 +18,8 @@
 //!
 //! Unlike the varlen forward (sm_90a, head dims 64 and 128), this runs on compute
 //! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`]. On compute capability
-//! 9.0, at head dims 64 and 128, [`VarlenBackwardPlan::new`] runs the sm_90a kernel pair
-//! instead (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, the deterministic production tile,
+//! 9.0, at head dims 64 and 128 (but softcap at 64, [`default_kernel`]),
+//! [`VarlenBackwardPlan::new`] runs the sm_90a kernel pair instead (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, the deterministic production tile,
 //! `Sm90Dq::Kernel`: deterministic as well, the same workspace); `with_kernel` picks
 //! either.
 
@@ -31,8 +31,8 @@ use super::abi::{
     BWD_SM90_DQ_ENTRY, BWD_SM90_SOURCE, BWD_SOURCE, PREPROCESS_ROWS,
 };
 use super::tiles::{
-    bwd_defines, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile, Sm90BwdTile, Sm90Dq,
-    BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
+    bwd_defines, default_kernel, sm90_bwd_defines, sm90_serves, BwdKernel, BwdMode, BwdTile,
+    Sm90BwdTile, Sm90Dq, BWD_HEAD_DIMS, BWD_SM90_HEAD_DIMS,
 };
 use crate::attention::plan::AttentionClass;
 use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
@@ -211,13 +211,10 @@ impl VarlenBackwardPlan {
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its varlen kernels for `dev`
     /// (compute capability 8.0 or newer) and set their shared-memory limits: on compute
     /// capability 9.0 the sm_90a pair for the classes [`sm90_serves`] (tile
-    /// [`Sm90BwdTile::for_class`] in [`BwdMode::Deterministic`]), otherwise the portable
-    /// kernels.
+    /// [`Sm90BwdTile::for_class`] in [`BwdMode::Deterministic`]; [`default_kernel`]),
+    /// otherwise the portable kernels.
     pub fn new(dev: &Device, class: AttentionClass) -> Result<VarlenBackwardPlan> {
-        let kernel = match Sm90BwdTile::for_class(&class, BwdMode::Deterministic) {
-            Some(t) if dev.arch() == 90 && sm90_serves(&class) => BwdKernel::Sm90(t),
-            _ => BwdKernel::Portable,
-        };
+        let kernel = default_kernel(&class, BwdMode::Deterministic, dev.arch());
         Self::with_kernel(dev, class, kernel)
     }
 

@@ -10,7 +10,10 @@
 
 use super::gpu_tests::{errors, poisoned};
 use super::varlen::{VarlenBackwardArgs, VarlenBackwardPlan};
-use super::{sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, BwdMode, Sm90BwdTile};
+use super::{
+    default_kernel, sm90_serves, AttentionBackwardPlan, BackwardArgs, BwdKernel, BwdMode,
+    Sm90BwdTile,
+};
 use crate::attention::plan::AttentionClass;
 use crate::attention::varlen::{VarlenArgs, VarlenPlan};
 use crate::dtype::DType;
@@ -391,10 +394,10 @@ fn varlen_backward_matches_f64_reference() {
             // Compute capability 9.0: the sm_90a pair too, every dQ-kernel tile the lab
             // times for the head dim (64, 128).
             if dev.arch() == 90 && sm90_serves(&c.class()) {
-                // The production selection on this device is the sm_90a pair.
+                // The production selection on this device.
                 let plan = VarlenBackwardPlan::new(dev, c.class()).unwrap();
-                let prod = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
-                assert_eq!(plan.kernel(), BwdKernel::Sm90(prod), "{c:?}");
+                let prod = default_kernel(&c.class(), BwdMode::Deterministic, 90);
+                assert_eq!(plan.kernel(), prod, "{c:?}");
                 for t in Sm90BwdTile::lab_tiles(c.d)
                     .into_iter()
                     .filter(|t| !t.dq.fused() && t.serves(&c.class()))
