@@ -21,9 +21,11 @@
 //   FM_DQ_MODE      0: dQ by flash_attn_bwd_sm90_dq; 1: fused, unordered reductions;
 //                   2: fused, each dQ tile takes the key blocks in increasing order
 //   FM_SOFTCAP      1: logits are c * tanh(scale * q.k / c) (c = softcap): P comes through
-//                   tanh_acc as in flash_attn_bwd.cu, and dS takes the factor 1 - tanh^2,
-//                   the tanh recovered from P itself (lg2 P + lse2 = c log2 e tanh), so
-//                   no register holds it between the two
+//                   tanh_acc as in flash_attn_bwd.cu, and dS takes the factor 1 - tanh^2:
+//                   the dQ kernel folds it into the score where P is formed (the score
+//                   then holds P (1 - tanh^2), all dS needs there); the dK/dV kernel, which
+//                   also needs P for dV, recovers the tanh from P (lg2 P + lse2 =
+//                   c log2 e tanh), one lg2 a score instead of a register a score
 //   FM_VARLEN       1: packed variable-length sequences (the layouts of flash_attn_bwd.cu's
 //                   FM_VARLEN: q, dO, dq (total_q, heads_q, D), k, v, dk, dv (total_k,
 //                   heads_kv, D), lse2 / delta (heads_q, total_q)); every kernel below
@@ -193,15 +195,22 @@ __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 
 // P of a visible raw score s = q.k against its row's lse2 (log2 units): the forward's logit,
-// softcapped through tanh_acc with FM_SOFTCAP.
-__device__ __forceinline__ float prob(float s, float scale_log2, float softcap_log2, float lse2) {
-    const float logit = SOFTCAP ? softcap_log2 * tanh_acc(s * scale_log2) : s * scale_log2;
-    return ex2(logit - lse2);
+// softcapped through tanh_acc with FM_SOFTCAP; `dt` gets the softcap's factor on dS,
+// 1 - tanh^2 (1 without FM_SOFTCAP).
+__device__ __forceinline__ float prob(float s, float scale_log2, float softcap_log2, float lse2, float& dt) {
+    if (SOFTCAP) {
+        const float t = tanh_acc(s * scale_log2);
+        dt = fmaf(-t, t, 1.f);
+        return ex2(softcap_log2 * t - lse2);
+    }
+    dt = 1.f;
+    return ex2(s * scale_log2 - lse2);
 }
 
-// dS of one score: P (dP - delta), times 1 - tanh^2 with FM_SOFTCAP, the tanh recovered from
-// P as (lg2 P + lse2) / softcap_log2 (inv_cap = 1 / softcap_log2); P = 0 (masked, or
-// underflowed) gives 0 without reading lg2 0 = -inf.
+// dK/dV kernel's dS of one score: P (dP - delta), times 1 - tanh^2 with FM_SOFTCAP, the tanh
+// recovered from P as (lg2 P + lse2) / softcap_log2 (inv_cap = 1 / softcap_log2): keeping
+// it (or P (1 - tanh^2) beside P's dV fragments) spills the D = 128 causal builds. P = 0
+// (masked, or underflowed) gives 0 without reading lg2 0 = -inf.
 __device__ __forceinline__ float dscore(float p, float dp, float delta, float lse2, float inv_cap) {
     float ds = p * (dp - delta);
     if (SOFTCAP) {
@@ -552,7 +561,8 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                     const bool vis = !need_mask || (m0 + col >= qlo[h] && m0 + col < seqlen_q &&
                                                      (!WINDOW || m0 + col <= qhi[h]));
                     float& x = st[4 * j + 2 * h + c];
-                    x = vis ? prob(x, scale_log2, softcap_log2, L[col]) : 0.f;
+                    float dt;  // (recovered from P in dscore: no register holds it here)
+                    x = vis ? prob(x, scale_log2, softcap_log2, L[col], dt) : 0.f;
                 }
         // dS^T = P^T (dP^T - delta) [* (1 - tanh^2)], into dpt
         auto make_ds = [&]() {
@@ -662,6 +672,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     store_acc(dv_acc, 1.f, dv, kv_off, kv_stride, n0 + cw * 64, seqlen_k, warp, lane);
 }
 
+#if FM_DQ_MODE == 0  // (the fused modes make dQ in the dK/dV kernel)
 // ----------------------------------------------------------------------------------------
 // dQ: one CTA per (128-row query block, query head, batch); warpgroup w owns rows 64w ...
 // ----------------------------------------------------------------------------------------
@@ -686,7 +697,6 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const i64 q_off = (sp.q0 * heads_q + head) * D;
     const i64 kv_off = (sp.k0 * heads_kv + kvh) * D;
     const i64 diag = (i64)seqlen_k - seqlen_q;
-    const float inv_cap = SOFTCAP ? 1.f / softcap_log2 : 0.f;
 
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sO = base + Q_OFF_O;
@@ -773,7 +783,9 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                     const int key = n0 + 8 * j + 2 * (lane & 3) + c;
                     const bool vis = !need_mask || (key <= khi[h] && key < seqlen_k && (!WINDOW || key >= klo[h]));
                     float& x = s[4 * j + 2 * h + c];
-                    x = vis ? prob(x, scale_log2, softcap_log2, lr2[h]) : 0.f;
+                    float dt = 1.f;  // masked: P = 0
+                    x = vis ? prob(x, scale_log2, softcap_log2, lr2[h], dt) : 0.f;
+                    if (SOFTCAP) x *= dt;  // P (1 - tanh^2): all dS needs here
                 }
         wgmma_wait<0>();
         reg_fence(dp);
@@ -781,7 +793,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         for (int j = 0; j < BN_Q / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                dp[4 * j + e] = dscore(s[4 * j + e], dp[4 * j + e], dl[e >> 1], lr2[e >> 1], inv_cap);
+                dp[4 * j + e] = s[4 * j + e] * (dp[4 * j + e] - dl[e >> 1]);
         pack_a<BN_Q>(dp, pa);
         wgmma_fence();
         issue_pb<BN_Q>(dq_acc, pa, sK);  // dQ += dS K
@@ -805,6 +817,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     cp_async_wait<0>();
     store_acc(dq_acc, scale, dq, q_off, q_stride, m0 + cw * 64, seqlen_q, warp, lane);
 }
+#endif  // FM_DQ_MODE == 0
 
 #if !FM_VARLEN  // (varlen runs the dQ kernel)
 // ----------------------------------------------------------------------------------------

@@ -423,17 +423,17 @@ fn backward_sm90_and_portable_match_f64_reference() {
                     assert_eq!(plan.kernel(), default_kernel(&c.class(), mode, 90), "{c:?}");
                     assert_eq!(plan.deterministic(), mode == BwdMode::Deterministic);
                 }
-                // Every case: the fused-dQ tiles; every fourth: the other lab tiles too. The
-                // first, the deterministic production tile, ran above unless the class's
-                // deterministic default is the portable pair.
-                let det_sm90 = default_kernel(&c.class(), BwdMode::Deterministic, 90).is_sm90();
-                for (i, t) in Sm90BwdTile::lab_tiles(c.d).into_iter().enumerate() {
-                    let wanted = if i == 0 {
-                        !det_sm90
-                    } else {
-                        t.dq.fused() || n % 4 == 1
-                    };
-                    if t.serves(&c.class()) && wanted {
+                // The deterministic production tile (run above as the default, unless that
+                // is the portable pair for this class); then every case: the fused-dQ
+                // tiles, every fourth: the other lab tiles too.
+                let det = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
+                if !default_kernel(&c.class(), BwdMode::Deterministic, 90).is_sm90() {
+                    eprintln!("  deterministic tile {det:?}:");
+                    let e = check_case_on(dev, c, sd, Some(BwdKernel::Sm90(det)));
+                    worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
+                }
+                for t in Sm90BwdTile::lab_tiles(c.d) {
+                    if t != det && t.serves(&c.class()) && (t.dq.fused() || n % 4 == 1) {
                         eprintln!("  tile {t:?}:");
                         let e = check_case_on(dev, c, sd, Some(BwdKernel::Sm90(t)));
                         worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
@@ -659,10 +659,10 @@ fn backward_speed() {
             let fws = fplan.alloc_workspace(s).unwrap();
             let mut kernels = vec![BwdKernel::Portable];
             if dev.arch() == 90 {
-                // The production tile and the fused-dQ tiles (the other kernel-pair tiles
-                // were timed in v2, docs/design/attention-backward.md).
+                // The class's deterministic production tile and the fused-dQ tiles (the
+                // other kernel-pair tiles were timed in v2, docs/design/attention-backward.md).
                 let tiles = Sm90BwdTile::lab_tiles(d);
-                let prod = tiles[0];
+                let prod = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
                 kernels.extend(
                     tiles
                         .into_iter()
@@ -821,11 +821,11 @@ fn backward_sanitizer_cases() {
     });
 }
 
-/// The production sm_90a tiles of the case's head dim (both modes) and the 2-slot tiles of
+/// The production sm_90a tiles of the case's class (both modes) and the 2-slot tiles of
 /// each fused-dQ mode that serve its masking.
 fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
     let mut tiles = Sm90BwdTile::lab_tiles(c.d);
-    let prod = tiles[0];
+    let prod = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
     let fast = Sm90BwdTile::for_class(&c.class(), BwdMode::Fast);
     tiles.retain(|t| {
         (*t == prod || Some(*t) == fast || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class())

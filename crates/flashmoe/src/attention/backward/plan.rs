@@ -173,8 +173,12 @@ impl AttentionBackwardPlan {
                 if !t.serves(&class) {
                     return Err(Error::unsupported(
                         backend,
-                        "the ordered fused dQ does not serve sliding windows (a dQ tile's key \
-                         blocks are then not a prefix); use Sm90Dq::Kernel",
+                        format!(
+                            "sm_90a backward tile {t:?} does not serve {class:?}: the ordered \
+                             fused dQ does not serve sliding windows (a dQ tile's key blocks are \
+                             then not a prefix), and softcap needs 64 query rows a dK/dV step \
+                             and 64 keys a dQ-kernel step (Sm90BwdTile::serves, for_class)"
+                        ),
                     ));
                 }
                 let defs = sm90_bwd_defines(&class, &t);

@@ -128,7 +128,8 @@ impl Sm90BwdTile {
         })
     }
     /// The production tile for `class` and `mode`: [`Sm90BwdTile::for_mode`]'s, with 64
-    /// query rows a dK/dV step where its 128 do not serve the class (softcap at D=64).
+    /// query rows a dK/dV step and 64 keys a dQ-kernel step where its 128 do not serve the
+    /// class (softcap at D=64).
     pub fn for_class(class: &AttentionClass, mode: BwdMode) -> Option<Sm90BwdTile> {
         let t = Sm90BwdTile::for_mode(class.head_dim, mode)?;
         Some(if t.serves(class) {
@@ -136,6 +137,11 @@ impl Sm90BwdTile {
         } else {
             Sm90BwdTile {
                 kv_block_m: 64,
+                q_block_n: if t.dq == Sm90Dq::Kernel {
+                    64
+                } else {
+                    t.q_block_n
+                },
                 ..t
             }
         })
@@ -178,10 +184,13 @@ impl Sm90BwdTile {
     }
     /// Whether this tile serves `class`'s masking: the ordered fused dQ needs every dQ
     /// tile's key blocks to be a prefix, which a sliding window breaks; with a softcap, 128
-    /// query rows a dK/dV step spill registers (the tanh and the 1 - tanh^2 factor).
+    /// query rows a dK/dV step and 128 keys a dQ-kernel step spill registers (the tanh and
+    /// the 1 - tanh^2 factor).
     pub fn serves(&self, class: &AttentionClass) -> bool {
         let m = Masking::of(&class.problem(1, 1, 1));
-        (self.dq != Sm90Dq::Ordered || !m.window) && !(m.softcap && self.kv_block_m == 128)
+        let dq_kernel_128 = self.dq == Sm90Dq::Kernel && self.q_block_n == 128;
+        (self.dq != Sm90Dq::Ordered || !m.window)
+            && !(m.softcap && (self.kv_block_m == 128 || dq_kernel_128))
     }
     /// Whether the kernels accept this tile.
     pub fn is_valid(&self) -> bool {
@@ -438,15 +447,22 @@ mod tests {
             assert!(sm90_serves(&plain) && sm90_serves(&capped));
             for mode in [BwdMode::Fast, BwdMode::Deterministic] {
                 // The plain class takes the mode's production tile; the softcapped one the
-                // same tile with 64 query rows a dK/dV step (128 spill with the tanh).
+                // same tile with 64 query rows a dK/dV step and, for the dQ kernel, 64 keys
+                // a step (128 spill with the tanh).
                 let t = Sm90BwdTile::for_class(&plain, mode).unwrap();
                 assert_eq!(t, Sm90BwdTile::for_mode(d, mode).unwrap());
                 let tc = Sm90BwdTile::for_class(&capped, mode).unwrap();
                 assert!(tc.serves(&capped) && tc.is_valid(), "{tc:?}");
+                let q_block_n = if t.dq == Sm90Dq::Kernel {
+                    64
+                } else {
+                    t.q_block_n
+                };
                 assert_eq!(
                     tc,
                     Sm90BwdTile {
                         kv_block_m: 64,
+                        q_block_n,
                         ..t
                     }
                 );
@@ -456,9 +472,11 @@ mod tests {
                 assert_eq!(get(sm90_bwd_defines(&plain, &t)), "0");
                 assert_eq!(get(sm90_bwd_defines(&capped, &tc)), "1");
             }
-            // Every lab tile that serves a softcap class keeps 64 query rows a step.
+            // Every lab tile that serves a softcap class keeps 64 query rows a step (and
+            // 64 keys a dQ-kernel step).
             for t in Sm90BwdTile::lab_tiles(d) {
-                assert_eq!(t.serves(&capped), t.kv_block_m == 64, "{t:?}");
+                let small = t.kv_block_m == 64 && (t.dq != Sm90Dq::Kernel || t.q_block_n == 64);
+                assert_eq!(t.serves(&capped), small, "{t:?}");
             }
         }
         assert!(!sm90_serves(&class(96, 0.0)));
