@@ -27,14 +27,14 @@ fn every_sm90_backward_variant_compiles_without_spills() {
         "head dims 64/128 x bf16/f16 x (non-causal, causal, window) x (softcap or not)"
     );
     for class in classes {
-        // Every class: the production tile and the fused-dQ tiles that serve its masking;
-        // bf16 causal without softcap: every tile the lab times.
+        // Every class: the production tile, the fused-dQ tiles and the producer builds that
+        // serve its masking; bf16 causal without softcap: every tile the lab times.
         let mut tiles = Sm90BwdTile::lab_tiles(class.head_dim);
         let plain_causal =
             class.causal && class.window == flashmoe::problem::NO_WINDOW && class.softcap == 0.0;
         if !(plain_causal && class.dtype == flashmoe::DType::Bf16) {
             let prod = tiles[0];
-            tiles.retain(|t| *t == prod || t.dq.fused());
+            tiles.retain(|t| *t == prod || t.dq.fused() || t.producer);
         }
         tiles.retain(|t| t.serves(&class));
         for tile in tiles {
@@ -46,7 +46,7 @@ fn every_sm90_backward_variant_compiles_without_spills() {
             // FLASHMOE_BWD_CUBIN_DIR=dir: each variant's cubin there, for nvdisasm.
             if let Some(dir) = std::env::var_os("FLASHMOE_BWD_CUBIN_DIR") {
                 let name = format!(
-                    "bwd-d{}-{:?}-c{}-w{}-cap{}-m{}-n{}-s{}-{:?}.cubin",
+                    "bwd-d{}-{:?}-c{}-w{}-cap{}-m{}-n{}-s{}-{:?}-p{}.cubin",
                     class.head_dim,
                     class.dtype,
                     u8::from(class.causal),
@@ -55,7 +55,8 @@ fn every_sm90_backward_variant_compiles_without_spills() {
                     tile.kv_block_m,
                     tile.q_block_n,
                     tile.stages,
-                    tile.dq
+                    tile.dq,
+                    u8::from(tile.producer)
                 );
                 std::fs::write(std::path::Path::new(&dir).join(name), &k.image).unwrap();
             }
@@ -107,7 +108,7 @@ fn every_sm90_varlen_backward_variant_compiles_without_spills() {
         let tiles = Sm90BwdTile::lab_tiles(class.head_dim);
         for tile in tiles
             .into_iter()
-            .filter(|t| !t.dq.fused() && t.serves(&class))
+            .filter(|t| !t.dq.fused() && !t.producer && t.serves(&class))
         {
             let defs = varlen_sm90_bwd_defines(&class, &tile);
             let k = cache

@@ -35,6 +35,14 @@
 //                   (CTAs past their sequence's end return at once). FM_DQ_MODE 0 only:
 //                   the deterministic kernel pair, whose workspace (lse2, delta) does not
 //                   depend on the batch.
+//   FM_PRODUCER     1: the dK/dV kernel runs a third warpgroup that only loads (lab tiles;
+//                   dense only): Q and dO by TMA (one thread, tensor maps appended to the
+//                   parameters, FM_TMAP_PARAMS: tm_q, tm_k, tm_v, tm_do over the (batch,
+//                   seq, heads, D) tensors, boxes of 64 columns x the tile's rows), lse2 and
+//                   delta by its 128 threads' 4-byte cp.asyncs, K and V by TMA; it runs
+//                   STAGES steps ahead of the two consumer warpgroups, which keep all the
+//                   products and no copies, at 240 registers (setmaxnreg; the producer 24).
+//                   Block 384.
 // Windows with the ordered fused dQ are not served (a tile's contributors are then not a
 // prefix of the key blocks).
 //
@@ -118,6 +126,16 @@
 #ifndef FM_SOFTCAP
 #define FM_SOFTCAP 0
 #endif
+#ifndef FM_PRODUCER
+#define FM_PRODUCER 0
+#endif
+#if FM_PRODUCER
+#define FM_TMAP_PARAMS                                                                         \
+    , const __grid_constant__ FmTensorMap tm_q, const __grid_constant__ FmTensorMap tm_k,    \
+        const __grid_constant__ FmTensorMap tm_v, const __grid_constant__ FmTensorMap tm_do
+#else
+#define FM_TMAP_PARAMS
+#endif
 #include "fm_sm90.cuh"
 #include "fm_bwd_span.cuh"  // Span: one sequence's rows, dense or varlen
 
@@ -130,7 +148,16 @@ static_assert(!WINDOW || CAUSAL, "FM_WINDOW implies FM_CAUSAL");
 constexpr bool SOFTCAP = FM_SOFTCAP != 0;
 constexpr int CPR = D / 8;    // 16-byte chunks per row
 constexpr int NWG = 2;        // warpgroups; each owns 64 stationary rows
-constexpr int THREADS = 128 * NWG;
+constexpr int THREADS = 128 * NWG;  // the consumer warpgroups (all of the dQ kernel's)
+// FM_PRODUCER: the dK/dV kernel's loading warpgroup (index NWG) and its register split: the
+// launch gives 65536 / 384 = 168 a thread; 24 + 2 x 240 over 128 threads is all of it.
+constexpr bool PRODUCER = FM_PRODUCER != 0;
+constexpr int KV_THREADS = THREADS + (PRODUCER ? 128 : 0);
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = 240;
+static_assert(!PRODUCER || 128 * (PRODUCER_REGS + NWG * CONSUMER_REGS) <= (65536 / KV_THREADS) / 8 * 8 * KV_THREADS,
+              "register split");
+static_assert(!(PRODUCER && FM_VARLEN), "the producer's tensor maps are dense (batch, seq, heads, D)");
 constexpr int STAGES = FM_STAGES;
 
 constexpr int BN_KV = 64 * NWG;       // keys per dK/dV CTA
@@ -269,16 +296,20 @@ struct Ring {
     __device__ u32 full(int s) const { return bar + 8 * s; }
     __device__ u32 empty(int s) const { return bar + 8 * (STAGES + s); }
     __device__ u32 fixed() const { return bar + 8 * 2 * STAGES; }
-    __device__ void init() const {
+    // `fillers`: the arrivals that complete a fill (every thread's cp.asyncs; with the dK/dV
+    // kernel's producer, its 128 threads' cp.asyncs of lse2 and delta and its thread 0's
+    // arrival with the TMA bytes of Q and dO); `fixed_fillers` the same for K and V (the
+    // producer: one TMA arrival).
+    __device__ void init(u32 fillers, u32 fixed_fillers) const {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full(s), THREADS);
+            mbar_init(full(s), fillers);
             // One arrival per thread: every thread's reads of the slot (the lse2/delta rows
             // it read with ordinary loads) happen before its own arrival, which is what
             // compute-sanitizer's racecheck follows (an arrival by one lane per warp after
             // __syncwarp orders them too, but racecheck reports it as a hazard).
             mbar_init(empty(s), THREADS);
         }
-        mbar_init(fixed(), THREADS);
+        mbar_init(fixed(), fixed_fillers);
         mbar_init_fence();
     }
     // Before refilling slot s for its use number `use` (0, 1, ..): the previous use's wgmmas
@@ -397,13 +428,14 @@ __device__ __forceinline__ void store_acc(const float (&acc)[D / 2], float mul, 
 // ----------------------------------------------------------------------------------------
 // dK, dV: one CTA per (128-key block, kv head, batch); warpgroup w owns keys 64w .. 64w+63.
 // ----------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
+extern "C" __global__ void __launch_bounds__(fmb90::KV_THREADS, 1)
     flash_attn_bwd_sm90_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                              const u16* __restrict__ dout, const float* __restrict__ lse2,
                              const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv,
                              int seqlen_q, int seqlen_k, int heads_q, int heads_kv, float scale,
                              float scale_log2, float softcap_log2, float* __restrict__ dq_accum,
-                             int* __restrict__ dq_sem, int window_left, int window_right FM_CU_PARAMS) {
+                             int* __restrict__ dq_sem, int window_left, int window_right FM_CU_PARAMS
+                                 FM_TMAP_PARAMS) {
     using namespace fmb90;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const int tid = threadIdx.x, cw = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
@@ -434,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const float* fL = reinterpret_cast<const float*>(gen + KV_OFF_L);
     const float* fD = reinterpret_cast<const float*>(gen + KV_OFF_D);
     const Ring ring{base + KV_OFF_BAR};
-    if (tid == 0) ring.init();
+    if (tid == 0) ring.init(PRODUCER ? 128 + 1 : THREADS, PRODUCER ? 1 : THREADS);
     __syncthreads();
 
     // Queries that may see a key of this block: [i_lo, i_hi).
@@ -491,6 +523,68 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         }
     };
 
+#if FM_PRODUCER
+    if (cw == NWG) {
+        // The producer: K and V once, then every step's tiles as soon as its slot is free
+        // (STAGES steps ahead of the consumers); nothing else.
+        setmaxnreg_dec<PRODUCER_REGS>();
+        const int pt = tid - THREADS;
+        if (pt == 0) {
+            mbar_arrive_expect_tx(ring.fixed(), 2 * tile_bytes(BN_KV));
+#pragma unroll
+            for (int half = 0; half < D / 64; ++half) {
+                tma_load_4d(sK + half * BN_KV * 128, &tm_k, ring.fixed(), half * 64, kvh, n0, batch);
+                tma_load_4d(sV + half * BN_KV * 128, &tm_v, ring.fixed(), half * 64, kvh, n0, batch);
+            }
+        }
+        // This thread's lse2 / delta rows of every step: element pt (and pt + 128 with 128
+        // rows a step) of the step's [lse2 rows | delta rows]; one pointer each, advanced by
+        // the step's head and row block (the producer has 24 registers).
+        constexpr int PER = 2 * BM_KV / 128;
+        const float* lsrc[PER];
+        u32 ldst[PER];
+        int lrow[PER];
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int i = pt + 128 * e, r = i % BM_KV;
+            lsrc[e] = (i < BM_KV ? lse2 : delta) + sp.l0 + r;
+            ldst[e] = base + (i < BM_KV ? KV_OFF_L : KV_OFF_D) + r * 4;
+            lrow[e] = r;
+        }
+        StepPos pos{kvh * group, mb_lo};
+        int slot = 0, use = 0;
+        for (int step = 0; step < steps; ++step) {
+            ring.wait_empty(slot, use);
+            const int m0 = pos.mb * BM_KV;
+            if (pt == 0) {
+                const u32 full = ring.full(slot);
+                mbar_arrive_expect_tx(full, 2 * tile_bytes(BM_KV));
+                const u32 sQ = base + KV_OFF_Q + slot * tile_bytes(BM_KV);
+                const u32 sO = base + KV_OFF_O + slot * tile_bytes(BM_KV);
+#pragma unroll
+                for (int half = 0; half < D / 64; ++half) {
+                    tma_load_4d(sQ + half * BM_KV * 128, &tm_q, full, half * 64, pos.h, m0, batch);
+                    tma_load_4d(sO + half * BM_KV * 128, &tm_do, full, half * 64, pos.h, m0, batch);
+                }
+            }
+            const i64 l_step = (i64)pos.h * sp.lh + m0;
+#pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                const bool ok = m0 + lrow[e] < seqlen_q;
+                cp_async4(ldst[e] + slot * BM_KV * 4, ok ? lsrc[e] + l_step : lse2, ok);
+            }
+            cp_async_arrive(ring.full(slot));
+            advance(pos);
+            if (++slot == STAGES) {
+                slot = 0;
+                ++use;
+            }
+        }
+        cp_async_wait<0>();
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+#else
     load_tile<BN_KV>(sK, k, kv_off, kv_stride, n0, seqlen_k, tid);
     load_tile<BN_KV>(sV, v, kv_off, kv_stride, n0, seqlen_k, tid);
     cp_async_arrive(ring.fixed());
@@ -504,6 +598,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
             cp_async_arrive(ring.full(s));
             advance(ahead);
         }
+#endif
 
     float dk_acc[D / 2], dv_acc[D / 2];
 #pragma unroll
@@ -525,6 +620,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
         // pipe idled under them: ~20 % of the stall samples, v4's profile; between the
         // scores' wgmmas and their wait, ptxas serialised the causal builds' wgmmas, C7511.)
         auto load_ahead = [&]() {
+#if !FM_PRODUCER  // (the producer warpgroup loads)
             if (step + STAGES - 1 < steps) {
                 const int lb = buf == 0 ? STAGES - 1 : buf - 1;
                 ring.wait_empty(lb, (step + STAGES - 1) / STAGES);
@@ -532,6 +628,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
                 cp_async_arrive(ring.full(lb));
                 advance(ahead);
             }
+#endif
         };
         mbar_wait(ring.full(buf), round & 1);
         fence_proxy_async_smem();  // the cp.async writes just seen, towards wgmma
@@ -701,7 +798,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::THREADS, 1)
     const u32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const u32 sQ = base, sO = base + Q_OFF_O;
     const Ring ring{base + Q_OFF_BAR};
-    if (tid == 0) ring.init();
+    if (tid == 0) ring.init(THREADS, THREADS);
     __syncthreads();
 
     // Keys some row of this block may see: [j_lo, j_hi), in key blocks nb_lo, nb_lo + 1, ..

@@ -5,6 +5,7 @@
 use crate::attention::prefill::abi::LogitParams;
 use crate::error::Result;
 use crate::gpu::raw::{launch, param, RawStream};
+use crate::gpu::tensor_map::TensorMap;
 use cudarc::driver::{CudaFunction, LaunchConfig};
 
 /// Source file of the three backward kernels.
@@ -31,7 +32,8 @@ pub(super) const SM90_DQ_TILE_ROWS: usize = 64;
 /// varlen plans. The lists are the inputs, then the kernel's outputs (dk, dv or dq), then
 /// the shapes, the logit parameters, the sm_90a dK/dV kernel's fused-dQ workspace (its
 /// f32 tiles and semaphores), the window and, built with FM_VARLEN, the two offset arrays
-/// (`FM_CU_PARAMS`).
+/// (`FM_CU_PARAMS`) or, the sm_90a dK/dV kernel built with FM_PRODUCER, the tensor maps of
+/// q, k, v and dO (`FM_TMAP_PARAMS`).
 pub(super) struct BwdLaunch {
     pub q: u64,
     pub k: u64,
@@ -49,6 +51,10 @@ pub(super) struct BwdLaunch {
     /// Varlen: cu_seqlens_q and cu_seqlens_k.
     pub cu_seqlens: Option<(u64, u64)>,
 }
+
+/// What only the sm_90a dK/dV kernel takes: the fused-dQ workspace (f32 tiles, semaphores)
+/// and, built with FM_PRODUCER, the tensor maps of q, k, v and dO.
+type Sm90DkdvExtras<'a> = ((u64, u64), Option<&'a [TensorMap; 4]>);
 
 impl BwdLaunch {
     /// Enqueue `entry` (a portable kernel, or the sm_90a dQ kernel; `outputs` = [dk, dv]
@@ -69,10 +75,11 @@ impl BwdLaunch {
     }
 
     /// Enqueue the sm_90a dK/dV kernel ([`BWD_SM90_DKDV_ENTRY`]) writing dk and dv; `dq_ws`
-    /// = the fused-dQ f32 tiles and their semaphores (zeros for the dQ-kernel tiles).
+    /// = the fused-dQ f32 tiles and their semaphores (zeros for the dQ-kernel tiles);
+    /// `maps` = the producer build's tensor maps of q, k, v and dO (FM_TMAP_PARAMS).
     ///
     /// # Safety
-    /// As [`BwdLaunch::launch`].
+    /// As [`BwdLaunch::launch`]; `maps` describe the tensors at `q`, `k`, `v` and `d_o`.
     pub unsafe fn launch_sm90_dkdv(
         &self,
         func: &CudaFunction,
@@ -80,6 +87,7 @@ impl BwdLaunch {
         stream: RawStream,
         (dk, dv): (u64, u64),
         dq_ws: (u64, u64),
+        maps: Option<&[TensorMap; 4]>,
     ) -> Result<()> {
         self.enqueue(
             BWD_SM90_DKDV_ENTRY,
@@ -87,7 +95,7 @@ impl BwdLaunch {
             cfg,
             stream,
             &[dk, dv],
-            Some(dq_ws),
+            Some((dq_ws, maps)),
         )
     }
 
@@ -98,13 +106,17 @@ impl BwdLaunch {
         cfg: LaunchConfig,
         stream: RawStream,
         outputs: &[u64],
-        dq_ws: Option<(u64, u64)>,
+        sm90_dkdv: Option<Sm90DkdvExtras>,
     ) -> Result<()> {
+        let (dq_ws, maps) = match sm90_dkdv {
+            Some((ws, maps)) => (Some(ws), maps),
+            None => (None, None),
+        };
         debug_assert!(matches!(outputs.len(), 1 | 2), "[dk, dv] or [dq]");
         let lp = &self.logits;
-        // At most 6 inputs + 2 outputs + 7 scalars + 2 workspace + 2 window + 2 offsets, on
-        // the stack (no allocation per call).
-        let mut params = [std::ptr::null_mut(); 21];
+        // At most 6 inputs + 2 outputs + 7 scalars + 2 workspace + 2 window + 2 offsets + 4
+        // tensor maps, on the stack (no allocation per call).
+        let mut params = [std::ptr::null_mut(); 25];
         let mut n = 0;
         let mut push = |p| {
             params[n] = p;
@@ -143,6 +155,9 @@ impl BwdLaunch {
         if let Some((cu_q, cu_k)) = &self.cu_seqlens {
             push(param(cu_q));
             push(param(cu_k));
+        }
+        for m in maps.into_iter().flatten() {
+            push(param(m));
         }
         launch(entry, func, cfg, stream, &mut params[..n])
     }

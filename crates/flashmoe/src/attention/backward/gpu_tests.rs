@@ -433,7 +433,10 @@ fn backward_sm90_and_portable_match_f64_reference() {
                     worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
                 }
                 for t in Sm90BwdTile::lab_tiles(c.d) {
-                    if t != det && t.serves(&c.class()) && (t.dq.fused() || n % 4 == 1) {
+                    if t != det
+                        && t.serves(&c.class())
+                        && (t.dq.fused() || t.producer || n % 4 == 1)
+                    {
                         eprintln!("  tile {t:?}:");
                         let e = check_case_on(dev, c, sd, Some(BwdKernel::Sm90(t)));
                         worst[1] = (worst[1].0.max(e.0), worst[1].1.max(e.1));
@@ -666,7 +669,9 @@ fn backward_speed() {
                 kernels.extend(
                     tiles
                         .into_iter()
-                        .filter(|t| (*t == prod || t.dq.fused()) && t.serves(&c.class()))
+                        .filter(|t| {
+                            (*t == prod || t.dq.fused() || t.producer) && t.serves(&c.class())
+                        })
                         .map(BwdKernel::Sm90),
                 );
             }
@@ -737,11 +742,14 @@ fn backward_speed() {
             for (k, t) in kernels.iter().zip(&best) {
                 let name = match k {
                     BwdKernel::Portable => "portable".to_string(),
-                    BwdKernel::Sm90(t) if t.dq.fused() => {
-                        format!("sm90[{:?} m{} s{}]", t.dq, t.kv_block_m, t.stages)
-                    }
                     BwdKernel::Sm90(t) => {
-                        format!("sm90[m{} n{} s{}]", t.kv_block_m, t.q_block_n, t.stages)
+                        // "+p": the producer warpgroup's build.
+                        let p = if t.producer { "+p" } else { "" };
+                        if t.dq.fused() {
+                            format!("sm90[{:?} m{} s{}{p}]", t.dq, t.kv_block_m, t.stages)
+                        } else {
+                            format!("sm90[m{} n{} s{}{p}]", t.kv_block_m, t.q_block_n, t.stages)
+                        }
                     }
                 };
                 line.push_str(&format!(
@@ -821,14 +829,15 @@ fn backward_sanitizer_cases() {
     });
 }
 
-/// The production sm_90a tiles of the case's class (both modes) and the 2-slot tiles of
-/// each fused-dQ mode that serve its masking.
+/// The production sm_90a tiles of the case's class (both modes), their producer builds and
+/// the 2-slot tiles of each fused-dQ mode that serve its masking.
 fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
     let mut tiles = Sm90BwdTile::lab_tiles(c.d);
     let prod = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
     let fast = Sm90BwdTile::for_class(&c.class(), BwdMode::Fast);
     tiles.retain(|t| {
-        (*t == prod || Some(*t) == fast || (t.dq.fused() && t.stages == 2)) && t.serves(&c.class())
+        (*t == prod || Some(*t) == fast || t.producer || (t.dq.fused() && t.stages == 2))
+            && t.serves(&c.class())
     });
     tiles
 }

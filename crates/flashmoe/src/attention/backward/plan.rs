@@ -12,6 +12,7 @@ use super::tiles::{
 };
 use crate::attention::plan::{AttentionClass, CallShape};
 use crate::attention::prefill::abi::{LogitParams, MAX_GRID_YZ, MAX_SEQLEN};
+use crate::attention::prefill::tma;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::gpu::raw::{launch, param, RawStream, RawTensor, RawWorkspace};
@@ -463,10 +464,35 @@ impl AttentionBackwardPlan {
         };
         let kv = LaunchConfig {
             grid_dim,
-            block_dim: (256, 1, 1),
+            block_dim: (t.kv_threads(), 1, 1),
             shared_mem_bytes: t.kv_smem_bytes(),
         };
-        args.launch_sm90_dkdv(&self.dkdv, kv, stream, (dk, dv), (dq_accum, dq_sem))?;
+        // The producer build loads by TMA: boxes of 64 columns x a step's query rows (Q,
+        // dO) or the CTA's keys (K, V).
+        let maps = if t.producer {
+            let dt = self.class.dtype;
+            let (rows_q, rows_k) = (t.kv_block_m, t.kv_block_n());
+            let pq = tma::bshd_strided_params("q", a.q.shape, a.q.strides, rows_q)?;
+            let pk = tma::bshd_strided_params("k", a.k.shape, a.k.strides, rows_k)?;
+            let pv = tma::bshd_strided_params("v", a.v.shape, a.v.strides, rows_k)?;
+            let po = tma::bshd_strided_params("d_o", a.d_o.shape, a.d_o.strides, rows_q)?;
+            Some([
+                tma::encode("q", &pq, dt, a.q.ptr)?,
+                tma::encode("k", &pk, dt, a.k.ptr)?,
+                tma::encode("v", &pv, dt, a.v.ptr)?,
+                tma::encode("d_o", &po, dt, a.d_o.ptr)?,
+            ])
+        } else {
+            None
+        };
+        args.launch_sm90_dkdv(
+            &self.dkdv,
+            kv,
+            stream,
+            (dk, dv),
+            (dq_accum, dq_sem),
+            maps.as_ref(),
+        )?;
         if t.dq.fused() {
             let cc = LaunchConfig {
                 grid_dim: (

@@ -89,6 +89,10 @@ pub struct Sm90BwdTile {
     /// How dQ is made; the fused modes need `kv_block_m` = 64, or 128 at head dim 64 with
     /// unordered reductions (`q_block_n` is then unused).
     pub dq: Sm90Dq,
+    /// The dK/dV kernel with a third warpgroup that only loads (FM_PRODUCER: Q, dO, K, V
+    /// by TMA, lse2 and delta by its cp.asyncs; the consumers at 240 registers): a lab
+    /// tile (dense calls only) until it measures faster.
+    pub producer: bool,
 }
 
 impl Sm90BwdTile {
@@ -108,6 +112,7 @@ impl Sm90BwdTile {
             q_block_n,
             stages,
             dq: Sm90Dq::Kernel,
+            producer: false,
         })
     }
     /// The production tile of `head_dim` for `mode`: [`Sm90BwdTile::for_head_dim`] when
@@ -178,6 +183,22 @@ impl Sm90BwdTile {
             let fast = Sm90BwdTile::for_mode(head_dim, BwdMode::Fast).expect("head dim 64");
             all.extend([fast, Sm90BwdTile { stages: 2, ..fast }]);
         }
+        // The producer warpgroup's builds of the deterministic production tile and of the
+        // unordered fused dQ at 64 query rows a step, 3-slot ring (D = 128's fast production
+        // tile; at D = 64 the 128-row one spills at the consumers' 240 registers).
+        all.extend([
+            Sm90BwdTile {
+                producer: true,
+                ..prod
+            },
+            Sm90BwdTile {
+                producer: true,
+                dq: Sm90Dq::Atomic,
+                kv_block_m: 64,
+                stages: 3,
+                ..prod
+            },
+        ]);
         let mut out = vec![prod];
         out.extend(all.into_iter().filter(|t| *t != prod && t.is_valid()));
         out
@@ -207,6 +228,14 @@ impl Sm90BwdTile {
     /// Keys per dK/dV CTA.
     pub fn kv_block_n(&self) -> u32 {
         128
+    }
+    /// Threads of a dK/dV CTA: two consumer warpgroups, and the producer's.
+    pub fn kv_threads(&self) -> u32 {
+        if self.producer {
+            384
+        } else {
+            256
+        }
     }
     /// Query rows per dQ CTA.
     pub fn q_block_m(&self) -> u32 {
@@ -274,6 +303,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
         ("FM_STAGES".into(), tile.stages.to_string()),
         ("FM_DQ_MODE".into(), tile.dq.define().to_string()),
         ("FM_SOFTCAP".into(), b(m.softcap)),
+        ("FM_PRODUCER".into(), b(tile.producer)),
     ]
 }
 
@@ -511,6 +541,43 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_lab_has_a_producer_build_of_each_mode_for_dense_calls() {
+        for d in BWD_SM90_HEAD_DIMS {
+            let class = AttentionClass {
+                dtype: DType::Bf16,
+                head_dim: d,
+                heads_q: 4,
+                heads_kv: 2,
+                causal: true,
+                softmax_scale: None,
+                window: crate::problem::NO_WINDOW,
+                softcap: 0.0,
+            };
+            let prod = Sm90BwdTile::for_head_dim(d).unwrap();
+            let lab = Sm90BwdTile::lab_tiles(d);
+            let producers: Vec<_> = lab.iter().filter(|t| t.producer).collect();
+            assert_eq!(producers.len(), 2, "{producers:?}");
+            assert!(producers.iter().any(|t| **t
+                == Sm90BwdTile {
+                    producer: true,
+                    ..prod
+                }));
+            assert!(producers
+                .iter()
+                .any(|t| t.dq == Sm90Dq::Atomic && t.kv_block_m == 64 && t.stages == 3));
+            for t in producers {
+                assert!(t.is_valid() && t.serves(&class), "{t:?}");
+                assert_eq!(t.kv_threads(), 384);
+                let defs = sm90_bwd_defines(&class, t);
+                assert!(defs.contains(&("FM_PRODUCER".into(), "1".into())));
+            }
+            // The production tiles do not load through a producer.
+            assert_eq!(prod.kv_threads(), 256);
+            assert!(sm90_bwd_defines(&class, &prod).contains(&("FM_PRODUCER".into(), "0".into())));
         }
     }
 }

@@ -401,7 +401,7 @@ impl VarlenBackwardPlan {
                 shared_mem_bytes: t.kv_smem_bytes(),
             };
             let no_dq_ws = (0u64, 0u64);
-            args.launch_sm90_dkdv(&self.dkdv, kv, stream, (a.dk.ptr, a.dv.ptr), no_dq_ws)?;
+            args.launch_sm90_dkdv(&self.dkdv, kv, stream, (a.dk.ptr, a.dv.ptr), no_dq_ws, None)?;
             let qc = LaunchConfig {
                 grid_dim: (
                     (a.max_seqlen_q as u32).div_ceil(t.q_block_m()),
@@ -477,6 +477,12 @@ fn check_sm90_varlen(dev: &Device, class: &AttentionClass, t: &Sm90BwdTile) -> R
         return Err(Error::unsupported(
             BACKEND,
             format!("sm_90a backward tile {t:?} does not serve {class:?} (Sm90BwdTile::serves)"),
+        ));
+    }
+    if t.producer {
+        return Err(Error::unsupported(
+            BACKEND,
+            format!("sm_90a backward tile {t:?}: the producer build loads dense tensors only"),
         ));
     }
     if t.dq != Sm90Dq::Kernel {
