@@ -9,7 +9,9 @@
 //!
 //! `simulate_cpu` runs the same schedule for every rank on the CPU reference, so the
 //! decomposition is tested without GPUs (it must reproduce the single-GPU reference
-//! bit for bit).
+//! bit for bit); `simulate_backward_cpu` does the same for the backward the layer does not
+//! have yet (dY along the forward's dispatch, the expert gradients on their owner, dX back:
+//! each rank's dx and router gradient the single-GPU backward's on its tokens).
 
 pub mod comm;
 pub mod exchange;
@@ -17,6 +19,8 @@ pub mod layer;
 pub mod placement;
 #[cfg(feature = "lab")]
 mod sim;
+#[cfg(feature = "lab")]
+mod sim_backward;
 
 pub use comm::{find_nccl_library, nccl_version, Communicator, NcclId};
 pub use exchange::Exchange;
@@ -24,3 +28,5 @@ pub use layer::{ExchangeTiming, ExpertParallelMoe};
 pub use placement::ExpertPlacement;
 #[cfg(feature = "lab")]
 pub use sim::simulate_cpu;
+#[cfg(feature = "lab")]
+pub use sim_backward::{simulate_backward_cpu, EpRankGradients};
