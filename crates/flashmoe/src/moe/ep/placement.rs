@@ -16,19 +16,31 @@ pub struct ExpertPlacement {
 }
 
 impl ExpertPlacement {
-    /// `experts / world` experts per rank (the usual layout); `experts` must divide evenly.
+    /// The experts split as evenly as the counts allow: `experts / world` per rank, and
+    /// one more for each of the first `experts % world` ranks (256 experts over 3 ranks:
+    /// 86, 85, 85). Every rank needs an expert: `experts >= world`.
     pub fn even(experts: usize, world: usize) -> Result<ExpertPlacement> {
         if world == 0 {
             return Err(Error::invalid("expert parallelism needs world >= 1 rank"));
         }
-        if experts == 0 || experts % world != 0 {
+        if experts < world {
             return Err(Error::invalid(format!(
-                "{experts} experts do not split evenly over {world} ranks; pass an explicit \
-                 expert-to-rank map (ExpertPlacement::from_map) for an uneven split"
+                "{experts} experts cannot give each of {world} ranks an expert"
             )));
         }
-        let per = experts / world;
-        ExpertPlacement::from_map(&(0..experts).map(|e| e / per).collect::<Vec<_>>(), world)
+        // Ranks 0 .. extra own per + 1 experts each, the rest per.
+        let (per, extra) = (experts / world, experts % world);
+        let big = extra * (per + 1);
+        let map: Vec<usize> = (0..experts)
+            .map(|e| {
+                if e < big {
+                    e / (per + 1)
+                } else {
+                    extra + (e - big) / per
+                }
+            })
+            .collect();
+        ExpertPlacement::from_map(&map, world)
     }
 
     /// From an expert → rank map (`map[e]` = rank of expert e). Every rank must own at
@@ -137,6 +149,21 @@ mod tests {
     }
 
     #[test]
+    fn even_splits_what_does_not_divide() {
+        // 256 experts over 3 ranks: 86, 85, 85 (the first ranks take the remainder).
+        let p = ExpertPlacement::even(256, 3).unwrap();
+        assert_eq!(
+            (p.range(0), p.range(1), p.range(2)),
+            (0..86, 86..171, 171..256)
+        );
+        assert_eq!(p.max_local(), 86);
+        let q = ExpertPlacement::even(10, 4).unwrap();
+        assert_eq!((0..4).map(|r| q.local(r)).collect::<Vec<_>>(), [3, 3, 2, 2]);
+        let exact = ExpertPlacement::even(4, 4).unwrap();
+        assert!((0..4).all(|r| exact.range(r) == (r..r + 1)));
+    }
+
+    #[test]
     fn uneven_contiguous_map_is_accepted() {
         let p = ExpertPlacement::from_map(&[0, 0, 0, 1, 2, 2], 3).unwrap();
         assert_eq!((p.range(0), p.range(1), p.range(2)), (0..3, 3..4, 4..6));
@@ -162,7 +189,8 @@ mod tests {
         assert!(err(&[0], 2).contains("cannot give each"));
         assert!(err(&[], 1).contains("empty"));
         assert!(err(&[0, 0], 0).contains("world >= 1"));
-        let e = ExpertPlacement::even(10, 4).unwrap_err().to_string();
-        assert!(e.contains("do not split evenly"), "{e}");
+        let e = ExpertPlacement::even(3, 4).unwrap_err().to_string();
+        assert!(e.contains("cannot give each of 4 ranks"), "{e}");
+        assert!(ExpertPlacement::even(8, 0).is_err());
     }
 }

@@ -200,6 +200,8 @@ mod tests {
                 2,
             ),
             (12, 3, Scoring::Softmax, &[9, 9, 9, 9], None, 3),
+            // 10 experts over 3 ranks: the automatic uneven split (4, 3, 3).
+            (10, 2, Scoring::Softmax, &[21, 8, 30], None, 2),
         ];
         for &(experts, k, scoring, tokens, map, chunks) in cases {
             let p = problem(experts, k, scoring);

@@ -319,6 +319,8 @@ mod tests {
                 (0.3, 0.0),
             ),
             (12, 3, Scoring::Softmax, &[9, 9, 9, 9], None, 3, (0.0, 0.2)),
+            // 10 experts over 3 ranks: the automatic uneven split (4, 3, 3).
+            (10, 2, Scoring::Sigmoid, &[21, 8, 30], None, 2, (0.1, 0.1)),
         ];
         for &(experts, k, scoring, tokens, map, chunks, losses) in cases {
             let p = problem(experts, k, scoring);
