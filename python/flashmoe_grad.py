@@ -16,7 +16,8 @@ Baselines: ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient`` (SDPA with the bac
 no window or softcap), ``flex`` (FlexAttention's backward, compiled; windows and softcap
 through its mask and score mods; CUDA only: torch has no FlexAttention backward on the CPU),
 ``fa4`` (FlashAttention-4's ``flash_attn.cute.flash_attn_func`` autograd: its sm90 / sm100
-backward; windows and softcap; when the package imports),
+backward; windows and softcap; when the package imports), ``fa4-det`` (the same with
+``deterministic=True``: its bit-identical backward),
 ``moe-grouped-mm`` (the ``torch._grouped_mm`` path's autograd) and
 ``moe-naive-loop`` (the per-expert loop's autograd). The routing (top-k ids) is an integer
 decision, outside the derivative, as in the reference (``reference/moe_backward.rs``);
@@ -25,7 +26,7 @@ the routing weights are differentiated through the renormalisation and the score
 
 import contextlib
 
-ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4")
+ATTENTION = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4", "fa4-det")
 MOE = ("moe-grouped-mm", "moe-naive-loop")
 
 
@@ -43,8 +44,8 @@ def build(w, p, torch, F, not_applicable):
     with torch.enable_grad():
         if kind == "attention" and p.impl == "flex":
             _flex(w, p, layer, fwd_too, torch, not_applicable)
-        elif kind == "attention" and p.impl == "fa4":
-            _fa4(w, p, layer, fwd_too, torch, not_applicable)
+        elif kind == "attention" and p.impl in ("fa4", "fa4-det"):
+            _fa4(w, p, layer, fwd_too, torch, not_applicable, deterministic=p.impl == "fa4-det")
         elif kind == "attention" and p.impl in ATTENTION:
             _attention(w, p, layer, fwd_too, torch, F, not_applicable)
         elif kind == "moe" and p.impl in MOE:
@@ -197,7 +198,7 @@ def _flex(w, p, pr, fwd_too, torch, not_applicable):
     p.check = _bshd_check(fn)
 
 
-def _fa4(w, p, pr, fwd_too, torch, not_applicable):
+def _fa4(w, p, pr, fwd_too, torch, not_applicable, deterministic=False):
     import flashmoe_packages as pk
     if not w.cuda:
         raise not_applicable("fa4 needs CUDA")
@@ -218,8 +219,12 @@ def _fa4(w, p, pr, fwd_too, torch, not_applicable):
                 (left, 0 if causal else right), float(pr.get("softcap") or 0.0))
     kw = a.fa_window_kwargs(none_for_unbounded=True)
 
+    # deterministic: FA4's bit-identical backward (a keyword its older builds lack: the
+    # first call below then reports the config as not applicable).
+    det = {"deterministic": True} if deterministic else {}
+
     def forward():
-        return f(q, k, v, softmax_scale=scale, return_lse=True, **kw)[0]
+        return f(q, k, v, softmax_scale=scale, return_lse=True, **kw, **det)[0]
 
     fn = _grad_call(torch, forward, (q, k, v), t["d_out"], fwd_too)
     try:
@@ -232,8 +237,9 @@ def _fa4(w, p, pr, fwd_too, torch, not_applicable):
     p.fn = fn
     p.outputs = ["dq", "dk", "dv"]
     p.check = lambda: dict(zip(("dq", "dk", "dv"), fn()))
-    p.notes.append("flash_attn.cute.flash_attn_func autograd, (B, S, H, D), GQA native; the "
-                   "first call (JIT compile) not timed")
+    p.notes.append("flash_attn.cute.flash_attn_func autograd, (B, S, H, D), GQA native"
+                   + (", deterministic=True" if deterministic else "")
+                   + "; the first call (JIT compile) not timed")
 
 
 def _moe(w, p, pr, fwd_too, torch, F, not_applicable):

@@ -521,7 +521,8 @@ class Worker:
                 or impl in VARLEN_IMPLS and kind != "varlen"
                 or impl in MLA_IMPLS and kind != "mla"):
             raise NotApplicable(f"{impl} does not run {kind} problems")
-        if impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS + MLA_IMPLS:
+        if (kind != "grad"
+                and impl not in ATTENTION_IMPLS + MOE_IMPLS + DECODE_IMPLS + VARLEN_IMPLS + MLA_IMPLS):
             raise NotApplicable(f"unknown implementation '{impl}'")
         t0 = time.perf_counter()
         inputs = self.acquire_inputs(problem, seed)

@@ -105,12 +105,12 @@ pub const MOE_BASELINES: &[&str] = &[
 /// Gradient baselines (`bench --pass bwd|fwd+bwd`; names of the forward suites' lists,
 /// `python/flashmoe_grad.py`): the backward of SDPA with the flash, cuDNN or efficient
 /// backend forced over a retained forward graph (`torch.autograd.grad`; window and
-/// softcap configs n/a), FlexAttention's and FlashAttention-4's (`fa4`, when importable;
-/// windows and softcap too), and the MoE layer's
+/// softcap configs n/a), FlexAttention's and FlashAttention-4's (`fa4`, and `fa4-det` with
+/// its deterministic backward, when importable; windows and softcap too), and the MoE layer's
 /// autograd backward through `torch._grouped_mm` or the per-expert loop (configs training
 /// the aux/z losses n/a). Varlen: none yet.
 pub const GRAD_ATTENTION_BASELINES: &[&str] =
-    &["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4"];
+    &["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4", "fa4-det"];
 pub const GRAD_MOE_BASELINES: &[&str] = &["moe-grouped-mm", "moe-naive-loop"];
 
 /// Baselines whose timed call is a throughput ceiling, not the layer: their output is not
@@ -869,7 +869,7 @@ impl Implementation for PythonImplementation {
             ProblemSpec::Grad(g) => match &g.layer {
                 crate::grad::GradLayer::Attention(a) => {
                     if (a.has_window() || a.softcap > 0.0)
-                        && !["flex", "fa4"].contains(&self.name.as_str())
+                        && !["flex", "fa4", "fa4-det"].contains(&self.name.as_str())
                     {
                         return Err("the SDPA backward baselines have no window or softcap".into());
                     }
