@@ -109,8 +109,14 @@ pub const MOE_BASELINES: &[&str] = &[
 /// its deterministic backward, when importable; windows and softcap too), and the MoE layer's
 /// autograd backward through `torch._grouped_mm` or the per-expert loop (configs training
 /// the aux/z losses n/a). Varlen: none yet.
-pub const GRAD_ATTENTION_BASELINES: &[&str] =
-    &["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "fa4", "fa4-det"];
+pub const GRAD_ATTENTION_BASELINES: &[&str] = &[
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "flex",
+    "fa4",
+    "fa4-det",
+];
 pub const GRAD_MOE_BASELINES: &[&str] = &["moe-grouped-mm", "moe-naive-loop"];
 
 /// Baselines whose timed call is a throughput ceiling, not the layer: their output is not
