@@ -461,18 +461,23 @@ mod tests {
         assert_eq!(get(&d, "FM_WINDOW"), "0");
     }
 
-    #[test]
-    fn softcap_runs_on_sm90_tiles_that_fit_and_keeps_the_portable_default() {
-        let class = |d: usize, softcap: f32| AttentionClass {
+    /// A bf16 GQA class (4 query heads on 2) without a window.
+    fn gqa_class(head_dim: usize, causal: bool, softcap: f32) -> AttentionClass {
+        AttentionClass {
             dtype: DType::Bf16,
-            head_dim: d,
+            head_dim,
             heads_q: 4,
             heads_kv: 2,
-            causal: true,
+            causal,
             softmax_scale: None,
             window: crate::problem::NO_WINDOW,
             softcap,
-        };
+        }
+    }
+
+    #[test]
+    fn softcap_runs_on_sm90_tiles_that_fit() {
+        let class = |d, softcap| gqa_class(d, true, softcap);
         for d in BWD_SM90_HEAD_DIMS {
             let (plain, capped) = (class(d, 0.0), class(d, 30.0));
             assert!(sm90_serves(&plain) && sm90_serves(&capped));
@@ -515,16 +520,7 @@ mod tests {
 
     #[test]
     fn default_kernel_is_sm90_on_9_0_but_deterministic_softcap() {
-        let class = |d: usize, softcap: f32| AttentionClass {
-            dtype: DType::Bf16,
-            head_dim: d,
-            heads_q: 4,
-            heads_kv: 2,
-            causal: false,
-            softmax_scale: None,
-            window: crate::problem::NO_WINDOW,
-            softcap,
-        };
+        let class = |d, softcap| gqa_class(d, false, softcap);
         for mode in [BwdMode::Fast, BwdMode::Deterministic] {
             for d in [32, 64, 96, 128] {
                 for cap in [0.0, 30.0] {
@@ -547,16 +543,7 @@ mod tests {
     #[test]
     fn the_lab_has_a_producer_build_of_each_mode_for_dense_calls() {
         for d in BWD_SM90_HEAD_DIMS {
-            let class = AttentionClass {
-                dtype: DType::Bf16,
-                head_dim: d,
-                heads_q: 4,
-                heads_kv: 2,
-                causal: true,
-                softmax_scale: None,
-                window: crate::problem::NO_WINDOW,
-                softcap: 0.0,
-            };
+            let class = gqa_class(d, true, 0.0);
             let prod = Sm90BwdTile::for_head_dim(d).unwrap();
             let lab = Sm90BwdTile::lab_tiles(d);
             let producers: Vec<_> = lab.iter().filter(|t| t.producer).collect();

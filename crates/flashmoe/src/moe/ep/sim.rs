@@ -137,12 +137,17 @@ pub fn simulate_cpu(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::reference::moe_grouped::moe_grouped;
     use crate::{DType, Scoring};
 
-    fn problem(experts: usize, top_k: usize, scoring: Scoring) -> MoeProblem {
+    /// The simulations' layer (hidden 32, intermediate 24); tokens come per rank.
+    pub(in crate::moe::ep) fn problem(
+        experts: usize,
+        top_k: usize,
+        scoring: Scoring,
+    ) -> MoeProblem {
         MoeProblem {
             tokens: 0,
             hidden: 32,
@@ -157,7 +162,11 @@ mod tests {
     }
 
     /// Each rank's tokens: its own x (seed per rank), the shared weights.
-    fn rank_inputs(p: &MoeProblem, tokens: &[usize], seed: u64) -> Vec<MoeInputs> {
+    pub(in crate::moe::ep) fn rank_inputs(
+        p: &MoeProblem,
+        tokens: &[usize],
+        seed: u64,
+    ) -> Vec<MoeInputs> {
         let full = MoeInputs::generate(&MoeProblem { tokens: 1, ..*p }, seed);
         tokens
             .iter()

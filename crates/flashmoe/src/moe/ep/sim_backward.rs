@@ -247,38 +247,21 @@ pub fn simulate_backward_cpu(
 mod tests {
     use super::*;
     use crate::reference::moe_backward::moe_backward_f64;
-    use crate::{DType, Scoring};
+    use crate::Scoring;
 
-    fn problem(experts: usize, top_k: usize, scoring: Scoring) -> MoeProblem {
-        MoeProblem {
-            tokens: 0,
-            hidden: 32,
-            intermediate: 24,
-            experts,
-            top_k,
-            scoring,
-            renormalize: true,
-            dtype: DType::Bf16,
-            shared_expert: false,
-        }
-    }
+    use crate::moe::ep::sim::tests::problem;
 
-    /// Each rank's tokens (its own x, seed per rank) and upstream gradient; the shared
-    /// weights.
+    /// Each rank's tokens and the shared weights (the forward simulation's), and each
+    /// rank's upstream gradient: another draw's x (finite, unit scale, independent).
     fn rank_inputs(p: &MoeProblem, tokens: &[usize], seed: u64) -> (Vec<MoeInputs>, Vec<Vec<f32>>) {
-        let full = MoeInputs::generate(&MoeProblem { tokens: 1, ..*p }, seed);
-        let mut xs = Vec::new();
-        let mut gs = Vec::new();
-        for (r, &t) in tokens.iter().enumerate() {
-            let mine = MoeInputs::generate(&MoeProblem { tokens: t, ..*p }, seed + 1 + r as u64);
-            // dOut: another draw's x (finite, unit scale, independent of the forward's).
-            let g = MoeInputs::generate(&MoeProblem { tokens: t, ..*p }, seed + 100 + r as u64);
-            gs.push(g.x);
-            xs.push(MoeInputs {
-                x: mine.x,
-                ..full.clone()
-            });
-        }
+        let xs = crate::moe::ep::sim::tests::rank_inputs(p, tokens, seed);
+        let gs = tokens
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| {
+                MoeInputs::generate(&MoeProblem { tokens: t, ..*p }, seed + 100 + r as u64).x
+            })
+            .collect();
         (xs, gs)
     }
 
