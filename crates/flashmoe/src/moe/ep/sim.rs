@@ -21,25 +21,8 @@ pub fn simulate_cpu(
     chunks: usize,
 ) -> Result<Vec<(Vec<f32>, Routing)>> {
     let world = placement.world();
-    if inputs.len() != world {
-        return Err(Error::invalid(format!(
-            "{} ranks' inputs for a world of {world}",
-            inputs.len()
-        )));
-    }
-    if p.shared_expert {
-        return Err(Error::invalid(
-            "the expert-parallel layer has no shared expert",
-        ));
-    }
+    let probs = rank_problems(p, inputs, placement)?;
     let (h, i, e, k) = (p.hidden, p.intermediate, p.experts, p.top_k);
-    let probs: Vec<MoeProblem> = inputs
-        .iter()
-        .map(|x| MoeProblem {
-            tokens: x.x.len() / h,
-            ..*p
-        })
-        .collect();
     // 1. route, permute and gather on every rank.
     let mut routing = Vec::new();
     let mut perms = Vec::new();
@@ -134,6 +117,34 @@ pub fn simulate_cpu(
         out.push((o, routing[r].clone()));
     }
     Ok(out)
+}
+
+/// Each rank's layer problem (`p` with the rank's token count), after checking that there
+/// is one rank's inputs per rank of `placement` and no shared expert.
+pub(super) fn rank_problems(
+    p: &MoeProblem,
+    inputs: &[MoeInputs],
+    placement: &ExpertPlacement,
+) -> Result<Vec<MoeProblem>> {
+    let world = placement.world();
+    if inputs.len() != world {
+        return Err(Error::invalid(format!(
+            "{} ranks' inputs for a world of {world}",
+            inputs.len()
+        )));
+    }
+    if p.shared_expert {
+        return Err(Error::invalid(
+            "the expert-parallel layer has no shared expert",
+        ));
+    }
+    Ok(inputs
+        .iter()
+        .map(|x| MoeProblem {
+            tokens: x.x.len() / p.hidden,
+            ..*p
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@
 
 use super::exchange::{chunk_experts, Exchange};
 use super::placement::ExpertPlacement;
+use super::sim::rank_problems;
 use crate::error::{Error, Result};
 use crate::problem::MoeProblem;
 use crate::reference::moe::MoeInputs;
@@ -64,26 +65,14 @@ pub fn simulate_backward_cpu(
     (d_aux, d_z): (f64, f64),
 ) -> Result<Vec<EpRankGradients>> {
     let world = placement.world();
-    if inputs.len() != world || d_out.len() != world {
+    let probs = rank_problems(p, inputs, placement)?;
+    if d_out.len() != world {
         return Err(Error::invalid(format!(
-            "{} ranks' inputs and {} upstream gradients for a world of {world}",
-            inputs.len(),
+            "{} upstream gradients for a world of {world}",
             d_out.len()
         )));
     }
-    if p.shared_expert {
-        return Err(Error::invalid(
-            "the expert-parallel layer has no shared expert",
-        ));
-    }
     let (h, i, e, k) = (p.hidden, p.intermediate, p.experts, p.top_k);
-    let probs: Vec<MoeProblem> = inputs
-        .iter()
-        .map(|x| MoeProblem {
-            tokens: x.x.len() / h,
-            ..*p
-        })
-        .collect();
     for (r, (pr, g)) in probs.iter().zip(d_out).enumerate() {
         if g.len() != pr.tokens * h {
             return Err(Error::invalid(format!(
