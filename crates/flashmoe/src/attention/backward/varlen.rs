@@ -267,23 +267,32 @@ impl VarlenBackwardPlan {
             BWD_PREPROCESS_ENTRY,
             &bwd_defines(&class, &tile),
         )?;
+        // The dK/dV and dQ kernels of one module, with their shared-memory limits.
+        let load_pair = |source: &str,
+                         (dkdv_entry, dq_entry): (&str, &str),
+                         defines: &[(String, String)],
+                         (kv_smem, q_smem): (u32, u32)| {
+            let dkdv = dev.load_kernel(source, dkdv_entry, defines)?;
+            let dq = dev.load_kernel(source, dq_entry, defines)?;
+            dev.set_dynamic_shared_memory(dkdv_entry, &dkdv, kv_smem)?;
+            dev.set_dynamic_shared_memory(dq_entry, &dq, q_smem)?;
+            Ok::<_, Error>((dkdv, dq))
+        };
         let (dkdv, dq) = match kernel {
-            BwdKernel::Portable => {
-                let defines = varlen_bwd_defines(&class, &tile);
-                let dkdv = dev.load_kernel(BWD_SOURCE, BWD_DKDV_ENTRY, &defines)?;
-                let dq = dev.load_kernel(BWD_SOURCE, BWD_DQ_ENTRY, &defines)?;
-                dev.set_dynamic_shared_memory(BWD_DKDV_ENTRY, &dkdv, tile.kv_smem_bytes())?;
-                dev.set_dynamic_shared_memory(BWD_DQ_ENTRY, &dq, tile.q_smem_bytes())?;
-                (dkdv, dq)
-            }
+            BwdKernel::Portable => load_pair(
+                BWD_SOURCE,
+                (BWD_DKDV_ENTRY, BWD_DQ_ENTRY),
+                &varlen_bwd_defines(&class, &tile),
+                (tile.kv_smem_bytes(), tile.q_smem_bytes()),
+            )?,
             BwdKernel::Sm90(t) => {
                 check_sm90_varlen(dev, &class, &t)?;
-                let defines = varlen_sm90_bwd_defines(&class, &t);
-                let dkdv = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DKDV_ENTRY, &defines)?;
-                let dq = dev.load_kernel(BWD_SM90_SOURCE, BWD_SM90_DQ_ENTRY, &defines)?;
-                dev.set_dynamic_shared_memory(BWD_SM90_DKDV_ENTRY, &dkdv, t.kv_smem_bytes())?;
-                dev.set_dynamic_shared_memory(BWD_SM90_DQ_ENTRY, &dq, t.q_smem_bytes())?;
-                (dkdv, dq)
+                load_pair(
+                    BWD_SM90_SOURCE,
+                    (BWD_SM90_DKDV_ENTRY, BWD_SM90_DQ_ENTRY),
+                    &varlen_sm90_bwd_defines(&class, &t),
+                    (t.kv_smem_bytes(), t.q_smem_bytes()),
+                )?
             }
         };
         Ok(VarlenBackwardPlan {

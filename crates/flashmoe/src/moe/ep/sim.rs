@@ -69,14 +69,7 @@ pub fn simulate_cpu(
     }
     // 4. per chunk: dispatch, the received blocks' MLPs, return.
     for c in 0..chunks {
-        for s in 0..world {
-            for d in (0..world).filter(|&d| d != s) {
-                let (src, dst) = (&xs[s].send[c][d], &xs[d].recv[c][s]);
-                assert_eq!(src.len(), dst.len(), "schedules disagree");
-                let v = x_perm[s][src.start * h..src.end * h].to_vec();
-                x_recv[d][dst.start * h..dst.end * h].copy_from_slice(&v);
-            }
-        }
+        dispatch(&xs, c, h, &x_perm, &mut x_recv)?;
         for d in 0..world {
             let local = placement.local(d);
             for s in (0..world).filter(|&s| s != d) {
@@ -90,13 +83,7 @@ pub fn simulate_cpu(
                 }
             }
         }
-        for d in 0..world {
-            for s in (0..world).filter(|&s| s != d) {
-                let (src, dst) = (&xs[d].recv[c][s], &xs[s].send[c][d]);
-                let v = y_recv[d][src.start * h..src.end * h].to_vec();
-                y[s][dst.start * h..dst.end * h].copy_from_slice(&v);
-            }
-        }
+        send_back(&xs, c, h, &y_recv, &mut y);
     }
     // 5. combine in token order, as the single-GPU layer.
     let mut out = Vec::with_capacity(world);
@@ -117,6 +104,44 @@ pub fn simulate_cpu(
         out.push((o, routing[r].clone()));
     }
     Ok(out)
+}
+
+/// Chunk `c`'s dispatch: every rank s's rows for rank d (`send[c][d]` of `from[s]`) into
+/// d's received rows (`recv[c][s]` of `to[d]`), `h` values a row.
+pub(super) fn dispatch<T: Copy>(
+    xs: &[Exchange],
+    c: usize,
+    h: usize,
+    from: &[Vec<T>],
+    to: &mut [Vec<T>],
+) -> Result<()> {
+    for s in 0..xs.len() {
+        for d in (0..xs.len()).filter(|&d| d != s) {
+            let (src, dst) = (&xs[s].send[c][d], &xs[d].recv[c][s]);
+            if src.len() != dst.len() {
+                return Err(Error::invalid("the ranks' schedules disagree"));
+            }
+            to[d][dst.start * h..dst.end * h].copy_from_slice(&from[s][src.start * h..src.end * h]);
+        }
+    }
+    Ok(())
+}
+
+/// Chunk `c`'s return, the reverse of [`dispatch`]: rank d's received rows from s
+/// (`recv[c][s]` of `from[d]`) back into s's rows (`send[c][d]` of `to[s]`).
+pub(super) fn send_back<T: Copy>(
+    xs: &[Exchange],
+    c: usize,
+    h: usize,
+    from: &[Vec<T>],
+    to: &mut [Vec<T>],
+) {
+    for d in 0..xs.len() {
+        for s in (0..xs.len()).filter(|&s| s != d) {
+            let (src, dst) = (&xs[d].recv[c][s], &xs[s].send[c][d]);
+            to[s][dst.start * h..dst.end * h].copy_from_slice(&from[d][src.start * h..src.end * h]);
+        }
+    }
 }
 
 /// Each rank's layer problem (`p` with the rank's token count), after checking that there

@@ -29,7 +29,7 @@
 
 use super::exchange::{chunk_experts, Exchange};
 use super::placement::ExpertPlacement;
-use super::sim::rank_problems;
+use super::sim::{dispatch, rank_problems, send_back};
 use crate::error::{Error, Result};
 use crate::problem::MoeProblem;
 use crate::reference::moe::MoeInputs;
@@ -144,17 +144,8 @@ pub fn simulate_backward_cpu(
 
     for c in 0..chunks {
         // 2. dispatch: x (the forward's, kept by the owner) and dY, the same ranges.
-        for s in 0..world {
-            for d in (0..world).filter(|&d| d != s) {
-                let (src, dst) = (&xs[s].send[c][d], &xs[d].recv[c][s]);
-                if src.len() != dst.len() {
-                    return Err(Error::invalid("the ranks' schedules disagree"));
-                }
-                let (a, b) = (dst.start * h, dst.end * h);
-                x_recv[d][a..b].copy_from_slice(&x_perm[s][src.start * h..src.end * h]);
-                dy_recv[d][a..b].copy_from_slice(&dy_perm[s][src.start * h..src.end * h]);
-            }
-        }
+        dispatch(&xs, c, h, &x_perm, &mut x_recv)?;
+        dispatch(&xs, c, h, &dy_perm, &mut dy_recv)?;
         // 3. each owner's experts of this chunk: every source's rows in rank order.
         for d in 0..world {
             let local = placement.local(d);
@@ -206,13 +197,7 @@ pub fn simulate_backward_cpu(
             }
         }
         // 4. return dX along the forward's y ranges.
-        for d in 0..world {
-            for s in (0..world).filter(|&s| s != d) {
-                let (src, dst) = (&xs[d].recv[c][s], &xs[s].send[c][d]);
-                let v = dx_recv[d][src.start * h..src.end * h].to_vec();
-                dx_perm[s][dst.start * h..dst.end * h].copy_from_slice(&v);
-            }
-        }
+        send_back(&xs, c, h, &dx_recv, &mut dx_perm);
     }
 
     // 5. router and un-permute backward on each source rank's own tokens.
