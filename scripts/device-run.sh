@@ -38,6 +38,14 @@ moe_preset() {  # preset name
   cp "/tmp/moe-$1/report.html" "$OUT/moe-$1.html" 2>/dev/null
 }
 
+# One `bench --against` run (family, preset, implementations, time limit): this build
+# against target/release/flashmoe-base, interleaved; $OUT/against.tgz repacked after it.
+against_run() {
+  stage "against-$1-$2" "$4" $BIN bench "$1" --preset "$2" --impl "$3" --no-baselines \
+    --against ./target/release/flashmoe-base --max-time "${AGAINST_MAX_TIME:-0.5}" --out "/tmp/against/$1-$2"
+  tar -C /tmp -czf "$OUT/against.tgz" against 2>>"$LOG"
+}
+
 # The third-party baselines unpacked by an earlier `baselines` stage (this call or one
 # before it on the same warm machine). PYTHONPATH skips .pth files, so the dsl_packages
 # folder that nvidia_cutlass_dsl's .pth adds goes on it too. FA4 and FlashInfer keep their
@@ -202,14 +210,20 @@ for s in "$@"; do
     check)        stage check 580 $BIN check --suite attention ;;
     # Behaviour and speed unchanged by a refactor: this build against target/release/flashmoe-base
     # (bench --against, interleaved in one run) on the quick presets of every family and the
-    # attention sweep, our implementations only; results packed into $OUT/against.tgz.
-    against-base) for run in "attention quick flashmoe-sm90,flashmoe-v1" "moe quick flashmoe-moe" \
-                             "decode decode flashmoe-decode" "varlen varlen flashmoe-sm90" "attention sweep flashmoe-sm90"; do
-                    set -- $run
-                    stage "against-$1-$2" 300 $BIN bench "$1" --preset "$2" --impl "$3" --no-baselines \
-                      --against ./target/release/flashmoe-base --max-time ${AGAINST_MAX_TIME:-0.5} --out "/tmp/against/$1-$2"
-                  done
-                  tar -C /tmp -czf "$OUT/against.tgz" against 2>>"$LOG" ;;
+    # attention sweep, our implementations only; results packed into $OUT/against.tgz after
+    # each run. The decode preset and the sweep take most of a call each: `against-decode`,
+    # `against-sweep` run them alone; `against-quick` runs the three others.
+    against-base) for run in "attention quick flashmoe-sm90,flashmoe-v1 300" "moe quick flashmoe-moe 300" \
+                             "decode decode flashmoe-decode 300" "varlen varlen flashmoe-sm90 300" \
+                             "attention sweep flashmoe-sm90 300"; do
+                    against_run $run
+                  done ;;
+    against-quick) for run in "attention quick flashmoe-sm90,flashmoe-v1 300" "moe quick flashmoe-moe 300" \
+                              "varlen varlen flashmoe-sm90 300"; do
+                    against_run $run
+                  done ;;
+    against-decode) against_run decode decode flashmoe-decode 560 ;;
+    against-sweep)  against_run attention sweep flashmoe-sm90 560 ;;
     bench-quick)  stage bench-quick 400 $BIN bench attention --preset quick --out /tmp/bench-quick
                   cp /tmp/bench-quick/results.json "$OUT/bench-quick.json" 2>/dev/null ;;
     sweep)        stage sweep 590 $BIN bench attention --preset sweep --out /tmp/sweep
@@ -377,6 +391,12 @@ for s in "$@"; do
                     python3 scripts/ncu-sass-top.py $OUT/ncu-src-bwd.csv >>$OUT/ncu-src-bwd.txt 2>&1" ;;
     ncu-bwd)      stage ncu-bwd 200 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --pass bwd --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-grad --no-baselines --max-time 0.1 --out /tmp/ncu-bwd >>$OUT/ncu-bwd.txt 2>&1" ;;
+    # The v6 producer builds beside their consumer-loaded twins (fused dQ, D 64/128 at 4k,
+    # non-causal then causal; the test's order: twin, then producer): ncu sections of each
+    # dK/dV kernel, to see why the producer loses non-causal (docs/design/attention-backward.md v6).
+    ncu-bwd-producer) stage ncu-bwd-producer 300 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-count 8 $NCU_SECTIONS \
+                      ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests::producer_profile_pairs --ignored \
+                      --test-threads=1 --nocapture >>$OUT/ncu-bwd-producer.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 tools/probes/worker_gpu_probe.py ;;
     # Third-party baselines (docs/baselines.md, scripts/stage-baselines.sh). The archive
     # travels in parts of ≤ 33 MiB: `baselines-part` (one call per part but the last) keeps

@@ -647,19 +647,9 @@ fn backward_speed() {
             }
         }
         for (d, seq, causal, softcap) in configs {
-            let heads = 2048 / d;
-            let b = 16384 / seq;
-            let mut c = Case::new(d, DType::Bf16, heads, heads, seq, seq, causal);
-            c.b = b;
-            c.softcap = softcap;
+            let c = speed_case(d, seq, causal, softcap);
+            let (b, heads) = (c.b, c.hq);
             let p = c.problem();
-            let n = b * seq * heads * d;
-            let rnd = |id: TensorId| {
-                s.clone_htod(&DType::Bf16.encode_u16(&generate(7, id, n, 1.0, DType::Bf16)))
-                    .unwrap()
-            };
-            let fplan = AttentionPlan::new(dev, c.class()).unwrap();
-            let fws = fplan.alloc_workspace(s).unwrap();
             let mut kernels = vec![BwdKernel::Portable];
             if dev.arch() == 90 {
                 // The class's deterministic production tile and the fused-dQ tiles (the
@@ -679,34 +669,14 @@ fn backward_speed() {
                 .iter()
                 .map(|&k| AttentionBackwardPlan::with_kernel(dev, c.class(), Some(k)).unwrap())
                 .collect();
-            let bufs = Bufs {
-                q: rnd(TensorId::Q),
-                k: rnd(TensorId::K),
-                v: rnd(TensorId::V),
-                o: poisoned(s, n),
-                d_o: rnd(TensorId::MoeX),
-                lse: poisoned(s, b * heads * seq),
-                dq: poisoned(s, n),
-                dk: poisoned(s, n),
-                dv: poisoned(s, n),
-                ws: poisoned(
-                    s,
-                    plans
-                        .iter()
-                        .map(|p| p.workspace_bytes(b, seq))
-                        .max()
-                        .unwrap(),
-                ),
-            };
+            let ws_bytes = plans
+                .iter()
+                .map(|p| p.workspace_bytes(b, seq))
+                .max()
+                .unwrap();
+            let (bufs, fplan, fws) = speed_inputs(dev, &c, ws_bytes);
             let a = bufs.args(s, &c);
-            let fa = AttentionArgs {
-                q: a.q,
-                k: a.k,
-                v: a.v,
-                o: a.o,
-                lse: a.lse,
-            };
-            unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
+            let fa = forward_args(&a);
             let ws = bufs.ws(s);
             let time = |iters: usize, f: &dyn Fn()| {
                 s.synchronize().unwrap();
@@ -780,6 +750,111 @@ fn backward_speed() {
             line.push_str(&format!(" max rel L2 vs portable {agree:.2e}"));
             eprintln!("{line}");
             assert!(agree < 2e-2, "{line}");
+        }
+    });
+}
+
+/// The speed table's shape: 16k tokens, model dim 2048, MHA, bf16.
+fn speed_case(d: usize, seq: usize, causal: bool, softcap: f32) -> Case {
+    let heads = 2048 / d;
+    let mut c = Case::new(d, DType::Bf16, heads, heads, seq, seq, causal);
+    c.b = 16384 / seq;
+    c.softcap = softcap;
+    c
+}
+
+/// The forward's view of a backward call's tensors.
+fn forward_args(a: &BackwardArgs) -> AttentionArgs {
+    AttentionArgs {
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        o: a.o,
+        lse: a.lse,
+    }
+}
+
+/// Random q, k, v, dO for `c`, poisoned outputs and a `ws_bytes` workspace, and the forward
+/// run on them (o and lse in place); the forward plan and its workspace are returned so
+/// they outlive the calls that time them.
+fn speed_inputs(
+    dev: &Device,
+    c: &Case,
+    ws_bytes: usize,
+) -> (Bufs, AttentionPlan, crate::gpu::Workspace) {
+    let s = dev.stream();
+    let n = c.b * c.sq * c.hq * c.d;
+    let rnd = |id: TensorId| {
+        s.clone_htod(&DType::Bf16.encode_u16(&generate(7, id, n, 1.0, DType::Bf16)))
+            .unwrap()
+    };
+    let fplan = AttentionPlan::new(dev, c.class()).unwrap();
+    let fws = fplan.alloc_workspace(s).unwrap();
+    let bufs = Bufs {
+        q: rnd(TensorId::Q),
+        k: rnd(TensorId::K),
+        v: rnd(TensorId::V),
+        o: poisoned(s, n),
+        d_o: rnd(TensorId::MoeX),
+        lse: poisoned(s, c.b * c.hq * c.sq),
+        dq: poisoned(s, n),
+        dk: poisoned(s, n),
+        dv: poisoned(s, n),
+        ws: poisoned(s, ws_bytes),
+    };
+    let fa = forward_args(&bufs.args(s, c));
+    unsafe { fplan.forward_raw(s.cu_stream(), &fa, fws.raw()) }.unwrap();
+    (bufs, fplan, fws)
+}
+
+/// One backward call per producer tile and its consumer-loaded twin, non-causal and causal,
+/// D = 64 and 128 at 4k (the v6 outcome: the producer builds lose 16-30 % non-causal and
+/// gain 3-8 % causal), for Nsight Compute (stage `ncu-bwd-producer`: the dK/dV kernels in
+/// this order, consumer-loaded first). Ignored: it times nothing and checks only that the
+/// gradients are finite.
+#[test]
+#[ignore]
+fn producer_profile_pairs() {
+    with_gpu("bwd-producer-profile", |dev| {
+        let s = dev.stream();
+        for d in [64, 128] {
+            for causal in [false, true] {
+                let c = speed_case(d, 4096, causal, 0.0);
+                let tile = Sm90BwdTile::lab_tiles(d)
+                    .into_iter()
+                    .find(|t| t.producer && t.dq.fused())
+                    .expect("a fused-dQ producer tile");
+                let plans: Vec<AttentionBackwardPlan> = [
+                    Sm90BwdTile {
+                        producer: false,
+                        ..tile
+                    },
+                    tile,
+                ]
+                .into_iter()
+                .map(|t| {
+                    AttentionBackwardPlan::with_kernel(dev, c.class(), Some(BwdKernel::Sm90(t)))
+                        .unwrap()
+                })
+                .collect();
+                let ws_bytes = plans
+                    .iter()
+                    .map(|p| p.workspace_bytes(c.b, c.sq))
+                    .max()
+                    .unwrap();
+                let (bufs, _fplan, _fws) = speed_inputs(dev, &c, ws_bytes);
+                let a = bufs.args(s, &c);
+                for plan in &plans {
+                    unsafe { plan.backward_raw(s.cu_stream(), &a, bufs.ws(s)) }.unwrap();
+                    for g in bufs.grads(s) {
+                        assert!(DType::Bf16.decode_u16(&g).iter().all(|x| x.is_finite()));
+                    }
+                }
+                eprintln!(
+                    "producer profile D={d} causal={causal}: {:?} then +p",
+                    tile.dq
+                );
+            }
         }
     });
 }

@@ -75,7 +75,7 @@ impl AttentionBackwardPlan {
     /// [`BWD_HEAD_DIMS`], a valid problem), compile or load its kernels for `dev` (compute
     /// capability 8.0 or newer) and set their shared-memory limits. On compute capability
     /// 9.0 the classes [`sm90_serves`] run the sm_90a kernels ([`default_kernel`]: but
-    /// softcap when deterministic), the others the portable ones.
+    /// deterministic causal softcap at D = 64), the others the portable ones.
     /// `mode` picks between the fastest kernels and bit-identical gradients
     /// ([`BwdMode`]); off compute capability 9.0 both are the portable kernels.
     pub fn new(

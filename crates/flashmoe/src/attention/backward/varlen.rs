@@ -18,7 +18,7 @@
 //!
 //! Unlike the varlen forward (sm_90a, head dims 64 and 128), this runs on compute
 //! capability 8.0 and newer at every head dim of [`BWD_HEAD_DIMS`]. On compute capability
-//! 9.0, at head dims 64 and 128 (but softcap, [`default_kernel`]),
+//! 9.0, at head dims 64 and 128 (but causal softcap at D = 64, [`default_kernel`]),
 //! [`VarlenBackwardPlan::new`] runs the sm_90a kernel pair instead (`flash_attn_bwd_sm90.cu` with `FM_VARLEN`, the deterministic production tile,
 //! `Sm90Dq::Kernel`: deterministic as well, the same workspace); `with_kernel` picks
 //! either.
