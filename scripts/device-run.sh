@@ -391,10 +391,10 @@ for s in "$@"; do
                     python3 scripts/ncu-sass-top.py $OUT/ncu-src-bwd.csv >>$OUT/ncu-src-bwd.txt 2>&1" ;;
     ncu-bwd)      stage ncu-bwd 200 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-skip 2 --launch-count 1 $NCU_SECTIONS \
                       $BIN bench attention --pass bwd --config ${NCU_ATTN_CONFIG:-configs/dev/attention-ncu.toml} --impl flashmoe-grad --no-baselines --max-time 0.1 --out /tmp/ncu-bwd >>$OUT/ncu-bwd.txt 2>&1" ;;
-    # The v6 producer builds beside their consumer-loaded twins (fused dQ, D 64/128 at 4k,
-    # non-causal then causal; the test's order: twin, then producer): ncu sections of each
+    # The v6 producer builds (4 loading warps, 1) beside their consumer-loaded twin (fused dQ, D 64/128 at 4k,
+    # non-causal then causal; the test's order: twin, 4 warps, 1 warp): ncu sections of each
     # dK/dV kernel, to see why the producer loses non-causal (docs/design/attention-backward.md v6).
-    ncu-bwd-producer) stage ncu-bwd-producer 300 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-count 8 $NCU_SECTIONS \
+    ncu-bwd-producer) stage ncu-bwd-producer 300 bash -c "$NCU -k regex:'^flash_attn_bwd_sm90_dkdv' --launch-count 12 $NCU_SECTIONS \
                       ./target/release/flashmoe-gpu-tests attention::backward::gpu_tests::producer_profile_pairs --ignored \
                       --test-threads=1 --nocapture >>$OUT/ncu-bwd-producer.txt 2>&1" ;;
     worker-probe) stage worker-probe 300 python3 tools/probes/worker_gpu_probe.py ;;

@@ -34,7 +34,7 @@ fn every_sm90_backward_variant_compiles_without_spills() {
             class.causal && class.window == flashmoe::problem::NO_WINDOW && class.softcap == 0.0;
         if !(plain_causal && class.dtype == flashmoe::DType::Bf16) {
             let prod = tiles[0];
-            tiles.retain(|t| *t == prod || t.dq.fused() || t.producer);
+            tiles.retain(|t| *t == prod || t.dq.fused() || t.producer());
         }
         tiles.retain(|t| t.serves(&class));
         for tile in tiles {
@@ -56,7 +56,7 @@ fn every_sm90_backward_variant_compiles_without_spills() {
                     tile.q_block_n,
                     tile.stages,
                     tile.dq,
-                    u8::from(tile.producer)
+                    tile.producer_warps
                 );
                 std::fs::write(std::path::Path::new(&dir).join(name), &k.image).unwrap();
             }
@@ -108,7 +108,7 @@ fn every_sm90_varlen_backward_variant_compiles_without_spills() {
         let tiles = Sm90BwdTile::lab_tiles(class.head_dim);
         for tile in tiles
             .into_iter()
-            .filter(|t| !t.dq.fused() && !t.producer && t.serves(&class))
+            .filter(|t| !t.dq.fused() && !t.producer() && t.serves(&class))
         {
             let defs = varlen_sm90_bwd_defines(&class, &tile);
             let k = cache

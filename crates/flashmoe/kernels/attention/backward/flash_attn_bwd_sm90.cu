@@ -35,11 +35,12 @@
 //                   (CTAs past their sequence's end return at once). FM_DQ_MODE 0 only:
 //                   the deterministic kernel pair, whose workspace (lse2, delta) does not
 //                   depend on the batch.
-//   FM_PRODUCER     1: the dK/dV kernel runs a third warpgroup that only loads (lab tiles;
-//                   dense only): Q and dO by TMA (one thread, tensor maps appended to the
+//   FM_PRODUCER     1 or 4: the dK/dV kernel runs a third warpgroup that only loads, with
+//                   that many of its warps (the others leave at once; lab tiles; dense
+//                   only): Q and dO by TMA (one thread, tensor maps appended to the
 //                   parameters, FM_TMAP_PARAMS: tm_q, tm_k, tm_v, tm_do over the (batch,
 //                   seq, heads, D) tensors, boxes of 64 columns x the tile's rows), lse2 and
-//                   delta by its 128 threads' 4-byte cp.asyncs, K and V by TMA; it runs
+//                   delta by the loading warps' 4-byte cp.asyncs, K and V by TMA; it runs
 //                   STAGES steps ahead of the two consumer warpgroups, which keep all the
 //                   products and no copies, at 240 registers (setmaxnreg; the producer 24).
 //                   Block 384.
@@ -152,6 +153,8 @@ constexpr int THREADS = 128 * NWG;  // the consumer warpgroups (all of the dQ ke
 // FM_PRODUCER: the dK/dV kernel's loading warpgroup (index NWG) and its register split: the
 // launch gives 65536 / 384 = 168 a thread; 24 + 2 x 240 over 128 threads is all of it.
 constexpr bool PRODUCER = FM_PRODUCER != 0;
+static_assert(FM_PRODUCER == 0 || FM_PRODUCER == 1 || FM_PRODUCER == 4, "FM_PRODUCER: 0, 1 or 4 loading warps");
+constexpr int LOAD_THREADS = 32 * FM_PRODUCER;  // the producer's threads that load
 constexpr int KV_THREADS = THREADS + (PRODUCER ? 128 : 0);
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = 240;
@@ -466,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(fmb90::KV_THREADS, 1)
     const float* fL = reinterpret_cast<const float*>(gen + KV_OFF_L);
     const float* fD = reinterpret_cast<const float*>(gen + KV_OFF_D);
     const Ring ring{base + KV_OFF_BAR};
-    if (tid == 0) ring.init(PRODUCER ? 128 + 1 : THREADS, PRODUCER ? 1 : THREADS);
+    if (tid == 0) ring.init(PRODUCER ? LOAD_THREADS + 1 : THREADS, PRODUCER ? 1 : THREADS);
     __syncthreads();
 
     // Queries that may see a key of this block: [i_lo, i_hi).
@@ -528,7 +531,10 @@ extern "C" __global__ void __launch_bounds__(fmb90::KV_THREADS, 1)
         // The producer: K and V once, then every step's tiles as soon as its slot is free
         // (STAGES steps ahead of the consumers); nothing else.
         setmaxnreg_dec<PRODUCER_REGS>();
-        const int pt = tid - THREADS;
+        // The loading threads: [0, LOAD_THREADS) of the warpgroup (pt's range known to the
+        // compiler, which folds the row arithmetic below); the other warps leave.
+        if ((tid & 127) >= LOAD_THREADS) return;
+        const int pt = tid & (LOAD_THREADS - 1);
         if (pt == 0) {
             mbar_arrive_expect_tx(ring.fixed(), 2 * tile_bytes(BN_KV));
 #pragma unroll
@@ -537,20 +543,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::KV_THREADS, 1)
                 tma_load_4d(sV + half * BN_KV * 128, &tm_v, ring.fixed(), half * 64, kvh, n0, batch);
             }
         }
-        // This thread's lse2 / delta rows of every step: element pt (and pt + 128 with 128
-        // rows a step) of the step's [lse2 rows | delta rows]; one pointer each, advanced by
-        // the step's head and row block (the producer has 24 registers).
-        constexpr int PER = 2 * BM_KV / 128;
-        const float* lsrc[PER];
-        u32 ldst[PER];
-        int lrow[PER];
-#pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            const int i = pt + 128 * e, r = i % BM_KV;
-            lsrc[e] = (i < BM_KV ? lse2 : delta) + sp.l0 + r;
-            ldst[e] = base + (i < BM_KV ? KV_OFF_L : KV_OFF_D) + r * 4;
-            lrow[e] = r;
-        }
+        // Each step's [lse2 rows | delta rows] (2 BM_KV elements): this thread's are pt,
+        // pt + LOAD_THREADS, ...; one base pointer per array, the rows as offsets from
+        // them (the producer has 24 registers).
+        constexpr int PER = 2 * BM_KV / LOAD_THREADS;
+        static_assert(PER * LOAD_THREADS == 2 * BM_KV, "whole rows per loading thread");
+        const float* const lse_row = lse2 + sp.l0;
+        const float* const delta_row = delta + sp.l0;
         StepPos pos{kvh * group, mb_lo};
         int slot = 0, use = 0;
         for (int step = 0; step < steps; ++step) {
@@ -570,8 +569,13 @@ extern "C" __global__ void __launch_bounds__(fmb90::KV_THREADS, 1)
             const i64 l_step = (i64)pos.h * sp.lh + m0;
 #pragma unroll
             for (int e = 0; e < PER; ++e) {
-                const bool ok = m0 + lrow[e] < seqlen_q;
-                cp_async4(ldst[e] + slot * BM_KV * 4, ok ? lsrc[e] + l_step : lse2, ok);
+                const int i = pt + LOAD_THREADS * e;  // of [lse2 rows | delta rows]
+                const bool is_lse = i < BM_KV;
+                const int r = is_lse ? i : i - BM_KV;
+                const bool ok = m0 + r < seqlen_q;
+                const float* src = (is_lse ? lse_row : delta_row) + l_step + r;
+                const u32 dst = base + (is_lse ? KV_OFF_L : KV_OFF_D) + (slot * BM_KV + r) * 4;
+                cp_async4(dst, ok ? src : lse2, ok);
             }
             cp_async_arrive(ring.full(slot));
             advance(pos);

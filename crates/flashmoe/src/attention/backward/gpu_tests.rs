@@ -435,7 +435,7 @@ fn backward_sm90_and_portable_match_f64_reference() {
                 for t in Sm90BwdTile::lab_tiles(c.d) {
                     if t != det
                         && t.serves(&c.class())
-                        && (t.dq.fused() || t.producer || n % 4 == 1)
+                        && (t.dq.fused() || t.producer() || n % 4 == 1)
                     {
                         eprintln!("  tile {t:?}:");
                         let e = check_case_on(dev, c, sd, Some(BwdKernel::Sm90(t)));
@@ -660,7 +660,7 @@ fn backward_speed() {
                     tiles
                         .into_iter()
                         .filter(|t| {
-                            (*t == prod || t.dq.fused() || t.producer) && t.serves(&c.class())
+                            (*t == prod || t.dq.fused() || t.producer()) && t.serves(&c.class())
                         })
                         .map(BwdKernel::Sm90),
                 );
@@ -713,8 +713,12 @@ fn backward_speed() {
                 let name = match k {
                     BwdKernel::Portable => "portable".to_string(),
                     BwdKernel::Sm90(t) => {
-                        // "+p": the producer warpgroup's build.
-                        let p = if t.producer { "+p" } else { "" };
+                        // "+pN": the producer warpgroup's build, N loading warps.
+                        let p = if t.producer() {
+                            format!("+p{}", t.producer_warps)
+                        } else {
+                            String::new()
+                        };
                         if t.dq.fused() {
                             format!("sm90[{:?} m{} s{}{p}]", t.dq, t.kv_block_m, t.stages)
                         } else {
@@ -807,11 +811,11 @@ fn speed_inputs(
     (bufs, fplan, fws)
 }
 
-/// One backward call per producer tile and its consumer-loaded twin, non-causal and causal,
-/// D = 64 and 128 at 4k (the v6 outcome: the producer builds lose 16-30 % non-causal and
-/// gain 3-8 % causal), for Nsight Compute (stage `ncu-bwd-producer`: the dK/dV kernels in
-/// this order, consumer-loaded first). Ignored: it times nothing and checks only that the
-/// gradients are finite.
+/// One backward call per fused-dQ producer tile (4 loading warps, then 1) after its
+/// consumer-loaded twin, non-causal and causal, D = 64 and 128 at 4k (v6's outcome: the
+/// 4-warp producer loses 16-30 % non-causal and gains 3-8 % causal), for Nsight Compute
+/// (stage `ncu-bwd-producer`: 12 dK/dV kernels in this order). Ignored: it times nothing
+/// and checks only that the gradients are finite.
 #[test]
 #[ignore]
 fn producer_profile_pairs() {
@@ -820,23 +824,22 @@ fn producer_profile_pairs() {
         for d in [64, 128] {
             for causal in [false, true] {
                 let c = speed_case(d, 4096, causal, 0.0);
-                let tile = Sm90BwdTile::lab_tiles(d)
+                let producers: Vec<Sm90BwdTile> = Sm90BwdTile::lab_tiles(d)
                     .into_iter()
-                    .find(|t| t.producer && t.dq.fused())
-                    .expect("a fused-dQ producer tile");
-                let plans: Vec<AttentionBackwardPlan> = [
-                    Sm90BwdTile {
-                        producer: false,
-                        ..tile
-                    },
-                    tile,
-                ]
-                .into_iter()
-                .map(|t| {
-                    AttentionBackwardPlan::with_kernel(dev, c.class(), Some(BwdKernel::Sm90(t)))
-                        .unwrap()
-                })
-                .collect();
+                    .filter(|t| t.producer() && t.dq.fused())
+                    .collect();
+                assert_eq!(producers.len(), 2, "{producers:?}");
+                let twin = Sm90BwdTile {
+                    producer_warps: 0,
+                    ..producers[0]
+                };
+                let plans: Vec<AttentionBackwardPlan> = std::iter::once(twin)
+                    .chain(producers.iter().copied())
+                    .map(|t| {
+                        AttentionBackwardPlan::with_kernel(dev, c.class(), Some(BwdKernel::Sm90(t)))
+                            .unwrap()
+                    })
+                    .collect();
                 let ws_bytes = plans
                     .iter()
                     .map(|p| p.workspace_bytes(c.b, c.sq))
@@ -851,8 +854,11 @@ fn producer_profile_pairs() {
                     }
                 }
                 eprintln!(
-                    "producer profile D={d} causal={causal}: {:?} then +p",
-                    tile.dq
+                    "producer profile D={d} causal={causal}: {twin:?}, then producer warps {:?}",
+                    producers
+                        .iter()
+                        .map(|t| t.producer_warps)
+                        .collect::<Vec<_>>()
                 );
             }
         }
@@ -911,7 +917,7 @@ fn sanitizer_tiles(c: &Case) -> Vec<Sm90BwdTile> {
     let prod = Sm90BwdTile::for_class(&c.class(), BwdMode::Deterministic).unwrap();
     let fast = Sm90BwdTile::for_class(&c.class(), BwdMode::Fast);
     tiles.retain(|t| {
-        (*t == prod || Some(*t) == fast || t.producer || (t.dq.fused() && t.stages == 2))
+        (*t == prod || Some(*t) == fast || t.producer() || (t.dq.fused() && t.stages == 2))
             && t.serves(&c.class())
     });
     tiles

@@ -469,7 +469,7 @@ impl AttentionBackwardPlan {
         };
         // The producer build loads by TMA: boxes of 64 columns x a step's query rows (Q,
         // dO) or the CTA's keys (K, V).
-        let maps = if t.producer {
+        let maps = if t.producer() {
             let dt = self.class.dtype;
             let (rows_q, rows_k) = (t.kv_block_m, t.kv_block_n());
             let pq = tma::bshd_strided_params("q", a.q.shape, a.q.strides, rows_q)?;

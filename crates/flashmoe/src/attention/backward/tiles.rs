@@ -89,10 +89,11 @@ pub struct Sm90BwdTile {
     /// How dQ is made; the fused modes need `kv_block_m` = 64, or 128 at head dim 64 with
     /// unordered reductions (`q_block_n` is then unused).
     pub dq: Sm90Dq,
-    /// The dK/dV kernel with a third warpgroup that only loads (FM_PRODUCER: Q, dO, K, V
-    /// by TMA, lse2 and delta by its cp.asyncs; the consumers at 240 registers): a lab
-    /// tile (dense calls only) until it measures faster.
-    pub producer: bool,
+    /// 0, or the loading warps (1 or 4) of a third warpgroup of the dK/dV kernel that only
+    /// loads (FM_PRODUCER: Q, dO, K, V by TMA, lse2 and delta by the loading warps'
+    /// cp.asyncs; the consumers at 240 registers): lab tiles (dense calls only) until one
+    /// measures faster.
+    pub producer_warps: u32,
 }
 
 impl Sm90BwdTile {
@@ -112,7 +113,7 @@ impl Sm90BwdTile {
             q_block_n,
             stages,
             dq: Sm90Dq::Kernel,
-            producer: false,
+            producer_warps: 0,
         })
     }
     /// The production tile of `head_dim` for `mode`: [`Sm90BwdTile::for_head_dim`] when
@@ -185,20 +186,23 @@ impl Sm90BwdTile {
         }
         // The producer warpgroup's builds of the deterministic production tile and of the
         // unordered fused dQ at 64 query rows a step, 3-slot ring (D = 128's fast production
-        // tile; at D = 64 the 128-row one spills at the consumers' 240 registers).
-        all.extend([
-            Sm90BwdTile {
-                producer: true,
-                ..prod
-            },
-            Sm90BwdTile {
-                producer: true,
-                dq: Sm90Dq::Atomic,
-                kv_block_m: 64,
-                stages: 3,
-                ..prod
-            },
-        ]);
+        // tile; at D = 64 the 128-row one spills at the consumers' 240 registers), each
+        // with 4 loading warps and with 1 (v6's outcome, docs/design/attention-backward.md).
+        for producer_warps in [4, 1] {
+            all.extend([
+                Sm90BwdTile {
+                    producer_warps,
+                    ..prod
+                },
+                Sm90BwdTile {
+                    producer_warps,
+                    dq: Sm90Dq::Atomic,
+                    kv_block_m: 64,
+                    stages: 3,
+                    ..prod
+                },
+            ]);
+        }
         let mut out = vec![prod];
         out.extend(all.into_iter().filter(|t| *t != prod && t.is_valid()));
         out
@@ -219,6 +223,7 @@ impl Sm90BwdTile {
             && matches!(self.kv_block_m, 64 | 128)
             && matches!(self.q_block_n, 64 | 128)
             && matches!(self.stages, 2 | 3)
+            && matches!(self.producer_warps, 0 | 1 | 4)
             && (!self.dq.fused()
                 || self.kv_block_m == 64
                 || (self.head_dim == 64 && self.dq == Sm90Dq::Atomic))
@@ -229,9 +234,13 @@ impl Sm90BwdTile {
     pub fn kv_block_n(&self) -> u32 {
         128
     }
+    /// Whether the dK/dV kernel has a producer warpgroup.
+    pub fn producer(&self) -> bool {
+        self.producer_warps > 0
+    }
     /// Threads of a dK/dV CTA: two consumer warpgroups, and the producer's.
     pub fn kv_threads(&self) -> u32 {
-        if self.producer {
+        if self.producer() {
             384
         } else {
             256
@@ -311,7 +320,7 @@ pub fn sm90_bwd_defines(class: &AttentionClass, tile: &Sm90BwdTile) -> Vec<(Stri
         ("FM_STAGES".into(), tile.stages.to_string()),
         ("FM_DQ_MODE".into(), tile.dq.define().to_string()),
         ("FM_SOFTCAP".into(), b(m.softcap)),
-        ("FM_PRODUCER".into(), b(tile.producer)),
+        ("FM_PRODUCER".into(), tile.producer_warps.to_string()),
     ]
 }
 
@@ -557,22 +566,31 @@ mod tests {
             let class = gqa_class(d, true, 0.0);
             let prod = Sm90BwdTile::for_head_dim(d).unwrap();
             let lab = Sm90BwdTile::lab_tiles(d);
-            let producers: Vec<_> = lab.iter().filter(|t| t.producer).collect();
-            assert_eq!(producers.len(), 2, "{producers:?}");
-            assert!(producers.iter().any(|t| **t
-                == Sm90BwdTile {
-                    producer: true,
-                    ..prod
-                }));
-            assert!(producers
-                .iter()
-                .any(|t| t.dq == Sm90Dq::Atomic && t.kv_block_m == 64 && t.stages == 3));
+            let producers: Vec<_> = lab.iter().filter(|t| t.producer()).collect();
+            assert_eq!(producers.len(), 4, "{producers:?}");
+            for producer_warps in [1, 4] {
+                assert!(producers.iter().any(|t| **t
+                    == Sm90BwdTile {
+                        producer_warps,
+                        ..prod
+                    }));
+                assert!(producers.iter().any(|t| t.producer_warps == producer_warps
+                    && t.dq == Sm90Dq::Atomic
+                    && t.kv_block_m == 64
+                    && t.stages == 3));
+            }
             for t in producers {
                 assert!(t.is_valid() && t.serves(&class), "{t:?}");
                 assert_eq!(t.kv_threads(), 384);
                 let defs = sm90_bwd_defines(&class, t);
-                assert!(defs.contains(&("FM_PRODUCER".into(), "1".into())));
+                let warps = t.producer_warps.to_string();
+                assert!(defs.contains(&("FM_PRODUCER".into(), warps)));
             }
+            assert!(!Sm90BwdTile {
+                producer_warps: 2,
+                ..prod
+            }
+            .is_valid());
             // The production tiles do not load through a producer.
             assert_eq!(prod.kv_threads(), 256);
             assert!(sm90_bwd_defines(&class, &prod).contains(&("FM_PRODUCER".into(), "0".into())));

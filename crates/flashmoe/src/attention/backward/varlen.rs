@@ -488,7 +488,7 @@ fn check_sm90_varlen(dev: &Device, class: &AttentionClass, t: &Sm90BwdTile) -> R
             format!("sm_90a backward tile {t:?} does not serve {class:?} (Sm90BwdTile::serves)"),
         ));
     }
-    if t.producer {
+    if t.producer() {
         return Err(Error::unsupported(
             BACKEND,
             format!("sm_90a backward tile {t:?}: the producer build loads dense tensors only"),

@@ -400,7 +400,7 @@ fn varlen_backward_matches_f64_reference() {
                 assert_eq!(plan.kernel(), prod, "{c:?}");
                 for t in Sm90BwdTile::lab_tiles(c.d)
                     .into_iter()
-                    .filter(|t| !t.dq.fused() && !t.producer && t.serves(&c.class()))
+                    .filter(|t| !t.dq.fused() && !t.producer() && t.serves(&c.class()))
                 {
                     eprintln!("  sm_90a tile {t:?}:");
                     let e = check_case_on(dev, c, sd, BwdKernel::Sm90(t));
