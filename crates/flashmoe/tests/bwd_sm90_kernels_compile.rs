@@ -23,8 +23,8 @@ fn every_sm90_backward_variant_compiles_without_spills() {
     let classes = all_sm90_bwd_classes();
     assert_eq!(
         classes.len(),
-        2 * 2 * 6,
-        "head dims 64/128 x bf16/f16 x (non-causal, causal, window) x (softcap or not)"
+        3 * 2 * 6,
+        "head dims 64/96/128 x bf16/f16 x (non-causal, causal, window) x (softcap or not)"
     );
     for class in classes {
         // Every class: the production tile, the fused-dQ tiles and the producer builds that

@@ -7,8 +7,10 @@
 // Compiled at run time by NVRTC for sm_90a only; specialised by defines (the table is
 // crates/flashmoe/src/attention/backward.rs, `Sm90BwdTile`, which mirrors the constants and
 // the shared-memory sizes below):
-//   FM_HEAD_DIM     D: 64 or 128 (rows are held as 64-column halves, one 128-byte swizzled
-//                   row each, the layout wgmma's 128B-swizzle descriptors read)
+//   FM_HEAD_DIM     D: 64, 96 or 128 (rows are held as 64-column panels, one 128-byte
+//                   swizzled row each, the layout wgmma's 128B-swizzle descriptors read; at
+//                   D = 96 the second panel's last 32 columns are neither loaded nor read,
+//                   and only the kernel pair is built: FM_DQ_MODE 0, no FM_PRODUCER)
 //   FM_DTYPE_BF16   0 = fp16, 1 = bf16 (accumulation is fp32)
 //   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq + window_right
 //                   (window_right = 0: plain causal)
@@ -148,6 +150,8 @@ constexpr bool WINDOW = FM_WINDOW != 0;
 static_assert(!WINDOW || CAUSAL, "FM_WINDOW implies FM_CAUSAL");
 constexpr bool SOFTCAP = FM_SOFTCAP != 0;
 constexpr int CPR = D / 8;    // 16-byte chunks per row
+constexpr int DP = (D + 63) / 64 * 64;  // a row's columns in shared memory (whole panels)
+constexpr int CPRS = DP / 8;            // its 16-byte slots
 constexpr int NWG = 2;        // warpgroups; each owns 64 stationary rows
 constexpr int THREADS = 128 * NWG;  // the consumer warpgroups (all of the dQ kernel's)
 // FM_PRODUCER: the dK/dV kernel's loading warpgroup (index NWG) and its register split: the
@@ -168,7 +172,10 @@ constexpr int BM_KV = FM_KV_BLOCK_M;  // query rows per dK/dV step
 constexpr int BM_Q = 64 * NWG;        // query rows per dQ CTA
 constexpr int BN_Q = FM_Q_BLOCK_N;    // keys per dQ step
 
-static_assert(D == 64 || D == 128, "head dim 64 or 128");
+static_assert(D == 64 || D == 96 || D == 128, "head dim 64, 96 or 128");
+// The fused dQ splits D between the warpgroups, and the producer's TMA boxes are whole
+// panels: both need D a multiple of 64.
+static_assert(D % 64 == 0 || (FM_DQ_MODE == 0 && FM_PRODUCER == 0), "D = 96: the kernel pair only");
 static_assert(BM_KV == 64 || BM_KV == 128, "FM_KV_BLOCK_M must be 64 or 128");
 static_assert(BN_Q == 64 || BN_Q == 128, "FM_Q_BLOCK_N must be 64 or 128");
 static_assert(STAGES == 2 || STAGES == 3, "FM_STAGES must be 2 or 3");
@@ -190,12 +197,13 @@ static_assert(!FUSED_DQ || BM_KV == 64 || D == 64,
 // [w D/2, (w + 1) D/2) of the one tile from both warpgroups' dS; with 128, warpgroup w
 // makes the whole tile of rows [64 w, 64 w + 64). DQ_N columns, DQ_R accumulators a thread.
 constexpr int DQ_TM = 64;
-constexpr int DQ_N = BM_KV == 64 ? D / 2 : D;
+// (D = 96 has no fused dQ: its DQ_N only keeps the unused helpers compiling.)
+constexpr int DQ_N = D % 64 != 0 ? 32 : BM_KV == 64 ? D / 2 : D;
 constexpr int DQ_R = DQ_N / 2;
 constexpr int DQ_TILE = DQ_TM * D;
 
 // Shared-memory layouts (offsets from a 1024-byte aligned base; tiles on swizzle atoms).
-constexpr int tile_bytes(int rows) { return rows * D * 2; }
+constexpr int tile_bytes(int rows) { return rows * DP * 2; }
 // dK/dV: [K][V][Q x STAGES][dO x STAGES][lse2 x STAGES][delta x STAGES]
 constexpr int KV_OFF_V = tile_bytes(BN_KV);
 constexpr int KV_OFF_Q = 2 * tile_bytes(BN_KV);
@@ -254,7 +262,7 @@ __device__ __forceinline__ i64 clamp64(i64 x, i64 lo, i64 hi) {
     return x < lo ? lo : (x > hi ? hi : x);
 }
 
-// Byte offset of 16-byte chunk `ch` (0 .. D/8) of row r in a swizzled tile of ROWS rows.
+// Byte offset of 16-byte chunk `ch` (0 .. DP/8) of row r in a swizzled tile of ROWS rows.
 template <int ROWS>
 __device__ __forceinline__ u32 toff(int r, int ch) {
     return (u32)((ch >> 3) * ROWS * 128 + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
@@ -262,15 +270,16 @@ __device__ __forceinline__ u32 toff(int r, int ch) {
 
 // Rows [row0, row0 + ROWS) x D of the matrix at g + base (row stride `stride` elements)
 // into the swizzled tile at dst; rows >= nrows are zero-filled (no read). Thread t copies
-// chunk t % CPR of rows t / CPR + i * (THREADS / CPR): one 64-bit address per thread and a
-// uniform stride between its copies.
+// slot t % CPRS of rows t / CPRS + i * (THREADS / CPRS): one 64-bit address per thread and
+// a uniform stride between its copies (at D = 96 the threads of slots past D copy nothing).
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u32 dst, const u16* __restrict__ g, i64 base, i64 stride,
                                           int row0, int nrows, int tid) {
-    constexpr int TOTAL = ROWS * CPR;
-    constexpr int RSTEP = THREADS / CPR;
-    static_assert(TOTAL % THREADS == 0 && THREADS % CPR == 0, "whole rounds");
-    const int r0 = tid / CPR, ch = tid % CPR;
+    constexpr int TOTAL = ROWS * CPRS;
+    constexpr int RSTEP = THREADS / CPRS;
+    static_assert(TOTAL % THREADS == 0 && THREADS % CPRS == 0, "whole rounds");
+    const int r0 = tid / CPRS, ch = tid % CPRS;
+    if (CPR != CPRS && ch >= CPR) return;
     const u16* p = g + base + (i64)(row0 + r0) * stride + ch * 8;
 #pragma unroll
     for (int it = 0; it < TOTAL / THREADS; ++it) {
@@ -343,8 +352,22 @@ __device__ __forceinline__ void issue_abt(float (&acc)[N / 2], u32 sA, u32 sB) {
 template <int K>
 __device__ __forceinline__ void issue_pb(float (&acc)[D / 2], const u32 (&a)[K / 16][4], u32 sB) {
     const u64 db = smem_desc_sw128(sB, K * 128, 1024);  // LBO: the next 64 columns of D
+    if constexpr (D % 64 == 0) {
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<1>(acc, a[kk], desc_add(db, kk * 16 * 128), 1);
+        for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<1>(acc, a[kk], desc_add(db, kk * 16 * 128), 1);
+    } else {
+        // D = 96: columns [0, 64) from the first panel (N = 64) and [64, 96) from the second
+        // (N = 32, the panel's first half, as the fused dQ reads K at D = 64); an N = 96
+        // accumulator's fragments are the N = 64 one's followed by the N = 32 one's.
+        float(&lo)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
+        float(&hi)[16] = *reinterpret_cast<float(*)[16]>(&acc[32]);
+        const u64 dh = smem_desc_sw128(sB + K * 128, K * 128, 1024);
+#pragma unroll
+        for (int kk = 0; kk < K / 16; ++kk) {
+            wgmma_rs<1>(lo, a[kk], desc_add(db, kk * 16 * 128), 1);
+            wgmma_rs<1>(hi, a[kk], desc_add(dh, kk * 16 * 128), 1);
+        }
+    }
 }
 
 // fp32 accumulator (64 x N) to 16-bit A fragments: k16 step kk = 8-column blocks 2kk, 2kk+1.

@@ -368,6 +368,10 @@ fn backward_sm90_and_portable_match_f64_reference() {
             Case::new(128, Bf16, 2, 1, 1024, 1024, true),
             Case::new(64, Bf16, 2, 2, 700, 900, false),
             Case::new(128, F16, 2, 2, 640, 384, true),
+            // D = 96 (two panels, the second half-used): the kernel pair's tiles.
+            Case::new(96, Bf16, 4, 2, 200, 177, true),
+            Case::new(96, F16, 2, 2, 130, 300, false),
+            Case::new(96, Bf16, 8, 1, 257, 257, true),
         ]
         .into_iter()
         .chain(
@@ -378,6 +382,7 @@ fn backward_sm90_and_portable_match_f64_reference() {
                 (Case::new(128, Bf16, 4, 4, 257, 257, false), (48, 16)),
                 (Case::new(64, F16, 2, 1, 1000, 1000, true), (100, 0)),
                 (Case::new(128, Bf16, 2, 2, 130, 400, false), (-1, 8)),
+                (Case::new(96, Bf16, 4, 2, 300, 280, true), (70, 0)),
             ]
             .map(|(mut c, w)| {
                 c.window = w;
@@ -392,6 +397,7 @@ fn backward_sm90_and_portable_match_f64_reference() {
                 (Case::new(128, F16, 2, 2, 130, 200, false), NO_WINDOW, 30.0),
                 (Case::new(64, F16, 2, 1, 257, 257, false), (48, 16), 2.0),
                 (Case::new(128, Bf16, 8, 2, 300, 333, true), (64, -1), 50.0),
+                (Case::new(96, F16, 4, 4, 177, 200, false), NO_WINDOW, 30.0),
             ]
             .map(|(mut c, w, cap)| {
                 c.window = w;
@@ -646,6 +652,10 @@ fn backward_speed() {
                 configs.push((d, 4096, causal, 50.0));
             }
         }
+        // D = 96 (21 heads: model dim 2016) at 4k: the kernel pair against the portable one.
+        for causal in [false, true] {
+            configs.push((96, 4096, causal, 0.0));
+        }
         for (d, seq, causal, softcap) in configs {
             let c = speed_case(d, seq, causal, softcap);
             let (b, heads) = (c.b, c.hq);
@@ -896,6 +906,7 @@ fn backward_sanitizer_cases() {
                 Case::new(64, DType::Bf16, 8, 2, 129, 130, true),
                 Case::new(128, DType::Bf16, 8, 2, 129, 130, false),
                 Case::new(128, DType::F16, 2, 2, 130, 65, true),
+                Case::new(96, DType::Bf16, 4, 2, 129, 130, true),
                 w,
                 cap,
             ]
@@ -952,6 +963,7 @@ fn backward_repeats_give_identical_bits() {
             Case::new(128, DType::Bf16, 4, 4, 333, 200, true),
             Case::new(64, DType::F16, 4, 1, 200, 333, false),
             Case::new(128, DType::Bf16, 2, 2, 1000, 1000, true),
+            Case::new(96, DType::Bf16, 8, 2, 129, 130, false),
         ];
         for (n, c) in cases.iter().enumerate() {
             let data = CaseData::generate(c, seed + n as u64);

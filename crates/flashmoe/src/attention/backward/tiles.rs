@@ -8,8 +8,9 @@ use crate::dtype::DType;
 
 /// Head dims the backward kernels serve.
 pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
-/// Head dims the sm_90a backward serves.
-pub const BWD_SM90_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dims the sm_90a backward serves (96: the kernel pair only, held as 128 columns in
+/// shared memory; not a default until measured, [`default_kernel`]).
+pub const BWD_SM90_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// What a backward plan promises about its bits: FlashAttention's `deterministic` switch
 /// (PyTorch's `torch.use_deterministic_algorithms`).
@@ -100,7 +101,7 @@ impl Sm90BwdTile {
     /// The production tile of `head_dim`, or None where the sm_90a backward has none: the
     /// fastest of [`Sm90BwdTile::lab_tiles`] on the 16k-token sweep (H200,
     /// docs/design/attention-backward.md): 128 keys a dQ step at D=64 (64 at D=128, where
-    /// 128 spills), a 3-slot ring (the ring's loads are issued under a step's last
+    /// 128 spills, and at D=96), a 3-slot ring (the ring's loads are issued under a step's last
     /// product, STAGES - 1 steps ahead: one step ahead leaves their latency exposed).
     pub fn for_head_dim(head_dim: usize) -> Option<Sm90BwdTile> {
         if !BWD_SM90_HEAD_DIMS.contains(&head_dim) {
@@ -124,7 +125,9 @@ impl Sm90BwdTile {
     pub fn for_mode(head_dim: usize, mode: BwdMode) -> Option<Sm90BwdTile> {
         let det = Sm90BwdTile::for_head_dim(head_dim)?;
         Some(match mode {
+            // D = 96 has no fused dQ (the warpgroups split D in halves of whole panels).
             BwdMode::Deterministic => det,
+            BwdMode::Fast if head_dim % 64 != 0 => det,
             BwdMode::Fast => Sm90BwdTile {
                 kv_block_m: if head_dim == 64 { 128 } else { 64 },
                 stages: 3,
@@ -224,6 +227,8 @@ impl Sm90BwdTile {
             && matches!(self.q_block_n, 64 | 128)
             && matches!(self.stages, 2 | 3)
             && matches!(self.producer_warps, 0 | 1 | 4)
+            // The fused dQ and the producer's TMA boxes need whole 64-column panels.
+            && (self.head_dim % 64 == 0 || (!self.dq.fused() && !self.producer()))
             && (!self.dq.fused()
                 || self.kv_block_m == 64
                 || (self.head_dim == 64 && self.dq == Sm90Dq::Atomic))
@@ -250,9 +255,13 @@ impl Sm90BwdTile {
     pub fn q_block_m(&self) -> u32 {
         128
     }
+    /// Bytes of a tile row in shared memory: whole 64-column panels (DP in the .cu).
+    fn smem_row_bytes(&self) -> u32 {
+        2 * self.head_dim.div_ceil(64) * 64
+    }
     /// Dynamic shared memory of the dK/dV kernel (KV_SMEM in the .cu).
     pub fn kv_smem_bytes(&self) -> u32 {
-        let row = 2 * self.head_dim;
+        let row = self.smem_row_bytes();
         let tiles = 2 * self.kv_block_n() * row
             + self.stages * (2 * self.kv_block_m * row + 8 * self.kv_block_m);
         // Fused dQ: two dS^T tiles (keys x query rows, 16-bit) on a 1024-byte boundary.
@@ -269,7 +278,7 @@ impl Sm90BwdTile {
     }
     /// Dynamic shared memory of the dQ kernel (Q_SMEM in the .cu).
     pub fn q_smem_bytes(&self) -> u32 {
-        let row = 2 * self.head_dim;
+        let row = self.smem_row_bytes();
         1024 + 2 * self.q_block_m() * row
             + self.stages * 2 * self.q_block_n * row
             + self.barrier_bytes()
@@ -285,7 +294,7 @@ pub fn sm90_serves(class: &AttentionClass) -> bool {
 /// ([`AttentionBackwardPlan::new`](super::AttentionBackwardPlan::new); the varlen plan in
 /// [`BwdMode::Deterministic`]): on 9.0 the sm_90a pair with [`Sm90BwdTile::for_class`]'s
 /// tile for the classes [`sm90_serves`], except deterministic softcap at D = 64 with a
-/// causal mask; the portable kernels otherwise. That exception is measured (H200, B=4
+/// causal mask and (until measured) D = 96; the portable kernels otherwise. That exception is measured (H200, B=4
 /// H=32 S=4096, session 31, the dQ kernel folding 1 - tanh^2 into the score): the pair
 /// 5.79 ms against the portable kernels' 4.08 causal, while non-causal it is the faster
 /// (8.01 vs 9.04 ms), and at D = 128 in both (4.73 vs 7.69, 3.46 vs 3.76 ms causal).
@@ -293,17 +302,22 @@ pub fn sm90_serves(class: &AttentionClass) -> bool {
 /// (docs/design/attention-backward.md, "Softcap").
 pub fn default_kernel(class: &AttentionClass, mode: BwdMode, arch: u32) -> BwdKernel {
     match Sm90BwdTile::for_class(class, mode) {
-        Some(t) if arch == 90 && sm90_serves(class) && !portable_is_faster(class, mode) => {
+        Some(t) if arch == 90 && sm90_serves(class) && !portable_by_default(class, mode) => {
             BwdKernel::Sm90(t)
         }
         _ => BwdKernel::Portable,
     }
 }
 
-/// The one class the sm_90a pair serves more slowly than the portable kernels (measured:
-/// [`default_kernel`]): deterministic softcap at D = 64, causal.
-fn portable_is_faster(class: &AttentionClass, mode: BwdMode) -> bool {
-    mode == BwdMode::Deterministic && class.softcap != 0.0 && class.head_dim == 64 && class.causal
+/// The classes the sm_90a pair serves but the portable kernels keep by default: the one it
+/// serves more slowly (measured, [`default_kernel`]: deterministic softcap at D = 64,
+/// causal) and D = 96 (built session 31, not yet run on a GPU).
+fn portable_by_default(class: &AttentionClass, mode: BwdMode) -> bool {
+    let slower = mode == BwdMode::Deterministic
+        && class.softcap != 0.0
+        && class.head_dim == 64
+        && class.causal;
+    slower || class.head_dim == 96
 }
 
 /// The NVRTC defines of the sm_90a backward module for `class` with `tile`.
@@ -532,7 +546,7 @@ mod tests {
                 assert_eq!(t.serves(&capped), small, "{t:?}");
             }
         }
-        assert!(!sm90_serves(&class(96, 0.0)));
+        assert!(sm90_serves(&class(96, 0.0)) && !sm90_serves(&class(32, 0.0)));
     }
 
     #[test]
@@ -545,7 +559,7 @@ mod tests {
                         assert_eq!(default_kernel(&c, mode, 80), BwdKernel::Portable);
                         let slower =
                             mode == BwdMode::Deterministic && cap != 0.0 && d == 64 && causal;
-                        let want = sm90_serves(&c) && !slower;
+                        let want = sm90_serves(&c) && !slower && d != 96;
                         let got = default_kernel(&c, mode, 90);
                         assert_eq!(got.is_sm90(), want, "{c:?} {mode:?}");
                         if want {
@@ -562,7 +576,7 @@ mod tests {
 
     #[test]
     fn the_lab_has_a_producer_build_of_each_mode_for_dense_calls() {
-        for d in BWD_SM90_HEAD_DIMS {
+        for d in [64, 128] {
             let class = gqa_class(d, true, 0.0);
             let prod = Sm90BwdTile::for_head_dim(d).unwrap();
             let lab = Sm90BwdTile::lab_tiles(d);
@@ -595,5 +609,51 @@ mod tests {
             assert_eq!(prod.kv_threads(), 256);
             assert!(sm90_bwd_defines(&class, &prod).contains(&("FM_PRODUCER".into(), "0".into())));
         }
+    }
+
+    #[test]
+    fn head_dim_96_runs_the_kernel_pair_on_whole_panels() {
+        let d128 = Sm90BwdTile::for_head_dim(128).unwrap();
+        let t = Sm90BwdTile::for_head_dim(96).unwrap();
+        assert_eq!(
+            t,
+            Sm90BwdTile {
+                head_dim: 96,
+                ..d128
+            }
+        );
+        // Rows are held as two 64-column panels, as at D = 128.
+        assert_eq!(t.kv_smem_bytes(), d128.kv_smem_bytes());
+        assert_eq!(t.q_smem_bytes(), d128.q_smem_bytes());
+        for mode in [BwdMode::Fast, BwdMode::Deterministic] {
+            assert_eq!(Sm90BwdTile::for_mode(96, mode), Some(t));
+        }
+        let lab = Sm90BwdTile::lab_tiles(96);
+        assert!(lab.len() >= 2 && lab[0] == t, "{lab:?}");
+        assert!(
+            lab.iter()
+                .all(|t| !t.dq.fused() && !t.producer() && t.is_valid()),
+            "{lab:?}"
+        );
+        for bad in [
+            Sm90BwdTile {
+                dq: Sm90Dq::Atomic,
+                ..t
+            },
+            Sm90BwdTile {
+                producer_warps: 1,
+                ..t
+            },
+        ] {
+            assert!(!bad.is_valid(), "{bad:?}");
+        }
+        let class = gqa_class(96, true, 0.0);
+        assert!(sm90_serves(&class));
+        assert_eq!(
+            default_kernel(&class, BwdMode::Fast, 90),
+            BwdKernel::Portable
+        );
+        let defs = sm90_bwd_defines(&class, &t);
+        assert!(defs.contains(&("FM_HEAD_DIM".into(), "96".into())));
     }
 }
