@@ -12,8 +12,8 @@ use flashmoe::attention::prefill::abi::KernelVariant;
 #[cfg(feature = "lab")]
 use flashmoe::attention::prefill::select::all_reference_variants;
 use flashmoe::attention::prefill::select::{
-    all_sm90_variants, all_sm90_varlen_variants, all_v1_variants, v1_extra_head_dim_variants,
-    v1_masked_compile_variants,
+    all_sm90_variants, all_sm90_varlen_variants, all_v1_variants, sm90_lab_variants,
+    v1_extra_head_dim_variants, v1_masked_compile_variants,
 };
 use flashmoe::gpu::kernels;
 use flashmoe::gpu::{nvrtc_compile, CompiledKernel, ImageKind, KernelCache};
@@ -283,6 +283,13 @@ fn every_attention_variant_compiles_without_spills() {
     // The sm_90a kernel has min_arch 90: compiled for sm_90a only.
     rows.extend(compile_variants("sm90", all_sm90_variants()));
     rows.extend(compile_variants("sm90-vl", all_sm90_varlen_variants()));
+    // D = 96 (two panels, the second half zero fill): the lab's tile, dense ("sm90": the hot
+    // kernel's checks) and varlen.
+    let (lab_vl, lab): (Vec<_>, Vec<_>) = sm90_lab_variants()
+        .into_iter()
+        .partition(|v| v.define("FM_VARLEN").is_some());
+    rows.extend(compile_variants("sm90", lab));
+    rows.extend(compile_variants("sm90-vl", lab_vl));
     // The lab's fp32 reference (embedded with the lab feature only).
     #[cfg(feature = "lab")]
     rows.extend(compile_variants("reference", all_reference_variants()));

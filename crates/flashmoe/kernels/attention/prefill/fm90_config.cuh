@@ -10,8 +10,9 @@
 
 // Defines (the table of variants is config.rs `sm90_tile`; FLASHMOE_SM90_TILE overrides it
 // for A/B timing of the values the table varies per head dim):
-//   FM_HEAD_DIM    D: 64 or 128 (a multiple of 64: K/Q/V rows are loaded as 64-column halves,
-//                  each a 128-byte swizzled row)
+//   FM_HEAD_DIM    D: 64, 96 or 128 (K/Q/V rows are loaded as 64-column panels, each a
+//                  128-byte swizzled row; at D = 96 the second panel's last 32 columns are
+//                  the tensor maps' zero fill, read by no product)
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
 //   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
 //   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
@@ -99,7 +100,7 @@ constexpr bool VARLEN = FM_VARLEN != 0;
 constexpr bool WINDOW = FM_WINDOW != 0;
 constexpr bool SOFTCAP = FM_SOFTCAP != 0;
 
-constexpr int DH = D / 64;             // 64-column halves of a row (one 128-byte swizzle row each)
+constexpr int DH = (D + 63) / 64;      // 64-column panels of a row (one 128-byte swizzle row each)
 constexpr int HALF_Q = BM * 128;       // bytes of one half of the Q tile
 constexpr int HALF_KV = BN * 128;      // bytes of one half of a K or V tile
 constexpr int Q_BYTES = DH * HALF_Q;
@@ -127,7 +128,7 @@ constexpr int NBAR = 2 + 4 * STAGES;
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;
 __device__ __forceinline__ u32 tile_record(u32 base, int i) { return base + OFF_TILE + (i & 1) * 32; }
 constexpr int SMEM_BYTES =
-    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;
+    1024 + 128 * DH * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -137,7 +138,7 @@ constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
 constexpr int PRODUCER_REGS = 24;
 constexpr int CONSUMER_REGS = NCW == 2 ? 240 : 160;
 
-static_assert(D % 64 == 0 && D >= 64 && D <= 256, "head dim must be 64, 128, 192 or 256");
+static_assert((D % 64 == 0 || D == 96) && D >= 64 && D <= 256, "head dim must be 64, 96, 128, 192 or 256");
 static_assert(BN % 64 == 0 && BN >= 64 && BN <= 256, "BLOCK_N must be 64, 128, 192 or 256");
 static_assert(STAGES >= 2 && STAGES <= 4, "STAGES must be 2..4");
 static_assert(NCW == 2 || NCW == 3, "2 or 3 consumer warpgroups");

@@ -71,9 +71,23 @@ __device__ __forceinline__ void issue_s(float (&sacc)[BN / 2], const u32 (&qa)[D
 // O += P V for ring slot s: issued, not waited for.
 __device__ __forceinline__ void issue_pv(float (&oacc)[D / 2], const u32 (&pa)[BN / 16][4], u64 dv,
                                          int s) {
+    if constexpr (D % 64 == 0) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+        for (int kk = 0; kk < BN / 16; ++kk)
+            wgmma_rs<1>(oacc, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+    } else {
+        // D = 96: O's columns [0, 64) from V's first panel (N = 64), [64, 96) from the first
+        // half of its second (N = 32); an N = 96 accumulator's fragments are the N = 64
+        // one's followed by the N = 32 one's (one N = 96 wgmma would span a swizzle atom
+        // and a half, which the descriptor does not describe).
+        float(&lo)[32] = *reinterpret_cast<float(*)[32]>(&oacc[0]);
+        float(&hi)[16] = *reinterpret_cast<float(*)[16]>(&oacc[32]);
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            wgmma_rs<1>(lo, pa[kk], desc_add(dv, s * KV_BYTES + kk * 16 * 128), 1);
+            wgmma_rs<1>(hi, pa[kk], desc_add(dv, s * KV_BYTES + HALF_KV + kk * 16 * 128), 1);
+        }
+    }
 }
 
 // P to 16 bit in the wgmma A-fragment layout: k16 step kk = 8-column blocks 2kk, 2kk+1;

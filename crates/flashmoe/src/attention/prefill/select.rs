@@ -365,6 +365,25 @@ pub fn all_sm90_variants() -> Vec<KernelVariant> {
     out
 }
 
+/// The sm_90a variants of the lab's tiles at the head dims the table does not route yet
+/// ([`sm90_lab_tile`]: D = 96), dense and varlen, for the compile-everything test.
+pub fn sm90_lab_variants() -> Vec<KernelVariant> {
+    let mut out = Vec::new();
+    for &d in SM90_KERNEL_HEAD_DIMS.iter() {
+        let Some(tile) = sm90_lab_tile(d) else {
+            continue;
+        };
+        for t in [tile, tile.for_varlen()] {
+            for dtype in [DType::F16, DType::Bf16] {
+                for m in Masking::all() {
+                    out.push(sm90_variant_for(&t, dtype, m).expect("lab tiles are valid"));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Every sm_90a varlen variant (the table's tiles with [`Sm90Tile::for_varlen`]), for the
 /// compile-everything test.
 pub fn all_sm90_varlen_variants() -> Vec<KernelVariant> {
@@ -704,6 +723,30 @@ mod tests {
     }
 
     #[test]
+    fn head_dim_96_reaches_the_sm90_kernel_only_through_the_lab_tile() {
+        let p = AttentionProblem::new(2, 8, 1000, 96, true, DType::Bf16);
+        // The table routes D = 96 to v1 (not measured on the sm_90a kernel yet).
+        assert_eq!(select(&p, 90).unwrap().entry, FLASH_ENTRY);
+        let lab = sm90_lab_tile(96).unwrap();
+        lab.check().unwrap();
+        assert_eq!(lab.shared_mem_bytes(), {
+            // Q, K and V rows as D = 128's, O staged at 2 * 96 + 16 bytes a row.
+            let t = sm90_tile(128).unwrap();
+            t.shared_mem_bytes() - t.block_m() * 2 * 128 + t.block_m() * (2 * 96 + 16)
+        });
+        let t = parse_sm90_tile_override("96:128,2,2,0,qregs=1").unwrap();
+        assert_eq!(t, vec![lab]);
+        let v = select_with_tiles(&p, 90, &t).unwrap();
+        assert_eq!(v.entry, SM90_ENTRY);
+        assert!(v
+            .defines
+            .contains(&("FM_HEAD_DIM".to_string(), "96".to_string())));
+        assert!(parse_sm90_tile_override("80:128,2,2,0")
+            .unwrap_err()
+            .contains("head dim 80 is not served"));
+    }
+
+    #[test]
     fn sm90_tile_override_parses_and_names_bad_parts() {
         let t = parse_sm90_tile_override("128:64,2,2,0; 64:128,2,2,1").unwrap();
         assert_eq!(t.len(), 2);
@@ -763,9 +806,10 @@ mod tests {
         // The layouts live in the kernel's configuration header, the entry in the .cu.
         let src = include_str!("../../../kernels/attention/prefill/fm90_config.cuh");
         assert!(src.contains(
-            "    1024 + 2 * D * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
+            "    1024 + 128 * DH * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
+        assert!(src.contains("constexpr int DH = (D + 63) / 64; "));
         assert!(src.contains("constexpr bool O_TMA_STORE = D >= 128 && !VARLEN;"));
         assert!(src.contains("constexpr int STAGE_PITCH = 2 * D + (O_TMA_STORE ? 0 : 16);"));
         assert!(src.contains("constexpr int THREADS = 128 * (NCW + 1);"));

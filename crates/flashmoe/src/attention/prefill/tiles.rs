@@ -183,6 +183,10 @@ fn v1_table_tile(head_dim: usize) -> Option<TileConfig> {
 }
 /// Head dims the sm_90a kernel serves; others fall back to v1 on Hopper.
 pub const SM90_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dims the sm_90a kernel builds: [`SM90_HEAD_DIMS`] and 96 (two 64-column panels, the
+/// second half zero fill), which the table does not route to it until measured; the lab
+/// reaches it through a tile override ([`parse_sm90_tile_override`]).
+pub const SM90_KERNEL_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 /// Grids above this many CTAs do not split tiles over key ranges (`SPLIT_MAX_CTAS` in
 /// kernels/attention/prefill/fm90_config.cuh): the workspace holds one boundary record per slot up to it.
 pub const SM90_SPLIT_MAX_CTAS: usize = 132;
@@ -239,8 +243,13 @@ impl Sm90Tile {
             16
         }
     }
+    /// Bytes of a Q, K or V row in shared memory: whole 128-byte panels (`DH` in
+    /// fm90_config.cuh).
+    pub const fn smem_row_bytes(&self) -> u32 {
+        128 * self.head_dim.div_ceil(64)
+    }
     pub const fn shared_mem_bytes(&self) -> u32 {
-        1024 + 2 * self.head_dim * (self.block_m() + 2 * self.stages * self.block_n)
+        1024 + self.smem_row_bytes() * (self.block_m() + 2 * self.stages * self.block_n)
             + self.block_m() * (2 * self.head_dim + self.o_staging_pad())
             + 8 * (2 + 4 * self.stages)
             + 64
@@ -274,8 +283,8 @@ impl Sm90Tile {
     /// The constraints the .cu static_asserts plus the shared-memory limit.
     pub fn check(&self) -> std::result::Result<(), String> {
         let d = self.head_dim;
-        if d == 0 || d % 64 != 0 || d > 256 {
-            return Err(format!("head dim {d} must be 64, 128, 192 or 256"));
+        if d == 0 || (d % 64 != 0 && d != 96) || d > 256 {
+            return Err(format!("head dim {d} must be 64, 96, 128, 192 or 256"));
         }
         if self.block_n == 0 || self.block_n % 64 != 0 || self.block_n > 256 {
             return Err(format!(
@@ -366,9 +375,9 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
                 other => return Err(bad(&format!("unknown key '{other}' (qregs)"))),
             }
         }
-        if !SM90_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
+        if !SM90_KERNEL_HEAD_DIMS.contains(&(tile.head_dim as usize)) {
             return Err(bad(&format!(
-                "head dim {} is not served by the sm_90a kernel ({SM90_HEAD_DIMS:?})",
+                "head dim {} is not served by the sm_90a kernel ({SM90_KERNEL_HEAD_DIMS:?})",
                 tile.head_dim
             )));
         }
@@ -376,6 +385,16 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
         tiles.push(tile);
     }
     Ok(tiles)
+}
+
+/// The tile the lab runs the sm_90a kernel with at a head dim the table does not route to
+/// it yet ([`SM90_KERNEL_HEAD_DIMS`]): at D = 96, D = 128's (the same shared memory; the
+/// override `96:128,2,2,0,qregs=1`).
+pub fn sm90_lab_tile(head_dim: usize) -> Option<Sm90Tile> {
+    match head_dim {
+        96 => sm90_tile(128).map(|t| Sm90Tile { head_dim: 96, ..t }),
+        _ => None,
+    }
 }
 
 /// The sm_90a tile table (docs/design/attention-prefill-sm90.md).
