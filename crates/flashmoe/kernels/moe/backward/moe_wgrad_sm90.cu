@@ -7,6 +7,10 @@
 // shared-memory formula live in crates/flashmoe/src/moe/backward/sm90.rs):
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (A, B and dW; accumulation is fp32)
 //   FM_STAGES      depth of the TMA ring (2..3)
+//   FM_OUT_BUFS    16-bit output buffers per consumer warpgroup (1 or 2): with 2, tile i
+//                  stages into buffer i % 2 and waits only for the store of tile i - 2
+//                  to have read it, so two tiles' stores are in flight (2 stages only:
+//                  shared memory)
 //
 // Tile: BM = 128 rows of dW (two consumer warpgroups of 64) × BN = 256 columns, 128 fp32
 // accumulators per thread; BK = 64 of the expert's rows per ring stage. Both operands lie
@@ -34,7 +38,8 @@
 // warpgroup writes its 64 × 256 tile in 16 bits to its own shared-memory buffer (four
 // 128-byte-swizzled boxes, conflict-free) and one thread stores it by TMA; the buffer is
 // reused once that store has read it, so the writes to HBM run under the next tile (at
-// ~128 rows per expert the kernel is bound by writing dW, 2 bytes per 256 FLOPs).
+// ~128 rows per expert the kernel is bound by writing dW, 2 bytes per 256 FLOPs); with
+// FM_OUT_BUFS 2 under the next two.
 
 #ifndef FM_DTYPE_BF16
 #define FM_DTYPE_BF16 1
@@ -44,6 +49,9 @@
 #include "moe_gemm_common.cuh"
 #ifndef FM_STAGES
 #define FM_STAGES 3
+#endif
+#ifndef FM_OUT_BUFS
+#define FM_OUT_BUFS 1
 #endif
 
 namespace fm {
@@ -61,8 +69,10 @@ constexpr int B_BOXES = BN / 64;
 constexpr int A_BYTES = A_BOXES * BOX_BYTES;
 constexpr int STAGE_BYTES = (A_BOXES + B_BOXES) * BOX_BYTES;
 constexpr int OUT_BYTES = 64 * BN * 2;  // one consumer warpgroup's 16-bit tile
+constexpr int OUT_BUFS = FM_OUT_BUFS;    // of them per consumer warpgroup
 constexpr int BAR_BYTES = 16 * STAGES;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * OUT_BYTES + 1024 + BAR_BYTES;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * OUT_BUFS * OUT_BYTES + 1024 + BAR_BYTES;
+static_assert(OUT_BUFS == 1 || OUT_BUFS == 2, "FM_OUT_BUFS must be 1 or 2");
 constexpr int ZERO_BAR = 1;  // named barrier of the 256 consumer threads
 constexpr int OUT_BAR = 2;   // + wm: named barrier of consumer warpgroup wm
 
@@ -106,7 +116,9 @@ __device__ __forceinline__ void store_wtile(const FmTensorMap* dw_map, u32 out, 
                                             int tid) {
     const int wp = (tid >> 5) & 3, l = tid & 31;
     const bool leader = (tid & 127) == 0;
-    if (leader) bulk_wait_read<0>();  // the previous tile's store has read the buffer
+    // The store that last used this buffer (OUT_BUFS tiles ago) has read it; later ones may
+    // still run.
+    if (leader) bulk_wait_read<OUT_BUFS - 1>();
     named_bar_sync(OUT_BAR + wm, 128);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -122,10 +134,13 @@ __device__ __forceinline__ void store_wtile(const FmTensorMap* dw_map, u32 out, 
     fence_proxy_async_smem();
     named_bar_sync(OUT_BAR + wm, 128);
     const int m = w.m0 + wm * 64;
-    if (leader && m < M) {
+    if (leader) {
+        if (m < M) {
 #pragma unroll
-        for (int b = 0; b < BN / 64; ++b)
-            if (w.n0 + b * 64 < N) tma_store_3d(dw_map, out + b * BOX_BYTES, w.n0 + b * 64, m, w.e);
+            for (int b = 0; b < BN / 64; ++b)
+                if (w.n0 + b * 64 < N) tma_store_3d(dw_map, out + b * BOX_BYTES, w.n0 + b * 64, m, w.e);
+        }
+        // One group a tile, empty past M: the wait above counts groups as tiles.
         bulk_commit();
     }
 }
@@ -143,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     const u32 raw = smem_addr(smem_raw);
     const u32 base = (raw + 1023u) & ~1023u;
     const u32 outs = base + STAGES * STAGE_BYTES;  // the consumers' tile buffers
-    const u32 bars = outs + 2 * OUT_BYTES;         // full[s] at bars + 8s, empty at + 8(S+s)
+    const u32 bars = outs + 2 * OUT_BUFS * OUT_BYTES;  // full[s] at bars + 8s, empty at + 8(S+s)
     const int mt = (m_dim + BM - 1) / BM;
     const int nt = (n_dim + BN - 1) / BN;
 
@@ -180,9 +195,9 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
     } else {
         setmaxnreg_inc<232>();
         const int wm = (tid >> 7) - 1;  // consumer warpgroup: rows wm*64.. of the tile
-        u32 it = 0;
+        u32 it = 0, tile_n = 0;  // stages consumed; tiles stored by this block
         float acc[NACC];
-        for (u32 t = blockIdx.x; t < (u32)tiles; t += gridDim.x) {
+        for (u32 t = blockIdx.x; t < (u32)tiles; t += gridDim.x, ++tile_n) {
             const WTile w = wtile(t, offsets, mt, nt);
             const int kts = (w.rows + BK - 1) / BK;
 #pragma unroll
@@ -211,7 +226,8 @@ extern "C" __global__ void __launch_bounds__(fm::THREADS, 1)
             wgmma_wait<0>();
             if (kts > 0 && (tid & 127) == 0) mbar_arrive(bars + 8 * (STAGES + (it - 1) % STAGES));
             reg_fence(acc);
-            store_wtile(&dw_map, outs + wm * OUT_BYTES, m_dim, n_dim, w, acc, wm, tid);
+            const u32 buf = outs + (wm * OUT_BUFS + (int)(tile_n % OUT_BUFS)) * OUT_BYTES;
+            store_wtile(&dw_map, buf, m_dim, n_dim, w, acc, wm, tid);
         }
         if ((tid & 127) == 0) bulk_wait<0>();  // the last stores are done before the exit
     }

@@ -17,6 +17,7 @@ use crate::gpu::test_support::{addr, fresh_seed, with_gpu};
 use crate::gpu::{Device, Workspace};
 use crate::inputs::{generate, TensorId};
 use crate::moe::forward::plan::{MoeArgs, MoeClass, MoePlan, RoutingArgs};
+use crate::moe::gemm::sm90::{WGRAD_TILE, WGRAD_TILES};
 use crate::problem::Scoring;
 use crate::reference::moe::{route, MoeInputs};
 use crate::reference::moe_backward::moe_backward_f64;
@@ -821,6 +822,55 @@ fn speed_backward_per_kernel() {
                 "moe fwd {name} T={tokens} H={hidden} I={inter} E={experts} k={top_k} bf16: \
                  {f_ms:.3} ms; writing gate/up {fs_ms:.3} ms"
             );
+            // The weight-gradient kernel's pipelines (WGRAD_TILES, production first), gate/up
+            // saved: the backward's time, its two weight-gradient launches' (the 4th and 6th
+            // after the gathers), and dW bit-identical across them (the same sums in the
+            // same order; only the staging of the stores differs).
+            if st.plan.uses_sm90(tokens) {
+                let args = st.args_for(&s, true);
+                let ws = st.bwd_ws.raw();
+                let mut first: Option<Grads> = None;
+                for tile in WGRAD_TILES {
+                    st.plan.set_wgrad_tile(dev, tile).unwrap();
+                    let call =
+                        || unsafe { st.plan.backward_raw(s.cu_stream(), &args, ws) }.unwrap();
+                    call();
+                    s.synchronize().unwrap();
+                    let ms = median(&call)[2];
+                    let evs: Vec<_> = (0..=16).map(|_| event()).collect();
+                    evs[0].record(&s).unwrap();
+                    let mut n = 0;
+                    unsafe {
+                        st.plan
+                            .backward_raw_each(s.cu_stream(), &args, ws, &mut |i, _| {
+                                n = i + 1;
+                                evs[i + 1]
+                                    .record(&s)
+                                    .map_err(|e| crate::error::Error::cuda("cuEventRecord", e))
+                            })
+                    }
+                    .unwrap();
+                    evs[n].synchronize().unwrap();
+                    let t = |i: usize| evs[i].elapsed_ms(&evs[i + 1]).unwrap() as f64;
+                    // gathers (2), G, swiglu, dW2, dX, dW13 (gate/up saved: no gu launch).
+                    let (dw2, dw13) = (t(4), t(6));
+                    println!(
+                        "  wgrad {tile:?}: backward {ms:.3} ms; dW2 {dw2:.3} ms = {:.1} TFLOP/s, \
+                         dW13 {dw13:.3} ms = {:.1} TFLOP/s",
+                        2.0 * rhi / dw2 / 1e9,
+                        4.0 * rhi / dw13 / 1e9
+                    );
+                    let g = st.download(&s);
+                    match &first {
+                        Some(f) => assert!(
+                            f.dw13 == g.dw13 && f.dw2 == g.dw2,
+                            "{name} T={tokens}: wgrad {tile:?} changed dW's bits"
+                        ),
+                        None => first = Some(g),
+                    }
+                }
+                st.plan.set_wgrad_tile(dev, WGRAD_TILE).unwrap();
+            }
             let runs = paths(dev)
                 .iter()
                 .enumerate()

@@ -82,6 +82,19 @@ impl MoeBackwardPlan {
         })
     }
 
+    /// The lab's A/B of the weight-gradient kernel's pipeline (sm_90a path only).
+    #[cfg(all(test, feature = "lab"))]
+    pub(crate) fn set_wgrad_tile(
+        &mut self,
+        dev: &Device,
+        tile: crate::moe::gemm::sm90::WgradTile,
+    ) -> Result<()> {
+        match self.sm90.as_mut() {
+            Some(k) => k.set_wgrad_tile(dev, tile),
+            None => Err(Error::invalid("the plan has no sm_90a kernels")),
+        }
+    }
+
     /// Whether a call of `tokens` tokens runs its routed GEMMs on the sm_90a kernels.
     pub fn uses_sm90(&self, tokens: usize) -> bool {
         self.sm90

@@ -22,7 +22,7 @@ use crate::moe::forward::plan::MoeClass;
 use crate::moe::gemm::sm90::{
     a_layout, b_kmajor_layout, b_layout, gather_kernel, row_tiles, sm90_bwd_tile,
     sm90_launch_config, wgrad_kernel, wgrad_operand_layout, wgrad_tiles, GATHER_THREADS,
-    SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS,
+    SM90_MIN_ROWS_PER_EXPERT, SM90_THREADS, WGRAD_TILE,
 };
 use crate::moe::kernel::MoeKernel;
 use cudarc::driver::{CudaFunction, LaunchConfig};
@@ -126,11 +126,22 @@ impl Sm90RowKernels {
             dtype: class.dtype,
             mn: load(dev, mn)?,
             km: load(dev, sm90_bwd_tile(true).kernel(class.dtype))?,
-            wgrad: load(dev, wgrad_kernel(class.dtype))?,
+            wgrad: load(dev, wgrad_kernel(class.dtype, WGRAD_TILE))?,
             sm_count: dev.info().sm_count.max(1),
             gather: load(dev, gather_kernel())?.1,
             forced: path == RowsPath::Sm90,
         }))
+    }
+
+    /// The lab's A/B of the weight-gradient pipeline: reload that kernel with `tile`.
+    #[cfg(all(test, feature = "lab"))]
+    pub(super) fn set_wgrad_tile(
+        &mut self,
+        dev: &Device,
+        tile: crate::moe::gemm::sm90::WgradTile,
+    ) -> Result<()> {
+        self.wgrad = load(dev, wgrad_kernel(self.dtype, tile))?;
+        Ok(())
     }
 
     /// Whether a call of `tokens` tokens of `class` takes these kernels.

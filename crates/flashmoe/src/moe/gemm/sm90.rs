@@ -31,10 +31,33 @@ pub const SM90_GEMM2_ENTRY: &str = "moe_gemm2_sm90";
 pub const GATHER_ENTRY: &str = "moe_gather_rows";
 pub const WGRAD_SOURCE: &str = "moe_wgrad_sm90.cu";
 pub const WGRAD_ENTRY: &str = "moe_wgrad_sm90";
-/// The weight-gradient kernel's tile (BM × BN of dW) and ring depth.
+/// The weight-gradient kernel's tile (BM × BN of dW).
 pub const WGRAD_BLOCK_M: u32 = 128;
 pub const WGRAD_BLOCK_N: u32 = 256;
-pub const WGRAD_STAGES: u32 = 3;
+
+/// The weight-gradient kernel's pipeline: ring depth and output buffers per consumer
+/// warpgroup (`FM_STAGES`, `FM_OUT_BUFS` of `moe_wgrad_sm90.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WgradTile {
+    pub stages: u32,
+    /// 2: two tiles' dW stores in flight per warpgroup (fits beside a 2-slot ring only).
+    pub out_bufs: u32,
+}
+
+/// The production weight-gradient pipeline, then the lab's other one: two output buffers
+/// (docs/design/moe.md, "weight gradients' stores"; built, not yet timed).
+pub const WGRAD_TILES: [WgradTile; 2] = [
+    WgradTile {
+        stages: 3,
+        out_bufs: 1,
+    },
+    WgradTile {
+        stages: 2,
+        out_bufs: 2,
+    },
+];
+/// The production one.
+pub const WGRAD_TILE: WgradTile = WGRAD_TILES[0];
 pub const GATHER_THREADS: u32 = 128;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const SM90_THREADS: u32 = 384;
@@ -161,32 +184,35 @@ pub fn all_sm90_variants() -> Vec<MoeKernel> {
     }
     for dt in [DType::F16, DType::Bf16] {
         v.push(sm90_bwd_tile(true).kernel(dt));
-        v.push(wgrad_kernel(dt));
+        for t in WGRAD_TILES {
+            v.push(wgrad_kernel(dt, t));
+        }
     }
     v
 }
 
 /// The backward's weight-gradient kernel (`moe_wgrad_sm90.cu`): dW\[e\] = A_eᵀ·B_e over
-/// the expert's rows, persistent over E · ceil(M / 128) · ceil(N / 256) tiles. Shared
-/// memory: STAGES · (128 + 256) · 128 B (the ring) + 128 · 256 · 2 B (the 16-bit tile
-/// staged for the TMA store) + 1024 (alignment) + 16 · STAGES (mbarriers), the .cu's
-/// SMEM_BYTES.
-pub fn wgrad_kernel(dtype: DType) -> MoeKernel {
+/// the expert's rows, persistent over E · ceil(M / 128) · ceil(N / 256) tiles, with the
+/// pipeline `tile`. Shared memory: STAGES · (128 + 256) · 128 B (the ring) + OUT_BUFS ·
+/// 128 · 256 · 2 B (the 16-bit tiles staged for the TMA stores) + 1024 (alignment) + 16 ·
+/// STAGES (mbarriers), the .cu's SMEM_BYTES.
+pub fn wgrad_kernel(dtype: DType, tile: WgradTile) -> MoeKernel {
     let kv = |k: &str, v: u32| (k.to_string(), v.to_string());
     MoeKernel {
         source_file: WGRAD_SOURCE,
         entry: WGRAD_ENTRY,
         defines: vec![
             kv("FM_DTYPE_BF16", (dtype == DType::Bf16) as u32),
-            kv("FM_STAGES", WGRAD_STAGES),
+            kv("FM_STAGES", tile.stages),
+            kv("FM_OUT_BUFS", tile.out_bufs),
         ],
         block_m: WGRAD_BLOCK_M,
         block_n: WGRAD_BLOCK_N,
         block_threads: SM90_THREADS,
-        shared_mem_bytes: WGRAD_STAGES * (WGRAD_BLOCK_M + WGRAD_BLOCK_N) * 128
-            + WGRAD_BLOCK_M * WGRAD_BLOCK_N * 2
+        shared_mem_bytes: tile.stages * (WGRAD_BLOCK_M + WGRAD_BLOCK_N) * 128
+            + tile.out_bufs * WGRAD_BLOCK_M * WGRAD_BLOCK_N * 2
             + 1024
-            + 16 * WGRAD_STAGES,
+            + 16 * tile.stages,
         min_arch: 90,
     }
 }
@@ -371,8 +397,18 @@ mod tests {
         assert_eq!((t.block_m(), t.block_n(), t.stages), (64, 512, 3));
         // 3 x (A 2 boxes + B 4 boxes of 64 x 128 B) + the 128 x 256 tile + 1024 + 48
         assert_eq!(
-            wgrad_kernel(DType::Bf16).shared_mem_bytes,
+            wgrad_kernel(DType::Bf16, WGRAD_TILE).shared_mem_bytes,
             3 * 6 * 8192 + 65536 + 1024 + 48
+        );
+        // Two output buffers per warpgroup beside a 2-slot ring: 227 KB less 1.9 KB.
+        let two = WgradTile {
+            stages: 2,
+            out_bufs: 2,
+        };
+        assert!(WGRAD_TILES.contains(&two));
+        assert_eq!(
+            wgrad_kernel(DType::Bf16, two).shared_mem_bytes,
+            2 * 6 * 8192 + 2 * 65536 + 1024 + 32
         );
         assert_eq!(wgrad_tiles(32, 4096, 22016), 32 * 32 * 86);
         wgrad_operand_layout(65536, 22016).check("dGU").unwrap();
