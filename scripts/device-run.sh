@@ -197,15 +197,15 @@ for s in "$@"; do
                   for f in results.json results.md; do cp /tmp/window-ab/$f "$OUT/window-ab-$f" 2>/dev/null; done ;;
     # The varlen suite (issue 22): its check matrix against the per-sequence references, and
     # the varlen preset with the PyTorch baselines (torch varlen_attn, SDPA cuDNN per sequence).
-    # Head dim 96 on the sm_90a forward's lab tile (issue 43): the GPU test against the
-    # reference kernel, then the timing against the portable kernel and the baselines
-    # (configs/dev/attention-d96.toml); `check-d96`: the whole attention check suite (f64)
-    # with the tile override, where its D = 96 configs run on sm_90a.
-    check-d96)    FLASHMOE_SM90_TILE="96:128,2,2,0,qregs=1" stage check-d96 580 $BIN check --suite attention ;;
-    fwd-d96)      stage fwd-d96-unit 200 ./target/release/flashmoe-gpu-tests gpu::gpu_tests::attention_sm90_head_dim_96_matches_reference \
+    # Head dims 96 and 256 on the sm_90a forward's lab tiles (issue 43): the GPU test against
+    # the reference kernel, then the timing against the portable kernel and the baselines
+    # (configs/dev/attention-lab-dims.toml); `check-d96`: the whole attention check suite (f64)
+    # with the tile override, where its D = 96 and 256 configs run on sm_90a.
+    check-d96)    FLASHMOE_SM90_TILE="96:128,2,2,0,qregs=1;256:64,2,2,0" stage check-d96 580 $BIN check --suite attention ;;
+    fwd-d96)      stage fwd-d96-unit 200 ./target/release/flashmoe-gpu-tests gpu::gpu_tests::attention_sm90_lab_head_dims_match_reference \
                       --test-threads=1 --nocapture
-                  FLASHMOE_SM90_TILE="96:128,2,2,0,qregs=1" stage fwd-d96-bench 400 $BIN bench attention \
-                      --config configs/dev/attention-d96.toml --impl flashmoe-sm90,flashmoe-v1,sdpa-cudnn,fa4 --max-time 0.5 --out /tmp/fwd-d96
+                  FLASHMOE_SM90_TILE="96:128,2,2,0,qregs=1;256:64,2,2,0" stage fwd-d96-bench 400 $BIN bench attention \
+                      --config configs/dev/attention-lab-dims.toml --impl flashmoe-sm90,flashmoe-v1,sdpa-cudnn,fa4 --max-time 0.5 --out /tmp/fwd-d96
                   cp /tmp/fwd-d96/results.json "$OUT/fwd-d96.json" 2>/dev/null ;;
     check-varlen) stage check-varlen 200 $BIN check --suite varlen ;;
     bench-varlen) stage bench-varlen 360 $BIN bench varlen --preset varlen --max-time 0.5 --out /tmp/bench-varlen

@@ -216,13 +216,13 @@ extern "C" __global__ void __launch_bounds__(fm90::THREADS, 1)
             if (VARLEN) {  // rows of the sequence: o (total_q, Hq, D) from row q0, lse (Hq, total_q)
                 u16* og = o + ((i64)w.q0 * heads_q + w.head) * D;
                 float* lseg = lse + (i64)w.head * seqlen_q + w.q0;
-                consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, w.sq,
+                consume(sQ, sK, sV, STAGE_IN_Q ? sQ : base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split, w.sq,
                         w.sk, w.sk - w.sq + right, w.sk - w.sq - left, sm_scale, softmax_scale_log2, &tm_o, w.head, 0, og,
                         q_stride, lseg, ring, i, workspace);
             } else {
                 u16* og = o + ((i64)w.batch * seqlen_q * heads_q + w.head) * D;
                 float* lseg = lse + ((i64)w.batch * heads_q + w.head) * seqlen_q;
-                consume(sQ, sK, sV, base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split,
+                consume(sQ, sK, sV, STAGE_IN_Q ? sQ : base + OFF_STAGE, bar, cw, w.m0 + cw * 64, w.n_tiles, w.kt_end, w.split,
                         seqlen_q, seqlen_k - w.k0, diag - w.k0, lo_shift - w.k0, sm_scale, softmax_scale_log2, &tm_o, w.head, w.batch,
                         og, q_stride, lseg, ring, i, workspace);
             }

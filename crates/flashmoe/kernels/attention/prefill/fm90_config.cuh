@@ -10,9 +10,10 @@
 
 // Defines (the table of variants is config.rs `sm90_tile`; FLASHMOE_SM90_TILE overrides it
 // for A/B timing of the values the table varies per head dim):
-//   FM_HEAD_DIM    D: 64, 96 or 128 (K/Q/V rows are loaded as 64-column panels, each a
+//   FM_HEAD_DIM    D: 64, 96, 128 or 256 (K/Q/V rows are loaded as 64-column panels, each a
 //                  128-byte swizzled row; at D = 96 the second panel's last 32 columns are
-//                  the tensor maps' zero fill, read by no product)
+//                  the tensor maps' zero fill, read by no product; at D = 256 each warp
+//                  stages its O rows where its Q rows were: STAGE_IN_Q)
 //   FM_DTYPE_BF16  0 = fp16, 1 = bf16 (storage of Q, K, V, O; accumulation is fp32)
 //   FM_CAUSAL      0/1, bottom-right aligned: query i sees keys j <= i + seqlen_k - seqlen_q
 //   FM_BLOCK_N     keys per K/V tile (64..256, multiple of 64: the wgmma N of S = Q K^T)
@@ -120,15 +121,22 @@ constexpr bool O_TMA_STORE = D >= 128 && !VARLEN;
 // requires. Plain: rows padded by 16 bytes, for the same bank spread.
 constexpr int STAGE_PITCH = 2 * D + (O_TMA_STORE ? 0 : 16);
 constexpr int STAGE_WARP_BYTES = 16 * STAGE_PITCH;
+// D = 256: Q (64 KB at BM = 128) and a 2-slot ring of 64-key K/V tiles (128 KB) leave no
+// room for 64 KB of staged O. Each warp stages its 16 rows of O in its own 16 Q rows (the
+// same 128-byte panels, so the TMA store boxes are the Q tile's rows), which its
+// warpgroup no longer reads once its last S is done; Q is then released only after the
+// O stores have read them (consume()), so the next work tile's Q load waits for them.
+constexpr bool STAGE_IN_Q = D > 128;
 constexpr int OFF_STAGE = OFF_V + STAGES * KV_BYTES;
-constexpr int OFF_BAR = OFF_STAGE + BM * STAGE_PITCH;
+constexpr int OFF_BAR = OFF_STAGE + (STAGE_IN_Q ? 0 : BM * STAGE_PITCH);
 constexpr int NBAR = 2 + 4 * STAGES;
 // The work tiles the producer posts (32 bytes each), two records used in turn: tile i in
 // record i % 2 (the next tile is written while the consumers still read the current one).
 constexpr int OFF_TILE = OFF_BAR + 8 * NBAR;
 __device__ __forceinline__ u32 tile_record(u32 base, int i) { return base + OFF_TILE + (i & 1) * 32; }
-constexpr int SMEM_BYTES =
-    1024 + 128 * DH * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;
+constexpr int SMEM_BYTES = 1024 + 128 * DH * (BM + 2 * STAGES * BN) + (STAGE_IN_Q ? 0 : BM * STAGE_PITCH) +
+                           8 * (2 + 4 * STAGES) + 64;
+static_assert(!STAGE_IN_Q || (O_TMA_STORE && !FM_Q_REGS), "O staged in Q: TMA stores, Q read from shared memory");
 // Register split (setmaxnreg): the producer gives registers back to the CTA's pool and the
 // consumers take them from it, so the split must fit in what the launch allocated: the
 // __launch_bounds__ cap (65536 / THREADS, rounded down to a multiple of 8) per thread.
@@ -194,7 +202,8 @@ struct SlotPhases {
 // round trip through L2.
 // (Varlen: not split; the work-tile record carries the sequence instead of the split.
 // Window: not split; work tiles of unequal key ranges.)
-constexpr bool SPLIT = !CAUSAL && D >= 128 && !VARLEN && !WINDOW;
+// (D = 256: the merge's registers spill beside 128 O accumulators a thread; not split.)
+constexpr bool SPLIT = !CAUSAL && D == 128 && !VARLEN && !WINDOW;
 constexpr int SPLIT_MIN_KV_TILES = 32;
 // Boundary records in the workspace: one per slot, so the grid splits only up to this.
 constexpr int SPLIT_MAX_CTAS = 132;

@@ -78,7 +78,10 @@ __device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float 
                                         const FmTensorMap* tm_o, int head, int batch, u16* __restrict__ og,
                                         i64 q_stride, float* __restrict__ lseg) {
     constexpr float LN2 = 0.693147180559945309f;
-    const u32 stg = sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
+    // This warp's staging: its own rows of the staging area, or (STAGE_IN_Q: sStage is
+    // the Q tile) its own 16 rows of Q, one box per 128-byte panel.
+    const u32 stg = STAGE_IN_Q ? sStage + (cw * 64 + warp * 16) * 128 : sStage + (cw * 4 + warp) * STAGE_WARP_BYTES;
+    constexpr u32 PANEL = STAGE_IN_Q ? HALF_Q : 2048;  // bytes from one 64-column box to the next
     if (O_TMA_STORE) {
         if (lane == 0) bulk_wait_read<0>();  // the previous tile's store has read the boxes
         __syncwarp();
@@ -99,7 +102,7 @@ __device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float 
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             // TMA box: 16-byte chunk c of a row's 128 bytes sits at chunk c ^ (r & 7).
-            const u32 addr = O_TMA_STORE ? stg + (j >> 3) * 2048 + r * 128 + (((j & 7) ^ (r & 7)) << 4)
+            const u32 addr = O_TMA_STORE ? stg + (j >> 3) * PANEL + r * 128 + (((j & 7) ^ (r & 7)) << 4)
                                          : stg + r * STAGE_PITCH + 16 * j;
             st_shared_u32(addr + 4 * (lane & 3), pack2(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv));
         }
@@ -110,7 +113,7 @@ __device__ __forceinline__ void store_o(const float (&oacc)[D / 2], const float 
         __syncwarp();
         if (lane == 0 && wrow0 >= 0 && wrow0 < seqlen_q) {
 #pragma unroll
-            for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * 2048, hh * 64, head, wrow0, batch);
+            for (int hh = 0; hh < DH; ++hh) tma_store_4d(tm_o, stg + hh * PANEL, hh * 64, head, wrow0, batch);
             bulk_commit();
         }
     } else {

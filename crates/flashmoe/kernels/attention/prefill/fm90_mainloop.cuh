@@ -239,9 +239,10 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
 
     u32 qa[D / 16][4];  // Q fragments (FM_Q_REGS; unused and eliminated otherwise)
     if (FM_Q_REGS && n_vis > 0) load_q_frags(qa, sQ, cw, warp, lane);
-    // Q and the posted tile are free: with FM_Q_REGS at once, else after the last S.
-    const int q_last = FM_Q_REGS ? -1 : n_tiles - 1;
-    if (n_vis == 0 || FM_Q_REGS) release_q(bar);  // (no key visible: Q is not read)
+    // Q and the posted tile are free: with FM_Q_REGS at once, else after the last S; with
+    // STAGE_IN_Q once the O stores have read this warpgroup's rows of Q (the end).
+    const int q_last = STAGE_IN_Q ? -2 : FM_Q_REGS ? -1 : n_tiles - 1;
+    if (!STAGE_IN_Q && (n_vis == 0 || FM_Q_REGS)) release_q(bar);  // (no key visible: Q is not read)
     if (n_tiles > 0) {
         int s = 0, round = 0;  // ring slot of iteration `it` and its round
         for (int it = 0; it < skip; ++it) pass_key_tile(bar, cw, lane, ring, s, round);
@@ -337,8 +338,14 @@ __device__ __forceinline__ void consume(u32 sQ, u32 sK, u32 sV, u32 sStage, cons
     }
     ring.advance(n_tiles);
     // A split tile: the first part to finish hands its O, m and l over and stores nothing.
-    if (!SPLIT || split < 0 || merge_split(oacc, m_i, l_i, split >> 1, cw, warp, lane, ws))
+    if (!SPLIT || split < 0 || merge_split(oacc, m_i, l_i, split >> 1, cw, warp, lane, ws)) {
         store_o(oacc, m_i, l_i, sStage, cw, warp, lane, m0w, row0, seqlen_q, tm_o, head, batch, og, q_stride, lseg);
+        if (STAGE_IN_Q) {  // the stores have read the staged rows (this warp's Q rows)
+            if (lane == 0) bulk_wait_read<0>();
+            __syncwarp();
+        }
+    }
+    if (STAGE_IN_Q) release_q(bar);
     trace(tile_i, TR_EPILOGUE);
 }
 

@@ -373,7 +373,8 @@ pub fn sm90_lab_variants() -> Vec<KernelVariant> {
         let Some(tile) = sm90_lab_tile(d) else {
             continue;
         };
-        for t in [tile, tile.for_varlen()] {
+        let varlen = tile.for_varlen();
+        for t in std::iter::once(tile).chain(varlen.check().is_ok().then_some(varlen)) {
             for dtype in [DType::F16, DType::Bf16] {
                 for m in Masking::all() {
                     out.push(sm90_variant_for(&t, dtype, m).expect("lab tiles are valid"));
@@ -723,7 +724,7 @@ mod tests {
     }
 
     #[test]
-    fn head_dim_96_reaches_the_sm90_kernel_only_through_the_lab_tile() {
+    fn head_dims_96_and_256_reach_the_sm90_kernel_only_through_the_lab_tiles() {
         let p = AttentionProblem::new(2, 8, 1000, 96, true, DType::Bf16);
         // The table routes D = 96 to v1 (not measured on the sm_90a kernel yet).
         assert_eq!(select(&p, 90).unwrap().entry, FLASH_ENTRY);
@@ -734,8 +735,25 @@ mod tests {
             let t = sm90_tile(128).unwrap();
             t.shared_mem_bytes() - t.block_m() * 2 * 128 + t.block_m() * (2 * 96 + 16)
         });
-        let t = parse_sm90_tile_override("96:128,2,2,0,qregs=1").unwrap();
-        assert_eq!(t, vec![lab]);
+        let t = parse_sm90_tile_override("96:128,2,2,0,qregs=1;256:64,2,2,0").unwrap();
+        let lab256 = sm90_lab_tile(256).unwrap();
+        assert_eq!(t, vec![lab, lab256]);
+        // D = 256 stages O in Q's rows: no staging area, Q from shared memory, dense only.
+        assert!(lab256.stages_o_in_q() && !lab.stages_o_in_q());
+        assert_eq!(
+            lab256.shared_mem_bytes(),
+            1024 + 512 * (128 + 2 * 2 * 64) + 8 * 10 + 64
+        );
+        assert!(parse_sm90_tile_override("256:64,2,2,0,qregs=1").is_err());
+        assert!(lab256.for_varlen().check().is_err());
+        assert!(!lab256.splits(Masking::of(&AttentionProblem::new(
+            1,
+            8,
+            4096,
+            256,
+            false,
+            DType::Bf16
+        ))));
         let v = select_with_tiles(&p, 90, &t).unwrap();
         assert_eq!(v.entry, SM90_ENTRY);
         assert!(v
@@ -806,7 +824,7 @@ mod tests {
         // The layouts live in the kernel's configuration header, the entry in the .cu.
         let src = include_str!("../../../kernels/attention/prefill/fm90_config.cuh");
         assert!(src.contains(
-            "    1024 + 128 * DH * (BM + 2 * STAGES * BN) + BM * STAGE_PITCH + 8 * (2 + 4 * STAGES) + 64;"
+            "constexpr int SMEM_BYTES = 1024 + 128 * DH * (BM + 2 * STAGES * BN) + (STAGE_IN_Q ? 0 : BM * STAGE_PITCH) +"
         ));
         assert!(src.contains("constexpr int BM = 64 * NCW;"));
         assert!(src.contains("constexpr int DH = (D + 63) / 64; "));

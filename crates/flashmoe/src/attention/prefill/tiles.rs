@@ -183,10 +183,11 @@ fn v1_table_tile(head_dim: usize) -> Option<TileConfig> {
 }
 /// Head dims the sm_90a kernel serves; others fall back to v1 on Hopper.
 pub const SM90_HEAD_DIMS: [usize; 2] = [64, 128];
-/// Head dims the sm_90a kernel builds: [`SM90_HEAD_DIMS`] and 96 (two 64-column panels, the
-/// second half zero fill), which the table does not route to it until measured; the lab
-/// reaches it through a tile override ([`parse_sm90_tile_override`]).
-pub const SM90_KERNEL_HEAD_DIMS: [usize; 3] = [64, 96, 128];
+/// Head dims the sm_90a kernel builds: [`SM90_HEAD_DIMS`], 96 (two 64-column panels, the
+/// second half zero fill) and 256 (O staged in Q's rows), which the table does not route
+/// to it until measured; the lab reaches them through a tile override
+/// ([`parse_sm90_tile_override`], [`sm90_lab_tile`]).
+pub const SM90_KERNEL_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 /// Grids above this many CTAs do not split tiles over key ranges (`SPLIT_MAX_CTAS` in
 /// kernels/attention/prefill/fm90_config.cuh): the workspace holds one boundary record per slot up to it.
 pub const SM90_SPLIT_MAX_CTAS: usize = 132;
@@ -248,16 +249,27 @@ impl Sm90Tile {
     pub const fn smem_row_bytes(&self) -> u32 {
         128 * self.head_dim.div_ceil(64)
     }
+    /// Whether each warp stages its O rows in its own Q rows (`STAGE_IN_Q` in
+    /// fm90_config.cuh: head dims above 128, where a staging area does not fit).
+    pub const fn stages_o_in_q(&self) -> bool {
+        self.head_dim > 128
+    }
     pub const fn shared_mem_bytes(&self) -> u32 {
+        let staging = if self.stages_o_in_q() {
+            0
+        } else {
+            self.block_m() * (2 * self.head_dim + self.o_staging_pad())
+        };
         1024 + self.smem_row_bytes() * (self.block_m() + 2 * self.stages * self.block_n)
-            + self.block_m() * (2 * self.head_dim + self.o_staging_pad())
+            + staging
             + 8 * (2 + 4 * self.stages)
             + 64
     }
     /// Whether the kernel splits the launch's last tiles over key ranges (`SPLIT` in
-    /// fm90_config.cuh): non-causal, no window, head dim >= 128, not varlen.
+    /// fm90_config.cuh): non-causal, no window, head dim 128 (at 256 the merge's registers
+    /// spill), not varlen.
     pub const fn splits(&self, m: Masking) -> bool {
-        !m.causal && !m.window && self.head_dim >= 128 && !self.varlen
+        !m.causal && !m.window && self.head_dim == 128 && !self.varlen
     }
     /// The same tile for packed variable-length batches.
     pub const fn for_varlen(self) -> Sm90Tile {
@@ -297,6 +309,12 @@ impl Sm90Tile {
         }
         if !(2..=3).contains(&self.consumers) {
             return Err(format!("consumers {} must be 2 or 3", self.consumers));
+        }
+        if self.stages_o_in_q() && (self.q_regs || self.varlen) {
+            return Err(format!(
+                "head dim {d} stages O in Q's rows: Q read from shared memory (qregs=0), \
+                 dense calls only (the TMA store)"
+            ));
         }
         if self.q_regs && self.consumers != 2 {
             return Err("q_regs needs 2 consumers (3 spill at 160 registers per thread)".into());
@@ -389,10 +407,21 @@ pub fn parse_sm90_tile_override(spec: &str) -> std::result::Result<Vec<Sm90Tile>
 
 /// The tile the lab runs the sm_90a kernel with at a head dim the table does not route to
 /// it yet ([`SM90_KERNEL_HEAD_DIMS`]): at D = 96, D = 128's (the same shared memory; the
-/// override `96:128,2,2,0,qregs=1`).
+/// override `96:128,2,2,0,qregs=1`); at D = 256, 64-key tiles in a 2-slot ring, Q from
+/// shared memory (`256:64,2,2,0`: Q 64 KB + the ring 128 KB, O staged in Q).
 pub fn sm90_lab_tile(head_dim: usize) -> Option<Sm90Tile> {
     match head_dim {
         96 => sm90_tile(128).map(|t| Sm90Tile { head_dim: 96, ..t }),
+        256 => Some(Sm90Tile {
+            head_dim: 256,
+            block_n: 64,
+            stages: 2,
+            consumers: 2,
+            pingpong: false,
+            q_regs: false,
+            persistent: true,
+            varlen: false,
+        }),
         _ => None,
     }
 }
