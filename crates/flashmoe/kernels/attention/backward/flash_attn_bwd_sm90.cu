@@ -9,8 +9,8 @@
 // the shared-memory sizes below):
 //   FM_HEAD_DIM     D: 64, 96 or 128 (rows are held as 64-column panels, one 128-byte
 //                   swizzled row each, the layout wgmma's 128B-swizzle descriptors read; at
-//                   D = 96 the second panel's last 32 columns are neither loaded nor read,
-//                   and only the kernel pair is built: FM_DQ_MODE 0, no FM_PRODUCER)
+//                   D = 96 the second panel's last 32 columns are neither loaded nor read;
+//                   no FM_PRODUCER there, and the fused dQ takes 64 query rows a step)
 //   FM_DTYPE_BF16   0 = fp16, 1 = bf16 (accumulation is fp32)
 //   FM_CAUSAL       1: bottom-right causal, row i sees keys j <= i + Sk - Sq + window_right
 //                   (window_right = 0: plain causal)
@@ -173,9 +173,8 @@ constexpr int BM_Q = 64 * NWG;        // query rows per dQ CTA
 constexpr int BN_Q = FM_Q_BLOCK_N;    // keys per dQ step
 
 static_assert(D == 64 || D == 96 || D == 128, "head dim 64, 96 or 128");
-// The fused dQ splits D between the warpgroups, and the producer's TMA boxes are whole
-// panels: both need D a multiple of 64.
-static_assert(D % 64 == 0 || (FM_DQ_MODE == 0 && FM_PRODUCER == 0), "D = 96: the kernel pair only");
+// The producer's TMA boxes are whole panels: D a multiple of 64.
+static_assert(D % 64 == 0 || FM_PRODUCER == 0, "D = 96: no producer warpgroup");
 static_assert(BM_KV == 64 || BM_KV == 128, "FM_KV_BLOCK_M must be 64 or 128");
 static_assert(BN_Q == 64 || BN_Q == 128, "FM_Q_BLOCK_N must be 64 or 128");
 static_assert(STAGES == 2 || STAGES == 3, "FM_STAGES must be 2 or 3");
@@ -197,8 +196,9 @@ static_assert(!FUSED_DQ || BM_KV == 64 || D == 64,
 // [w D/2, (w + 1) D/2) of the one tile from both warpgroups' dS; with 128, warpgroup w
 // makes the whole tile of rows [64 w, 64 w + 64). DQ_N columns, DQ_R accumulators a thread.
 constexpr int DQ_TM = 64;
-// (D = 96 has no fused dQ: its DQ_N only keeps the unused helpers compiling.)
-constexpr int DQ_N = D % 64 != 0 ? 32 : BM_KV == 64 ? D / 2 : D;
+// (D = 96: 48 columns a warpgroup, 64 query rows a step only.)
+static_assert(!FUSED_DQ || D % 64 == 0 || BM_KV == 64, "D = 96: the fused dQ takes 64 query rows a step");
+constexpr int DQ_N = BM_KV == 64 ? D / 2 : D;
 constexpr int DQ_R = DQ_N / 2;
 constexpr int DQ_TILE = DQ_TM * D;
 
@@ -395,14 +395,34 @@ __device__ __forceinline__ void store_ds(const u32 (&a)[BM_KV / 16][4], u32 sDS,
 
 // acc (64 queries x DQ_N columns of dQ from column `col0`) = dS (64 queries from `q0` x 128
 // keys, the MN-major tile at sDS) . K (128 keys x D at sK, MN-major). Issued, not committed.
-__device__ __forceinline__ void issue_dq(float (&acc)[DQ_R], u32 sDS, u32 sK, int q0, int col0) {
+// (A template so that only the branch of its accumulator's size is instantiated.)
+template <int R>
+__device__ __forceinline__ void issue_dq(float (&acc)[R], u32 sDS, u32 sK, int q0, int col0) {
     const u64 da = smem_desc_sw128(sDS + (q0 / 64) * BN_KV * 128, 0, 1024);
     // D = 128: a whole 64-column half of K; D = 64: 32 columns into the one half (+64 B
     // inside each swizzled row, which the hardware's address swizzle keeps consistent).
     const u64 db = smem_desc_sw128(sK + (col0 / 64) * BN_KV * 128 + (col0 % 64) * 2, 0, 1024);
+    if constexpr (R % 16 == 0) {
 #pragma unroll
-    for (int kk = 0; kk < BN_KV / 16; ++kk)
-        wgmma_ss<1, 1>(acc, desc_add(da, kk * 16 * 128), desc_add(db, kk * 16 * 128), kk > 0 ? 1 : 0);
+        for (int kk = 0; kk < BN_KV / 16; ++kk)
+            wgmma_ss<1, 1>(acc, desc_add(da, kk * 16 * 128), desc_add(db, kk * 16 * 128), kk > 0 ? 1 : 0);
+    } else {
+        // D = 96: 48 columns from column 48 w straddle a panel for warpgroup 1, so each
+        // warpgroup issues three N = 16 products (16 columns, 32 bytes, inside one panel),
+        // the same code for both (an N = 48 accumulator's fragments are the three N = 16
+        // ones' in order).
+        static_assert(R == 24, "three N = 16 blocks");
+#pragma unroll
+        for (int b = 0; b < 3; ++b) {
+            const int c = col0 + 16 * b;
+            const u64 dbb = smem_desc_sw128(sK + (c / 64) * BN_KV * 128 + (c % 64) * 2, 0, 1024);
+            float(&part)[8] = *reinterpret_cast<float(*)[8]>(&acc[8 * b]);
+#pragma unroll
+            for (int kk = 0; kk < BN_KV / 16; ++kk)
+                wgmma_ss<1, 1>(part, desc_add(da, kk * 16 * 128), desc_add(dbb, kk * 16 * 128), kk > 0 ? 1 : 0);
+        }
+        (void)db;
+    }
 }
 
 // The dq_accum workspace: one f32 tile of 64 query rows x D per (batch, query head, 64-row

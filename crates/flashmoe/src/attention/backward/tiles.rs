@@ -8,8 +8,9 @@ use crate::dtype::DType;
 
 /// Head dims the backward kernels serve.
 pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
-/// Head dims the sm_90a backward serves (96: the kernel pair only, held as 128 columns in
-/// shared memory; not a default until measured, [`default_kernel`]).
+/// Head dims the sm_90a backward serves (96: held as 128 columns in shared memory, no
+/// producer warpgroup, the fused dQ split 64 + 32; not a default until measured,
+/// [`default_kernel`]).
 pub const BWD_SM90_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
 /// What a backward plan promises about its bits: FlashAttention's `deterministic` switch
@@ -125,9 +126,7 @@ impl Sm90BwdTile {
     pub fn for_mode(head_dim: usize, mode: BwdMode) -> Option<Sm90BwdTile> {
         let det = Sm90BwdTile::for_head_dim(head_dim)?;
         Some(match mode {
-            // D = 96 has no fused dQ (the warpgroups split D in halves of whole panels).
             BwdMode::Deterministic => det,
-            BwdMode::Fast if head_dim % 64 != 0 => det,
             BwdMode::Fast => Sm90BwdTile {
                 kv_block_m: if head_dim == 64 { 128 } else { 64 },
                 stages: 3,
@@ -227,8 +226,8 @@ impl Sm90BwdTile {
             && matches!(self.q_block_n, 64 | 128)
             && matches!(self.stages, 2 | 3)
             && matches!(self.producer_warps, 0 | 1 | 4)
-            // The fused dQ and the producer's TMA boxes need whole 64-column panels.
-            && (self.head_dim % 64 == 0 || (!self.dq.fused() && !self.producer()))
+            // The producer's TMA boxes need whole 64-column panels.
+            && (self.head_dim % 64 == 0 || !self.producer())
             && (!self.dq.fused()
                 || self.kv_block_m == 64
                 || (self.head_dim == 64 && self.dq == Sm90Dq::Atomic))
@@ -612,7 +611,7 @@ mod tests {
     }
 
     #[test]
-    fn head_dim_96_runs_the_kernel_pair_on_whole_panels() {
+    fn head_dim_96_runs_on_whole_panels() {
         let d128 = Sm90BwdTile::for_head_dim(128).unwrap();
         let t = Sm90BwdTile::for_head_dim(96).unwrap();
         assert_eq!(
@@ -625,28 +624,25 @@ mod tests {
         // Rows are held as two 64-column panels, as at D = 128.
         assert_eq!(t.kv_smem_bytes(), d128.kv_smem_bytes());
         assert_eq!(t.q_smem_bytes(), d128.q_smem_bytes());
-        for mode in [BwdMode::Fast, BwdMode::Deterministic] {
-            assert_eq!(Sm90BwdTile::for_mode(96, mode), Some(t));
-        }
-        let lab = Sm90BwdTile::lab_tiles(96);
-        assert!(lab.len() >= 2 && lab[0] == t, "{lab:?}");
-        assert!(
-            lab.iter()
-                .all(|t| !t.dq.fused() && !t.producer() && t.is_valid()),
-            "{lab:?}"
+        assert_eq!(Sm90BwdTile::for_mode(96, BwdMode::Deterministic), Some(t));
+        // Fast mode: the fused dQ with 64 query rows a step, as at D = 128.
+        let fast = Sm90BwdTile::for_mode(96, BwdMode::Fast).unwrap();
+        assert_eq!(
+            fast,
+            Sm90BwdTile {
+                head_dim: 96,
+                ..Sm90BwdTile::for_mode(128, BwdMode::Fast).unwrap()
+            }
         );
-        for bad in [
-            Sm90BwdTile {
-                dq: Sm90Dq::Atomic,
-                ..t
-            },
-            Sm90BwdTile {
-                producer_warps: 1,
-                ..t
-            },
-        ] {
-            assert!(!bad.is_valid(), "{bad:?}");
+        let lab = Sm90BwdTile::lab_tiles(96);
+        assert!(lab.len() >= 4 && lab[0] == t, "{lab:?}");
+        assert!(lab.iter().all(|t| !t.producer() && t.is_valid()), "{lab:?}");
+        assert!(lab.iter().any(|t| t.dq == Sm90Dq::Ordered));
+        assert!(!Sm90BwdTile {
+            producer_warps: 1,
+            ..t
         }
+        .is_valid());
         let class = gqa_class(96, true, 0.0);
         assert!(sm90_serves(&class));
         assert_eq!(
