@@ -332,6 +332,32 @@ fn attention_v1_matches_gpu_reference() {
     });
 }
 
+/// One call of the sm_90a kernel with `tile` on `p` (outputs poisoned first) against the GPU
+/// reference: every output written and finite, max |o - ref| < 2e-2, max |lse - ref| < 1e-2.
+fn sm90_tile_matches_reference(
+    dev: &Device,
+    what: &str,
+    p: &AttentionProblem,
+    tile: &attention::prefill::tiles::Sm90Tile,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+) {
+    let m = attention::prefill::abi::Masking::of(p);
+    let variant = attention::prefill::select::sm90_variant_for(tile, p.dtype, m).unwrap();
+    let mut r = AttentionRunner::with_variant(dev, p, q, k, v, variant).unwrap();
+    r.poison_outputs(dev).unwrap();
+    r.run(dev).unwrap();
+    let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
+    let (ro, rlse) = r.run_reference(dev).unwrap();
+    let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
+    eprintln!("{what} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
+    assert!(
+        o.iter().all(|x| x.is_finite()),
+        "{what} {p}: unwritten/NaN output"
+    );
+    assert!(max_err < 2e-2, "{what} {p}: max error {max_err}");
+    assert!(max_lse < 1e-2, "{what} {p}: lse error {max_lse}");
+}
+
 /// The sm_90a kernel's lazy O rescale (with Q from shared memory and from registers) on inputs whose row max grows by
 /// far more than the lazy slack (2^8) as the key tiles are visited (last to first): the
 /// keys' magnitude rises towards key 0, so the lazy path must move its reference max in
@@ -395,25 +421,8 @@ fn attention_sm90_rescale_paths_match_reference() {
                 if tile.check().is_err() {
                     continue;
                 }
-                let variant = attention::prefill::select::sm90_variant_for(
-                    &tile,
-                    p.dtype,
-                    attention::prefill::abi::Masking::of(&p),
-                )
-                .unwrap();
-                let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
-                r.poison_outputs(dev).unwrap();
-                r.run(dev).unwrap();
-                let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
-                let (ro, rlse) = r.run_reference(dev).unwrap();
-                let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
-                eprintln!("attention sm90 lazy rescale q_regs={q_regs} {p}: max |o - ref| = {max_err:e}, max |lse - ref| = {max_lse:e}");
-                assert!(
-                    o.iter().all(|x| x.is_finite()),
-                    "{p} q_regs={q_regs}: unwritten/NaN output"
-                );
-                assert!(max_err < 2e-2, "{p} q_regs={q_regs}: max error {max_err}");
-                assert!(max_lse < 1e-2, "{p} q_regs={q_regs}: lse error {max_lse}");
+                let what = format!("attention sm90 lazy rescale q_regs={q_regs}");
+                sm90_tile_matches_reference(dev, &what, &p, &tile, (&q, &k, &v));
             }
         }
     });
@@ -462,25 +471,13 @@ fn attention_sm90_lab_head_dims_match_reference() {
                 let q = test_values(p.q_elems(), 40 + 3 * n as u32);
                 let k = test_values(p.kv_elems(), 41 + 3 * n as u32);
                 let v = test_values(p.kv_elems(), 42 + 3 * n as u32);
-                let variant = attention::prefill::select::sm90_variant_for(
+                sm90_tile_matches_reference(
+                    dev,
+                    "attention sm90 lab dims",
+                    &p,
                     &tile,
-                    p.dtype,
-                    attention::prefill::abi::Masking::of(&p),
-                )
-                .unwrap();
-                let mut r = AttentionRunner::with_variant(dev, &p, &q, &k, &v, variant).unwrap();
-                r.poison_outputs(dev).unwrap();
-                r.run(dev).unwrap();
-                let (o, lse) = (r.output(dev).unwrap(), r.lse(dev).unwrap());
-                let (ro, rlse) = r.run_reference(dev).unwrap();
-                let (max_err, max_lse) = max_abs_errors(&o, &ro, &lse, &rlse);
-                eprintln!(
-                    "attention sm90 lab dims {p}: max |o - ref| = {max_err:e}, max |lse - ref| \
-                     = {max_lse:e}"
+                    (&q, &k, &v),
                 );
-                assert!(o.iter().all(|x| x.is_finite()), "{p}: unwritten/NaN output");
-                assert!(max_err < 2e-2, "{p}: max error {max_err}");
-                assert!(max_lse < 1e-2, "{p}: lse error {max_lse}");
             }
         }
     });
