@@ -250,6 +250,12 @@ for s in "$@"; do
     check-grad)   for suite in attention varlen moe; do
                     stage check-grad-$suite 300 $BIN check --suite $suite --pass bwd
                   done ;;
+    # The sm_90a backward at head dim 96 (FLASHMOE_BWD_KERNEL=sm90: not yet its default)
+    # against SDPA cuDNN and FA4 in both modes (configs/dev/attention-bwd-d96.toml).
+    bwd-d96-bench) FLASHMOE_BWD_KERNEL=sm90 stage bwd-d96-bench 400 $BIN bench attention --pass bwd \
+                      --config configs/dev/attention-bwd-d96.toml --impl flashmoe-grad,flashmoe-grad-det,sdpa-cudnn,fa4,fa4-det \
+                      --max-time 0.3 --out /tmp/bwd-d96
+                   cp /tmp/bwd-d96/results.json "$OUT/bwd-d96.json" 2>/dev/null ;;
     bench-grad)   stage bench-grad-attn 540 $BIN bench attention --pass bwd --preset sweep --out /tmp/grad-attn
                   cp /tmp/grad-attn/results.json "$OUT/grad-attention-sweep.json" 2>/dev/null
                   stage bench-grad-moe 400 $BIN bench moe --pass fwd+bwd --preset qwen3-30b --out /tmp/grad-moe

@@ -104,8 +104,9 @@ fn os_name() -> String {
 }
 
 /// The variables a result must name because they change the kernels measured.
-pub const KERNEL_OVERRIDE_VARS: [&str; 2] = [
+pub const KERNEL_OVERRIDE_VARS: [&str; 3] = [
     flashmoe::attention::runner::SM90_TILE_ENV,
+    flashmoe::attention::runner::BWD_KERNEL_ENV,
     flashmoe::moe::runner::GEMM_PATH_ENV,
 ];
 

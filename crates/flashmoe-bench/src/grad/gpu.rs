@@ -261,7 +261,10 @@ impl GradCall {
                 let fwd_args = AttentionArgs { q, k, v, o, lse };
                 fwd.check(&fwd_args)?;
                 let fwd_ws = fwd.alloc_workspace(s)?;
-                let bwd = AttentionBackwardPlan::new(dev, class, mode)?;
+                let bwd = match flashmoe::attention::runner::bwd_kernel_override(&class, mode)? {
+                    Some(k) => AttentionBackwardPlan::with_kernel(dev, class, Some(k))?,
+                    None => AttentionBackwardPlan::new(dev, class, mode)?,
+                };
                 let bwd_args = BackwardArgs {
                     q,
                     k,

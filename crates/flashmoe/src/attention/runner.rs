@@ -28,6 +28,49 @@ pub fn sm90_tile_override() -> Result<Vec<tiles::Sm90Tile>> {
     }
 }
 
+/// The lab's override of the backward's kernel path, for timing a path the selection does
+/// not take by default ([`crate::attention::backward::default_kernel`]: the sm_90a kernels
+/// at head dim 96 until measured, deterministic causal softcap at 64): `sm90` (the
+/// class's production sm_90a tile in the plan's mode) or `portable`; benchmark manifests
+/// record it. Plans never read the environment.
+pub const BWD_KERNEL_ENV: &str = "FLASHMOE_BWD_KERNEL";
+
+/// The backward kernels [`BWD_KERNEL_ENV`] asks for `class` in `mode` (None when unset: the
+/// plan's own choice); see [`parse_bwd_kernel`].
+pub fn bwd_kernel_override(
+    class: &super::plan::AttentionClass,
+    mode: super::backward::BwdMode,
+) -> Result<Option<super::backward::BwdKernel>> {
+    match std::env::var(BWD_KERNEL_ENV) {
+        Ok(v) => parse_bwd_kernel(&v, class, mode).map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// A [`BWD_KERNEL_ENV`] value for `class` in `mode`: `portable`, or `sm90` (the class's
+/// production sm_90a tile in `mode`); an unknown value, or `sm90` for a class the sm_90a
+/// kernels do not serve, is an error, not a silent fallback.
+pub fn parse_bwd_kernel(
+    value: &str,
+    class: &super::plan::AttentionClass,
+    mode: super::backward::BwdMode,
+) -> Result<super::backward::BwdKernel> {
+    use super::backward::{sm90_serves, BwdKernel, Sm90BwdTile};
+    match value {
+        "portable" => Ok(BwdKernel::Portable),
+        "sm90" => match Sm90BwdTile::for_class(class, mode) {
+            Some(t) if sm90_serves(class) => Ok(BwdKernel::Sm90(t)),
+            _ => Err(Error::unsupported(
+                "attention backward",
+                format!("{BWD_KERNEL_ENV}=sm90: the sm_90a kernels do not serve {class:?}"),
+            )),
+        },
+        other => Err(Error::invalid(format!(
+            "{BWD_KERNEL_ENV}={other}: expected sm90 or portable"
+        ))),
+    }
+}
+
 /// The kernel [`select::select`] picks for this device, with the lab's tile override.
 pub fn select_for_lab(problem: &AttentionProblem, arch: u32) -> Result<KernelVariant> {
     select::select_with_tiles(problem, arch, &sm90_tile_override()?)
