@@ -9,7 +9,7 @@ use crate::check::{
 };
 use crate::cuda_index::{int32_matrix, int32_view};
 use crate::flashmoe_api::{self as api, DecodeIndexes, Dims, PackedIo, Plan};
-use crate::{plans, FlashAttn, FlashAttnAlibi, FlashAttnPaged, FlashAttnVarlen};
+use crate::{plans, FlashAttn, FlashAttnPaged, FlashAttnVarlen};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle_core::{bail, CudaStorage, Layout, Result, Shape, Storage, Tensor};
@@ -42,6 +42,9 @@ pub(crate) fn forward(
     v: &CudaStorage,
     v_l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
+    if let Some(slopes) = &op.alibi_slopes {
+        return alibi(op, slopes, q, q_l, k, k_l, v, v_l);
+    }
     // The device routes windows and softcap (the sm_90a kernel or the decode kernels).
     let arch = plans::arch(&q.device().cuda_stream())?;
     let call = check_call(
@@ -132,8 +135,10 @@ fn forward_t<T: api::Element>(
 
 /// A dense call with ALiBi slopes: the portable prefill kernel on every GPU (the plan of
 /// [`PlanKey::Alibi`]).
-pub(crate) fn alibi(
-    op: &FlashAttnAlibi,
+#[allow(clippy::too_many_arguments)]
+fn alibi(
+    op: &FlashAttn,
+    alibi_slopes: &Tensor,
     q: &CudaStorage,
     q_l: &Layout,
     k: &CudaStorage,
@@ -142,13 +147,13 @@ pub(crate) fn alibi(
     v_l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
     use candle_core::backend::BackendDevice;
-    let (st, sl) = op.alibi_slopes.storage_and_layout();
+    let (st, sl) = alibi_slopes.storage_and_layout();
     let call = check_alibi_call(
         (q.dtype(), k.dtype(), v.dtype()),
         q_l,
         k_l,
         v_l,
-        (op.alibi_slopes.dtype(), sl),
+        (alibi_slopes.dtype(), sl),
         op.softmax_scale,
         (op.window_size_left, op.window_size_right),
         op.softcap,

@@ -32,6 +32,8 @@
 //!   with slopes (f32 `(num_heads_q)` or `(batch, num_heads_q)`; FlashAttention's bias
 //!   `-slope · |i + seq_k - seq_q - j|` after the softcap): the prefill plan's portable
 //!   kernel on every GPU, any mask and softcap, head dims that are multiples of 8 up to 256.
+//!   The op struct [`FlashAttn`] carries candle-flash-attn's fields, `alibi_slopes`
+//!   included, for code that builds the op itself.
 //!
 //! - `mla_decode`: DeepSeek-V2/V3 MLA decode over a paged latent cache (q (batch, seq_q,
 //!   heads_q, 576), one latent KV head of 576 columns whose first 512 are the value, u32/i32
@@ -120,30 +122,19 @@ macro_rules! cuda_only_op {
 
 use candle_core::{CpuStorage, Layout, Result, Shape, Tensor};
 
-/// Dense attention `softmax(Q Kᵀ · softmax_scale) V` as a candle op. The window sizes
-/// follow candle-flash-attn: `(None, Some(0))` is causal, `(None, None)` no mask. `softcap`
-/// None or 0 is off.
+/// Dense attention `softmax(Q Kᵀ · softmax_scale) V` as a candle op, with candle-flash-attn's
+/// fields: `alibi_slopes` f32 `(num_heads_q)` or `(batch, num_heads_q)` on q's device (None:
+/// no bias; with slopes the portable prefill kernel runs, [`flash_attn_alibi`]); the window
+/// sizes `(None, Some(0))` causal, `(None, None)` no mask; `softcap` None or 0 off.
 pub struct FlashAttn {
     pub softmax_scale: f32,
+    pub alibi_slopes: Option<Tensor>,
     pub window_size_left: Option<usize>,
     pub window_size_right: Option<usize>,
     pub softcap: Option<f32>,
 }
 
 cuda_only_op!(FlashAttn, "flashmoe-flash-attn", forward);
-
-/// Dense attention with ALiBi slopes (`flash_attn_alibi*`): [`FlashAttn`]'s fields plus the
-/// slopes, f32 `(num_heads_q)` or `(batch, num_heads_q)` on q's device.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-struct FlashAttnAlibi {
-    softmax_scale: f32,
-    window_size_left: Option<usize>,
-    window_size_right: Option<usize>,
-    softcap: Option<f32>,
-    alibi_slopes: Tensor,
-}
-
-cuda_only_op!(FlashAttnAlibi, "flashmoe-flash-attn-alibi", alibi);
 
 /// Packed variable-length attention (`flash_attn_varlen*`).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -219,6 +210,7 @@ pub fn flash_attn_windowed(
 ) -> Result<Tensor> {
     let op = FlashAttn {
         softmax_scale,
+        alibi_slopes: None,
         window_size_left,
         window_size_right,
         softcap: None,
@@ -266,12 +258,12 @@ pub fn flash_attn_alibi_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let op = FlashAttnAlibi {
+    let op = FlashAttn {
         softmax_scale,
+        alibi_slopes: Some(alibi_slopes.clone()),
         window_size_left,
         window_size_right,
         softcap: None,
-        alibi_slopes: alibi_slopes.clone(),
     };
     value_dim::with_value_head_dim("flash_attn_alibi", q, k, v, softmax_scale, |q, k, v| {
         q.apply_op3(k, v, op)
@@ -295,25 +287,9 @@ pub fn flash_attn_alibi_windowed_softcap(
     window_size_right: Option<usize>,
     softcap: f32,
 ) -> Result<Tensor> {
-    if let Some(slopes) = alibi_slopes {
-        let op = FlashAttnAlibi {
-            softmax_scale,
-            window_size_left,
-            window_size_right,
-            softcap: Some(softcap),
-            alibi_slopes: slopes.clone(),
-        };
-        return value_dim::with_value_head_dim(
-            "flash_attn_alibi_windowed_softcap",
-            q,
-            k,
-            v,
-            softmax_scale,
-            |q, k, v| q.apply_op3(k, v, op),
-        );
-    }
     let op = FlashAttn {
         softmax_scale,
+        alibi_slopes: alibi_slopes.cloned(),
         window_size_left,
         window_size_right,
         softcap: Some(softcap),

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, IndexOp, Result, Tensor, D};
 use flashmoe_candle::{
     flash_attn, flash_attn_alibi, flash_attn_alibi_windowed, flash_attn_alibi_windowed_softcap,
     flash_attn_varlen, flash_attn_varlen_alibi_windowed_softcap, flash_attn_varlen_paged_windowed,
-    flash_attn_varlen_windowed, flash_attn_windowed,
+    flash_attn_varlen_windowed, flash_attn_windowed, FlashAttn,
 };
 
 fn cuda() -> Option<Device> {
@@ -218,6 +218,31 @@ fn flash_attn_alibi_matches_candle_reference() -> Result<()> {
             assert!(err < 2e-2, "rel L2 {err}");
         }
     }
+    // The op as candle-flash-attn's users build it (`FlashAttn { alibi_slopes, .. }`) is the
+    // same call as flash_attn_alibi: the same bits.
+    let q = random((b, 77, hq, 128), 950)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let kv = random((b, 131, hkv, 128), 951)?
+        .to_dtype(DType::BF16)?
+        .to_device(&dev)?;
+    let op = FlashAttn {
+        softmax_scale: 0.1,
+        alibi_slopes: Some(sl.clone()),
+        window_size_left: None,
+        window_size_right: Some(0),
+        softcap: None,
+    };
+    let via_op = q.apply_op3(&kv, &kv, op)?.to_device(&Device::Cpu)?;
+    let via_fn = flash_attn_alibi(&q, &kv, &kv, &sl, 0.1, true)?.to_device(&Device::Cpu)?;
+    let diff = (via_op.to_dtype(DType::F32)? - via_fn.to_dtype(DType::F32)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f32>()?;
+    assert_eq!(
+        diff, 0.0,
+        "FlashAttn with alibi_slopes differs from flash_attn_alibi"
+    );
     // Wrong slopes: an error naming them.
     let q = random((b, 4, hq, 64), 1)?
         .to_dtype(DType::BF16)?
